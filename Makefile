@@ -1,0 +1,46 @@
+# poolserve: every command a developer or CI needs. `make test` is what CI runs.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+REPO ?= examples/models
+PACKAGES := -p poolserve.protos -p poolserve.service -p poolserve.supervisor
+PROTOS := $(wildcard protos/*.proto)
+
+.PHONY: install test lint typecheck pytest protos run clean ns
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test,dev,sklearn]'
+	touch $@
+
+install: $(STAMP) ns
+
+# A namespace view of the source folders (poolserve/service -> service, ...)
+# for the tools that resolve modules by path: mypy and protoc.
+ns:
+	@mkdir -p .ns/poolserve
+	@for d in protos service supervisor; do ln -sfn ../../$$d .ns/poolserve/$$d; done
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: install
+	MYPYPATH=.ns $(BIN)/mypy $(PACKAGES)
+
+pytest: install
+	$(BIN)/pytest
+
+test: lint typecheck pytest
+
+protos: install
+	$(BIN)/python -m poolserve.protos.generate
+
+run: install
+	$(BIN)/poolserve serve $(REPO)
+
+clean:
+	rm -rf $(VENV) .ns build .mypy_cache .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""The data plane: settings and repository, codec, runtime API, workers, pools, router."""

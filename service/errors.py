@@ -1,0 +1,143 @@
+"""Domain errors of poolserve, and the one table that maps them to gRPC codes.
+
+Everything below the gRPC layer (codec, pool core, workers, repository) raises
+a :class:`ServingError` subclass and never imports grpc for that purpose; the
+servicers and the router turn an error into a status with :func:`grpc_status`.
+Workers send :class:`Failure` values across the frame protocol, so the enum
+values are part of that protocol.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import grpc
+
+
+class Failure(enum.IntEnum):
+    """What went wrong, independent of the transport."""
+
+    INTERNAL = 1
+    NOT_FOUND = 2
+    INVALID_INPUT = 3
+    UNAVAILABLE = 4
+    QUEUE_FULL = 5
+    DEADLINE = 6
+    CANCELLED = 7
+    TOO_LARGE = 8
+    MODEL_ERROR = 9
+    NOT_READY = 10
+    UNIMPLEMENTED = 11
+    FAILED_PRECONDITION = 12
+
+
+_STATUS: dict[Failure, grpc.StatusCode] = {
+    Failure.INTERNAL: grpc.StatusCode.INTERNAL,
+    Failure.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    Failure.INVALID_INPUT: grpc.StatusCode.INVALID_ARGUMENT,
+    Failure.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    Failure.QUEUE_FULL: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Failure.DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED,
+    Failure.CANCELLED: grpc.StatusCode.CANCELLED,
+    Failure.TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Failure.MODEL_ERROR: grpc.StatusCode.INTERNAL,
+    Failure.NOT_READY: grpc.StatusCode.UNAVAILABLE,
+    Failure.UNIMPLEMENTED: grpc.StatusCode.UNIMPLEMENTED,
+    Failure.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
+}
+
+
+class ServingError(Exception):
+    """Base of every error that reaches a client as a status and a message."""
+
+    failure = Failure.INTERNAL
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidInput(ServingError):
+    """The request is malformed. Models may raise it too: INVALID_ARGUMENT."""
+
+    failure = Failure.INVALID_INPUT
+
+
+class ModelNotFound(ServingError):
+    failure = Failure.NOT_FOUND
+
+
+class ModelNotReady(ServingError):
+    failure = Failure.NOT_READY
+
+
+class Unavailable(ServingError):
+    failure = Failure.UNAVAILABLE
+
+
+class QueueFull(ServingError):
+    failure = Failure.QUEUE_FULL
+
+
+class DeadlineExceeded(ServingError):
+    failure = Failure.DEADLINE
+
+
+class Cancelled(ServingError):
+    failure = Failure.CANCELLED
+
+
+class MessageTooLarge(ServingError):
+    failure = Failure.TOO_LARGE
+
+
+class ModelError(ServingError):
+    """A model's own code raised: INTERNAL with the exception type and message."""
+
+    failure = Failure.MODEL_ERROR
+
+    @classmethod
+    def from_exception(cls, model: str, exc: BaseException) -> ModelError:
+        return cls(f"model '{model}' raised {type(exc).__name__}: {exc}")
+
+
+class Unimplemented(ServingError):
+    failure = Failure.UNIMPLEMENTED
+
+
+class FailedPrecondition(ServingError):
+    failure = Failure.FAILED_PRECONDITION
+
+
+def error_for(failure: Failure, message: str) -> ServingError:
+    """Rebuilds a typed error from a failure code (for errors sent across frames)."""
+    for cls in _BY_FAILURE:
+        if cls.failure == failure:
+            return cls(message)
+    return ServingError(message)
+
+
+_BY_FAILURE: tuple[type[ServingError], ...] = (
+    InvalidInput,
+    ModelNotFound,
+    ModelNotReady,
+    Unavailable,
+    QueueFull,
+    DeadlineExceeded,
+    Cancelled,
+    MessageTooLarge,
+    ModelError,
+    Unimplemented,
+    FailedPrecondition,
+)
+
+
+def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and message a client sees for ``exc``."""
+    if isinstance(exc, ServingError):
+        return _STATUS[exc.failure], exc.message
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+def status_for_failure(failure: Failure) -> grpc.StatusCode:
+    return _STATUS[failure]

@@ -1,0 +1,1 @@
+"""The supervision tree and the ``poolserve`` command line."""
