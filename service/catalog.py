@@ -1,0 +1,120 @@
+"""The catalog of a server's models: their state, specs and statistics.
+
+One catalog lives in each process that answers for models (a pool server, or
+the in-process server used in tests). It is the one source for ModelReady,
+ServerReady, RepositoryIndex and health, so they cannot disagree: listeners
+registered with :meth:`Catalog.subscribe` hear every state change.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from poolserve.service.errors import ModelNotFound, ModelNotReady
+from poolserve.service.repository import InvalidModel, ModelSettings, TensorSpec
+from poolserve.service.stats import ModelStats
+
+
+class ModelState(enum.StrEnum):
+    LOADING = "LOADING"
+    READY = "READY"
+    UNAVAILABLE = "UNAVAILABLE"
+    UNLOADED = "UNLOADED"
+
+
+@dataclass
+class ModelEntry:
+    name: str
+    version: str
+    gid: str
+    state: ModelState
+    reason: str = ""
+    settings: ModelSettings | None = None
+    inputs: tuple[TensorSpec, ...] = ()
+    outputs: tuple[TensorSpec, ...] = ()
+    stats: ModelStats = field(default_factory=ModelStats)
+
+    @property
+    def ready(self) -> bool:
+        return self.state is ModelState.READY
+
+    @property
+    def platform(self) -> str:
+        return self.settings.platform if self.settings is not None else ""
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.settings.max_batch_size if self.settings is not None else 0
+
+
+Listener = Callable[[], None]
+
+
+class Catalog:
+    def __init__(self) -> None:
+        self._entries: dict[str, ModelEntry] = {}
+        self._listeners: list[Listener] = []
+
+    @classmethod
+    def from_settings(
+        cls, models: Iterable[ModelSettings], invalid: Iterable[InvalidModel] = ()
+    ) -> Catalog:
+        catalog = cls()
+        for s in models:
+            catalog._entries[s.name] = ModelEntry(
+                s.name, s.version, s.gid, ModelState.LOADING, "loading", s, s.inputs, s.outputs
+            )
+        for bad in invalid:
+            catalog._entries.setdefault(
+                bad.name,
+                ModelEntry(bad.name, bad.version, bad.gid, ModelState.UNAVAILABLE, bad.reason),
+            )
+        return catalog
+
+    def subscribe(self, listener: Listener) -> None:
+        self._listeners.append(listener)
+
+    def _changed(self) -> None:
+        for listener in self._listeners:
+            listener()
+
+    def entries(self) -> list[ModelEntry]:
+        return list(self._entries.values())
+
+    def find(self, name: str) -> ModelEntry | None:
+        return self._entries.get(name)
+
+    def lookup(self, name: str, version: str = "") -> ModelEntry:
+        """The entry for a request; NOT_FOUND for unknown names or versions."""
+        entry = self._entries.get(name)
+        if entry is None:
+            raise ModelNotFound(f"model '{name}' is not in this repository")
+        if version and version != entry.version:
+            raise ModelNotFound(f"model '{name}' has no version '{version}'")
+        return entry
+
+    def lookup_ready(self, name: str, version: str = "") -> ModelEntry:
+        entry = self.lookup(name, version)
+        if not entry.ready:
+            raise ModelNotReady(f"model '{name}' is not ready ({entry.state}: {entry.reason})")
+        return entry
+
+    def set_state(
+        self,
+        name: str,
+        state: ModelState,
+        reason: str = "",
+        specs: tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]] | None = None,
+    ) -> None:
+        entry = self._entries[name]
+        entry.state = state
+        entry.reason = reason
+        if specs is not None:
+            entry.inputs, entry.outputs = specs
+        self._changed()
+
+    def all_ready(self) -> bool:
+        """True only when there is at least one model and every model is ready."""
+        return bool(self._entries) and all(e.ready for e in self._entries.values())

@@ -1,0 +1,67 @@
+"""The frame protocol between a pool server and one of its workers.
+
+A frame is a 13-byte header (payload length u32, kind u8, sequence u64, all
+little-endian) and the payload. The pool sends REQUEST frames holding the
+serialized ModelInferRequest; the worker answers with exactly one REPLY or
+ERROR frame carrying the same sequence number, and its timings. The
+sequence number lets the pool recognise a reply that belongs to a request it
+has already given up on.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from poolserve.service.errors import Failure
+from poolserve.service.stats import Timings
+
+HEADER = struct.Struct("<IBQ")
+TIMINGS = struct.Struct("<QQQ")
+ERROR_HEAD = struct.Struct("<B")
+
+REQUEST = 1
+REPLY = 2
+ERROR = 3
+
+MAX_FRAME = 1 << 31
+
+
+@dataclass(slots=True)
+class Reply:
+    seq: int
+    timings: Timings
+    body: bytes = b""
+    failure: Failure | None = None
+    message: str = ""
+
+
+def request_frame(seq: int, body: bytes) -> bytes:
+    return HEADER.pack(len(body), REQUEST, seq) + body
+
+
+def reply_frame(seq: int, timings: Timings, body: bytes) -> bytes:
+    head = TIMINGS.pack(timings.decode_ns, timings.compute_ns, timings.encode_ns)
+    return HEADER.pack(len(head) + len(body), REPLY, seq) + head + body
+
+
+def error_frame(seq: int, timings: Timings, failure: Failure, message: str) -> bytes:
+    text = message.encode("utf-8", "replace")
+    head = TIMINGS.pack(timings.decode_ns, timings.compute_ns, timings.encode_ns)
+    payload = head + ERROR_HEAD.pack(int(failure)) + text
+    return HEADER.pack(len(payload), ERROR, seq) + payload
+
+
+def parse_reply(kind: int, seq: int, payload: bytes) -> Reply:
+    if kind not in (REPLY, ERROR) or len(payload) < TIMINGS.size:
+        raise ValueError(f"unexpected frame kind {kind} or short payload from worker")
+    timings = Timings(*TIMINGS.unpack_from(payload))
+    if kind == REPLY:
+        return Reply(seq, timings, payload[TIMINGS.size :])
+    (code,) = ERROR_HEAD.unpack_from(payload, TIMINGS.size)
+    message = payload[TIMINGS.size + ERROR_HEAD.size :].decode("utf-8", "replace")
+    try:
+        failure = Failure(code)
+    except ValueError:
+        failure = Failure.INTERNAL
+    return Reply(seq, timings, failure=failure, message=message)

@@ -1,0 +1,113 @@
+"""The runtime API that model authors implement, and how implementations load.
+
+A model subclasses :class:`Model`, implements :meth:`Model.load` and
+:meth:`Model.predict`, and is named by ``implementation`` in its
+``model-settings.json``. An implementation that lives in the model's folder
+(``"model.EchoModel"`` with ``model.py`` beside the settings) is imported
+under a private module name per model, so two models may both ship a
+``model.py`` without colliding in ``sys.modules``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from poolserve.service.repository import ModelSettings, TensorSpec
+
+Array = npt.NDArray[Any]
+
+
+class Model:
+    """Base class of every model. Subclass it; ``self.settings`` holds the settings."""
+
+    def __init__(self, settings: ModelSettings) -> None:
+        self.settings = settings
+
+    def load(self) -> None:
+        """Loads weights. Runs once, in the pool's zygote, before workers fork."""
+
+    def predict(self, inputs: dict[str, Array], parameters: dict[str, object]) -> dict[str, Array]:
+        raise NotImplementedError(f"{type(self).__name__}.predict is not implemented")
+
+    def metadata(self) -> tuple[Sequence[TensorSpec], Sequence[TensorSpec]] | None:
+        """Optional (inputs, outputs); by default they come from model-settings.json."""
+        return None
+
+
+class ImplementationError(Exception):
+    """The implementation cannot be imported or is not a Model subclass."""
+
+
+def _import_from_folder(settings: ModelSettings, module_name: str) -> Any:
+    file = settings.folder / (module_name.replace(".", "/") + ".py")
+    if not file.is_file():
+        return None
+    private = f"poolserve_models.{settings.name}.{module_name}"
+    if private in sys.modules:
+        return sys.modules[private]
+    spec = importlib.util.spec_from_file_location(private, file)
+    if spec is None or spec.loader is None:
+        raise ImplementationError(f"cannot import {file}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[private] = module
+    folder = str(settings.folder)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)  # sibling imports of the model's own files
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[private]
+        raise
+    return module
+
+
+def resolve_implementation(settings: ModelSettings) -> type[Model]:
+    module_name, _, class_name = settings.implementation.rpartition(".")
+    if not module_name:
+        raise ImplementationError(
+            f"implementation {settings.implementation!r} must be 'module.Class'"
+        )
+    try:
+        module = _import_from_folder(settings, module_name)
+        if module is None:
+            module = importlib.import_module(module_name)
+    except ImplementationError:
+        raise
+    except Exception as exc:
+        raise ImplementationError(
+            f"cannot import {settings.implementation!r}: {type(exc).__name__}: {exc}"
+        ) from exc
+    cls = getattr(module, class_name, None)
+    if not isinstance(cls, type) or not issubclass(cls, Model):
+        raise ImplementationError(
+            f"{settings.implementation!r} is not a subclass of poolserve.service.Model"
+        )
+    return cls
+
+
+def instantiate(settings: ModelSettings) -> Model:
+    return resolve_implementation(settings)(settings)
+
+
+def tensor_specs(model: Model) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    declared = model.metadata()
+    if declared is None:
+        return model.settings.inputs, model.settings.outputs
+    inputs, outputs = declared
+    return tuple(inputs), tuple(outputs)
+
+
+def as_array(value: object) -> Array:
+    return value if isinstance(value, np.ndarray) else np.asarray(value)
+
+
+def check_outputs(name: str, outputs: object) -> Mapping[str, Array]:
+    if not isinstance(outputs, Mapping):
+        raise TypeError(f"predict of '{name}' returned {type(outputs).__name__}, expected a dict")
+    return {str(k): as_array(v) for k, v in outputs.items()}

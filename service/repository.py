@@ -1,0 +1,218 @@
+"""The model repository: discovery of ``model-settings.json`` files and pools.
+
+Compatible with MLServer's repository layout. A model whose settings are
+invalid is kept as an :class:`InvalidModel` with its reason, so that it shows
+up in RepositoryIndex as UNAVAILABLE and keeps the server not ready; it never
+crashes discovery. Models that share an ``inference_pool_gid`` form exactly
+one pool (:meth:`Repository.pools` is the only place that groups them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from poolserve.service.settings import (
+    DEFAULT_POOL,
+    SAFE_ID,
+    ConfigError,
+    read_json_object,
+)
+
+SETTINGS_FILE = "model-settings.json"
+_MODEL_FIELDS = {
+    "name",
+    "implementation",
+    "parameters",
+    "inputs",
+    "outputs",
+    "max_batch_size",
+    "max_batch_time",
+    "platform",
+    "versions",
+    "parallel_workers",
+    "warm_workers",
+}
+_PARAMETER_FIELDS = {"uri", "version", "inference_pool_gid", "extra", "environment_tarball"}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    name: str
+    implementation: str
+    folder: Path
+    source: Path
+    version: str = ""
+    uri: str | None = None
+    gid: str = DEFAULT_POOL
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    inputs: tuple[TensorSpec, ...] = ()
+    outputs: tuple[TensorSpec, ...] = ()
+    max_batch_size: int = 0
+    max_batch_time: float = 0.0
+    platform: str = ""
+    parallel_workers: int | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}:{self.version}" if self.version else self.name
+
+    @property
+    def timeout_s(self) -> float | None:
+        value = self.extra.get("timeout_s")
+        return float(value) if isinstance(value, int | float) else None
+
+
+@dataclass(frozen=True)
+class InvalidModel:
+    name: str
+    source: Path
+    reason: str
+    version: str = ""
+    gid: str = DEFAULT_POOL
+
+
+@dataclass(frozen=True)
+class Repository:
+    root: Path
+    models: tuple[ModelSettings, ...]
+    invalid: tuple[InvalidModel, ...]
+
+    def pools(self) -> dict[str, list[ModelSettings]]:
+        """Valid models grouped by gid: one entry per pool, never two for a gid."""
+        pools: dict[str, list[ModelSettings]] = {}
+        for model in self.models:
+            pools.setdefault(model.gid, []).append(model)
+        return dict(sorted(pools.items()))
+
+    def model(self, name: str) -> ModelSettings | None:
+        for model in self.models:
+            if model.name == name:
+                return model
+        return None
+
+
+def _tensor_specs(source: str, key: str, value: object) -> tuple[TensorSpec, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise ConfigError(source, key, "expected a list of tensors")
+    specs = []
+    for i, item in enumerate(value):
+        where = f"{key}[{i}]"
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise ConfigError(source, where, "expected {name, datatype, shape}")
+        shape = item.get("shape", [])
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) for d in shape
+        ):
+            raise ConfigError(source, f"{where}.shape", "expected a list of integers")
+        datatype = item.get("datatype", "")
+        if not isinstance(datatype, str):
+            raise ConfigError(source, f"{where}.datatype", "expected a string")
+        specs.append(TensorSpec(item["name"], datatype, tuple(shape)))
+    return tuple(specs)
+
+
+def _expect(source: str, key: str, value: object, kind: type | tuple[type, ...]) -> Any:
+    if isinstance(value, bool) and kind is not bool:
+        raise ConfigError(source, key, f"expected {_kind_name(kind)}, got {value!r}")
+    if not isinstance(value, kind):
+        raise ConfigError(source, key, f"expected {_kind_name(kind)}, got {value!r}")
+    return value
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    if isinstance(kind, tuple):
+        return " or ".join(k.__name__ for k in kind)
+    return kind.__name__
+
+
+def parse_model_settings(path: Path) -> ModelSettings:
+    """Parses one ``model-settings.json``; raises ConfigError naming the field."""
+    source = str(path)
+    data = read_json_object(path)
+    unknown = set(data) - _MODEL_FIELDS
+    if unknown:
+        raise ConfigError(source, sorted(unknown)[0], "unknown field")
+    name = _expect(source, "name", data.get("name", path.parent.name), str)
+    if not SAFE_ID.match(name):
+        raise ConfigError(source, "name", f"unsafe model name {name!r}")
+    implementation = _expect(source, "implementation", data.get("implementation"), str)
+    params = _expect(source, "parameters", data.get("parameters", {}), dict)
+    unknown = set(params) - _PARAMETER_FIELDS
+    if unknown:
+        raise ConfigError(source, "parameters." + sorted(unknown)[0], "unknown field")
+    gid = _expect(
+        source,
+        "parameters.inference_pool_gid",
+        params.get("inference_pool_gid") or DEFAULT_POOL,
+        str,
+    )
+    if not SAFE_ID.match(gid):
+        raise ConfigError(source, "parameters.inference_pool_gid", f"unsafe pool id {gid!r}")
+    uri = params.get("uri")
+    if uri is not None:
+        uri = str(path.parent / _expect(source, "parameters.uri", uri, str))
+    workers = data.get("parallel_workers")
+    if workers is not None:
+        workers = _expect(source, "parallel_workers", workers, int)
+    return ModelSettings(
+        name=name,
+        implementation=implementation,
+        folder=path.parent,
+        source=path,
+        version=_expect(source, "parameters.version", params.get("version", ""), str),
+        uri=uri,
+        gid=gid,
+        extra=_expect(source, "parameters.extra", params.get("extra", {}), dict),
+        inputs=_tensor_specs(source, "inputs", data.get("inputs")),
+        outputs=_tensor_specs(source, "outputs", data.get("outputs")),
+        max_batch_size=_expect(source, "max_batch_size", data.get("max_batch_size", 0), int),
+        max_batch_time=float(
+            _expect(source, "max_batch_time", data.get("max_batch_time", 0), (int, float))
+        ),
+        platform=_expect(source, "platform", data.get("platform", ""), str),
+        parallel_workers=workers,
+    )
+
+
+def _name_guess(path: Path) -> str:
+    try:
+        data = read_json_object(path)
+    except ConfigError:
+        return path.parent.name
+    name = data.get("name")
+    return name if isinstance(name, str) and name else path.parent.name
+
+
+def scan(root: Path) -> Repository:
+    """Discovers every ``**/model-settings.json`` under ``root``."""
+    if not root.is_dir():
+        raise ConfigError(str(root), "(repository)", "not a directory")
+    models: list[ModelSettings] = []
+    invalid: list[InvalidModel] = []
+    seen: dict[tuple[str, str], Path] = {}
+    for path in sorted(root.rglob(SETTINGS_FILE)):
+        try:
+            model = parse_model_settings(path)
+        except ConfigError as exc:
+            invalid.append(InvalidModel(_name_guess(path), path, str(exc)))
+            continue
+        earlier = seen.get((model.name, model.version))
+        if earlier is not None:
+            reason = f"{path}: duplicate of model '{model.name}' already defined in {earlier}"
+            invalid.append(InvalidModel(model.name, path, reason, model.version, model.gid))
+            continue
+        seen[(model.name, model.version)] = path
+        models.append(model)
+    return Repository(root=root, models=tuple(models), invalid=tuple(invalid))

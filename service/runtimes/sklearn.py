@@ -1,0 +1,39 @@
+"""scikit-learn estimators saved with joblib (extra ``poolserve[sklearn]``).
+
+``parameters.uri`` names the joblib file. The first input is the feature
+matrix; outputs are ``predict`` and, when requested and supported,
+``predict_proba``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from poolserve.service.errors import InvalidInput
+from poolserve.service.model import Array, Model
+
+
+class SKLearnModel(Model):
+    estimator: Any
+
+    def load(self) -> None:
+        import joblib  # optional dependency: imported only by models that use it
+
+        if not self.settings.uri:
+            raise ValueError(f"{self.settings.source}: parameters.uri must name a joblib file")
+        self.estimator = joblib.load(self.settings.uri)
+
+    def predict(self, inputs: dict[str, Array], parameters: dict[str, object]) -> dict[str, Array]:
+        if len(inputs) != 1:
+            raise InvalidInput(f"model '{self.settings.name}' expects exactly one input")
+        features = next(iter(inputs.values()))
+        if features.ndim != 2:
+            raise InvalidInput(f"input must be 2-D [rows, features], got shape {features.shape}")
+        try:
+            outputs = {"predict": np.asarray(self.estimator.predict(features))}
+            if hasattr(self.estimator, "predict_proba"):
+                outputs["predict_proba"] = np.asarray(self.estimator.predict_proba(features))
+        except ValueError as exc:
+            raise InvalidInput(f"model '{self.settings.name}' rejected the input: {exc}") from exc
+        return outputs

@@ -1,0 +1,219 @@
+"""The Open Inference Protocol service over a catalog and an inference backend.
+
+ModelInfer and ModelStreamInfer are registered as byte handlers: the request
+bytes go to the backend unparsed (only the model name is peeked) and the
+response bytes come back unparsed. The other RPCs answer from the catalog.
+Every handler goes through :func:`guarded`, the one place where errors become
+gRPC statuses. The same service runs in a pool server (backend: the
+dispatcher over pre-forked workers) and in-process (backend: a thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol, TypeVar
+
+import grpc
+from poolserve.protos import inference_pb2 as pb
+from poolserve.service import __version__
+from poolserve.service.catalog import Catalog, ModelEntry
+from poolserve.service.errors import ServingError, Unimplemented, grpc_status
+from poolserve.service.metadata import model_config, model_metadata
+from poolserve.service.wire import encode_len_field, peek_model
+
+SERVICE = "inference.GRPCInferenceService"
+EXTENSIONS = ("model_repository", "statistics", "model_configuration", "schedule_policy")
+NO_DEADLINE_S = 1e6  # grpc.aio reports a huge time_remaining() when the client set none
+
+log = logging.getLogger(__name__)
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+
+class InferBackend(Protocol):
+    """Runs serialized requests for ready models; raises ServingError subclasses."""
+
+    async def infer(self, entry: ModelEntry, request: bytes, deadline: float) -> bytes: ...
+
+    def serving(self) -> bool: ...
+
+
+def deadline_from(context: grpc.aio.ServicerContext[Any, Any], default_s: float) -> float:
+    """Absolute monotonic deadline: the client's, or ``default_s`` when it set none."""
+    remaining = context.time_remaining()
+    if remaining is None or remaining > NO_DEADLINE_S:
+        remaining = default_s
+    return time.monotonic() + remaining
+
+
+def guarded(
+    fn: Callable[[Req, grpc.aio.ServicerContext[Any, Any]], Awaitable[Resp]],
+) -> Callable[[Req, grpc.aio.ServicerContext[Any, Any]], Awaitable[Resp]]:
+    """Maps every error of a unary handler to a status, in one place."""
+
+    async def handler(request: Req, context: grpc.aio.ServicerContext[Any, Any]) -> Resp:
+        try:
+            return await fn(request, context)
+        except ServingError as exc:
+            code, message = grpc_status(exc)
+            await context.abort(code, message)
+        except Exception as exc:
+            log.exception("unexpected error in %s", fn.__name__)
+            code, message = grpc_status(exc)
+            await context.abort(code, message)
+        raise AssertionError("unreachable: abort raises")
+
+    handler.__name__ = fn.__name__
+    return handler
+
+
+class InferenceServicer:
+    def __init__(
+        self,
+        catalog: Catalog,
+        backend: InferBackend,
+        *,
+        server_name: str = "poolserve",
+        default_timeout_s: float = 60.0,
+    ) -> None:
+        self.catalog = catalog
+        self.backend = backend
+        self.server_name = server_name
+        self.default_timeout_s = default_timeout_s
+
+    def ready(self) -> bool:
+        return self.catalog.all_ready() and self.backend.serving()
+
+    async def server_live(self, _: pb.ServerLiveRequest, __: Any) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=True)
+
+    async def server_ready(self, _: pb.ServerReadyRequest, __: Any) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=self.ready())
+
+    async def model_ready(self, req: pb.ModelReadyRequest, _: Any) -> pb.ModelReadyResponse:
+        entry = self.catalog.lookup(req.name, req.version)
+        return pb.ModelReadyResponse(ready=entry.ready and self.backend.serving())
+
+    async def server_metadata(
+        self, _: pb.ServerMetadataRequest, __: Any
+    ) -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(
+            name=self.server_name, version=__version__, extensions=list(EXTENSIONS)
+        )
+
+    async def model_metadata(
+        self, req: pb.ModelMetadataRequest, _: Any
+    ) -> pb.ModelMetadataResponse:
+        e = self.catalog.lookup(req.name, req.version)
+        return model_metadata(e.name, e.version, e.platform, e.inputs, e.outputs)
+
+    async def model_config(self, req: pb.ModelConfigRequest, _: Any) -> pb.ModelConfigResponse:
+        e = self.catalog.lookup(req.name, req.version)
+        return model_config(e.name, e.platform, e.max_batch_size, e.inputs, e.outputs)
+
+    async def model_statistics(
+        self, req: pb.ModelStatisticsRequest, _: Any
+    ) -> pb.ModelStatisticsResponse:
+        if req.name:
+            entries = [self.catalog.lookup(req.name, req.version)]
+        else:
+            entries = self.catalog.entries()
+        return pb.ModelStatisticsResponse(
+            model_stats=[e.stats.to_proto(e.name, e.version) for e in entries]
+        )
+
+    async def repository_index(
+        self, req: pb.RepositoryIndexRequest, _: Any
+    ) -> pb.RepositoryIndexResponse:
+        return pb.RepositoryIndexResponse(models=index_entries(self.catalog, req.ready))
+
+    async def repository_model_load(
+        self, req: pb.RepositoryModelLoadRequest, _: Any
+    ) -> pb.RepositoryModelLoadResponse:
+        raise Unimplemented("live model load is not supported yet; restart with the new model")
+
+    async def repository_model_unload(
+        self, req: pb.RepositoryModelUnloadRequest, _: Any
+    ) -> pb.RepositoryModelUnloadResponse:
+        raise Unimplemented("live model unload is not supported yet")
+
+    async def model_infer(
+        self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> bytes:
+        deadline = deadline_from(context, self.default_timeout_s)
+        return await self.infer_bytes(request, deadline)
+
+    async def infer_bytes(self, request: bytes, deadline: float) -> bytes:
+        name, version = peek_model(request)
+        entry = self.catalog.lookup_ready(name, version)
+        return await self.backend.infer(entry, request, deadline)
+
+    async def model_stream_infer(
+        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[bytes]:
+        async for request in requests:
+            deadline = deadline_from(context, self.default_timeout_s)
+            try:
+                body = await self.infer_bytes(request, deadline)
+            except ServingError as exc:
+                yield pb.ModelStreamInferResponse(error_message=exc.message).SerializeToString()
+                continue
+            yield encode_len_field(2, body)
+
+    def generic_handler(self) -> grpc.GenericRpcHandler:
+        def unary(
+            fn: Callable[..., Awaitable[Any]], req: Any, resp: Any
+        ) -> grpc.RpcMethodHandler[Any, Any]:
+            return grpc.unary_unary_rpc_method_handler(
+                guarded(fn),
+                request_deserializer=req.FromString,
+                response_serializer=resp.SerializeToString,
+            )
+
+        handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
+            "ServerLive": unary(self.server_live, pb.ServerLiveRequest, pb.ServerLiveResponse),
+            "ServerReady": unary(self.server_ready, pb.ServerReadyRequest, pb.ServerReadyResponse),
+            "ModelReady": unary(self.model_ready, pb.ModelReadyRequest, pb.ModelReadyResponse),
+            "ServerMetadata": unary(
+                self.server_metadata, pb.ServerMetadataRequest, pb.ServerMetadataResponse
+            ),
+            "ModelMetadata": unary(
+                self.model_metadata, pb.ModelMetadataRequest, pb.ModelMetadataResponse
+            ),
+            "ModelConfig": unary(self.model_config, pb.ModelConfigRequest, pb.ModelConfigResponse),
+            "ModelStatistics": unary(
+                self.model_statistics, pb.ModelStatisticsRequest, pb.ModelStatisticsResponse
+            ),
+            "RepositoryIndex": unary(
+                self.repository_index, pb.RepositoryIndexRequest, pb.RepositoryIndexResponse
+            ),
+            "RepositoryModelLoad": unary(
+                self.repository_model_load,
+                pb.RepositoryModelLoadRequest,
+                pb.RepositoryModelLoadResponse,
+            ),
+            "RepositoryModelUnload": unary(
+                self.repository_model_unload,
+                pb.RepositoryModelUnloadRequest,
+                pb.RepositoryModelUnloadResponse,
+            ),
+            # Bytes in, bytes out: no (de)serializer on the hot path.
+            "ModelInfer": grpc.unary_unary_rpc_method_handler(guarded(self.model_infer)),
+            "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(self.model_stream_infer),
+        }
+        return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+
+def index_entries(
+    catalog: Catalog, ready_only: bool
+) -> list[pb.RepositoryIndexResponse.ModelIndex]:
+    return [
+        pb.RepositoryIndexResponse.ModelIndex(
+            name=e.name, version=e.version, state=str(e.state), reason=e.reason
+        )
+        for e in catalog.entries()
+        if e.ready or not ready_only
+    ]

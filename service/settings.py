@@ -1,0 +1,172 @@
+"""Server and model settings: parsing, validation, and where each value comes from.
+
+Server settings are layered: defaults < ``settings.json`` in the repository
+root < ``POOLSERVE_*`` environment variables < command-line flags. Model
+settings follow MLServer's ``model-settings.json`` so repositories move over.
+Every problem is a :class:`ConfigError` that names the file and the field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+DEFAULT_POOL = "default"
+MIB = 1024 * 1024
+
+
+class ConfigError(Exception):
+    """An invalid configuration. The CLI prints it and exits with code 2."""
+
+    def __init__(self, source: str, field_name: str, problem: str) -> None:
+        super().__init__(f"{source}: field '{field_name}': {problem}")
+        self.source = source
+        self.field_name = field_name
+        self.problem = problem
+
+
+@dataclass(frozen=True)
+class PoolOverride:
+    workers: int | None = None
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = "127.0.0.1"
+    grpc_port: int = 8081
+    parallel_workers: int = 2
+    pools: Mapping[str, PoolOverride] = field(default_factory=dict)
+    max_queue: int = 1024
+    max_message_size: int = 64 * MIB
+    run_dir: str = ""
+    default_timeout_s: float = 60.0
+    deadline_margin_ms: float = 1.0
+    stop_grace_s: float = 10.0
+    log_format: str = "text"
+    server_name: str = "poolserve"
+
+    def workers_for(self, gid: str) -> int:
+        override = self.pools.get(gid)
+        if override is not None and override.workers is not None:
+            return override.workers
+        return self.parallel_workers
+
+    def resolved_run_dir(self) -> Path:
+        if self.run_dir:
+            return Path(self.run_dir)
+        base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+        return Path(base) / f"poolserve-{os.getuid()}-{self.grpc_port}"
+
+
+_INT_FIELDS = {"grpc_port", "parallel_workers", "max_queue", "max_message_size"}
+_FLOAT_FIELDS = {"default_timeout_s", "deadline_margin_ms", "stop_grace_s"}
+_STR_FIELDS = {"host", "run_dir", "log_format", "server_name"}
+
+
+def _check_value(source: str, name: str, value: object) -> object:
+    if name in _INT_FIELDS:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(source, name, f"expected an integer, got {value!r}")
+        low = 0 if name in {"grpc_port", "parallel_workers"} else 1
+        if value < low or (name == "grpc_port" and value > 65535):
+            raise ConfigError(source, name, f"out of range: {value}")
+        return value
+    if name in _FLOAT_FIELDS:
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            raise ConfigError(source, name, f"expected a non-negative number, got {value!r}")
+        return float(value)
+    if name in _STR_FIELDS:
+        if not isinstance(value, str):
+            raise ConfigError(source, name, f"expected a string, got {value!r}")
+        if name == "log_format" and value not in ("text", "json"):
+            raise ConfigError(source, name, "expected 'text' or 'json'")
+        return value
+    if name == "pools":
+        return _parse_pools(source, value)
+    raise ConfigError(source, name, "unknown field")
+
+
+def _parse_pools(source: str, value: object) -> dict[str, PoolOverride]:
+    if not isinstance(value, dict):
+        raise ConfigError(source, "pools", "expected an object of gid -> settings")
+    pools: dict[str, PoolOverride] = {}
+    for gid, raw in value.items():
+        if not SAFE_ID.match(gid):
+            raise ConfigError(source, f"pools.{gid}", "unsafe pool id")
+        if not isinstance(raw, dict) or set(raw) - {"workers"}:
+            raise ConfigError(source, f"pools.{gid}", 'expected {"workers": N}')
+        workers = raw.get("workers")
+        if workers is not None and (not isinstance(workers, int) or workers < 1):
+            raise ConfigError(source, f"pools.{gid}.workers", "expected a positive integer")
+        pools[gid] = PoolOverride(workers=workers)
+    return pools
+
+
+def apply_overrides(
+    base: ServerSettings, values: Mapping[str, object], source: str
+) -> ServerSettings:
+    checked = {name: _check_value(source, name, v) for name, v in values.items()}
+    return replace(base, **checked)  # type: ignore[arg-type]
+
+
+def _env_values(environ: Mapping[str, str]) -> dict[str, object]:
+    values: dict[str, object] = {}
+    for f in fields(ServerSettings):
+        raw = environ.get("POOLSERVE_" + f.name.upper())
+        if raw is None:
+            continue
+        source = "POOLSERVE_" + f.name.upper()
+        if f.name in _INT_FIELDS:
+            try:
+                values[f.name] = int(raw)
+            except ValueError:
+                raise ConfigError(source, f.name, f"expected an integer, got {raw!r}") from None
+        elif f.name in _FLOAT_FIELDS:
+            try:
+                values[f.name] = float(raw)
+            except ValueError:
+                raise ConfigError(source, f.name, f"expected a number, got {raw!r}") from None
+        elif f.name == "pools":
+            try:
+                values[f.name] = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(source, f.name, f"invalid JSON: {exc}") from None
+        else:
+            values[f.name] = raw
+    return values
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ConfigError(str(path), "(file)", f"invalid JSON: {exc}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(str(path), "(file)", f"cannot read: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(str(path), "(file)", "expected a JSON object")
+    return data
+
+
+def load_server_settings(
+    repository: Path,
+    environ: Mapping[str, str] | None = None,
+    flags: Mapping[str, object] | None = None,
+) -> ServerSettings:
+    """Layers defaults, ``settings.json``, ``POOLSERVE_*`` and CLI flags."""
+    if not repository.is_dir():
+        raise ConfigError(str(repository), "(repository)", "not a directory")
+    settings = ServerSettings()
+    path = repository / "settings.json"
+    if path.exists():
+        settings = apply_overrides(settings, read_json_object(path), str(path))
+    env = os.environ if environ is None else environ
+    settings = apply_overrides(settings, _env_values(env), "environment")
+    cli = {k: v for k, v in (flags or {}).items() if v is not None}
+    return apply_overrides(settings, cli, "command line")

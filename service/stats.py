@@ -1,0 +1,84 @@
+"""Per-model inference statistics in Triton's ModelStatistics form.
+
+Durations are nanoseconds. Queue time is measured by whoever queued the
+request (the pool's dispatcher); decode, compute and encode come from the
+worker's own timings, so they cost no extra clock reads on the hot path.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from poolserve.protos import inference_pb2 as pb
+
+
+@dataclass(slots=True)
+class Timings:
+    """What a worker measured for one request, in nanoseconds."""
+
+    decode_ns: int = 0
+    compute_ns: int = 0
+    encode_ns: int = 0
+
+
+@dataclass(slots=True)
+class ModelStats:
+    success_count: int = 0
+    success_ns: int = 0
+    fail_count: int = 0
+    fail_ns: int = 0
+    queue_count: int = 0
+    queue_ns: int = 0
+    compute_count: int = 0
+    input_ns: int = 0
+    infer_ns: int = 0
+    output_ns: int = 0
+    inference_count: int = 0
+    execution_count: int = 0
+    last_inference_ms: int = 0
+    late_replies: int = 0
+
+    def record_success(self, queue_ns: int, timings: Timings, total_ns: int) -> None:
+        self.success_count += 1
+        self.success_ns += total_ns
+        self._record_execution(queue_ns, timings)
+
+    def record_failure(
+        self, total_ns: int, queue_ns: int = 0, timings: Timings | None = None
+    ) -> None:
+        self.fail_count += 1
+        self.fail_ns += total_ns
+        if timings is not None:
+            self._record_execution(queue_ns, timings)
+
+    def _record_execution(self, queue_ns: int, timings: Timings) -> None:
+        self.queue_count += 1
+        self.queue_ns += queue_ns
+        self.compute_count += 1
+        self.input_ns += timings.decode_ns
+        self.infer_ns += timings.compute_ns
+        self.output_ns += timings.encode_ns
+        self.inference_count += 1
+        self.execution_count += 1
+        self.last_inference_ms = time.time_ns() // 1_000_000
+
+    def to_proto(self, name: str, version: str) -> pb.ModelStatistics:
+        def d(count: int, ns: int) -> pb.StatisticDuration:
+            return pb.StatisticDuration(count=count, ns=ns)
+
+        return pb.ModelStatistics(
+            name=name,
+            version=version,
+            last_inference=self.last_inference_ms,
+            inference_count=self.inference_count,
+            execution_count=self.execution_count,
+            inference_stats=pb.InferStatistics(
+                success=d(self.success_count, self.success_ns),
+                fail=d(self.fail_count, self.fail_ns),
+                queue=d(self.queue_count, self.queue_ns),
+                compute_input=d(self.compute_count, self.input_ns),
+                compute_infer=d(self.compute_count, self.infer_ns),
+                compute_output=d(self.compute_count, self.output_ns),
+            ),
+        )

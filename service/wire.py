@@ -1,0 +1,83 @@
+"""Reading just enough of a protobuf message's wire bytes to route it.
+
+The router and the pool server look at ``model_name`` (field 1) and
+``model_version`` (field 2) of a ModelInferRequest without parsing its tensors.
+Fields may appear in any order and more than once (the last one wins, as in
+protobuf), so the whole top level is walked, jumping over payloads.
+"""
+
+from __future__ import annotations
+
+from poolserve.service.errors import InvalidInput
+
+_VARINT, _I64, _LEN, _SGROUP, _EGROUP, _I32 = 0, 1, 2, 3, 4, 5
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    result = 0
+    shift = 0
+    end = len(data)
+    while True:
+        if pos >= end:
+            raise InvalidInput("request bytes are truncated (varint runs past the end)")
+        byte = data[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, pos
+        shift += 7
+        if shift >= 64:
+            raise InvalidInput("request bytes hold a varint longer than 10 bytes")
+
+
+def peek_model(data: bytes) -> tuple[str, str]:
+    """Returns (model_name, model_version) from serialized ModelInferRequest bytes."""
+    name = b""
+    version = b""
+    pos = 0
+    end = len(data)
+    while pos < end:
+        key, pos = _varint(data, pos)
+        number, wire_type = key >> 3, key & 7
+        if number == 0:
+            raise InvalidInput("request bytes hold a field number 0")
+        if wire_type == _VARINT:
+            _, pos = _varint(data, pos)
+        elif wire_type == _I64:
+            pos += 8
+        elif wire_type == _I32:
+            pos += 4
+        elif wire_type == _LEN:
+            size, pos = _varint(data, pos)
+            start, pos = pos, pos + size
+            if pos > end:
+                raise InvalidInput("request bytes are truncated (a field runs past the end)")
+            if number == 1:
+                name = data[start:pos]
+            elif number == 2:
+                version = data[start:pos]
+        else:
+            raise InvalidInput(f"request bytes use unsupported wire type {wire_type}")
+        if pos > end:
+            raise InvalidInput("request bytes are truncated")
+    try:
+        return name.decode("utf-8"), version.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidInput("model_name or model_version is not valid UTF-8") from None
+
+
+def encode_len_field(number: int, payload: bytes) -> bytes:
+    """One length-delimited field: used to wrap response bytes without parsing them."""
+    return _encode_varint((number << 3) | _LEN) + _encode_varint(len(payload)) + payload
+
+
+def _encode_varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)

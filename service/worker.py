@@ -1,0 +1,67 @@
+"""A worker: forked from its pool's zygote with the models already in memory.
+
+It serves one request at a time from its socket: read a REQUEST frame, run
+the model, write one REPLY or ERROR frame. A model exception becomes an
+error frame, never a dead worker. It exits when the pool closes the socket,
+and dies with the zygote (PR_SET_PDEATHSIG plus a parent check).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+from collections.abc import Mapping
+from typing import BinaryIO, NoReturn
+
+from poolserve.service.errors import Failure, ModelNotFound, ServingError
+from poolserve.service.frames import HEADER, REQUEST, error_frame, reply_frame
+from poolserve.service.inference import infer
+from poolserve.service.model import Model
+from poolserve.service.stats import Timings
+from poolserve.service.wire import peek_model
+
+
+def _read_exact(stream: BinaryIO, size: int) -> bytes | None:
+    data = stream.read(size)
+    if data is None or len(data) < size:
+        return None
+    return data
+
+
+def handle(models: Mapping[str, Model], body: bytes, seq: int) -> bytes:
+    try:
+        name, version = peek_model(body)
+        model = models.get(name)
+        if model is None or (version and version != model.settings.version):
+            raise ModelNotFound(f"model '{name}' is not loaded in this worker")
+        response, timings = infer(model, body)
+        return reply_frame(seq, timings, response)
+    except ServingError as exc:
+        return error_frame(seq, Timings(), exc.failure, exc.message)
+    except Exception as exc:  # a bug in our own path: report it, keep serving
+        return error_frame(seq, Timings(), Failure.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
+def serve(sock: socket.socket, models: Mapping[str, Model]) -> None:
+    stream = sock.makefile("rb")
+    while True:
+        header = _read_exact(stream, HEADER.size)
+        if header is None:
+            return
+        length, kind, seq = HEADER.unpack(header)
+        body = _read_exact(stream, length)
+        if body is None or kind != REQUEST:
+            return
+        sock.sendall(handle(models, body, seq))
+
+
+def run(sock: socket.socket, models: Mapping[str, Model]) -> NoReturn:
+    """The worker's whole life, called in the child right after fork."""
+    # The pool server owns shutdown: a terminal's Ctrl-C is not for us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    with contextlib.suppress(OSError):  # the pool went away: nothing left to answer
+        serve(sock, models)
+    os._exit(0)

@@ -1,0 +1,245 @@
+"""The zygote: loads a pool's models once, then forks workers that share them.
+
+The pool server forks the zygote before it creates any gRPC object, thread
+or exporter. The zygote is single-threaded: it loads the models, calls
+``gc.freeze()`` so that workers do not dirty the shared pages by collecting
+them, and forks a worker each time the pool asks. Each worker's socket goes
+back to the pool server over the control socket (SCM_RIGHTS). The zygote
+reaps its workers and reports each exit with its decoded status.
+
+Control messages are JSON over a SOCK_SEQPACKET pair (one message each):
+pool -> zygote ``{"op": "spawn"}``; zygote -> pool ``{"event": "model",
+...}``, ``{"event": "loaded"}``, ``{"event": "worker", "pid": N}`` (with the
+worker's socket attached) and ``{"event": "exit", "pid": N, "status": "..."}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import json
+import os
+import select
+import signal
+import socket
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+from poolserve.service import worker
+from poolserve.service.model import Model, instantiate, tensor_specs
+from poolserve.service.procutil import describe_status, die_with, set_process_name
+from poolserve.service.repository import ModelSettings, TensorSpec
+
+MAX_MESSAGE = 64 * 1024
+
+
+def _specs_json(specs: Sequence[TensorSpec]) -> list[list[Any]]:
+    return [[s.name, s.datatype, list(s.shape)] for s in specs]
+
+
+def specs_from_json(raw: list[list[Any]]) -> tuple[TensorSpec, ...]:
+    return tuple(TensorSpec(str(n), str(d), tuple(int(x) for x in s)) for n, d, s in raw)
+
+
+def _send(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
+    data = json.dumps(message).encode()
+    if fds:
+        socket.send_fds(sock, [data], list(fds))
+    else:
+        sock.send(data)
+
+
+class _Zygote:
+    def __init__(self, ctrl: socket.socket, settings: Sequence[ModelSettings]) -> None:
+        self.ctrl = ctrl
+        self.settings = settings
+        self.models: dict[str, Model] = {}
+        self.workers: set[int] = set()
+        self.wake_r, self.wake_w = os.pipe()
+
+    def load_models(self) -> None:
+        for s in self.settings:
+            try:
+                model = instantiate(s)
+                model.load()
+            except BaseException as exc:  # a model's load may raise anything, even SystemExit
+                reason = f"load failed: {type(exc).__name__}: {exc}"
+                _send(self.ctrl, {"event": "model", "name": s.name, "ok": False, "reason": reason})
+                continue
+            self.models[s.name] = model
+            inputs, outputs = tensor_specs(model)
+            _send(
+                self.ctrl,
+                {
+                    "event": "model",
+                    "name": s.name,
+                    "ok": True,
+                    "inputs": _specs_json(inputs),
+                    "outputs": _specs_json(outputs),
+                },
+            )
+        gc.collect()
+        gc.freeze()  # workers must not touch (and so copy) the pages of loaded models
+        _send(self.ctrl, {"event": "loaded"})
+
+    def spawn(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        zygote_pid = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            ours.close()
+            self.ctrl.close()
+            os.close(self.wake_r)
+            os.close(self.wake_w)
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            die_with(zygote_pid)
+            set_process_name("poolserve-wrk")
+            worker.run(theirs, self.models)
+        theirs.close()
+        self.workers.add(pid)
+        try:
+            _send(self.ctrl, {"event": "worker", "pid": pid}, [ours.fileno()])
+        finally:
+            ours.close()
+
+    def reap(self) -> None:
+        while self.workers:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            self.workers.discard(pid)
+            _send(self.ctrl, {"event": "exit", "pid": pid, "status": describe_status(status)})
+
+    def loop(self) -> None:
+        os.set_blocking(self.wake_w, False)
+        signal.set_wakeup_fd(self.wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        self.load_models()
+        while True:
+            readable, _, _ = select.select([self.ctrl.fileno(), self.wake_r], [], [])
+            if self.wake_r in readable:
+                os.read(self.wake_r, 512)
+                self.reap()
+            if self.ctrl.fileno() in readable:
+                data = self.ctrl.recv(MAX_MESSAGE)
+                if not data:
+                    return  # the pool server is gone; workers die with us
+                if json.loads(data).get("op") == "spawn":
+                    self.spawn()
+
+
+def _zygote_main(ctrl: socket.socket, settings: Sequence[ModelSettings], pool_pid: int) -> NoReturn:
+    code = 0
+    try:
+        die_with(pool_pid)
+        set_process_name("poolserve-zyg")
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        _Zygote(ctrl, settings).loop()
+    except BaseException:
+        code = 1
+    os._exit(code)
+
+
+@dataclass
+class ZygoteEvents:
+    on_model: Callable[[str, bool, str, tuple[TensorSpec, ...], tuple[TensorSpec, ...]], None]
+    on_loaded: Callable[[], None]
+    on_worker: Callable[[int, socket.socket], None]
+    on_exit: Callable[[int, str], None]
+    on_lost: Callable[[], None]
+
+
+class ZygoteLink:
+    """The pool server's end: forks the zygote, then talks to it from asyncio."""
+
+    def __init__(self, settings: Sequence[ModelSettings]) -> None:
+        self._settings = settings
+        self._sock: socket.socket | None = None
+        self.pid = 0
+
+    def start(self) -> None:
+        """Forks the zygote. Call before any gRPC object or thread exists."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pool_pid = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            ours.close()
+            _zygote_main(theirs, self._settings, pool_pid)
+        theirs.close()
+        self.pid = pid
+        self._sock = ours
+
+    def attach(self, events: ZygoteEvents) -> None:
+        """Starts delivering zygote messages to ``events`` on the running loop."""
+        sock = self._require()
+        sock.setblocking(False)
+        asyncio.get_running_loop().add_reader(sock.fileno(), self._readable, events)
+
+    def _require(self) -> socket.socket:
+        if self._sock is None:
+            raise RuntimeError("zygote not started")
+        return self._sock
+
+    def _readable(self, events: ZygoteEvents) -> None:
+        sock = self._require()
+        while True:
+            try:
+                data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 1)
+            except BlockingIOError:
+                return
+            except OSError:
+                data, fds = b"", []
+            if not data:
+                self._detach()
+                events.on_lost()
+                return
+            self._deliver(events, json.loads(data), fds)
+
+    def _deliver(self, events: ZygoteEvents, msg: dict[str, Any], fds: list[int]) -> None:
+        kind = msg.get("event")
+        if kind == "model":
+            events.on_model(
+                msg["name"],
+                bool(msg["ok"]),
+                msg.get("reason", ""),
+                specs_from_json(msg.get("inputs", [])),
+                specs_from_json(msg.get("outputs", [])),
+            )
+        elif kind == "loaded":
+            events.on_loaded()
+        elif kind == "worker" and fds:
+            events.on_worker(int(msg["pid"]), socket.socket(fileno=fds[0]))
+        elif kind == "exit":
+            events.on_exit(int(msg["pid"]), str(msg["status"]))
+        for extra in fds[1:]:
+            os.close(extra)
+
+    def _detach(self) -> None:
+        if self._sock is not None:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(self._sock.fileno())
+
+    def spawn(self) -> None:
+        with contextlib.suppress(OSError):
+            self._require().send(b'{"op": "spawn"}')
+
+    def close(self) -> None:
+        """Closes the control socket: the zygote exits and its workers die with it."""
+        self._detach()
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def wait(self) -> str:
+        """Reaps the zygote (blocking); returns its decoded exit status."""
+        if not self.pid:
+            return "not started"
+        _, status = os.waitpid(self.pid, 0)
+        return describe_status(status)
