@@ -141,3 +141,29 @@ def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 def status_for_failure(failure: Failure) -> grpc.StatusCode:
     return _STATUS[failure]
+
+
+_FAILURE_FOR_STATUS: dict[grpc.StatusCode, Failure] = {
+    grpc.StatusCode.NOT_FOUND: Failure.NOT_FOUND,
+    grpc.StatusCode.INVALID_ARGUMENT: Failure.INVALID_INPUT,
+    grpc.StatusCode.UNAVAILABLE: Failure.UNAVAILABLE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: Failure.QUEUE_FULL,
+    grpc.StatusCode.DEADLINE_EXCEEDED: Failure.DEADLINE,
+    grpc.StatusCode.CANCELLED: Failure.CANCELLED,
+    grpc.StatusCode.UNIMPLEMENTED: Failure.UNIMPLEMENTED,
+    grpc.StatusCode.FAILED_PRECONDITION: Failure.FAILED_PRECONDITION,
+}
+
+
+def from_upstream(code: grpc.StatusCode, details: str, where: str) -> ServingError:
+    """An error that a pool answered, as the router passes it on.
+
+    The status code is kept; an empty message (a status made by the gRPC
+    library rather than by a pool, e.g. the router's own deadline on the
+    forwarded call) is replaced by one that says where it happened.
+    """
+    failure = _FAILURE_FOR_STATUS.get(code, Failure.INTERNAL)
+    message = details or f"{code.name.lower().replace('_', ' ')} {where}"
+    if code is grpc.StatusCode.UNAVAILABLE and not message.startswith("pool"):
+        message = f"{where} is unavailable: {message}"
+    return error_for(failure, message)

@@ -52,3 +52,54 @@ def pss_bytes(pid: int) -> int:
     except OSError:
         return 0
     return 0
+
+
+READY_FD_ENV = "POOLSERVE_READY_FD"
+PARENT_PID_ENV = "POOLSERVE_PARENT_PID"
+
+
+def die_with_parent() -> None:
+    """In a supervised child: die with the supervisor that started us."""
+    raw = os.environ.get(PARENT_PID_ENV)
+    if raw:
+        die_with(int(raw))
+
+
+def take_ready_fd() -> int | None:
+    """Removes the readiness fd from the environment (so grandchildren never see it)."""
+    raw = os.environ.pop(READY_FD_ENV, None)
+    return int(raw) if raw else None
+
+
+def notify_ready(fd: int | None, status: str | None = None) -> None:
+    """Tells the supervisor we are ready (the readiness handshake), then closes the fd."""
+    if fd is None:
+        return
+    message = "READY=1\n" + (f"STATUS={status}\n" if status else "")
+    try:
+        os.write(fd, message.encode())
+        os.close(fd)
+    except OSError:
+        pass  # the supervisor is gone; PDEATHSIG will end us
+
+
+async def wait_child(pid: int, timeout: float) -> str:
+    """Waits for our child ``pid`` through its pidfd; SIGKILL after ``timeout``. Reaps it."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    exited = asyncio.Event()
+    pidfd = os.pidfd_open(pid)
+    try:
+        loop.add_reader(pidfd, exited.set)
+        try:
+            await asyncio.wait_for(exited.wait(), timeout)
+        except TimeoutError:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            await exited.wait()
+        finally:
+            loop.remove_reader(pidfd)
+    finally:
+        os.close(pidfd)
+    _, status = os.waitpid(pid, 0)
+    return describe_status(status)

@@ -29,7 +29,7 @@ from typing import Any, NoReturn
 
 from poolserve.service import worker
 from poolserve.service.model import Model, instantiate, tensor_specs
-from poolserve.service.procutil import describe_status, die_with, set_process_name
+from poolserve.service.procutil import describe_status, die_with, set_process_name, wait_child
 from poolserve.service.repository import ModelSettings, TensorSpec
 
 MAX_MESSAGE = 64 * 1024
@@ -116,6 +116,16 @@ class _Zygote:
             self.workers.discard(pid)
             _send(self.ctrl, {"event": "exit", "pid": pid, "status": describe_status(status)})
 
+    def stop_workers(self) -> None:
+        """Kills and reaps every worker, so none outlives the zygote even briefly."""
+        for pid in self.workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for pid in list(self.workers):
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+        self.workers.clear()
+
     def loop(self) -> None:
         os.set_blocking(self.wake_w, False)
         signal.set_wakeup_fd(self.wake_w)
@@ -129,7 +139,8 @@ class _Zygote:
             if self.ctrl.fileno() in readable:
                 data = self.ctrl.recv(MAX_MESSAGE)
                 if not data:
-                    return  # the pool server is gone; workers die with us
+                    self.stop_workers()  # the pool server is done with us
+                    return
                 if json.loads(data).get("op") == "spawn":
                     self.spawn()
 
@@ -164,13 +175,16 @@ class ZygoteLink:
         self._sock: socket.socket | None = None
         self.pid = 0
 
-    def start(self) -> None:
+    def start(self, close_in_child: Sequence[int] = ()) -> None:
         """Forks the zygote. Call before any gRPC object or thread exists."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         pool_pid = os.getpid()
         pid = os.fork()
         if pid == 0:
             ours.close()
+            for fd in close_in_child:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
             _zygote_main(theirs, self._settings, pool_pid)
         theirs.close()
         self.pid = pid
@@ -237,9 +251,8 @@ class ZygoteLink:
             self._sock.close()
             self._sock = None
 
-    def wait(self) -> str:
-        """Reaps the zygote (blocking); returns its decoded exit status."""
+    async def wait(self, timeout: float) -> str:
+        """Reaps the zygote, killing it after ``timeout``; returns its decoded status."""
         if not self.pid:
             return "not started"
-        _, status = os.waitpid(self.pid, 0)
-        return describe_status(status)
+        return await wait_child(self.pid, timeout)

@@ -1,0 +1,361 @@
+"""The router: the only door clients see.
+
+It stays thin: request bytes in, response bytes out. For calls about one
+model it reads only the model name from the wire bytes (never the tensors)
+and forwards the bytes over a channel kept open to the pool's unix socket,
+with the client's remaining deadline and metadata. It follows every pool's
+health through Watch streams (push, not polling), so ServerReady and its own
+grpc.health.v1 agree and never claim ready while any configured model is not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from poolserve.protos import inference_pb2 as pb
+from poolserve.service import __version__
+from poolserve.service.errors import (
+    DeadlineExceeded,
+    ModelNotFound,
+    ModelNotReady,
+    ServingError,
+    from_upstream,
+)
+from poolserve.service.health import SERVING, Health
+from poolserve.service.pool import pool_socket_path
+from poolserve.service.repository import Repository
+from poolserve.service.servicer import EXTENSIONS, NO_DEADLINE_S, SERVICE, guarded
+from poolserve.service.settings import ServerSettings
+from poolserve.service.wire import peek_model
+
+log = logging.getLogger(__name__)
+
+_DROP_METADATA = frozenset({"user-agent", "content-type", "te", "host"})
+ROUTED = ("ModelInfer", "ModelReady", "ModelMetadata", "ModelConfig", "ModelStatistics")
+RETRY_WATCH_S = (0.05, 1.0)
+
+
+@dataclass(eq=False)
+class PoolRoute:
+    gid: str
+    path: Path
+    models: list[str]
+    channel: grpc.aio.Channel | None = None
+    calls: dict[str, grpc.aio.UnaryUnaryMultiCallable[bytes, bytes]] = field(default_factory=dict)
+    serving: bool = False
+    model_serving: dict[str, bool] = field(default_factory=dict)
+
+    @property
+    def where(self) -> str:
+        return f"pool '{self.gid}'"
+
+
+def _peek_model_name_field2(data: bytes) -> str:
+    """RepositoryModelLoad/Unload carry the model name in field 2."""
+    return peek_model(data)[1]
+
+
+class Router:
+    def __init__(self, repository: Repository, settings: ServerSettings, run_dir: Path) -> None:
+        self.settings = settings
+        self.invalid = {bad.name: bad.reason for bad in repository.invalid}
+        self.pools: dict[str, PoolRoute] = {}
+        self.routes: dict[str, PoolRoute] = {}
+        for gid, models in repository.pools().items():
+            route = PoolRoute(gid, pool_socket_path(run_dir, gid), [m.name for m in models])
+            self.pools[gid] = route
+            for name in route.models:
+                self.routes[name] = route
+        self.health = Health()
+        self._stop = asyncio.Event()
+        self.port = 0
+
+    # -- readiness -------------------------------------------------------------
+
+    def ready(self) -> bool:
+        return (
+            not self.invalid
+            and bool(self.pools)
+            and all(route.serving for route in self.pools.values())
+        )
+
+    def _sync_health(self) -> None:
+        ready = self.ready()
+        self.health.set_many({"": ready, SERVICE: ready})
+        for name, route in self.routes.items():
+            self.health.set(f"model:{name}", route.model_serving.get(name, False))
+        for name in self.invalid:
+            self.health.set(f"model:{name}", False)
+
+    async def _watch(self, route: PoolRoute, service: str, apply: Callable[[bool], None]) -> None:
+        """Follows one health service of a pool for the router's whole life."""
+        assert route.channel is not None
+        stub = health_pb2_grpc.HealthStub(route.channel)
+        delay = RETRY_WATCH_S[0]
+        while True:
+            try:
+                stream = stub.Watch(
+                    health_pb2.HealthCheckRequest(service=service), wait_for_ready=True
+                )
+                async for reply in stream:
+                    apply(reply.status == SERVING)
+                    delay = RETRY_WATCH_S[0]
+            except grpc.aio.AioRpcError:
+                pass
+            apply(False)  # the stream broke: the pool is down until it says otherwise
+            await asyncio.sleep(delay)  # back-off between reconnects, not a readiness wait
+            delay = min(delay * 2, RETRY_WATCH_S[1])
+
+    def _pool_applier(self, route: PoolRoute) -> Callable[[bool], None]:
+        def apply(serving: bool) -> None:
+            if route.serving != serving:
+                log.info("router: %s %s", route.where, "SERVING" if serving else "NOT_SERVING")
+            route.serving = serving
+            self._sync_health()
+
+        return apply
+
+    def _model_applier(self, route: PoolRoute, name: str) -> Callable[[bool], None]:
+        def apply(serving: bool) -> None:
+            route.model_serving[name] = serving
+            self._sync_health()
+
+        return apply
+
+    # -- forwarding ------------------------------------------------------------
+
+    def _route(self, name: str) -> PoolRoute:
+        route = self.routes.get(name)
+        if route is not None:
+            return route
+        if name in self.invalid:
+            raise ModelNotReady(f"model '{name}' is unavailable: {self.invalid[name]}")
+        raise ModelNotFound(f"model '{name}' is not in this repository")
+
+    def _timeout(self, context: grpc.aio.ServicerContext[Any, Any]) -> float:
+        remaining = context.time_remaining()
+        if remaining is None or remaining > NO_DEADLINE_S:
+            remaining = self.settings.default_timeout_s
+        timeout = remaining - self.settings.deadline_margin_ms / 1000
+        if timeout <= 0:
+            raise DeadlineExceeded("deadline spent before the router could forward the call")
+        return timeout
+
+    @staticmethod
+    def _metadata(context: grpc.aio.ServicerContext[Any, Any]) -> tuple[tuple[str, Any], ...]:
+        return tuple(
+            (key, value)
+            for key, value in context.invocation_metadata() or ()
+            if not key.startswith(("grpc-", ":")) and key not in _DROP_METADATA
+        )
+
+    async def _forward(
+        self,
+        route: PoolRoute,
+        method: str,
+        body: bytes,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> bytes:
+        timeout = self._timeout(context)
+        try:
+            return await route.calls[method](
+                body, timeout=timeout, metadata=self._metadata(context)
+            )
+        except grpc.aio.AioRpcError as exc:
+            details = exc.details() or ""
+            if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED and details == "Deadline Exceeded":
+                details = f"deadline exceeded waiting for {route.where}"
+            raise from_upstream(exc.code(), details, route.where) from None
+
+    def _routed(self, method: str) -> Callable[[bytes, Any], Awaitable[bytes]]:
+        async def handler(body: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+            name, _ = peek_model(body)
+            if method == "ModelStatistics" and not name:
+                return await self._all_statistics(context)
+            if method == "ModelReady" and name in self.invalid:
+                return pb.ModelReadyResponse(ready=False).SerializeToString()
+            return await self._forward(self._route(name), method, body, context)
+
+        handler.__name__ = method
+        return handler
+
+    def _routed_by_field2(self, method: str) -> Callable[[bytes, Any], Awaitable[bytes]]:
+        async def handler(body: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+            name = _peek_model_name_field2(body)
+            return await self._forward(self._route(name), method, body, context)
+
+        handler.__name__ = method
+        return handler
+
+    # -- aggregated answers --------------------------------------------------
+
+    async def server_live(self, _: bytes, __: Any) -> bytes:
+        return pb.ServerLiveResponse(live=True).SerializeToString()
+
+    async def server_ready(self, _: bytes, __: Any) -> bytes:
+        return pb.ServerReadyResponse(ready=self.ready()).SerializeToString()
+
+    async def server_metadata(self, _: bytes, __: Any) -> bytes:
+        return pb.ServerMetadataResponse(
+            name=self.settings.server_name, version=__version__, extensions=list(EXTENSIONS)
+        ).SerializeToString()
+
+    async def _gather(
+        self, method: str, body: bytes, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> list[tuple[PoolRoute, bytes | ServingError]]:
+        async def one(route: PoolRoute) -> tuple[PoolRoute, bytes | ServingError]:
+            try:
+                return route, await self._forward(route, method, body, context)
+            except ServingError as exc:
+                return route, exc
+
+        return list(await asyncio.gather(*(one(r) for r in self.pools.values())))
+
+    async def repository_index(self, body: bytes, context: Any) -> bytes:
+        request = pb.RepositoryIndexRequest.FromString(body)
+        all_models = pb.RepositoryIndexRequest(repository_name=request.repository_name)
+        merged = pb.RepositoryIndexResponse()
+        for route, answer in await self._gather(
+            "RepositoryIndex", all_models.SerializeToString(), context
+        ):
+            if isinstance(answer, ServingError):
+                for name in route.models:
+                    merged.models.add(
+                        name=name,
+                        state="UNAVAILABLE",
+                        reason=f"{route.where} is not answering: {answer.message}",
+                    )
+            else:
+                merged.models.extend(pb.RepositoryIndexResponse.FromString(answer).models)
+        for name, reason in self.invalid.items():
+            merged.models.add(name=name, state="UNAVAILABLE", reason=reason)
+        if request.ready:
+            kept = [m for m in merged.models if m.state == "READY"]
+            del merged.models[:]
+            merged.models.extend(kept)
+        return merged.SerializeToString()
+
+    async def _all_statistics(self, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+        merged = pb.ModelStatisticsResponse()
+        empty = pb.ModelStatisticsRequest().SerializeToString()
+        for _, answer in await self._gather("ModelStatistics", empty, context):
+            if not isinstance(answer, ServingError):
+                merged.model_stats.extend(pb.ModelStatisticsResponse.FromString(answer).model_stats)
+        return merged.SerializeToString()
+
+    async def model_stream_infer(
+        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[bytes]:
+        """Routed by the model of the first message; the pool answers the rest in-stream."""
+        first = await anext(requests, None)
+        if first is None:
+            return
+        try:
+            route = self._route(peek_model(first)[0])
+            timeout = self._timeout(context)
+        except ServingError as exc:
+            yield pb.ModelStreamInferResponse(error_message=exc.message).SerializeToString()
+            return
+        assert route.channel is not None
+        call: grpc.aio.StreamStreamMultiCallable[bytes, bytes] = route.channel.stream_stream(
+            f"/{SERVICE}/ModelStreamInfer"
+        )
+
+        async def upstream() -> AsyncIterator[bytes]:
+            yield first
+            async for message in requests:
+                yield message
+
+        try:
+            async for reply in call(upstream(), timeout=timeout, metadata=self._metadata(context)):
+                yield reply
+        except grpc.aio.AioRpcError as exc:
+            error = from_upstream(exc.code(), exc.details() or "", route.where)
+            yield pb.ModelStreamInferResponse(error_message=error.message).SerializeToString()
+
+    def generic_handler(self) -> grpc.GenericRpcHandler:
+        def unary(fn: Callable[[bytes, Any], Awaitable[bytes]]) -> grpc.RpcMethodHandler[Any, Any]:
+            return grpc.unary_unary_rpc_method_handler(guarded(fn))
+
+        handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
+            m: unary(self._routed(m)) for m in ROUTED
+        }
+        handlers.update(
+            {
+                "ServerLive": unary(self.server_live),
+                "ServerReady": unary(self.server_ready),
+                "ServerMetadata": unary(self.server_metadata),
+                "RepositoryIndex": unary(self.repository_index),
+                "RepositoryModelLoad": unary(self._routed_by_field2("RepositoryModelLoad")),
+                "RepositoryModelUnload": unary(self._routed_by_field2("RepositoryModelUnload")),
+                "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(self.model_stream_infer),
+            }
+        )
+        return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    def _open_channels(self) -> None:
+        limit = self.settings.max_message_size
+        options = [
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+        ]
+        methods = (*ROUTED, "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload")
+        for route in self.pools.values():
+            route.channel = grpc.aio.insecure_channel(f"unix:{route.path}", options=options)
+            route.calls = {m: route.channel.unary_unary(f"/{SERVICE}/{m}") for m in methods}
+
+    def request_stop(self) -> None:
+        self.health.shutdown()  # NOT_SERVING from the first moment of the stop
+        self._stop.set()
+
+    async def serve(self, ready: Callable[[], None], bind: str | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+        self._open_channels()
+        self._sync_health()
+        limit = self.settings.max_message_size
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", limit),
+                ("grpc.max_send_message_length", limit),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        server.add_generic_rpc_handlers((self.generic_handler(), self.health.generic_handler()))
+        address = bind or f"{self.settings.host}:{self.settings.grpc_port}"
+        self.port = server.add_insecure_port(address)
+        async with asyncio.TaskGroup() as tasks:
+            watchers = self._start_watchers(tasks)
+            await server.start()
+            log.info("router: listening on %s", address)
+            ready()
+            await self._stop.wait()
+            began = time.monotonic()
+            await server.stop(self.settings.stop_grace_s)
+            log.info("router: drained in %.3f s", time.monotonic() - began)
+            for task in watchers:
+                task.cancel()
+        for route in self.pools.values():
+            if route.channel is not None:
+                await route.channel.close()
+
+    def _start_watchers(self, tasks: asyncio.TaskGroup) -> Sequence[asyncio.Task[None]]:
+        started = []
+        for route in self.pools.values():
+            started.append(tasks.create_task(self._watch(route, "", self._pool_applier(route))))
+            for name in route.models:
+                applier = self._model_applier(route, name)
+                started.append(tasks.create_task(self._watch(route, f"model:{name}", applier)))
+        return started

@@ -1,0 +1,130 @@
+"""tritonclient against a poolserve address, in its own process.
+
+tritonclient registers protobuf package ``inference`` just as poolserve does,
+so it cannot share a process with our modules. Prints one JSON line.
+usage: triton_echo.py HOST:PORT [MODEL ...]
+"""
+
+import json
+import sys
+
+import numpy as np
+import tritonclient.grpc as tc
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+DTYPES = {
+    "BOOL": np.bool_,
+    "UINT8": np.uint8,
+    "UINT16": np.uint16,
+    "UINT32": np.uint32,
+    "UINT64": np.uint64,
+    "INT8": np.int8,
+    "INT16": np.int16,
+    "INT32": np.int32,
+    "INT64": np.int64,
+    "FP16": np.float16,
+    "FP32": np.float32,
+    "FP64": np.float64,
+    "BYTES": np.object_,
+}
+TYPED_FIELD = {
+    "BOOL": "bool_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+
+
+def sample(datatype):
+    if datatype == "BYTES":
+        return np.array([[b"a", b"", b"\x00\xffz"]], dtype=np.object_)
+    if datatype == "BOOL":
+        return np.array([[True, False, True]])
+    return np.arange(6).reshape(2, 3).astype(DTYPES[datatype])
+
+
+def raw_echo(client, model, datatype):
+    data = sample(datatype)
+    inp = tc.InferInput("INPUT0", list(data.shape), datatype)
+    inp.set_data_from_numpy(data)
+    result = client.infer(model, [inp], outputs=[tc.InferRequestedOutput("OUTPUT0")])
+    out = result.as_numpy("OUTPUT0")
+    return out.shape == data.shape and (out == data).all()
+
+
+def typed_echo(stub, model, datatype):
+    data = sample(datatype)
+    request = service_pb2.ModelInferRequest(model_name=model)
+    tensor = request.inputs.add(name="INPUT0", datatype=datatype, shape=list(data.shape))
+    values = data.flatten().tolist()
+    getattr(tensor.contents, TYPED_FIELD[datatype]).extend(values)
+    response = stub.ModelInfer(request)
+    out = response.outputs[0]
+    got = list(getattr(out.contents, TYPED_FIELD[datatype]))
+    return (
+        out.name == "OUTPUT0"
+        and list(out.shape) == list(data.shape)
+        and got == values
+        and not response.raw_output_contents
+    )
+
+
+def status_of(fn):
+    try:
+        fn()
+    except tc.InferenceServerException as exc:
+        return exc.status()
+    except Exception as exc:  # grpc.RpcError from the raw stub
+        return str(exc.code())
+    return "OK"
+
+
+def main():
+    url = sys.argv[1]
+    models = sys.argv[2:] or ["echo"]
+    import grpc
+
+    client = tc.InferenceServerClient(url)
+    channel = grpc.insecure_channel(url)
+    stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+    report = {
+        "live": client.is_server_live(),
+        "ready": client.is_server_ready(),
+        "metadata": client.get_server_metadata(as_json=True),
+        "raw": {},
+        "typed": {},
+    }
+    for dt in DTYPES:
+        report["raw"][dt] = bool(raw_echo(client, "echo", dt))
+        if dt in TYPED_FIELD:
+            report["typed"][dt] = bool(typed_echo(stub, "echo", dt))
+    bad = tc.InferInput("INPUT0", [2, 3], "FP32")
+    bad.set_data_from_numpy(np.zeros((2, 3), np.float32))
+    report["unknown_model"] = status_of(lambda: client.infer("no-such-model", [bad]))
+    malformed = service_pb2.ModelInferRequest(model_name="echo")
+    t = malformed.inputs.add(name="INPUT0", datatype="FP32", shape=[2, 3])
+    t.contents.fp32_contents.extend([1.0, 2.0])
+    report["malformed"] = status_of(lambda: stub.ModelInfer(malformed))
+    report["models"] = {}
+    for model in models:
+        meta = client.get_model_metadata(model, as_json=True)
+        config = client.get_model_config(model, as_json=True)
+        stats = client.get_inference_statistics(model, as_json=True)
+        report["models"][model] = {
+            "metadata_inputs": [i["name"] for i in meta.get("inputs", [])],
+            "config_name": config["config"]["name"],
+            "stats_models": [s["name"] for s in stats.get("model_stats", [])],
+        }
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

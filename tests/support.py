@@ -1,0 +1,134 @@
+"""Shared helpers for tests: repositories, clients, process bookkeeping."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from poolserve.protos import inference_pb2 as pb
+from poolserve.service.codec import encode_inputs
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples" / "models"
+BIN = Path(sys.executable).parent
+CLIENTS = Path(__file__).resolve().parent / "clients"
+
+
+def write_model(
+    repo: Path,
+    folder: str,
+    settings: dict[str, Any],
+    code: str | None = None,
+) -> Path:
+    path = repo / folder
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "model-settings.json").write_text(json.dumps(settings))
+    if code is not None:
+        (path / "model.py").write_text(code)
+    return path
+
+
+def copy_example(repo: Path, name: str, gid: str | None = None) -> Path:
+    target = repo / name
+    shutil.copytree(EXAMPLES / name, target, ignore=shutil.ignore_patterns("__pycache__"))
+    if gid is not None:
+        settings_path = target / "model-settings.json"
+        settings = json.loads(settings_path.read_text())
+        settings.setdefault("parameters", {})["inference_pool_gid"] = gid
+        settings_path.write_text(json.dumps(settings))
+    return target
+
+
+def train_iris(folder: Path) -> None:
+    subprocess.run([sys.executable, str(folder / "train.py")], check=True, capture_output=True)
+
+
+def infer_request(model: str, array: np.ndarray, *, raw: bool = True, **params: int) -> bytes:
+    request = pb.ModelInferRequest(model_name=model)
+    encode_inputs({"INPUT0": array}, request, raw=raw)
+    for key, value in params.items():
+        request.parameters[key].int64_param = value
+    return request.SerializeToString()
+
+
+def run_client(script: str, *args: str, timeout: float = 120) -> Any:
+    """Runs a third-party client script in its own process; returns its JSON output."""
+    proc = subprocess.run(
+        [sys.executable, "-P", str(CLIENTS / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def children_of(pid: int) -> list[int]:
+    kids: list[int] = []
+    task_dir = Path(f"/proc/{pid}/task")
+    try:
+        tasks = list(task_dir.iterdir())
+    except OSError:
+        return kids
+    for task in tasks:
+        try:
+            kids.extend(int(x) for x in (task / "children").read_text().split())
+        except OSError:
+            continue
+    return kids
+
+
+def descendants(pid: int) -> list[int]:
+    found: list[int] = []
+    stack = [pid]
+    while stack:
+        for kid in children_of(stack.pop()):
+            found.append(kid)
+            stack.append(kid)
+    return found
+
+
+def wait_until(predicate: Any, timeout: float, interval: float = 0.02) -> bool:
+    """Polls a condition that has no event to wait on (e.g. /proc); True if it held."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
+
+
+def kill_all(pids: Sequence[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def iter_lines(stream: Any, deadline: float) -> Iterator[str]:
+    while time.monotonic() < deadline:
+        line = stream.readline()
+        if not line:
+            return
+        yield line

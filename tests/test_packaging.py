@@ -1,0 +1,97 @@
+"""The package layout: namespaces, console scripts, generated code in sync."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from poolserve.protos import generate
+from support import BIN, ROOT
+
+
+def test_supervisord_still_runs_beside_our_supervisor_package() -> None:
+    version = subprocess.run(
+        [str(BIN / "supervisord"), "--version"], capture_output=True, text=True, cwd=ROOT
+    )
+    assert version.returncode == 0, version.stderr
+    assert version.stdout.strip()[0].isdigit()
+    ctl = subprocess.run(
+        [str(BIN / "supervisorctl"), "--help"], capture_output=True, text=True, cwd=ROOT
+    )
+    assert ctl.returncode == 0, ctl.stderr
+    assert "supervisorctl" in ctl.stdout
+
+
+def test_bare_supervisor_import_is_supervisord() -> None:
+    probe = (
+        "import supervisor, poolserve.supervisor as ours; print(supervisor.__file__, ours.__file__)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-P", "-c", probe], capture_output=True, text=True, cwd="/"
+    )
+    assert out.returncode == 0, out.stderr
+    theirs, ours = out.stdout.split()
+    assert "site-packages" in theirs
+    assert Path(ours).resolve() == (ROOT / "supervisor" / "__init__.py").resolve()
+
+
+def test_console_script_runs() -> None:
+    out = subprocess.run([str(BIN / "poolserve"), "--help"], capture_output=True, text=True)
+    assert out.returncode == 0
+    assert "serve" in out.stdout
+
+
+def test_generated_protos_are_fresh(tmp_path: Path) -> None:
+    """Fails when someone edits a .proto without `make protos`."""
+    for fresh in generate.generate_into(tmp_path):
+        committed = generate.PROTO_DIR / fresh.name
+        assert committed.exists(), f"{fresh.name} is not checked in: run `make protos`"
+        assert committed.read_bytes() == fresh.read_bytes(), (
+            f"{committed.name} is stale against its .proto: run `make protos`"
+        )
+
+
+def test_field_numbers_match_the_protocol() -> None:
+    from poolserve.protos import inference_pb2 as pb
+
+    def numbers(message: type) -> dict[str, int]:
+        return {f.name: f.number for f in message.DESCRIPTOR.fields}  # type: ignore[attr-defined]
+
+    assert numbers(pb.ModelInferRequest) == {
+        "model_name": 1,
+        "model_version": 2,
+        "id": 3,
+        "parameters": 4,
+        "inputs": 5,
+        "outputs": 6,
+        "raw_input_contents": 7,
+    }
+    assert numbers(pb.ModelInferResponse)["raw_output_contents"] == 6
+    assert numbers(pb.InferParameter) == {
+        "bool_param": 1,
+        "int64_param": 2,
+        "string_param": 3,
+        "double_param": 4,
+        "uint64_param": 5,
+    }
+    assert numbers(pb.ModelConfig)["input"] == 5
+    assert numbers(pb.ModelInput)["dims"] == 4
+    assert numbers(pb.ModelOutput)["dims"] == 3
+    assert numbers(pb.ModelStatistics)["inference_stats"] == 6
+    service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    assert service.full_name == "inference.GRPCInferenceService"
+    assert {m.name for m in service.methods} >= {
+        "ServerLive",
+        "ServerReady",
+        "ModelReady",
+        "ServerMetadata",
+        "ModelMetadata",
+        "ModelInfer",
+        "ModelStreamInfer",
+        "ModelConfig",
+        "ModelStatistics",
+        "RepositoryIndex",
+        "RepositoryModelLoad",
+        "RepositoryModelUnload",
+    }

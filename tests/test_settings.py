@@ -1,0 +1,134 @@
+"""Server settings layering and model repository discovery."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from poolserve.service.repository import scan
+from poolserve.service.settings import ConfigError, load_server_settings
+from support import write_model
+
+IMPL = "poolserve.service.runtimes.SKLearnModel"
+
+
+def test_defaults(tmp_path: Path) -> None:
+    s = load_server_settings(tmp_path, environ={})
+    assert (s.host, s.grpc_port, s.parallel_workers, s.max_queue) == ("127.0.0.1", 8081, 2, 1024)
+    assert s.max_message_size == 64 * 1024 * 1024
+
+
+def test_layering_file_then_env_then_flags(tmp_path: Path) -> None:
+    (tmp_path / "settings.json").write_text(
+        json.dumps({"grpc_port": 9000, "parallel_workers": 3, "pools": {"heavy": {"workers": 4}}})
+    )
+    s = load_server_settings(tmp_path, environ={"POOLSERVE_GRPC_PORT": "9100"})
+    assert s.grpc_port == 9100
+    assert s.workers_for("heavy") == 4
+    assert s.workers_for("other") == 3
+    s = load_server_settings(
+        tmp_path, environ={"POOLSERVE_GRPC_PORT": "9100"}, flags={"grpc_port": 9200}
+    )
+    assert s.grpc_port == 9200
+
+
+@pytest.mark.parametrize(
+    ("content", "field"),
+    [
+        ("{not json", "(file)"),
+        ('{"grpc_port": "x"}', "grpc_port"),
+        ('{"grpc_port": 70000}', "grpc_port"),
+        ('{"no_such_field": 1}', "no_such_field"),
+        ('{"pools": {"a/b": {"workers": 1}}}', "pools.a/b"),
+        ('{"pools": {"x": {"workers": 0}}}', "pools.x.workers"),
+        ("[]", "(file)"),
+    ],
+)
+def test_invalid_settings_name_file_and_field(tmp_path: Path, content: str, field: str) -> None:
+    (tmp_path / "settings.json").write_text(content)
+    with pytest.raises(ConfigError) as info:
+        load_server_settings(tmp_path, environ={})
+    assert info.value.field_name == field
+    assert str(tmp_path / "settings.json") in str(info.value)
+
+
+def test_invalid_env_value(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="POOLSERVE_PARALLEL_WORKERS"):
+        load_server_settings(tmp_path, environ={"POOLSERVE_PARALLEL_WORKERS": "two"})
+
+
+def test_missing_repository(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not a directory"):
+        load_server_settings(tmp_path / "nope", environ={})
+
+
+def test_models_sharing_a_gid_form_one_pool(tmp_path: Path) -> None:
+    write_model(tmp_path, "a", {"implementation": IMPL, "parameters": {"inference_pool_gid": "g"}})
+    write_model(tmp_path, "b", {"implementation": IMPL, "parameters": {"inference_pool_gid": "g"}})
+    write_model(tmp_path, "nested/c", {"implementation": IMPL})
+    repo = scan(tmp_path)
+    pools = repo.pools()
+    assert list(pools) == ["default", "g"]
+    assert sorted(m.name for m in pools["g"]) == ["a", "b"]
+    assert [m.name for m in pools["default"]] == ["c"]
+
+
+def test_model_settings_fields(tmp_path: Path) -> None:
+    write_model(
+        tmp_path,
+        "m",
+        {
+            "name": "renamed",
+            "implementation": IMPL,
+            "parameters": {"uri": "w.joblib", "version": "7", "extra": {"timeout_s": 2}},
+            "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}],
+            "max_batch_size": 8,
+        },
+    )
+    (model,) = scan(tmp_path).models
+    assert model.name == "renamed"
+    assert model.version == "7"
+    assert model.uri == str(tmp_path / "m" / "w.joblib")
+    assert model.timeout_s == 2.0
+    assert model.inputs[0].shape == (-1, 4)
+    assert model.max_batch_size == 8
+
+
+@pytest.mark.parametrize(
+    ("settings", "problem"),
+    [
+        ({"implementation": 5}, "implementation"),
+        ({}, "implementation"),
+        ({"implementation": IMPL, "parameters": {"inference_pool_gid": "../x"}}, "unsafe pool"),
+        ({"implementation": IMPL, "bogus": 1}, "bogus"),
+        ({"implementation": IMPL, "inputs": [{"name": "x", "shape": "1"}]}, "shape"),
+    ],
+)
+def test_invalid_model_is_kept_with_reason(
+    tmp_path: Path, settings: dict[str, object], problem: str
+) -> None:
+    write_model(tmp_path, "bad", settings)
+    write_model(tmp_path, "good", {"implementation": IMPL})
+    repo = scan(tmp_path)
+    assert [m.name for m in repo.models] == ["good"]
+    (bad,) = repo.invalid
+    assert bad.name == "bad"
+    assert problem in bad.reason
+    assert "model-settings.json" in bad.reason
+
+
+def test_duplicate_model_names(tmp_path: Path) -> None:
+    write_model(tmp_path, "a", {"name": "same", "implementation": IMPL})
+    write_model(tmp_path, "b", {"name": "same", "implementation": IMPL})
+    repo = scan(tmp_path)
+    assert len(repo.models) == 1
+    assert "duplicate" in repo.invalid[0].reason
+
+
+def test_broken_json_model(tmp_path: Path) -> None:
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "model-settings.json").write_text("{")
+    repo = scan(tmp_path)
+    assert repo.invalid[0].name == "x"
+    assert "invalid JSON" in repo.invalid[0].reason

@@ -1,0 +1,52 @@
+"""Peeking the model name from wire bytes agrees with protobuf's own parser."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from poolserve.protos import inference_pb2 as pb
+from poolserve.service.errors import InvalidInput
+from poolserve.service.wire import encode_len_field, peek_model
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    name=st.text(max_size=40),
+    version=st.text(max_size=10),
+    request_id=st.text(max_size=10),
+    raw=st.lists(st.binary(max_size=64), max_size=3),
+    shape=st.lists(st.integers(min_value=0, max_value=2**40), max_size=4),
+    pvalue=st.floats(allow_nan=False),
+)
+def test_peek_matches_protobuf(
+    name: str, version: str, request_id: str, raw: list[bytes], shape: list[int], pvalue: float
+) -> None:
+    request = pb.ModelInferRequest(model_name=name, model_version=version, id=request_id)
+    request.inputs.add(name="x", datatype="FP32", shape=shape)
+    request.raw_input_contents.extend(raw)
+    request.parameters["p"].double_param = pvalue
+    assert peek_model(request.SerializeToString()) == (name, version)
+
+
+def test_fields_in_any_order_last_wins() -> None:
+    data = encode_len_field(3, b"id") + encode_len_field(1, b"a") + encode_len_field(1, b"b")
+    assert peek_model(data) == ("b", "")
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"\x0a\x05ab", b"\x0a", b"\xff" * 11, b"\x0b", b"\x00\x01", b"\x0a\x02\xff\xfe"],
+)
+def test_malformed_bytes_are_invalid_input(data: bytes) -> None:
+    with pytest.raises(InvalidInput):
+        peek_model(data)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_random_bytes_never_raise_anything_else(data: bytes) -> None:
+    try:
+        peek_model(data)
+    except InvalidInput:
+        pass
