@@ -101,5 +101,5 @@ async def wait_child(pid: int, timeout: float) -> str:
             loop.remove_reader(pidfd)
     finally:
         os.close(pidfd)
-    _, status = os.waitpid(pid, 0)
+    _, status = os.waitpid(pid, 0)  # noqa: ASYNC222 (the pidfd said it exited: no wait)
     return describe_status(status)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -85,10 +86,8 @@ def _serve_inprocess(args: argparse.Namespace) -> int:
         finally:
             await server.stop()
 
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(run())
-    except KeyboardInterrupt:
-        pass
     return 0
 
 

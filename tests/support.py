@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -120,10 +121,8 @@ def wait_until(predicate: Any, timeout: float, interval: float = 0.02) -> bool:
 
 def kill_all(pids: Sequence[int]) -> None:
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def iter_lines(stream: Any, deadline: float) -> Iterator[str]:
