@@ -40,6 +40,9 @@ protos: install
 	$(BIN)/python -m poolserve.protos.generate
 
 run: install
+	@test -f examples/models/iris/model.joblib || $(BIN)/python examples/models/iris/train.py
+	@echo "poolserve: serving $(REPO) on 127.0.0.1:8081 (Ctrl-C stops it)."
+	@echo "  try: $(BIN)/python examples/client.py 127.0.0.1:8081"
 	$(BIN)/poolserve serve $(REPO)
 
 clean:

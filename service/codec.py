@@ -23,6 +23,7 @@ from typing import Any, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
+
 from poolserve.protos import inference_pb2
 from poolserve.service.errors import InvalidInput
 

@@ -11,14 +11,12 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from poolserve.service.pool import PoolServer, pool_socket_path
-from poolserve.service.procutil import die_with_parent, notify_ready, take_ready_fd
+from poolserve.service.procutil import set_process_name
 from poolserve.service.repository import scan
 from poolserve.service.router import Router
 from poolserve.service.settings import ConfigError, ServerSettings, load_server_settings
-
-EXIT_OK = 0
-EXIT_FAILURE = 1
-EXIT_CONFIG = 2
+from poolserve.supervisor.child import READY_FD_ENV, die_with_parent, notify_ready
+from poolserve.supervisor.exitcodes import EXIT_CONFIG, EXIT_OK
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +44,9 @@ def ensure_private_dir(path: Path) -> None:
 
 def run_pool(repo: Path, gid: str, flags: Mapping[str, object]) -> int:
     die_with_parent()
-    ready_fd = take_ready_fd()
+    set_process_name("poolserve-pool")
+    raw_fd = os.environ.get(READY_FD_ENV, "")
+    ready_fd = int(raw_fd) if raw_fd.isdigit() else None
     try:
         settings = load_server_settings(repo, flags=flags)
         setup_logging(f"pool:{gid}", settings.log_format)
@@ -61,12 +61,16 @@ def run_pool(repo: Path, gid: str, flags: Mapping[str, object]) -> int:
         return EXIT_CONFIG
     # Fork the zygote now: no gRPC object, thread or exporter exists yet.
     server.fork_zygote(close_in_child=[ready_fd] if ready_fd is not None else [])
-    return asyncio.run(server.serve(lambda: notify_ready(ready_fd)))
+    return asyncio.run(server.serve(lambda: _ready(f"pool {gid} serving")))
+
+
+def _ready(status: str) -> None:
+    notify_ready(status)
 
 
 def run_router(repo: Path, flags: Mapping[str, object]) -> int:
     die_with_parent()
-    ready_fd = take_ready_fd()
+    set_process_name("poolserve-rtr")
     try:
         settings: ServerSettings = load_server_settings(repo, flags=flags)
         setup_logging("router", settings.log_format)
@@ -74,5 +78,5 @@ def run_router(repo: Path, flags: Mapping[str, object]) -> int:
     except ConfigError as exc:
         print(f"poolserve router: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    asyncio.run(router.serve(lambda: notify_ready(ready_fd)))
+    asyncio.run(router.serve(lambda: _ready(f"router listening on port {router.port}")))
     return EXIT_OK

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 from google.protobuf.message import DecodeError
+
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service.codec import decode_inputs, encode_outputs, parameters_to_dict
 from poolserve.service.errors import InvalidInput, ModelError, ServingError

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+
 from poolserve.service.catalog import Catalog, ModelEntry, ModelState
 from poolserve.service.errors import DeadlineExceeded, ServingError
 from poolserve.service.health import Health

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+
 from poolserve.protos import control_pb2 as cpb
 from poolserve.service.catalog import Catalog, ModelEntry, ModelState
 from poolserve.service.dispatcher import Dispatcher, Worker

@@ -21,6 +21,7 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service import __version__
 from poolserve.service.errors import (
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 _DROP_METADATA = frozenset({"user-agent", "content-type", "te", "host"})
 ROUTED = ("ModelInfer", "ModelReady", "ModelMetadata", "ModelConfig", "ModelStatistics")
 RETRY_WATCH_S = (0.05, 1.0)
+ADDRESS_FILE = "router.addr"  # host:port actually bound (useful with --grpc-port 0)
 
 
 @dataclass(eq=False)
@@ -67,6 +69,7 @@ def _peek_model_name_field2(data: bytes) -> str:
 class Router:
     def __init__(self, repository: Repository, settings: ServerSettings, run_dir: Path) -> None:
         self.settings = settings
+        self.address_file = run_dir / ADDRESS_FILE
         self.invalid = {bad.name: bad.reason for bad in repository.invalid}
         self.pools: dict[str, PoolRoute] = {}
         self.routes: dict[str, PoolRoute] = {}
@@ -339,6 +342,7 @@ class Router:
         async with asyncio.TaskGroup() as tasks:
             watchers = self._start_watchers(tasks)
             await server.start()
+            self._publish_address()
             log.info("router: listening on %s", address)
             ready()
             await self._stop.wait()
@@ -347,9 +351,17 @@ class Router:
             log.info("router: drained in %.3f s", time.monotonic() - began)
             for task in watchers:
                 task.cancel()
+        self.address_file.unlink(missing_ok=True)
         for route in self.pools.values():
             if route.channel is not None:
                 await route.channel.close()
+
+    def _publish_address(self) -> None:
+        host = self.settings.host
+        text = f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+        partial = self.address_file.with_suffix(".tmp")
+        partial.write_text(text + "\n")
+        partial.replace(self.address_file)
 
     def _start_watchers(self, tasks: asyncio.TaskGroup) -> Sequence[asyncio.Task[None]]:
         started = []

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
 import grpc
+
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service import __version__
 from poolserve.service.catalog import Catalog, ModelEntry

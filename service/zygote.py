@@ -29,8 +29,9 @@ from typing import Any, NoReturn
 
 from poolserve.service import worker
 from poolserve.service.model import Model, instantiate, tensor_specs
-from poolserve.service.procutil import describe_status, die_with, set_process_name, wait_child
+from poolserve.service.procutil import describe_status, set_process_name, wait_child
 from poolserve.service.repository import ModelSettings, TensorSpec
+from poolserve.supervisor.child import die_with_parent
 
 MAX_MESSAGE = 64 * 1024
 
@@ -95,7 +96,7 @@ class _Zygote:
             os.close(self.wake_w)
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            die_with(zygote_pid)
+            die_with_parent(zygote_pid)
             set_process_name("poolserve-wrk")
             worker.run(theirs, self.models)
         theirs.close()
@@ -148,7 +149,7 @@ class _Zygote:
 def _zygote_main(ctrl: socket.socket, settings: Sequence[ModelSettings], pool_pid: int) -> NoReturn:
     code = 0
     try:
-        die_with(pool_pid)
+        die_with_parent(pool_pid)
         set_process_name("poolserve-zyg")
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)

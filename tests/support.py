@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service.codec import encode_inputs
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+
 from poolserve.service.errors import InvalidInput
 from poolserve.service.model import Array, Model
 

@@ -77,6 +77,27 @@ def typed_echo(stub, model, datatype):
     )
 
 
+def infer_model(client, stub, model, meta):
+    """One raw and one typed inference shaped by the model's own metadata."""
+    spec = meta["inputs"][0]
+    datatype = spec["datatype"]
+    shape = [2 if d < 0 else d for d in (int(x) for x in spec["shape"])]
+    data = (np.arange(int(np.prod(shape))) % 5).reshape(shape).astype(DTYPES[datatype])
+    inp = tc.InferInput(spec["name"], shape, datatype)
+    inp.set_data_from_numpy(data)
+    raw = client.infer(model, [inp], client_timeout=30)
+    raw_out = raw.get_response(as_json=True)["outputs"]
+    request = service_pb2.ModelInferRequest(model_name=model)
+    tensor = request.inputs.add(name=spec["name"], datatype=datatype, shape=shape)
+    getattr(tensor.contents, TYPED_FIELD[datatype]).extend(data.flatten().tolist())
+    typed = stub.ModelInfer(request, timeout=30)
+    return {
+        "raw_outputs": [o["name"] for o in raw_out],
+        "typed_outputs": [o.name for o in typed.outputs],
+        "typed_is_typed": not typed.raw_output_contents,
+    }
+
+
 def status_of(fn):
     try:
         fn()
@@ -122,6 +143,7 @@ def main():
             "metadata_inputs": [i["name"] for i in meta.get("inputs", [])],
             "config_name": config["config"]["name"],
             "stats_models": [s["name"] for s in stats.get("model_stats", [])],
+            "infer": infer_model(client, stub, model, meta),
         }
     print(json.dumps(report))
 
