@@ -22,6 +22,9 @@ from poolserve.service.settings import (
 )
 
 SETTINGS_FILE = "model-settings.json"
+# Triton numbers versions and perf_analyzer parses them as integers: a model
+# without parameters.version is version "1". Requests may leave it empty.
+DEFAULT_VERSION = "1"
 _MODEL_FIELDS = {
     "name",
     "implementation",
@@ -51,7 +54,7 @@ class ModelSettings:
     implementation: str
     folder: Path
     source: Path
-    version: str = ""
+    version: str = DEFAULT_VERSION
     uri: str | None = None
     gid: str = DEFAULT_POOL
     extra: Mapping[str, Any] = field(default_factory=dict)
@@ -77,7 +80,7 @@ class InvalidModel:
     name: str
     source: Path
     reason: str
-    version: str = ""
+    version: str = DEFAULT_VERSION
     gid: str = DEFAULT_POOL
 
 
@@ -171,7 +174,7 @@ def parse_model_settings(path: Path) -> ModelSettings:
         implementation=implementation,
         folder=path.parent,
         source=path,
-        version=_expect(source, "parameters.version", params.get("version", ""), str),
+        version=_expect(source, "parameters.version", params.get("version", DEFAULT_VERSION), str),
         uri=uri,
         gid=gid,
         extra=_expect(source, "parameters.extra", params.get("extra", {}), dict),

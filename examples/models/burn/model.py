@@ -5,7 +5,7 @@ from __future__ import annotations
 from poolserve.service import Model
 from poolserve.service.model import Array
 
-DEFAULT_ITERATIONS = 400_000
+DEFAULT_ITERATIONS = 500_000
 
 
 def spin(iterations: int) -> int:
