@@ -8,7 +8,7 @@ REPO ?= examples/models
 PACKAGES := -p poolserve.protos -p poolserve.service -p poolserve.supervisor
 PROTOS := $(wildcard protos/*.proto)
 
-.PHONY: install test lint typecheck pytest protos run clean ns
+.PHONY: install test lint typecheck pytest protos run clean ns bench bench-quick
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,14 @@ run: install
 	@echo "poolserve: serving $(REPO) on 127.0.0.1:8081 (Ctrl-C stops it)."
 	@echo "  try: $(BIN)/python examples/client.py 127.0.0.1:8081"
 	$(BIN)/poolserve serve $(REPO)
+
+# Side-by-side benchmark against MLServer and a bare grpc.aio server (peers
+# live in bench/.peers, never in .venv). Writes bench/results/.
+bench: install
+	$(BIN)/python bench/run.py --mode full
+
+bench-quick: install
+	$(BIN)/python bench/run.py --mode quick
 
 clean:
 	rm -rf $(VENV) .ns build .mypy_cache .pytest_cache .ruff_cache
