@@ -7,6 +7,11 @@ about. A job has one state machine (QUEUED -> RUNNING -> DONE, or ABANDONED
 when its caller gave up through a deadline or a cancel); a reply for an
 abandoned job is counted and dropped. A job whose deadline passes while it is
 queued is answered at that moment and never reaches a worker.
+
+Workers are watched three ways: their socket closing (death, noticed at
+once), a heartbeat they send from a thread (a worker that stops is hung),
+and the job's own time limit (a model that runs too long). A worker found
+hung or overtime is killed (SIGABRT, then SIGKILL) and handled like a death.
 """
 
 from __future__ import annotations
@@ -17,20 +22,30 @@ import enum
 import heapq
 import itertools
 import logging
+import os
+import signal
 import socket
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from poolserve.service.errors import DeadlineExceeded, QueueFull, Unavailable, error_for
-from poolserve.service.frames import HEADER, parse_reply, request_frame
+from poolserve.service.errors import (
+    DeadlineExceeded,
+    QueueFull,
+    ServingError,
+    Unavailable,
+    error_for,
+)
+from poolserve.service.frames import HEADER, HEARTBEAT, Reply, parse_reply, request_frame
 from poolserve.service.stats import Timings
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PRIORITY = 1 << 30  # below every explicit priority (1 is the highest)
-RETRY_PRIORITY = 0  # a retried job goes before everything else
+RETRY_PRIORITY = -(1 << 62)  # a retried job goes before everything else
+STATUS_WAIT_S = 1.0  # how long a dead worker's job waits for the exit status
+ABORT_GRACE_S = 1.0  # SIGABRT (core dump, traceback) before SIGKILL
 
 
 class JobState(enum.Enum):
@@ -47,11 +62,14 @@ class Job:
     priority: int
     seq: int
     future: asyncio.Future[Result]
+    tag: str = ""
     idempotent: bool = True
+    timeout: float | None = None
     state: JobState = JobState.QUEUED
     enqueued: float = 0.0
     started: float = 0.0
     retried: bool = False
+    overtime: asyncio.TimerHandle | None = None
 
 
 @dataclass(slots=True)
@@ -62,6 +80,7 @@ class Result:
 
 
 class WorkerState(enum.StrEnum):
+    STARTING = "starting"
     IDLE = "idle"
     BUSY = "busy"
     DEAD = "dead"
@@ -71,11 +90,27 @@ class WorkerState(enum.StrEnum):
 class Worker:
     pid: int
     sock: socket.socket
+    pidfd: int = -1
     writer: asyncio.StreamWriter | None = None
     current: Job | None = None
     served: int = 0
-    state: WorkerState = WorkerState.IDLE
+    state: WorkerState = WorkerState.STARTING
     started_at: float = field(default_factory=time.monotonic)
+    last_seen: float = field(default_factory=time.monotonic)
+    kill_reason: str = ""
+    status: str | None = None
+    lost_job: Job | None = None
+    lost_tag: str = ""
+
+
+@dataclass(frozen=True)
+class WorkerGone:
+    """A dead worker, reported once both its socket closed and its status is known."""
+
+    pid: int
+    status: str
+    tag: str  # the model it was running when it died, "" if idle
+    reason: str  # why we killed it, "" if it died on its own
 
 
 class Dispatcher:
@@ -84,16 +119,20 @@ class Dispatcher:
         name: str,
         max_queue: int,
         on_change: Callable[[], None] = lambda: None,
-        on_worker_lost: Callable[[Worker], None] = lambda w: None,
+        on_worker_gone: Callable[[WorkerGone], None] = lambda gone: None,
+        heartbeat_timeout: float = 30.0,
     ) -> None:
         self.name = name
         self.max_queue = max_queue
+        self.heartbeat_timeout = heartbeat_timeout
         self._on_change = on_change
-        self._on_worker_lost = on_worker_lost
+        self._on_worker_gone = on_worker_gone
         self._heap: list[tuple[int, float, int, Job]] = []
         self._queued = 0
         self._idle: deque[Worker] = deque()
         self._workers: dict[int, Worker] = {}
+        self._dead: dict[int, Worker] = {}
+        self._statuses: dict[int, str] = {}
         self._seq = itertools.count(1)
         self._tasks: asyncio.TaskGroup | None = None
         self._closing = asyncio.Event()
@@ -103,11 +142,13 @@ class Dispatcher:
     # -- lifecycle -------------------------------------------------------
 
     async def run(self, started: Callable[[], None] = lambda: None) -> None:
-        """Owns the worker reader tasks until :meth:`close`."""
+        """Owns the worker reader tasks and the heartbeat watch until :meth:`close`."""
         async with asyncio.TaskGroup() as tasks:
             self._tasks = tasks
+            watch = tasks.create_task(self._watch_heartbeats(), name="heartbeats")
             started()
             await self._closing.wait()
+            watch.cancel()
             for worker in list(self._workers.values()):
                 self._close_worker(worker)
         self._tasks = None
@@ -120,13 +161,24 @@ class Dispatcher:
             sock.close()
             return
         worker = Worker(pid, sock)
+        with contextlib.suppress(OSError):
+            worker.pidfd = os.pidfd_open(pid)  # signals go to this process, never a reused pid
         self._workers[pid] = worker
         self._tasks.create_task(self._read_replies(worker), name=f"worker-{pid}")
+
+    def worker_exited(self, pid: int, status: str) -> None:
+        """The zygote reaped ``pid``: completes the death report if the socket closed."""
+        worker = self._dead.pop(pid, None)
+        if worker is None:
+            self._statuses[pid] = status  # the socket has not closed yet
+            return
+        worker.status = status
+        self._report_gone(worker)
 
     # -- status ----------------------------------------------------------
 
     def live_workers(self) -> int:
-        return sum(1 for w in self._workers.values() if w.state is not WorkerState.DEAD)
+        return sum(1 for w in self._workers.values() if w.state is not WorkerState.STARTING)
 
     def queue_depth(self) -> int:
         return self._queued
@@ -140,16 +192,28 @@ class Dispatcher:
         self,
         body: bytes,
         deadline: float,
-        priority: int = DEFAULT_PRIORITY,
+        *,
+        priority: int | None = None,
         idempotent: bool = True,
+        tag: str = "",
+        timeout: float | None = None,
     ) -> Result:
         loop = asyncio.get_running_loop()
         now = loop.time()
         if deadline <= now:
             raise DeadlineExceeded(f"deadline already spent on arrival at pool '{self.name}'")
-        if not self._workers:
+        if not self.live_workers():
             raise Unavailable(f"pool '{self.name}' has no live worker")
-        job = Job(body, deadline, priority, next(self._seq), loop.create_future(), idempotent)
+        job = Job(
+            body,
+            deadline,
+            DEFAULT_PRIORITY if priority is None else priority,
+            next(self._seq),
+            loop.create_future(),
+            tag,
+            idempotent,
+            timeout,
+        )
         job.enqueued = now
         if self._idle and not self._queued:
             self._start(self._idle.pop(), job)
@@ -187,17 +251,31 @@ class Dispatcher:
             return
         if job.state is JobState.QUEUED:
             self.expired_in_queue += 1
-            where = f"while queued in pool '{self.name}'"
+            where = f"while queued in pool '{self.name}' (it never reached a worker)"
         else:
             where = f"while running on a worker of pool '{self.name}'"
-        job.future.set_exception(DeadlineExceeded(f"deadline exceeded {where}"))
+        self._finish(job, DeadlineExceeded(f"deadline exceeded {where}"))
         self._abandon(job)
 
+    def _finish(self, job: Job, outcome: Result | ServingError) -> None:
+        if job.overtime is not None:
+            job.overtime.cancel()
+            job.overtime = None
+        if job.future.done():
+            return
+        if isinstance(outcome, Result):
+            job.future.set_result(outcome)
+        else:
+            job.future.set_exception(outcome)
+
     def _start(self, worker: Worker, job: Job) -> None:
+        loop = asyncio.get_running_loop()
         job.state = JobState.RUNNING
-        job.started = asyncio.get_running_loop().time()
+        job.started = loop.time()
         worker.current = job
         worker.state = WorkerState.BUSY
+        if job.timeout is not None:
+            job.overtime = loop.call_at(job.started + job.timeout, self._overtime, worker, job)
         assert worker.writer is not None
         worker.writer.write(request_frame(job.seq, job.body))
 
@@ -229,18 +307,18 @@ class Dispatcher:
                 header = await reader.readexactly(HEADER.size)
                 length, kind, seq = HEADER.unpack(header)
                 payload = await reader.readexactly(length)
-                self._deliver(worker, parse_reply(kind, seq, payload))
+                worker.last_seen = asyncio.get_running_loop().time()
+                if kind != HEARTBEAT:
+                    self._deliver(worker, parse_reply(kind, seq, payload))
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
             pass  # the worker died or closed: handled below
         except ValueError as exc:
             log.error("pool %s: worker %d broke the frame protocol: %s", self.name, worker.pid, exc)
+            self._kill(worker, f"frame protocol error: {exc}")
         finally:
             self._lost(worker)
 
-    def _deliver(self, worker: Worker, reply: object) -> None:
-        from poolserve.service.frames import Reply
-
-        assert isinstance(reply, Reply)
+    def _deliver(self, worker: Worker, reply: Reply) -> None:
         job = worker.current
         if job is None or job.seq != reply.seq:
             raise ValueError(f"reply for sequence {reply.seq} that this worker does not hold")
@@ -249,12 +327,48 @@ class Dispatcher:
             job.state = JobState.DONE
             if reply.failure is None:
                 queue_ns = int((job.started - job.enqueued) * 1e9)
-                job.future.set_result(Result(reply.body, reply.timings, queue_ns))
+                self._finish(job, Result(reply.body, reply.timings, queue_ns))
             else:
-                job.future.set_exception(error_for(reply.failure, reply.message))
+                self._finish(job, error_for(reply.failure, reply.message))
         else:
+            if job.overtime is not None:
+                job.overtime.cancel()
             self.late_replies += 1
         self._worker_free(worker)
+
+    # -- hung and overtime workers ---------------------------------------
+
+    async def _watch_heartbeats(self) -> None:
+        loop = asyncio.get_running_loop()
+        period = max(0.05, self.heartbeat_timeout / 4)
+        while True:
+            await asyncio.sleep(period)  # a periodic check, not a readiness wait
+            now = loop.time()
+            for worker in list(self._workers.values()):
+                silent = now - worker.last_seen
+                if worker.state is not WorkerState.STARTING and silent > self.heartbeat_timeout:
+                    self._kill(worker, f"stopped heartbeating for {silent:.1f} s")
+
+    def _overtime(self, worker: Worker, job: Job) -> None:
+        job.overtime = None
+        if worker.current is job:
+            self._kill(worker, f"model '{job.tag}' ran longer than its timeout of {job.timeout} s")
+
+    def _kill(self, worker: Worker, reason: str) -> None:
+        if worker.kill_reason or worker.pidfd < 0:
+            return
+        worker.kill_reason = reason
+        log.warning("pool %s: killing worker %d: %s", self.name, worker.pid, reason)
+        self._signal(worker, signal.SIGABRT)
+        asyncio.get_running_loop().call_later(ABORT_GRACE_S, self._signal, worker, signal.SIGKILL)
+
+    @staticmethod
+    def _signal(worker: Worker, number: int) -> None:
+        if worker.pidfd >= 0:
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(worker.pidfd, number)
+
+    # -- death -----------------------------------------------------------
 
     def _lost(self, worker: Worker) -> None:
         if worker.state is WorkerState.DEAD:
@@ -268,35 +382,70 @@ class Dispatcher:
         else:
             worker.sock.close()
         job, worker.current = worker.current, None
+        worker.lost_tag = job.tag if job is not None else ""
         if job is not None and job.state is JobState.RUNNING:
-            self._retry_or_fail(job, worker)
-        if not self._closing.is_set():
-            self._on_worker_lost(worker)
+            if worker.kill_reason or not self._retry(job):
+                worker.lost_job = job  # answered once the exit status is known
+        status = self._statuses.pop(worker.pid, None)
+        if status is not None:
+            worker.status = status
+            self._report_gone(worker)
+        else:
+            self._dead[worker.pid] = worker
+            asyncio.get_running_loop().call_later(STATUS_WAIT_S, self._status_overdue, worker)
         self._on_change()
 
-    def _retry_or_fail(self, job: Job, worker: Worker) -> None:
-        loop = asyncio.get_running_loop()
-        if job.idempotent and not job.retried and self._workers and job.deadline > loop.time():
-            job.retried = True
-            job.state = JobState.QUEUED
-            heapq.heappush(self._heap, (RETRY_PRIORITY, job.deadline, job.seq, job))
-            self._queued += 1
-            if self._idle:
-                self._worker_free_job(self._idle.pop())
-            return
-        job.state = JobState.DONE
-        job.future.set_exception(
-            Unavailable(
-                f"worker pid {worker.pid} of pool '{self.name}' died while running the request"
-            )
-        )
+    def _status_overdue(self, worker: Worker) -> None:
+        if self._dead.pop(worker.pid, None) is not None:
+            worker.status = "exit status unknown"
+            self._report_gone(worker)
 
-    def _worker_free_job(self, worker: Worker) -> None:
-        job = self._next_job()
-        if job is None:
-            self._idle.append(worker)
+    def _report_gone(self, worker: Worker) -> None:
+        if worker.pidfd >= 0:
+            os.close(worker.pidfd)
+            worker.pidfd = -1
+        job, worker.lost_job = worker.lost_job, None
+        if job is not None:
+            self._fail_lost_job(job, worker)
+        if not self._closing.is_set():
+            self._on_worker_gone(
+                WorkerGone(worker.pid, worker.status or "", worker.lost_tag, worker.kill_reason)
+            )
+
+    def _fail_lost_job(self, job: Job, worker: Worker) -> None:
+        job.state = JobState.DONE
+        if worker.kill_reason.startswith("model"):
+            error: ServingError = DeadlineExceeded(
+                f"{worker.kill_reason}; worker pid {worker.pid} was killed"
+            )
         else:
-            self._start(worker, job)
+            why = worker.kill_reason or worker.status
+            error = Unavailable(
+                f"worker pid {worker.pid} of pool '{self.name}' died while running the "
+                f"request ({why})"
+            )
+        self._finish(job, error)
+
+    def _retry(self, job: Job) -> bool:
+        """Requeues a dead worker's job once, if it may run twice and still has time."""
+        loop = asyncio.get_running_loop()
+        if not job.idempotent or job.retried or job.deadline <= loop.time():
+            return False
+        if job.overtime is not None:
+            job.overtime.cancel()
+            job.overtime = None
+        job.retried = True
+        job.state = JobState.QUEUED
+        heapq.heappush(self._heap, (RETRY_PRIORITY, job.deadline, job.seq, job))
+        self._queued += 1
+        if self._idle:
+            worker = self._idle.pop()
+            next_job = self._next_job()
+            if next_job is None:
+                self._idle.append(worker)
+            else:
+                self._start(worker, next_job)
+        return True
 
     def _close_worker(self, worker: Worker) -> None:
         """Closing the socket makes the worker exit (EOF); its reader then finishes."""

@@ -23,6 +23,7 @@ ERROR_HEAD = struct.Struct("<B")
 REQUEST = 1
 REPLY = 2
 ERROR = 3
+HEARTBEAT = 4  # worker -> pool, from the worker's heartbeat thread; seq 0, no payload
 
 MAX_FRAME = 1 << 31
 
@@ -50,6 +51,10 @@ def error_frame(seq: int, timings: Timings, failure: Failure, message: str) -> b
     head = TIMINGS.pack(timings.decode_ns, timings.compute_ns, timings.encode_ns)
     payload = head + ERROR_HEAD.pack(int(failure)) + text
     return HEADER.pack(len(payload), ERROR, seq) + payload
+
+
+def heartbeat_frame() -> bytes:
+    return HEADER.pack(0, HEARTBEAT, 0)
 
 
 def parse_reply(kind: int, seq: int, payload: bytes) -> Reply:

@@ -23,6 +23,7 @@ from poolserve.service.model import Model, instantiate, tensor_specs
 from poolserve.service.repository import ModelSettings, Repository
 from poolserve.service.servicer import InferenceServicer
 from poolserve.service.settings import ServerSettings
+from poolserve.service.wire import Routing
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,9 @@ class InProcessBackend:
             self._models[settings.name] = model
             self._catalog.set_state(settings.name, ModelState.READY, "", tensor_specs(model))
 
-    async def infer(self, entry: ModelEntry, request: bytes, deadline: float) -> bytes:
+    async def infer(
+        self, entry: ModelEntry, request: bytes, deadline: float, routing: Routing
+    ) -> bytes:
         queued = time.monotonic_ns()
         if time.monotonic() >= deadline:
             raise DeadlineExceeded(f"deadline exceeded before model '{entry.name}' ran")

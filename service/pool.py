@@ -24,13 +24,15 @@ import grpc
 
 from poolserve.protos import control_pb2 as cpb
 from poolserve.service.catalog import Catalog, ModelEntry, ModelState
-from poolserve.service.dispatcher import Dispatcher, Worker
+from poolserve.service.dispatcher import Dispatcher, WorkerGone
 from poolserve.service.errors import DeadlineExceeded, ServingError
 from poolserve.service.health import Health
 from poolserve.service.procutil import pss_bytes
 from poolserve.service.repository import ModelSettings, TensorSpec
+from poolserve.service.respawn import Respawner
 from poolserve.service.servicer import InferenceServicer, guarded
 from poolserve.service.settings import ServerSettings
+from poolserve.service.wire import Routing
 from poolserve.service.zygote import ZygoteEvents, ZygoteLink
 
 log = logging.getLogger(__name__)
@@ -55,10 +57,19 @@ class PoolBackend:
     def serving(self) -> bool:
         return self.dispatcher.live_workers() > 0
 
-    async def infer(self, entry: ModelEntry, request: bytes, deadline: float) -> bytes:
+    async def infer(
+        self, entry: ModelEntry, request: bytes, deadline: float, routing: Routing
+    ) -> bytes:
         began = time.monotonic_ns()
         try:
-            result = await self.dispatcher.submit(request, deadline)
+            result = await self.dispatcher.submit(
+                request,
+                deadline,
+                priority=routing.priority,
+                idempotent=routing.idempotent,
+                tag=entry.name,
+                timeout=entry.settings.timeout_s if entry.settings is not None else None,
+            )
         except DeadlineExceeded:
             entry.stats.record_failure(time.monotonic_ns() - began)
             raise
@@ -92,23 +103,23 @@ class PoolServer:
         self.settings = settings
         self.socket_path = socket_path
         self.workers = settings.workers_for(gid)
-        self.zygote = ZygoteLink(self.models)
+        self.zygote = ZygoteLink(self.models, settings.heartbeat_interval_s)
         self.catalog = Catalog.from_settings(self.models)
         self.health = Health()
         self.dispatcher = Dispatcher(
             f"{gid}",
             settings.max_queue,
             on_change=self._sync_health,
-            on_worker_lost=self._replace_worker,
+            on_worker_gone=self._on_worker_gone,
+            heartbeat_timeout=settings.heartbeat_timeout_s,
         )
+        self.respawner = Respawner(self.zygote.spawn, self._mark_failed, clock=time.monotonic)
         self.servicer = InferenceServicer(
             self.catalog,
             PoolBackend(self.dispatcher),
             server_name=settings.server_name,
             default_timeout_s=settings.default_timeout_s,
         )
-        self.exits: dict[int, str] = {}
-        self.restarts = 0
         self._stop = asyncio.Event()
         self.exit_code = 0
 
@@ -141,9 +152,7 @@ class PoolServer:
         self.dispatcher.add_worker(pid, sock)
 
     def _on_exit(self, pid: int, status: str) -> None:
-        self.exits[pid] = status
-        if not self._stop.is_set():
-            log.warning("pool %s: worker %d %s", self.gid, pid, status)
+        self.dispatcher.worker_exited(pid, status)
 
     def _on_zygote_lost(self) -> None:
         if not self._stop.is_set():
@@ -151,9 +160,17 @@ class PoolServer:
             self.exit_code = 1
             self._stop.set()
 
-    def _replace_worker(self, worker: Worker) -> None:
-        self.restarts += 1
-        self.zygote.spawn()
+    def _on_worker_gone(self, gone: WorkerGone) -> None:
+        running = f" while running model '{gone.tag}'" if gone.tag else ""
+        killed = f" (killed: {gone.reason})" if gone.reason else ""
+        log.warning("pool %s: worker %d %s%s%s", self.gid, gone.pid, gone.status, running, killed)
+        delay = self.respawner.worker_lost(gone.tag, gone.reason or gone.status)
+        if delay:
+            log.info("pool %s: next worker in %.2f s (crash back-off)", self.gid, delay)
+
+    def _mark_failed(self, name: str, reason: str) -> None:
+        log.error("pool %s: model %s marked failed: %s", self.gid, name, reason)
+        self.catalog.set_state(name, ModelState.UNAVAILABLE, reason)
 
     # -- health --------------------------------------------------------------
 
@@ -248,6 +265,7 @@ class PoolServer:
         self.health.shutdown()
         # Stop taking calls, let in-flight calls finish within the grace period.
         await server.stop(self.settings.stop_grace_s)
+        self.respawner.close()
         self.dispatcher.close()
         self.zygote.close()
         self.socket_path.unlink(missing_ok=True)

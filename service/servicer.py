@@ -22,7 +22,7 @@ from poolserve.service import __version__
 from poolserve.service.catalog import Catalog, ModelEntry
 from poolserve.service.errors import ServingError, Unimplemented, grpc_status
 from poolserve.service.metadata import model_config, model_metadata
-from poolserve.service.wire import encode_len_field, peek_model
+from poolserve.service.wire import Routing, encode_len_field, peek_routing
 
 SERVICE = "inference.GRPCInferenceService"
 EXTENSIONS = ("model_repository", "statistics", "model_configuration", "schedule_policy")
@@ -37,7 +37,9 @@ Resp = TypeVar("Resp")
 class InferBackend(Protocol):
     """Runs serialized requests for ready models; raises ServingError subclasses."""
 
-    async def infer(self, entry: ModelEntry, request: bytes, deadline: float) -> bytes: ...
+    async def infer(
+        self, entry: ModelEntry, request: bytes, deadline: float, routing: Routing
+    ) -> bytes: ...
 
     def serving(self) -> bool: ...
 
@@ -148,9 +150,9 @@ class InferenceServicer:
         return await self.infer_bytes(request, deadline)
 
     async def infer_bytes(self, request: bytes, deadline: float) -> bytes:
-        name, version = peek_model(request)
-        entry = self.catalog.lookup_ready(name, version)
-        return await self.backend.infer(entry, request, deadline)
+        routing = peek_routing(request)
+        entry = self.catalog.lookup_ready(routing.name, routing.version)
+        return await self.backend.infer(entry, request, deadline, routing)
 
     async def model_stream_infer(
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]

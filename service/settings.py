@@ -49,6 +49,9 @@ class ServerSettings:
     deadline_margin_ms: float = 1.0
     stop_grace_s: float = 10.0
     log_format: str = "text"
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 30.0
+    reject_hopeless: bool = False
     server_name: str = "poolserve"
 
     def workers_for(self, gid: str) -> int:
@@ -65,7 +68,14 @@ class ServerSettings:
 
 
 _INT_FIELDS = {"grpc_port", "parallel_workers", "max_queue", "max_message_size"}
-_FLOAT_FIELDS = {"default_timeout_s", "deadline_margin_ms", "stop_grace_s"}
+_FLOAT_FIELDS = {
+    "default_timeout_s",
+    "deadline_margin_ms",
+    "stop_grace_s",
+    "heartbeat_interval_s",
+    "heartbeat_timeout_s",
+}
+_BOOL_FIELDS = {"reject_hopeless"}
 _STR_FIELDS = {"host", "run_dir", "log_format", "server_name"}
 
 
@@ -86,6 +96,10 @@ def _check_value(source: str, name: str, value: object) -> object:
             raise ConfigError(source, name, f"expected a string, got {value!r}")
         if name == "log_format" and value not in ("text", "json"):
             raise ConfigError(source, name, "expected 'text' or 'json'")
+        return value
+    if name in _BOOL_FIELDS:
+        if not isinstance(value, bool):
+            raise ConfigError(source, name, f"expected true or false, got {value!r}")
         return value
     if name == "pools":
         return _parse_pools(source, value)
@@ -132,6 +146,10 @@ def _env_values(environ: Mapping[str, str]) -> dict[str, object]:
                 values[f.name] = float(raw)
             except ValueError:
                 raise ConfigError(source, f.name, f"expected a number, got {raw!r}") from None
+        elif f.name in _BOOL_FIELDS:
+            if raw.lower() not in ("true", "false", "1", "0"):
+                raise ConfigError(source, f.name, f"expected true or false, got {raw!r}")
+            values[f.name] = raw.lower() in ("true", "1")
         elif f.name == "pools":
             try:
                 values[f.name] = json.loads(raw)

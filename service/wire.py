@@ -8,6 +8,8 @@ protobuf), so the whole top level is walked, jumping over payloads.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from poolserve.service.errors import InvalidInput
 
 _VARINT, _I64, _LEN, _SGROUP, _EGROUP, _I32 = 0, 1, 2, 3, 4, 5
@@ -30,10 +32,31 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
             raise InvalidInput("request bytes hold a varint longer than 10 bytes")
 
 
+@dataclass(slots=True)
+class Routing:
+    """What the pool needs from a request without parsing its tensors."""
+
+    name: str
+    version: str
+    priority: int | None = None
+    idempotent: bool = True
+
+
+SCHEDULING_KEYS = (b"priority", b"idempotent")
+
+
 def peek_model(data: bytes) -> tuple[str, str]:
     """Returns (model_name, model_version) from serialized ModelInferRequest bytes."""
+    routing = peek_routing(data, with_parameters=False)
+    return routing.name, routing.version
+
+
+def peek_routing(data: bytes, with_parameters: bool = True) -> Routing:
+    """Model name and version, plus the scheduling parameters ``priority`` (int64,
+    1 is the highest) and ``idempotent`` (bool) when ``with_parameters``."""
     name = b""
     version = b""
+    params: dict[bytes, int] = {}
     pos = 0
     end = len(data)
     while pos < end:
@@ -56,14 +79,55 @@ def peek_model(data: bytes) -> tuple[str, str]:
                 name = data[start:pos]
             elif number == 2:
                 version = data[start:pos]
+            elif number == 4 and with_parameters:
+                _map_entry(data, start, pos, params)
         else:
             raise InvalidInput(f"request bytes use unsupported wire type {wire_type}")
         if pos > end:
             raise InvalidInput("request bytes are truncated")
     try:
-        return name.decode("utf-8"), version.decode("utf-8")
+        routing = Routing(name.decode("utf-8"), version.decode("utf-8"))
     except UnicodeDecodeError:
         raise InvalidInput("model_name or model_version is not valid UTF-8") from None
+    if b"priority" in params:
+        routing.priority = _signed(params[b"priority"])
+    if b"idempotent" in params:
+        routing.idempotent = bool(params[b"idempotent"])
+    return routing
+
+
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _map_entry(data: bytes, pos: int, end: int, params: dict[bytes, int]) -> None:
+    """One ``map<string, InferParameter>`` entry: keeps int64/bool values of known keys."""
+    key = b""
+    value: int | None = None
+    while pos < end:
+        tag, pos = _varint(data, pos)
+        if tag == (1 << 3) | _LEN:
+            size, pos = _varint(data, pos)
+            key, pos = data[pos : pos + size], pos + size
+        elif tag == (2 << 3) | _LEN:
+            size, pos = _varint(data, pos)
+            value = _parameter_int(data, pos, min(pos + size, end))
+            pos += size
+        else:
+            return  # not a well-formed entry: protobuf's own parser will say so later
+    if key in SCHEDULING_KEYS and value is not None:
+        params[key] = value
+
+
+def _parameter_int(data: bytes, pos: int, end: int) -> int | None:
+    """bool_param (1) or int64_param (2) of an InferParameter, else None."""
+    while pos < end:
+        tag, pos = _varint(data, pos)
+        if tag in ((1 << 3) | _VARINT, (2 << 3) | _VARINT):
+            value, pos = _varint(data, pos)
+            return value
+        return None
+    return None
 
 
 def encode_len_field(number: int, payload: bytes) -> bytes:

@@ -12,11 +12,13 @@ import contextlib
 import os
 import signal
 import socket
+import threading
+import time
 from collections.abc import Mapping
 from typing import BinaryIO, NoReturn
 
 from poolserve.service.errors import Failure, ModelNotFound, ServingError
-from poolserve.service.frames import HEADER, REQUEST, error_frame, reply_frame
+from poolserve.service.frames import HEADER, REQUEST, error_frame, heartbeat_frame, reply_frame
 from poolserve.service.inference import infer
 from poolserve.service.model import Model
 from poolserve.service.stats import Timings
@@ -44,7 +46,7 @@ def handle(models: Mapping[str, Model], body: bytes, seq: int) -> bytes:
         return error_frame(seq, Timings(), Failure.INTERNAL, f"{type(exc).__name__}: {exc}")
 
 
-def serve(sock: socket.socket, models: Mapping[str, Model]) -> None:
+def serve(sock: socket.socket, models: Mapping[str, Model], send_lock: threading.Lock) -> None:
     stream = sock.makefile("rb")
     while True:
         header = _read_exact(stream, HEADER.size)
@@ -54,14 +56,34 @@ def serve(sock: socket.socket, models: Mapping[str, Model]) -> None:
         body = _read_exact(stream, length)
         if body is None or kind != REQUEST:
             return
-        sock.sendall(handle(models, body, seq))
+        frame = handle(models, body, seq)
+        with send_lock:
+            sock.sendall(frame)
 
 
-def run(sock: socket.socket, models: Mapping[str, Model]) -> NoReturn:
+def heartbeat(sock: socket.socket, send_lock: threading.Lock, interval: float) -> None:
+    """Runs in its own thread: a worker whose main thread hangs (or holds the GIL
+    in C code) stops these, and the pool kills it."""
+    frame = heartbeat_frame()
+    while True:
+        time.sleep(interval)
+        try:
+            with send_lock:
+                sock.sendall(frame)
+        except OSError:
+            return
+
+
+def run(sock: socket.socket, models: Mapping[str, Model], heartbeat_s: float) -> NoReturn:
     """The worker's whole life, called in the child right after fork."""
     # The pool server owns shutdown: a terminal's Ctrl-C is not for us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    send_lock = threading.Lock()
+    beat = threading.Thread(
+        target=heartbeat, args=(sock, send_lock, heartbeat_s), name="heartbeat", daemon=True
+    )
+    beat.start()
     with contextlib.suppress(OSError):  # the pool went away: nothing left to answer
-        serve(sock, models)
+        serve(sock, models, send_lock)
     os._exit(0)

@@ -53,8 +53,11 @@ def _send(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ())
 
 
 class _Zygote:
-    def __init__(self, ctrl: socket.socket, settings: Sequence[ModelSettings]) -> None:
+    def __init__(
+        self, ctrl: socket.socket, settings: Sequence[ModelSettings], heartbeat_s: float
+    ) -> None:
         self.ctrl = ctrl
+        self.heartbeat_s = heartbeat_s
         self.settings = settings
         self.models: dict[str, Model] = {}
         self.workers: set[int] = set()
@@ -98,7 +101,7 @@ class _Zygote:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             die_with_parent(zygote_pid)
             set_process_name("poolserve-wrk")
-            worker.run(theirs, self.models)
+            worker.run(theirs, self.models, self.heartbeat_s)
         theirs.close()
         self.workers.add(pid)
         try:
@@ -146,14 +149,16 @@ class _Zygote:
                     self.spawn()
 
 
-def _zygote_main(ctrl: socket.socket, settings: Sequence[ModelSettings], pool_pid: int) -> NoReturn:
+def _zygote_main(
+    ctrl: socket.socket, settings: Sequence[ModelSettings], pool_pid: int, heartbeat_s: float
+) -> NoReturn:
     code = 0
     try:
         die_with_parent(pool_pid)
         set_process_name("poolserve-zyg")
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        _Zygote(ctrl, settings).loop()
+        _Zygote(ctrl, settings, heartbeat_s).loop()
     except BaseException:
         code = 1
     os._exit(code)
@@ -171,8 +176,9 @@ class ZygoteEvents:
 class ZygoteLink:
     """The pool server's end: forks the zygote, then talks to it from asyncio."""
 
-    def __init__(self, settings: Sequence[ModelSettings]) -> None:
+    def __init__(self, settings: Sequence[ModelSettings], heartbeat_s: float = 1.0) -> None:
         self._settings = settings
+        self._heartbeat_s = heartbeat_s
         self._sock: socket.socket | None = None
         self.pid = 0
 
@@ -186,7 +192,7 @@ class ZygoteLink:
             for fd in close_in_child:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-            _zygote_main(theirs, self._settings, pool_pid)
+            _zygote_main(theirs, self._settings, pool_pid, self._heartbeat_s)
         theirs.close()
         self.pid = pid
         self._sock = ours

@@ -7,9 +7,10 @@ import contextlib
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service.errors import InvalidInput
-from poolserve.service.wire import encode_len_field, peek_model
+from poolserve.service.wire import encode_len_field, peek_model, peek_routing
 
 
 @settings(max_examples=200, deadline=None)
@@ -50,3 +51,29 @@ def test_malformed_bytes_are_invalid_input(data: bytes) -> None:
 def test_random_bytes_never_raise_anything_else(data: bytes) -> None:
     with contextlib.suppress(InvalidInput):
         peek_model(data)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    priority=st.one_of(st.none(), st.integers(min_value=-(2**63), max_value=2**63 - 1)),
+    idempotent=st.one_of(st.none(), st.booleans()),
+    noise=st.dictionaries(
+        st.text(max_size=10).filter(lambda k: k not in ("priority", "idempotent")),
+        st.integers(min_value=0, max_value=9),
+        max_size=3,
+    ),
+)
+def test_scheduling_parameters(
+    priority: int | None, idempotent: bool | None, noise: dict[str, int]
+) -> None:
+    request = pb.ModelInferRequest(model_name="m")
+    for key, value in noise.items():
+        request.parameters[key].int64_param = value
+    if priority is not None:
+        request.parameters["priority"].int64_param = priority
+    if idempotent is not None:
+        request.parameters["idempotent"].bool_param = idempotent
+    routing = peek_routing(request.SerializeToString())
+    assert routing.name == "m"
+    assert routing.priority == priority
+    assert routing.idempotent is (True if idempotent is None else idempotent)

@@ -1,0 +1,86 @@
+"""When to fork a replacement worker, and when a model is to blame too often.
+
+A worker that dies is replaced at once the first time; repeated deaths back
+off with jitter (capped), so a model that kills its worker on every request
+cannot fork-bomb the machine. Deaths are also counted against the model the
+worker was running: past a threshold the model is marked failed, and the
+rest of the pool keeps serving. Both counts decay, as in the supervisor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable
+
+from poolserve.supervisor.policy import DecayingCounter, backoff_delay
+
+CRASH_HALF_LIFE_S = 60.0
+MODEL_CRASH_THRESHOLD = 4.0
+BACKOFF_BASE_S = 0.05
+BACKOFF_CAP_S = 5.0
+JITTER = 0.5
+
+
+class Respawner:
+    def __init__(
+        self,
+        spawn: Callable[[], None],
+        mark_failed: Callable[[str, str], None],
+        *,
+        clock: Callable[[], float],
+        rng: random.Random | None = None,
+        threshold: float = MODEL_CRASH_THRESHOLD,
+    ) -> None:
+        self._spawn = spawn
+        self._mark_failed = mark_failed
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self._threshold = threshold
+        self._pool = DecayingCounter(CRASH_HALF_LIFE_S)
+        self._models: dict[str, DecayingCounter] = {}
+        self._failed: set[str] = set()
+        self._timers: set[asyncio.TimerHandle] = set()
+        self.respawns = 0
+
+    def worker_lost(self, model: str, why: str) -> float:
+        """Records a death; schedules the replacement; returns its delay in seconds."""
+        now = self._clock()
+        failures = self._pool.add(now)
+        if model and model not in self._failed:
+            count = self._models.setdefault(model, DecayingCounter(CRASH_HALF_LIFE_S)).add(now)
+            if count >= self._threshold:
+                self._failed.add(model)
+                self._mark_failed(
+                    model, f"model crashed its worker {round(count)} times recently (last: {why})"
+                )
+        delay = 0.0
+        if failures > 1.5:
+            delay = backoff_delay(
+                failures - 1, base=BACKOFF_BASE_S, cap=BACKOFF_CAP_S, jitter=JITTER, rng=self._rng
+            )
+        self._schedule(delay)
+        return delay
+
+    def _schedule(self, delay: float) -> None:
+        loop = asyncio.get_running_loop()
+        handle: asyncio.TimerHandle | None = None
+
+        def fire() -> None:
+            assert handle is not None
+            self._timers.discard(handle)
+            self.respawns += 1
+            self._spawn()
+
+        handle = loop.call_later(delay, fire)
+        self._timers.add(handle)
+
+    def forgive(self, model: str) -> None:
+        """A model was (re)loaded: its crash history starts over."""
+        self._failed.discard(model)
+        self._models.pop(model, None)
+
+    def close(self) -> None:
+        for handle in self._timers:
+            handle.cancel()
+        self._timers.clear()
