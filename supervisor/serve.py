@@ -24,10 +24,11 @@ from poolserve.service.router import ADDRESS_FILE
 from poolserve.service.settings import ConfigError, ServerSettings, load_server_settings
 from poolserve.supervisor.events import Event, event_logger
 from poolserve.supervisor.exitcodes import EXIT_CONFIG
+from poolserve.supervisor.notify import SystemdNotifier, SystemdService
 from poolserve.supervisor.process import process_child
 from poolserve.supervisor.reaper import OrphanReaper, become_subreaper
 from poolserve.supervisor.spec import ChildSpec, Restart, Service, Strategy, SupervisorSpec
-from poolserve.supervisor.tree import Supervisor, run_root
+from poolserve.supervisor.tree import KILL_GRACE, Supervisor, run_root
 
 log = logging.getLogger("poolserve.serve")
 
@@ -60,13 +61,19 @@ def build_tree(
             )
             for gid in gids
         ]
-        return Supervisor(SupervisorSpec("pools", stop_timeout=grace + 10), specs, events=events)
+        # Pools stop one after another: the budget covers each one's drain.
+        budget = len(specs) * (grace + KILL_GRACE) + 5
+        return Supervisor(SupervisorSpec("pools", stop_timeout=budget), specs, events=events)
 
+    pools_budget = len(gids) * (grace + KILL_GRACE) + 10
     children = [
-        ChildSpec("pools", pools, restart=Restart.PERMANENT, stop_timeout=grace + 15),
+        ChildSpec("pools", pools, restart=Restart.PERMANENT, stop_timeout=pools_budget),
         process_child("router", child_argv("router", repo, flags), stop_timeout=grace),
+        # Last, so READY=1 reaches systemd only once the router serves.
+        ChildSpec("systemd", lambda: SystemdService(SystemdNotifier.from_env())),
     ]
-    spec = SupervisorSpec("root", strategy=Strategy.ONE_FOR_ONE, stop_timeout=2 * grace + 20)
+    root_budget = pools_budget + grace + 2 * KILL_GRACE + 10
+    spec = SupervisorSpec("root", strategy=Strategy.ONE_FOR_ONE, stop_timeout=root_budget)
     return Supervisor(spec, children, events=events)
 
 

@@ -1,0 +1,320 @@
+"""A child OS process as a supervised service: spawn, readiness, watch, stop,
+reap, and the exit code turned into the supervisor's next move.
+
+- Spawn: ``subprocess.Popen`` in its own process group (``process_group=0``)
+  with PR_SET_PDEATHSIG=SIGKILL set in a pre-exec hook, plus
+  ``POOLSERVE_PARENT_PID`` so the child can close the race with
+  :func:`~poolserve.supervisor.child.die_with_parent`. A pre-exec hook is
+  only unsafe when other threads exist at fork time (one may hold a lock the
+  child then needs); the supervisor process creates no threads. Call
+  :meth:`ProcessService.serve` from the main thread: PDEATHSIG fires when the
+  forking *thread* exits.
+- Readiness: a pipe whose write end is ``$POOLSERVE_READY_FD`` in the child;
+  the child writes ``READY=1\\n`` (and may write ``STATUS=...\\n`` lines).
+- Watch: a pidfd in the event loop; then ``waitpid(pid, 0)`` reaps exactly
+  our child. Before that reap, SIGKILL goes to the rest of the process group:
+  the unreaped leader still holds the group id, so it cannot name anyone else.
+- Stop (on cancellation): SIGTERM to the group, ``stop_timeout``, SIGKILL to
+  the group; a second cancellation skips the grace. Always reaped.
+- Exit code: see :mod:`poolserve.supervisor.exitcodes`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import os
+import signal
+import subprocess
+from collections.abc import Callable, Mapping, Sequence
+from typing import Final
+
+from poolserve.supervisor.child import PARENT_PID_ENV, READY_FD_ENV
+from poolserve.supervisor.clock import Clock, RealClock, wait_done
+from poolserve.supervisor.exitcodes import (
+    EXIT_CONFIG,
+    EXIT_OK,
+    EXIT_UNRECOVERABLE,
+    ExitStatus,
+)
+from poolserve.supervisor.linux import set_pdeathsig
+from poolserve.supervisor.reaper import OWNED_PIDS, OwnedPids
+from poolserve.supervisor.spec import (
+    ChildSpec,
+    Restart,
+    SpawnReporter,
+    TerminateTree,
+    Unrecoverable,
+)
+from poolserve.supervisor.tree import KILL_GRACE
+
+
+class ChildFailed(Exception):
+    """A child process ended in a way that counts as a failure."""
+
+    def __init__(self, description: str, status: ExitStatus) -> None:
+        super().__init__(description)
+        self.status = status
+
+
+# What an exit code makes the service raise: a factory taking the
+# description ("pool:a (pid 12) exited with code 3 (...)"), or None for a
+# normal return. Exit codes not listed, and deaths by signal, raise ChildFailed.
+ExitAction = Callable[[str], Exception] | None
+
+DEFAULT_EXIT_CODES: Final[Mapping[int, ExitAction]] = {
+    EXIT_OK: None,
+    EXIT_CONFIG: functools.partial(TerminateTree, EXIT_CONFIG),
+    EXIT_UNRECOVERABLE: Unrecoverable,
+}
+
+_MEANINGS: Final[Mapping[int, str]] = {
+    EXIT_CONFIG: "invalid configuration",
+    EXIT_UNRECOVERABLE: "cannot work; not restarting",
+}
+
+_NO_DEFAULT = object()
+_MAX_LINE = 4096  # a readiness line longer than this is garbage, dropped
+
+
+class ProcessService:
+    """Runs ``argv`` as a supervised child process (see the module docstring).
+
+    ``env`` replaces the inherited environment when given (like Popen); the
+    two ``POOLSERVE_*`` variables are always added. One instance runs one
+    process at a time; a :class:`ChildSpec` factory makes one per start.
+    """
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | os.PathLike[str] | None = None,
+        stop_timeout: float = 10.0,
+        exit_codes: Mapping[int, ExitAction] = DEFAULT_EXIT_CODES,
+        name: str | None = None,
+        pass_fds: Sequence[int] = (),
+        stop_signal: int = signal.SIGTERM,
+        clock: Clock | None = None,
+        owned: OwnedPids = OWNED_PIDS,
+    ) -> None:
+        if not argv:
+            raise ValueError("argv must not be empty")
+        self.argv = tuple(argv)
+        self.name = name or os.path.basename(self.argv[0])
+        self._env = dict(env) if env is not None else None
+        self._cwd = cwd
+        self.stop_timeout = stop_timeout
+        self._exit_codes = dict(exit_codes)
+        self._pass_fds = tuple(pass_fds)
+        self._stop_signal = stop_signal
+        self._clock = clock or RealClock()
+        self._owned = owned
+        self._pid: int | None = None
+        self.status_text: str | None = None  # the child's latest STATUS= line
+        self.last_exit: ExitStatus | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """The child's pid while it runs (and until it is reaped)."""
+        return self._pid
+
+    async def serve(self, ready: Callable[[], None]) -> None:
+        if self._pid is not None:
+            raise RuntimeError(f"{self.name} is already running (pid {self._pid})")
+        loop = asyncio.get_running_loop()
+        read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
+        try:
+            process = self._spawn(write_fd)
+        except BaseException:
+            os.close(read_fd)
+            raise
+        finally:
+            os.close(write_fd)  # the child has its copy; EOF then means it closed or died
+        pid = process.pid
+        self._owned.add(pid)
+        self._pid = pid
+        try:
+            await self._watch(loop, pid, read_fd, ready)
+        finally:
+            # Whatever ended the watch (exit, stop, error), this is the one
+            # place that reaps. SIGKILL first reaches stragglers in the group,
+            # while the unreaped leader still holds the group id.
+            os.close(read_fd)
+            _kill_group(pid, signal.SIGKILL)
+            status = _reap(pid)
+            process.returncode = status.code if status.code is not None else -(status.signal or 0)
+            self.last_exit = status
+            self._pid = None
+            self._owned.release(pid)
+        self._conclude(status)
+
+    def _spawn(self, ready_fd: int) -> subprocess.Popen[bytes]:
+        env = dict(os.environ) if self._env is None else dict(self._env)
+        env[PARENT_PID_ENV] = str(os.getpid())
+        env[READY_FD_ENV] = str(ready_fd)
+        return subprocess.Popen(
+            self.argv,
+            env=env,
+            cwd=self._cwd,
+            stdin=subprocess.DEVNULL,
+            pass_fds=(ready_fd, *self._pass_fds),
+            process_group=0,
+            preexec_fn=functools.partial(_before_exec, os.getpid()),
+        )
+
+    async def _watch(
+        self, loop: asyncio.AbstractEventLoop, pid: int, read_fd: int, ready: Callable[[], None]
+    ) -> None:
+        """Returns once the child has exited (not yet reaped); on cancellation,
+        stops it first and re-raises."""
+        pidfd = os.pidfd_open(pid)
+        exited: asyncio.Future[None] = loop.create_future()
+        reader = _NotifyReader(read_fd, ready, self._on_status)
+
+        def on_exit() -> None:
+            # A pidfd stays readable after the exit: unregister at once.
+            loop.remove_reader(pidfd)
+            _set_once(exited)
+
+        loop.add_reader(pidfd, on_exit)
+        loop.add_reader(read_fd, reader.on_readable, loop)
+        try:
+            if isinstance(ready, SpawnReporter):
+                ready.spawned(pid)
+            try:
+                await asyncio.wait({exited})
+            except asyncio.CancelledError:
+                await self._stop(pid, exited)
+                raise
+            reader.on_readable(loop)  # a STATUS line written just before the exit
+        finally:
+            loop.remove_reader(pidfd)
+            loop.remove_reader(read_fd)
+            os.close(pidfd)
+
+    async def _stop(self, pid: int, exited: asyncio.Future[None]) -> None:
+        """Stop signal, grace, SIGKILL; returns once the child has exited."""
+        task = asyncio.current_task()
+        kill_now = task is not None and task.cancelling() > 1
+        if not kill_now:
+            _kill_group(pid, self._stop_signal)
+            # Asked again while in grace: kill now.
+            with contextlib.suppress(asyncio.CancelledError):
+                await wait_done(self._clock, exited, self.stop_timeout)
+        if not exited.done():
+            _kill_group(pid, signal.SIGKILL)
+            await asyncio.wait({exited})
+
+    def _on_status(self, text: str) -> None:
+        self.status_text = text
+
+    def _conclude(self, status: ExitStatus) -> None:
+        """Returns or raises as the exit-code protocol says."""
+        description = f"{self.name} ({status})"
+        if status.code is not None and status.code in self._exit_codes:
+            action = self._exit_codes[status.code]
+            if action is None:
+                return
+            # The meaning of a code is only known while it keeps its default action.
+            default = action is DEFAULT_EXIT_CODES.get(status.code, _NO_DEFAULT)
+            meaning = _MEANINGS.get(status.code) if default else None
+            raise action(f"{description}: {meaning}" if meaning else description)
+        raise ChildFailed(description, status)
+
+
+def process_child(
+    id: str,
+    argv: Sequence[str],
+    *,
+    restart: Restart = Restart.PERMANENT,
+    stop_timeout: float = 10.0,
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+    exit_codes: Mapping[int, ExitAction] = DEFAULT_EXIT_CODES,
+) -> ChildSpec:
+    """A ChildSpec for a process, with the two stop bounds in the right order.
+
+    The process gets ``stop_timeout`` between SIGTERM and SIGKILL; the
+    supervisor waits :data:`KILL_GRACE` longer before reporting a stop
+    timeout, so the normal escalation never races the supervisor's.
+    """
+
+    def start() -> ProcessService:
+        return ProcessService(
+            argv, env=env, cwd=cwd, stop_timeout=stop_timeout, exit_codes=exit_codes, name=id
+        )
+
+    return ChildSpec(id, start, restart=restart, stop_timeout=stop_timeout + KILL_GRACE)
+
+
+class _NotifyReader:
+    """Reads ``KEY=value`` lines from the readiness pipe (non-blocking)."""
+
+    def __init__(
+        self, fd: int, on_ready: Callable[[], None], on_status: Callable[[str], None]
+    ) -> None:
+        os.set_blocking(fd, False)
+        self._fd = fd
+        self._on_ready = on_ready
+        self._on_status = on_status
+        self._buffer = bytearray()
+        self._ready = False
+        self._eof = False
+
+    def on_readable(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._eof:
+            return
+        try:
+            data = os.read(self._fd, 4096)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._eof = True
+            loop.remove_reader(self._fd)
+            return
+        self._buffer += data
+        while (end := self._buffer.find(b"\n")) >= 0:
+            line = bytes(self._buffer[:end]).decode(errors="replace")
+            del self._buffer[: end + 1]
+            self._handle(line)
+        if len(self._buffer) > _MAX_LINE:
+            self._buffer.clear()
+
+    def _handle(self, line: str) -> None:
+        key, _, value = line.partition("=")
+        if key == "READY" and value == "1" and not self._ready:
+            self._ready = True
+            self._on_ready()
+        elif key == "STATUS":
+            self._on_status(value)
+
+
+def _before_exec(parent_pid: int) -> None:
+    """Runs in the child between fork and exec: must not touch the parent."""
+    set_pdeathsig(signal.SIGKILL)
+    if os.getppid() != parent_pid:
+        os._exit(1)  # the parent died before the prctl: the signal would never come
+
+
+def _set_once(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _kill_group(pgid: int, signal_number: int) -> None:
+    # ESRCH: the group is empty; EPERM: what is left changed user, not ours to kill.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal_number)
+
+
+def _reap(pid: int) -> ExitStatus:
+    try:
+        _, status = os.waitpid(pid, 0)
+    except ChildProcessError:
+        return ExitStatus(pid)  # reaped by code that ignored OWNED_PIDS: status lost
+    return ExitStatus.from_wait_status(pid, status)
