@@ -202,8 +202,8 @@ class Dispatcher:
         now = loop.time()
         if deadline <= now:
             raise DeadlineExceeded(f"deadline already spent on arrival at pool '{self.name}'")
-        if not self.live_workers():
-            raise Unavailable(f"pool '{self.name}' has no live worker")
+        # With no live worker the job still queues: replacements are on their
+        # way (health says NOT_SERVING meanwhile), and its deadline bounds the wait.
         job = Job(
             body,
             deadline,

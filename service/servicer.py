@@ -10,6 +10,7 @@ dispatcher over pre-forked workers) and in-process (backend: a thread).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -62,15 +63,33 @@ def guarded(
             return await fn(request, context)
         except ServingError as exc:
             code, message = grpc_status(exc)
-            await context.abort(code, message)
         except Exception as exc:
             log.exception("unexpected error in %s", fn.__name__)
             code, message = grpc_status(exc)
-            await context.abort(code, message)
+        await abort(context, code, message)
         raise AssertionError("unreachable: abort raises")
 
     handler.__name__ = fn.__name__
     return handler
+
+
+async def abort(
+    context: grpc.aio.ServicerContext[Any, Any], code: grpc.StatusCode, message: str
+) -> None:
+    """Ends the call with a status, unless the client already ended it.
+
+    A call whose client cancelled or whose deadline passed is already closed;
+    sending a status then fails inside grpc. Nobody is listening, so the
+    call just ends, quietly, as a cancellation.
+    """
+    if context.done():
+        raise asyncio.CancelledError
+    try:
+        await context.abort(code, message)
+    except grpc.aio.AbortError:
+        raise
+    except Exception:
+        raise asyncio.CancelledError from None
 
 
 class InferenceServicer:
