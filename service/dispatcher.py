@@ -383,9 +383,12 @@ class Dispatcher:
             worker.sock.close()
         job, worker.current = worker.current, None
         worker.lost_tag = job.tag if job is not None else ""
-        if job is not None and job.state is JobState.RUNNING:
-            if worker.kill_reason or not self._retry(job):
-                worker.lost_job = job  # answered once the exit status is known
+        if (
+            job is not None
+            and job.state is JobState.RUNNING
+            and (worker.kill_reason or not self._retry(job))
+        ):
+            worker.lost_job = job  # answered once the exit status is known
         status = self._statuses.pop(worker.pid, None)
         if status is not None:
             worker.status = status

@@ -124,8 +124,10 @@ def test_expired_requests_never_reach_a_worker(tmp_path: Path) -> None:
 
     async def body(channel: grpc.aio.Channel, stub: Stub) -> None:
         busy = asyncio.ensure_future(stub.ModelInfer(sleep_request(3000), timeout=30))
-        while (await pool_status(serving)).workers[0].state != "busy":
-            await asyncio.sleep(0.01)  # polling the status RPC: no event to wait on
+        for _ in range(3000):  # polling the status RPC: no event to wait on
+            if (await pool_status(serving)).workers[0].state == "busy":
+                break
+            await asyncio.sleep(0.01)
         finished: list[float] = []
 
         async def short(k: int) -> grpc.StatusCode:
@@ -203,8 +205,10 @@ def test_sigkill_two_of_three_workers_under_load(tmp_path: Path) -> None:
                 )
 
         loaders = [asyncio.ensure_future(load(k)) for k in range(6)]
-        while len(codes) < 30:
-            await asyncio.sleep(0.01)  # let the load build up
+        for _ in range(3000):  # let the load build up
+            if len(codes) >= 30:
+                break
+            await asyncio.sleep(0.01)
         for pid in victims:
             os.kill(pid, signal.SIGKILL)
         for _ in range(1000):
