@@ -115,6 +115,29 @@ class Catalog:
             entry.inputs, entry.outputs = specs
         self._changed()
 
+    def upsert(self, settings: ModelSettings) -> ModelEntry:
+        """The entry for a model being (re)loaded live; an existing one keeps serving."""
+        entry = self._entries.get(settings.name)
+        if entry is None:
+            entry = ModelEntry(
+                settings.name,
+                settings.version,
+                settings.gid,
+                ModelState.LOADING,
+                "loading",
+                settings,
+                settings.inputs,
+                settings.outputs,
+            )
+            self._entries[settings.name] = entry
+            self._changed()
+        return entry
+
+    def configured(self) -> list[ModelEntry]:
+        """Models that should be serving: every one but those unloaded on request."""
+        return [e for e in self._entries.values() if e.state is not ModelState.UNLOADED]
+
     def all_ready(self) -> bool:
-        """True only when there is at least one model and every model is ready."""
-        return bool(self._entries) and all(e.ready for e in self._entries.values())
+        """True only when some model is configured and every configured one is ready."""
+        configured = self.configured()
+        return bool(configured) and all(e.ready for e in configured)

@@ -101,6 +101,8 @@ class Worker:
     status: str | None = None
     lost_job: Job | None = None
     lost_tag: str = ""
+    generation: int = 0
+    retiring: bool = False
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,7 @@ class WorkerGone:
     status: str
     tag: str  # the model it was running when it died, "" if idle
     reason: str  # why we killed it, "" if it died on its own
+    retired: bool = False  # we retired it on purpose (rolling replacement)
 
 
 class Dispatcher:
@@ -156,11 +159,11 @@ class Dispatcher:
     def close(self) -> None:
         self._closing.set()
 
-    def add_worker(self, pid: int, sock: socket.socket) -> None:
+    def add_worker(self, pid: int, sock: socket.socket, generation: int = 0) -> None:
         if self._tasks is None or self._closing.is_set():
             sock.close()
             return
-        worker = Worker(pid, sock)
+        worker = Worker(pid, sock, generation=generation)
         with contextlib.suppress(OSError):
             worker.pidfd = os.pidfd_open(pid)  # signals go to this process, never a reused pid
         self._workers[pid] = worker
@@ -175,10 +178,26 @@ class Dispatcher:
         worker.status = status
         self._report_gone(worker)
 
+    def retire(self, pid: int) -> bool:
+        """Lets a worker finish its current job, then closes it (rolling replacement)."""
+        worker = self._workers.get(pid)
+        if worker is None or worker.retiring:
+            return False
+        worker.retiring = True
+        if worker.state is WorkerState.IDLE:
+            with contextlib.suppress(ValueError):
+                self._idle.remove(worker)
+            self._close_worker(worker)
+        return True
+
     # -- status ----------------------------------------------------------
 
     def live_workers(self) -> int:
-        return sum(1 for w in self._workers.values() if w.state is not WorkerState.STARTING)
+        return sum(
+            1
+            for w in self._workers.values()
+            if w.state is not WorkerState.STARTING and not w.retiring
+        )
 
     def queue_depth(self) -> int:
         return self._queued
@@ -289,6 +308,9 @@ class Dispatcher:
 
     def _worker_free(self, worker: Worker) -> None:
         worker.current = None
+        if worker.retiring:
+            self._close_worker(worker)
+            return
         job = self._next_job()
         if job is None:
             worker.state = WorkerState.IDLE
@@ -412,7 +434,13 @@ class Dispatcher:
             self._fail_lost_job(job, worker)
         if not self._closing.is_set():
             self._on_worker_gone(
-                WorkerGone(worker.pid, worker.status or "", worker.lost_tag, worker.kill_reason)
+                WorkerGone(
+                    worker.pid,
+                    worker.status or "",
+                    worker.lost_tag,
+                    worker.kill_reason,
+                    retired=worker.retiring and not worker.lost_tag,
+                )
             )
 
     def _fail_lost_job(self, job: Job, worker: Worker) -> None:

@@ -55,7 +55,7 @@ def run_pool(repo: Path, gid: str, flags: Mapping[str, object]) -> int:
             raise ConfigError(str(repo), "inference_pool_gid", f"no model uses pool '{gid}'")
         run_dir = settings.resolved_run_dir()
         ensure_private_dir(run_dir)
-        server = PoolServer(gid, models, settings, pool_socket_path(run_dir, gid))
+        server = PoolServer(gid, models, settings, pool_socket_path(run_dir, gid), repo)
     except ConfigError as exc:
         print(f"poolserve pool: {exc}", file=sys.stderr)
         return EXIT_CONFIG
@@ -74,7 +74,7 @@ def run_router(repo: Path, flags: Mapping[str, object]) -> int:
     try:
         settings: ServerSettings = load_server_settings(repo, flags=flags)
         setup_logging("router", settings.log_format)
-        router = Router(scan(repo), settings, settings.resolved_run_dir())
+        router = Router(scan(repo), settings, settings.resolved_run_dir(), repo)
     except ConfigError as exc:
         print(f"poolserve router: {exc}", file=sys.stderr)
         return EXIT_CONFIG

@@ -49,21 +49,24 @@ def _import_from_folder(settings: ModelSettings, module_name: str) -> Any:
     file = settings.folder / (module_name.replace(".", "/") + ".py")
     if not file.is_file():
         return None
+    # Imported afresh on every load, so that a live reload sees the new code.
     private = f"poolserve_models.{settings.name}.{module_name}"
-    if private in sys.modules:
-        return sys.modules[private]
     spec = importlib.util.spec_from_file_location(private, file)
     if spec is None or spec.loader is None:
         raise ImplementationError(f"cannot import {file}")
     module = importlib.util.module_from_spec(spec)
-    sys.modules[private] = module
     folder = str(settings.folder)
     if folder not in sys.path:
         sys.path.insert(0, folder)  # sibling imports of the model's own files
+    previous = sys.modules.get(private)
+    sys.modules[private] = module
     try:
         spec.loader.exec_module(module)
     except BaseException:
-        del sys.modules[private]
+        if previous is not None:
+            sys.modules[private] = previous
+        else:
+            del sys.modules[private]
         raise
     return module
 

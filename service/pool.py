@@ -17,18 +17,26 @@ import signal
 import socket
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 
 from poolserve.protos import control_pb2 as cpb
+from poolserve.protos import inference_pb2 as pb
 from poolserve.service.catalog import Catalog, ModelEntry, ModelState
 from poolserve.service.dispatcher import Dispatcher, WorkerGone
-from poolserve.service.errors import DeadlineExceeded, ServingError
+from poolserve.service.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    ModelNotFound,
+    ServingError,
+    Unavailable,
+)
 from poolserve.service.health import Health
 from poolserve.service.procutil import pss_bytes
-from poolserve.service.repository import ModelSettings, TensorSpec
+from poolserve.service.repository import ModelSettings, TensorSpec, scan
 from poolserve.service.respawn import Respawner
 from poolserve.service.servicer import InferenceServicer, guarded
 from poolserve.service.settings import ServerSettings
@@ -46,6 +54,18 @@ def pool_socket_path(run_dir: Path, gid: str) -> Path:
     if len(str(path)) > MAX_UNIX_PATH:
         raise ValueError(f"socket path {path} is longer than {MAX_UNIX_PATH} bytes")
     return path
+
+
+ROLL_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class ModelReply:
+    """The zygote's answer to a live load or unload."""
+
+    ok: bool
+    reason: str
+    specs: tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]
 
 
 class PoolBackend:
@@ -97,8 +117,10 @@ class PoolServer:
         models: Sequence[ModelSettings],
         settings: ServerSettings,
         socket_path: Path,
+        repo: Path | None = None,
     ) -> None:
         self.gid = gid
+        self.repo = repo
         self.models = list(models)
         self.settings = settings
         self.socket_path = socket_path
@@ -119,9 +141,16 @@ class PoolServer:
             PoolBackend(self.dispatcher),
             server_name=settings.server_name,
             default_timeout_s=settings.default_timeout_s,
+            control=self,
         )
         self._stop = asyncio.Event()
         self.exit_code = 0
+        self.generation = 0  # bumped by every live load or unload; workers carry theirs
+        self._model_ops = asyncio.Lock()  # one rolling replacement at a time
+        self._flights: dict[str, asyncio.Task[ServingError | None]] = {}  # one load per name
+        self._model_replies: dict[str, asyncio.Future[ModelReply]] = {}
+        self._arrival: asyncio.Future[int] | None = None
+        self._tasks: asyncio.TaskGroup | None = None
 
     def fork_zygote(self, close_in_child: Sequence[int] = ()) -> None:
         self.zygote.start(close_in_child)
@@ -136,6 +165,11 @@ class PoolServer:
         inputs: tuple[TensorSpec, ...],
         outputs: tuple[TensorSpec, ...],
     ) -> None:
+        waiting = self._model_replies.pop(name, None)
+        if waiting is not None:  # a live load: _load decides what the catalog says
+            if not waiting.done():
+                waiting.set_result(ModelReply(ok, reason, (inputs, outputs)))
+            return
         if ok:
             log.info("pool %s: model %s loaded", self.gid, name)
             self.catalog.set_state(name, ModelState.READY, "", (inputs, outputs))
@@ -149,7 +183,14 @@ class PoolServer:
 
     def _on_worker(self, pid: int, sock: socket.socket) -> None:
         log.info("pool %s: worker %d started", self.gid, pid)
-        self.dispatcher.add_worker(pid, sock)
+        self.dispatcher.add_worker(pid, sock, self.generation)
+        if self._arrival is not None and not self._arrival.done():
+            self._arrival.set_result(pid)
+
+    def _on_unloaded(self, name: str) -> None:
+        waiting = self._model_replies.pop(f"unload:{name}", None)
+        if waiting is not None and not waiting.done():
+            waiting.set_result(ModelReply(True, "", ((), ())))
 
     def _on_exit(self, pid: int, status: str) -> None:
         self.dispatcher.worker_exited(pid, status)
@@ -161,6 +202,9 @@ class PoolServer:
             self._stop.set()
 
     def _on_worker_gone(self, gone: WorkerGone) -> None:
+        if gone.retired:
+            log.info("pool %s: worker %d retired (%s)", self.gid, gone.pid, gone.status)
+            return
         running = f" while running model '{gone.tag}'" if gone.tag else ""
         killed = f" (killed: {gone.reason})" if gone.reason else ""
         log.warning("pool %s: worker %d %s%s%s", self.gid, gone.pid, gone.status, running, killed)
@@ -171,6 +215,113 @@ class PoolServer:
     def _mark_failed(self, name: str, reason: str) -> None:
         log.error("pool %s: model %s marked failed: %s", self.gid, name, reason)
         self.catalog.set_state(name, ModelState.UNAVAILABLE, reason)
+
+    # -- live load and unload ------------------------------------------------
+
+    async def repository_model_load(
+        self, req: pb.RepositoryModelLoadRequest, _: Any
+    ) -> pb.RepositoryModelLoadResponse:
+        if not self.settings.model_control:
+            raise FailedPrecondition("loading models through the API is disabled (model_control)")
+        flight = self._flights.get(req.model_name)
+        if flight is None:  # concurrent loads of one model share one load
+            assert self._tasks is not None
+            flight = self._tasks.create_task(self._load_outcome(req.model_name))
+            self._flights[req.model_name] = flight
+            flight.add_done_callback(lambda _: self._flights.pop(req.model_name, None))
+        error = await asyncio.shield(flight)
+        if error is not None:
+            raise error
+        return pb.RepositoryModelLoadResponse()
+
+    async def _load_outcome(self, name: str) -> ServingError | None:
+        """The load as a value: a failed load must not take the pool's task group down."""
+        try:
+            await self._load(name)
+        except ServingError as exc:
+            return exc
+        except Exception as exc:  # a bug of ours: report it, keep the pool up
+            log.exception("pool %s: live load of %s failed", self.gid, name)
+            return ServingError(f"live load of '{name}' failed: {type(exc).__name__}: {exc}")
+        return None
+
+    async def repository_model_unload(
+        self, req: pb.RepositoryModelUnloadRequest, _: Any
+    ) -> pb.RepositoryModelUnloadResponse:
+        if not self.settings.model_control:
+            raise FailedPrecondition("unloading models through the API is disabled (model_control)")
+        self.catalog.lookup(req.model_name)
+        async with self._model_ops:
+            self.catalog.set_state(req.model_name, ModelState.UNLOADED, "unloaded on request")
+            reply = self._expect_reply(f"unload:{req.model_name}")
+            self.zygote.unload(req.model_name)
+            await reply
+            await self._roll_workers()
+        log.info("pool %s: model %s unloaded", self.gid, req.model_name)
+        return pb.RepositoryModelUnloadResponse()
+
+    def _find_settings(self, name: str) -> ModelSettings:
+        if self.repo is None:
+            raise FailedPrecondition(f"pool '{self.gid}' has no repository to load from")
+        repository = scan(self.repo)
+        for bad in repository.invalid:
+            if bad.name == name:
+                raise FailedPrecondition(f"model '{name}' has invalid settings: {bad.reason}")
+        settings = repository.model(name)
+        if settings is None:
+            raise ModelNotFound(f"model '{name}' is not in the repository {self.repo}")
+        if settings.gid != self.gid:
+            raise FailedPrecondition(
+                f"model '{name}' belongs to pool '{settings.gid}', not '{self.gid}'"
+            )
+        return settings
+
+    def _expect_reply(self, key: str) -> asyncio.Future[ModelReply]:
+        reply: asyncio.Future[ModelReply] = asyncio.get_running_loop().create_future()
+        self._model_replies[key] = reply
+        return reply
+
+    async def _load(self, name: str) -> None:
+        async with self._model_ops:
+            settings = self._find_settings(name)
+            entry = self.catalog.upsert(settings)
+            was_ready = entry.ready
+            reply = self._expect_reply(name)
+            self.zygote.load(settings.source)
+            outcome = await reply
+            if not outcome.ok:
+                if not was_ready:
+                    self.catalog.set_state(name, ModelState.UNAVAILABLE, outcome.reason)
+                kept = "; the previous version keeps serving" if was_ready else ""
+                raise FailedPrecondition(f"model '{name}' {outcome.reason}{kept}")
+            await self._roll_workers()
+            entry.settings, entry.version = settings, settings.version
+            self.respawner.forgive(name)
+            self.catalog.set_state(name, ModelState.READY, "", outcome.specs)
+            log.info("pool %s: model %s loaded live", self.gid, name)
+
+    async def _roll_workers(self) -> None:
+        """Replaces every worker, one at a time, by a fresh fork of the zygote.
+
+        A replacement starts before its predecessor retires, so the pool never
+        serves with fewer workers than it had; the retiring one finishes its
+        current request first.
+        """
+        self.generation += 1
+        old = [w.pid for w in self.dispatcher.workers() if w.generation < self.generation]
+        loop = asyncio.get_running_loop()
+        for pid in old:
+            self._arrival = loop.create_future()
+            self.zygote.spawn()
+            try:
+                await asyncio.wait_for(self._arrival, ROLL_TIMEOUT_S)
+            except TimeoutError:
+                raise Unavailable(
+                    f"pool '{self.gid}': no new worker within {ROLL_TIMEOUT_S} s"
+                ) from None
+            finally:
+                self._arrival = None
+            self.dispatcher.retire(pid)
 
     # -- health --------------------------------------------------------------
 
@@ -210,7 +361,7 @@ class PoolServer:
                     guarded(self.status),
                     cpb.PoolStatusRequest.FromString,
                     cpb.PoolStatus.SerializeToString,
-                )
+                ),
             },
         )
 
@@ -241,6 +392,7 @@ class PoolServer:
         )
         bind_private_unix(server, self.socket_path)
         async with asyncio.TaskGroup() as tasks:
+            self._tasks = tasks
             dispatcher_started = asyncio.Event()
             tasks.create_task(self.dispatcher.run(dispatcher_started.set), name="dispatcher")
             await dispatcher_started.wait()
@@ -251,6 +403,7 @@ class PoolServer:
                     self._on_worker,
                     self._on_exit,
                     self._on_zygote_lost,
+                    self._on_unloaded,
                 )
             )
             await server.start()
@@ -266,6 +419,8 @@ class PoolServer:
         # Stop taking calls, let in-flight calls finish within the grace period.
         await server.stop(self.settings.stop_grace_s)
         self.respawner.close()
+        for flight in list(self._flights.values()):
+            flight.cancel()
         self.dispatcher.close()
         self.zygote.close()
         self.socket_path.unlink(missing_ok=True)

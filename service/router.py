@@ -26,6 +26,7 @@ from poolserve.protos import inference_pb2 as pb
 from poolserve.service import __version__
 from poolserve.service.errors import (
     DeadlineExceeded,
+    FailedPrecondition,
     ModelNotFound,
     ModelNotReady,
     ServingError,
@@ -33,7 +34,7 @@ from poolserve.service.errors import (
 )
 from poolserve.service.health import SERVING, Health
 from poolserve.service.pool import pool_socket_path
-from poolserve.service.repository import Repository
+from poolserve.service.repository import Repository, scan
 from poolserve.service.servicer import EXTENSIONS, NO_DEADLINE_S, SERVICE, guarded
 from poolserve.service.settings import ServerSettings
 from poolserve.service.wire import peek_model
@@ -67,8 +68,15 @@ def _peek_model_name_field2(data: bytes) -> str:
 
 
 class Router:
-    def __init__(self, repository: Repository, settings: ServerSettings, run_dir: Path) -> None:
+    def __init__(
+        self,
+        repository: Repository,
+        settings: ServerSettings,
+        run_dir: Path,
+        repo: Path | None = None,
+    ) -> None:
         self.settings = settings
+        self.repo = repo
         self.address_file = run_dir / ADDRESS_FILE
         self.invalid = {bad.name: bad.reason for bad in repository.invalid}
         self.pools: dict[str, PoolRoute] = {}
@@ -80,6 +88,8 @@ class Router:
                 self.routes[name] = route
         self.health = Health()
         self._stop = asyncio.Event()
+        self._tasks: asyncio.TaskGroup | None = None
+        self._watchers: list[asyncio.Task[None]] = []
         self.port = 0
 
     # -- readiness -------------------------------------------------------------
@@ -194,10 +204,34 @@ class Router:
     def _routed_by_field2(self, method: str) -> Callable[[bytes, Any], Awaitable[bytes]]:
         async def handler(body: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
             name = _peek_model_name_field2(body)
+            if method == "RepositoryModelLoad" and name not in self.routes:
+                self._learn_route(name)
             return await self._forward(self._route(name), method, body, context)
 
         handler.__name__ = method
         return handler
+
+    def _learn_route(self, name: str) -> None:
+        """A model added to the repository after start: route it to its pool."""
+        if self.repo is None or not self.settings.model_control:
+            return
+        settings = scan(self.repo).model(name)
+        if settings is None:
+            return  # _route answers NOT_FOUND
+        route = self.pools.get(settings.gid)
+        if route is None:
+            raise FailedPrecondition(
+                f"model '{name}' needs a new pool '{settings.gid}': run `poolserve reload` "
+                "(or send SIGHUP to the supervisor) to start it"
+            )
+        self.invalid.pop(name, None)
+        route.models.append(name)
+        self.routes[name] = route
+        if self._tasks is not None:
+            applier = self._model_applier(route, name)
+            self._watchers.append(
+                self._tasks.create_task(self._watch(route, f"model:{name}", applier))
+            )
 
     # -- aggregated answers --------------------------------------------------
 
@@ -340,7 +374,8 @@ class Router:
         address = bind or f"{self.settings.host}:{self.settings.grpc_port}"
         self.port = server.add_insecure_port(address)
         async with asyncio.TaskGroup() as tasks:
-            watchers = self._start_watchers(tasks)
+            self._tasks = tasks
+            self._watchers = list(self._start_watchers(tasks))
             await server.start()
             self._publish_address()
             log.info("router: listening on %s", address)
@@ -349,8 +384,9 @@ class Router:
             began = time.monotonic()
             await server.stop(self.settings.stop_grace_s)
             log.info("router: drained in %.3f s", time.monotonic() - began)
-            for task in watchers:
+            for task in self._watchers:
                 task.cancel()
+        self._tasks = None
         self.address_file.unlink(missing_ok=True)
         for route in self.pools.values():
             if route.channel is not None:

@@ -92,6 +92,18 @@ async def abort(
         raise asyncio.CancelledError from None
 
 
+class ModelControl(Protocol):
+    """Live model load and unload, where the server supports them."""
+
+    async def repository_model_load(
+        self, req: pb.RepositoryModelLoadRequest, context: Any
+    ) -> pb.RepositoryModelLoadResponse: ...
+
+    async def repository_model_unload(
+        self, req: pb.RepositoryModelUnloadRequest, context: Any
+    ) -> pb.RepositoryModelUnloadResponse: ...
+
+
 class InferenceServicer:
     def __init__(
         self,
@@ -100,9 +112,11 @@ class InferenceServicer:
         *,
         server_name: str = "poolserve",
         default_timeout_s: float = 60.0,
+        control: ModelControl | None = None,
     ) -> None:
         self.catalog = catalog
         self.backend = backend
+        self.control = control
         self.server_name = server_name
         self.default_timeout_s = default_timeout_s
 
@@ -153,14 +167,18 @@ class InferenceServicer:
         return pb.RepositoryIndexResponse(models=index_entries(self.catalog, req.ready))
 
     async def repository_model_load(
-        self, req: pb.RepositoryModelLoadRequest, _: Any
+        self, req: pb.RepositoryModelLoadRequest, context: Any
     ) -> pb.RepositoryModelLoadResponse:
-        raise Unimplemented("live model load is not supported yet; restart with the new model")
+        if self.control is None:
+            raise Unimplemented("this server loads models only at start")
+        return await self.control.repository_model_load(req, context)
 
     async def repository_model_unload(
-        self, req: pb.RepositoryModelUnloadRequest, _: Any
+        self, req: pb.RepositoryModelUnloadRequest, context: Any
     ) -> pb.RepositoryModelUnloadResponse:
-        raise Unimplemented("live model unload is not supported yet")
+        if self.control is None:
+            raise Unimplemented("this server unloads models only at stop")
+        return await self.control.repository_model_unload(req, context)
 
     async def model_infer(
         self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]

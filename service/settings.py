@@ -52,6 +52,7 @@ class ServerSettings:
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 30.0
     reject_hopeless: bool = False
+    model_control: bool = True
     server_name: str = "poolserve"
 
     def workers_for(self, gid: str) -> int:
@@ -75,7 +76,7 @@ _FLOAT_FIELDS = {
     "heartbeat_interval_s",
     "heartbeat_timeout_s",
 }
-_BOOL_FIELDS = {"reject_hopeless"}
+_BOOL_FIELDS = {"reject_hopeless", "model_control"}
 _STR_FIELDS = {"host", "run_dir", "log_format", "server_name"}
 
 

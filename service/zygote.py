@@ -8,9 +8,13 @@ back to the pool server over the control socket (SCM_RIGHTS). The zygote
 reaps its workers and reports each exit with its decoded status.
 
 Control messages are JSON over a SOCK_SEQPACKET pair (one message each):
-pool -> zygote ``{"op": "spawn"}``; zygote -> pool ``{"event": "model",
-...}``, ``{"event": "loaded"}``, ``{"event": "worker", "pid": N}`` (with the
-worker's socket attached) and ``{"event": "exit", "pid": N, "status": "..."}``.
+pool -> zygote ``{"op": "spawn"}``, ``{"op": "load", "path": settings}``,
+``{"op": "unload", "name": N}``; zygote -> pool ``{"event": "model", ...}``
+(one per load, ok or not), ``{"event": "loaded"}`` (the initial models are
+in), ``{"event": "worker", "pid": N}`` (with the worker's socket attached),
+``{"event": "exit", "pid": N, "status": "..."}`` and ``{"event":
+"unloaded", "name": N}``. The zygote handles them in order, so every worker
+forked after a load reply holds the loaded model.
 """
 
 from __future__ import annotations
@@ -25,12 +29,14 @@ import signal
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NoReturn
 
 from poolserve.service import worker
 from poolserve.service.model import Model, instantiate, tensor_specs
 from poolserve.service.procutil import describe_status, set_process_name, wait_child
-from poolserve.service.repository import ModelSettings, TensorSpec
+from poolserve.service.repository import ModelSettings, TensorSpec, parse_model_settings
+from poolserve.service.settings import ConfigError
 from poolserve.supervisor.child import die_with_parent
 
 MAX_MESSAGE = 64 * 1024
@@ -65,28 +71,55 @@ class _Zygote:
 
     def load_models(self) -> None:
         for s in self.settings:
-            try:
-                model = instantiate(s)
-                model.load()
-            except BaseException as exc:  # a model's load may raise anything, even SystemExit
-                reason = f"load failed: {type(exc).__name__}: {exc}"
-                _send(self.ctrl, {"event": "model", "name": s.name, "ok": False, "reason": reason})
-                continue
-            self.models[s.name] = model
-            inputs, outputs = tensor_specs(model)
+            self.load_one(s)
+        self.freeze()
+        _send(self.ctrl, {"event": "loaded"})
+
+    def load_one(self, settings: ModelSettings) -> None:
+        """Loads (or reloads) one model; a failure leaves the previous one in place."""
+        try:
+            model = instantiate(settings)
+            model.load()
+        except BaseException as exc:  # a model's load may raise anything, even SystemExit
+            reason = f"load failed: {type(exc).__name__}: {exc}"
             _send(
-                self.ctrl,
-                {
-                    "event": "model",
-                    "name": s.name,
-                    "ok": True,
-                    "inputs": _specs_json(inputs),
-                    "outputs": _specs_json(outputs),
-                },
+                self.ctrl, {"event": "model", "name": settings.name, "ok": False, "reason": reason}
             )
+            return
+        self.models[settings.name] = model
+        inputs, outputs = tensor_specs(model)
+        _send(
+            self.ctrl,
+            {
+                "event": "model",
+                "name": settings.name,
+                "ok": True,
+                "inputs": _specs_json(inputs),
+                "outputs": _specs_json(outputs),
+            },
+        )
+
+    @staticmethod
+    def freeze() -> None:
         gc.collect()
         gc.freeze()  # workers must not touch (and so copy) the pages of loaded models
-        _send(self.ctrl, {"event": "loaded"})
+
+    def live_load(self, path: str) -> None:
+        try:
+            settings = parse_model_settings(Path(path))
+        except ConfigError as exc:
+            name = Path(path).parent.name
+            _send(self.ctrl, {"event": "model", "name": name, "ok": False, "reason": str(exc)})
+            return
+        gc.unfreeze()
+        self.load_one(settings)
+        self.freeze()
+
+    def unload(self, name: str) -> None:
+        gc.unfreeze()
+        self.models.pop(name, None)
+        self.freeze()
+        _send(self.ctrl, {"event": "unloaded", "name": name})
 
     def spawn(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -145,8 +178,16 @@ class _Zygote:
                 if not data:
                     self.stop_workers()  # the pool server is done with us
                     return
-                if json.loads(data).get("op") == "spawn":
-                    self.spawn()
+                self.handle(json.loads(data))
+
+    def handle(self, message: dict[str, Any]) -> None:
+        op = message.get("op")
+        if op == "spawn":
+            self.spawn()
+        elif op == "load":
+            self.live_load(str(message["path"]))
+        elif op == "unload":
+            self.unload(str(message["name"]))
 
 
 def _zygote_main(
@@ -171,6 +212,7 @@ class ZygoteEvents:
     on_worker: Callable[[int, socket.socket], None]
     on_exit: Callable[[int, str], None]
     on_lost: Callable[[], None]
+    on_unloaded: Callable[[str], None]
 
 
 class ZygoteLink:
@@ -239,6 +281,8 @@ class ZygoteLink:
             events.on_worker(int(msg["pid"]), socket.socket(fileno=fds[0]))
         elif kind == "exit":
             events.on_exit(int(msg["pid"]), str(msg["status"]))
+        elif kind == "unloaded":
+            events.on_unloaded(str(msg["name"]))
         for extra in fds[1:]:
             os.close(extra)
 
@@ -248,8 +292,18 @@ class ZygoteLink:
                 asyncio.get_running_loop().remove_reader(self._sock.fileno())
 
     def spawn(self) -> None:
+        self._command({"op": "spawn"})
+
+    def load(self, settings_path: Path) -> None:
+        """Asks the zygote to (re)load the model of this settings file."""
+        self._command({"op": "load", "path": str(settings_path)})
+
+    def unload(self, name: str) -> None:
+        self._command({"op": "unload", "name": name})
+
+    def _command(self, message: dict[str, Any]) -> None:
         with contextlib.suppress(OSError):
-            self._require().send(b'{"op": "spawn"}')
+            _send(self._require(), message)
 
     def close(self) -> None:
         """Closes the control socket: the zygote exits and its workers die with it."""
