@@ -10,6 +10,11 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from poolserve.protos import control_pb2 as cpb
+
 from support import BIN, descendants, kill_all, pid_alive, wait_until
 
 READY_PREFIX = "poolserve: ready, serving on "
@@ -127,3 +132,24 @@ def env_without_notify() -> dict[str, str]:
     env = dict(os.environ)
     env.pop("NOTIFY_SOCKET", None)
     return env
+
+
+async def pool_status(serving: Serving, gid: str = "default") -> cpb.PoolStatus:
+    path = serving.run_dir / f"pool-{gid}.sock"
+    async with grpc.aio.insecure_channel(f"unix:{path}") as channel:
+        call = channel.unary_unary(
+            "/poolserve.control.v1.PoolControl/Status",
+            request_serializer=cpb.PoolStatusRequest.SerializeToString,
+            response_deserializer=cpb.PoolStatus.FromString,
+        )
+        status: cpb.PoolStatus = await call(cpb.PoolStatusRequest(), timeout=10)
+        return status
+
+
+async def wait_serving(channel: grpc.aio.Channel, service: str = "", timeout: float = 60) -> None:
+    stub = health_pb2_grpc.HealthStub(channel)
+    stream = stub.Watch(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+    async for reply in stream:
+        if reply.status == health_pb2.HealthCheckResponse.SERVING:
+            stream.cancel()
+            return

@@ -10,13 +10,12 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from test_pool_faults import pool_status, wait_serving
 
 from poolserve.protos import inference_pb2 as pb
 from poolserve.protos import inference_pb2_grpc as pbg
 from poolserve.service.codec import encode_inputs
 
-from serving import Serving
+from serving import Serving, pool_status, wait_serving
 from support import copy_example
 
 pytestmark = pytest.mark.e2e

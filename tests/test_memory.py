@@ -12,9 +12,9 @@ import pytest
 from poolserve.protos import inference_pb2 as pb
 from poolserve.protos import inference_pb2_grpc as pbg
 from poolserve.service.codec import encode_inputs
-from serving import Serving
+
+from serving import Serving, pool_status, wait_serving
 from support import write_model
-from test_pool_faults import pool_status, wait_serving
 
 pytestmark = pytest.mark.e2e
 

@@ -21,12 +21,11 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from poolserve.protos import control_pb2 as cpb
 from poolserve.protos import inference_pb2 as pb
 from poolserve.protos import inference_pb2_grpc as pbg
 from poolserve.service.codec import encode_inputs
 
-from serving import Serving
+from serving import Serving, pool_status, wait_serving
 from support import copy_example, write_model
 
 pytestmark = pytest.mark.e2e
@@ -78,27 +77,6 @@ def repo_with(tmp_path: Path, settings: dict[str, object] | None = None) -> Path
     if settings:
         (repo / "settings.json").write_text(json.dumps(settings))
     return repo
-
-
-async def pool_status(serving: Serving, gid: str = "default") -> cpb.PoolStatus:
-    path = serving.run_dir / f"pool-{gid}.sock"
-    async with grpc.aio.insecure_channel(f"unix:{path}") as channel:
-        call = channel.unary_unary(
-            "/poolserve.control.v1.PoolControl/Status",
-            request_serializer=cpb.PoolStatusRequest.SerializeToString,
-            response_deserializer=cpb.PoolStatus.FromString,
-        )
-        status: cpb.PoolStatus = await call(cpb.PoolStatusRequest(), timeout=10)
-        return status
-
-
-async def wait_serving(channel: grpc.aio.Channel, service: str = "", timeout: float = 60) -> None:
-    stub = health_pb2_grpc.HealthStub(channel)
-    stream = stub.Watch(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
-    async for reply in stream:
-        if reply.status == health_pb2.HealthCheckResponse.SERVING:
-            stream.cancel()
-            return
 
 
 def run(serving: Serving, body: Callable[[grpc.aio.Channel, Stub], Awaitable[None]]) -> None:
