@@ -71,8 +71,9 @@ class ModelReply:
 class PoolBackend:
     """The InferBackend of a pool server: the dispatcher over forked workers."""
 
-    def __init__(self, dispatcher: Dispatcher) -> None:
+    def __init__(self, dispatcher: Dispatcher, reject_hopeless: bool = False) -> None:
         self.dispatcher = dispatcher
+        self.reject_hopeless = reject_hopeless
 
     def serving(self) -> bool:
         return self.dispatcher.live_workers() > 0
@@ -81,6 +82,8 @@ class PoolBackend:
         self, entry: ModelEntry, request: bytes, deadline: float, routing: Routing
     ) -> bytes:
         began = time.monotonic_ns()
+        if self.reject_hopeless:
+            self._reject_if_hopeless(entry, deadline)
         try:
             result = await self.dispatcher.submit(
                 request,
@@ -98,6 +101,18 @@ class PoolBackend:
             raise
         entry.stats.record_success(result.queue_ns, result.timings, time.monotonic_ns() - began)
         return result.body
+
+    @staticmethod
+    def _reject_if_hopeless(entry: ModelEntry, deadline: float) -> None:
+        """Refuses at once a request that cannot finish in time (setting reject_hopeless)."""
+        p50 = entry.stats.p50_compute_s()
+        remaining = deadline - time.monotonic()
+        if p50 is not None and remaining < p50:
+            entry.stats.record_failure(0)
+            raise DeadlineExceeded(
+                f"rejected on arrival: {remaining * 1000:.1f} ms left, below model "
+                f"'{entry.name}' recent median compute time of {p50 * 1000:.1f} ms"
+            )
 
 
 def bind_private_unix(server: grpc.aio.Server, path: Path) -> None:
@@ -138,7 +153,7 @@ class PoolServer:
         self.respawner = Respawner(self.zygote.spawn, self._mark_failed, clock=time.monotonic)
         self.servicer = InferenceServicer(
             self.catalog,
-            PoolBackend(self.dispatcher),
+            PoolBackend(self.dispatcher, settings.reject_hopeless),
             server_name=settings.server_name,
             default_timeout_s=settings.default_timeout_s,
             control=self,

@@ -7,8 +7,10 @@ worker's own timings, so they cost no extra clock reads on the hot path.
 
 from __future__ import annotations
 
+import statistics
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 from poolserve.protos import inference_pb2 as pb
 
@@ -38,6 +40,13 @@ class ModelStats:
     execution_count: int = 0
     last_inference_ms: int = 0
     late_replies: int = 0
+    recent_compute_ns: deque[int] = field(default_factory=lambda: deque(maxlen=64))
+
+    def p50_compute_s(self) -> float | None:
+        """Median compute time of the recent executions (None before any)."""
+        if not self.recent_compute_ns:
+            return None
+        return statistics.median(self.recent_compute_ns) / 1e9
 
     def record_success(self, queue_ns: int, timings: Timings, total_ns: int) -> None:
         self.success_count += 1
@@ -59,6 +68,7 @@ class ModelStats:
         self.input_ns += timings.decode_ns
         self.infer_ns += timings.compute_ns
         self.output_ns += timings.encode_ns
+        self.recent_compute_ns.append(timings.decode_ns + timings.compute_ns + timings.encode_ns)
         self.inference_count += 1
         self.execution_count += 1
         self.last_inference_ms = time.time_ns() // 1_000_000

@@ -263,3 +263,19 @@ def test_crash_loop_marks_model_failed_without_fork_bomb(tmp_path: Path) -> None
         lines = serving.log().splitlines()
         forks = [line for line in lines if "worker" in line and line.endswith("started")]
         assert len(forks) <= 12, forks
+
+
+def test_hopeless_requests_rejected_on_arrival_when_enabled(tmp_path: Path) -> None:
+    async def body(channel: grpc.aio.Channel, stub: Stub) -> None:
+        for k in range(3):  # teach the pool that sleep takes ~200 ms
+            await stub.ModelInfer(sleep_request(200, float(k)), timeout=30)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.ModelInfer(sleep_request(200, 9.0), timeout=0.1)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "on arrival" in (info.value.details() or "")
+        stats = await stub.ModelStatistics(pb.ModelStatisticsRequest(name="sleep"))
+        assert stats.model_stats[0].execution_count == 3  # without the option it would run
+
+    settings = {"reject_hopeless": True}
+    with Serving(repo_with(tmp_path, settings), tmp_path / "run", workers=1) as serving:
+        run(serving, body)

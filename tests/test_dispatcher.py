@@ -1,0 +1,197 @@
+"""The dispatcher with in-process fake workers over real socketpairs (no fork)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from poolserve.service.dispatcher import Dispatcher, WorkerGone
+from poolserve.service.errors import DeadlineExceeded, QueueFull, Unavailable
+from poolserve.service.frames import HEADER, REQUEST, reply_frame
+from poolserve.service.stats import Timings
+
+
+class FakeWorker:
+    """The worker's end of a socketpair, driven by the test."""
+
+    def __init__(self, dispatcher: Dispatcher, pid: int) -> None:
+        ours, theirs = socket.socketpair()
+        self.sock = theirs
+        self.pid = pid
+        dispatcher.add_worker(pid, ours)
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+        FAKES.append(self)
+
+    async def connect(self) -> None:
+        self.reader, self.writer = await asyncio.open_connection(sock=self.sock)
+
+    async def receive(self) -> tuple[int, bytes]:
+        assert self.reader is not None
+        length, kind, seq = HEADER.unpack(await self.reader.readexactly(HEADER.size))
+        assert kind == REQUEST
+        return seq, await self.reader.readexactly(length)
+
+    def reply(self, seq: int, body: bytes) -> None:
+        assert self.writer is not None
+        self.writer.write(reply_frame(seq, Timings(1, 2, 3), body))
+
+    def die(self) -> None:
+        assert self.writer is not None
+        self.writer.close()
+
+    async def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            await self.writer.wait_closed()
+        else:
+            self.sock.close()
+
+
+FAKES: list[FakeWorker] = []
+
+
+async def until(predicate: Callable[[], bool]) -> None:
+    for _ in range(10_000):
+        if predicate():
+            return
+        await asyncio.sleep(0)  # yield to the dispatcher's tasks
+    raise AssertionError("condition never held")
+
+
+def with_dispatcher(
+    body: Callable[[Dispatcher, list[WorkerGone]], Awaitable[None]], max_queue: int = 100
+) -> None:
+    async def main() -> None:
+        gone: list[WorkerGone] = []
+        dispatcher = Dispatcher("p", max_queue, on_worker_gone=gone.append)
+        started = asyncio.Event()
+        runner = asyncio.create_task(dispatcher.run(started.set))
+        await started.wait()
+        try:
+            await body(dispatcher, gone)
+        finally:
+            dispatcher.close()
+            await runner
+            while FAKES:
+                await FAKES.pop().close()
+
+    asyncio.run(main())
+
+
+def test_priority_then_earliest_deadline_first() -> None:
+    async def body(d: Dispatcher, _: list[WorkerGone]) -> None:
+        w = FakeWorker(d, 1)
+        await w.connect()
+        await until(lambda: d.live_workers() == 1)
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        first = asyncio.ensure_future(d.submit(b"busy", now + 60))
+        seq, body_ = await w.receive()
+        assert body_ == b"busy"
+        jobs = {
+            b"late-low": asyncio.ensure_future(d.submit(b"late-low", now + 50)),
+            b"early-low": asyncio.ensure_future(d.submit(b"early-low", now + 10)),
+            b"prio2": asyncio.ensure_future(d.submit(b"prio2", now + 40, priority=2)),
+            b"prio1": asyncio.ensure_future(d.submit(b"prio1", now + 45, priority=1)),
+        }
+        await until(lambda: d.queue_depth() == 4)
+        order = []
+        w.reply(seq, b"ok")
+        for _ in range(4):
+            seq, got = await w.receive()
+            order.append(got)
+            w.reply(seq, got.upper())
+        assert order == [b"prio1", b"prio2", b"early-low", b"late-low"]
+        assert (await first).body == b"ok"
+        for name, job in jobs.items():
+            assert (await job).body == name.upper()
+
+    with_dispatcher(body)
+
+
+def test_queue_bound_and_expiry_in_queue() -> None:
+    async def body(d: Dispatcher, _: list[WorkerGone]) -> None:
+        w = FakeWorker(d, 1)
+        await w.connect()
+        await until(lambda: d.live_workers() == 1)
+        now = asyncio.get_running_loop().time()
+        busy = asyncio.ensure_future(d.submit(b"busy", now + 60))
+        seq, _ = await w.receive()
+        waiting = [asyncio.ensure_future(d.submit(b"w", now + 0.05)) for _ in range(2)]
+        await until(lambda: d.queue_depth() == 2)
+        with pytest.raises(QueueFull, match="pool 'p'"):
+            await d.submit(b"x", now + 60)
+        for job in waiting:
+            with pytest.raises(DeadlineExceeded, match="never reached a worker"):
+                await job
+        assert d.queue_depth() == 0
+        w.reply(seq, b"done")
+        assert (await busy).body == b"done"
+        assert d.expired_in_queue == 2
+
+    with_dispatcher(body, max_queue=2)
+
+
+def test_cancel_leaves_queue_and_late_reply_is_dropped() -> None:
+    async def body(d: Dispatcher, _: list[WorkerGone]) -> None:
+        w = FakeWorker(d, 1)
+        await w.connect()
+        await until(lambda: d.live_workers() == 1)
+        now = asyncio.get_running_loop().time()
+        running = asyncio.ensure_future(d.submit(b"r", now + 60))
+        seq, _ = await w.receive()
+        queued = asyncio.ensure_future(d.submit(b"q", now + 60))
+        await until(lambda: d.queue_depth() == 1)
+        queued.cancel()
+        await until(lambda: d.queue_depth() == 0)
+        running.cancel()  # the caller leaves while its job runs
+        await asyncio.sleep(0)
+        w.reply(seq, b"late")
+        await until(lambda: d.late_replies == 1)
+        after = asyncio.ensure_future(d.submit(b"next", now + 60))
+        seq, got = await w.receive()
+        assert got == b"next", "the cancelled queued job never reached the worker"
+        w.reply(seq, b"fine")
+        assert (await after).body == b"fine"
+
+    with_dispatcher(body)
+
+
+def test_worker_death_retries_once_or_fails_with_status() -> None:
+    async def body(d: Dispatcher, gone: list[WorkerGone]) -> None:
+        a, b = FakeWorker(d, 11), FakeWorker(d, 12)
+        await a.connect()
+        await b.connect()
+        await until(lambda: d.live_workers() == 2)
+        now = asyncio.get_running_loop().time()
+        job = asyncio.ensure_future(d.submit(b"idem", now + 60, tag="m"))
+        first_worker = None
+        for worker in (a, b):
+            try:
+                seq, _ = await asyncio.wait_for(worker.receive(), 0.2)
+                first_worker, other = worker, (b if worker is a else a)
+                break
+            except TimeoutError:
+                continue
+        assert first_worker is not None
+        first_worker.die()
+        d.worker_exited(first_worker.pid, "killed by SIGKILL")
+        seq, got = await other.receive()
+        assert got == b"idem"
+        other.reply(seq, b"second try")
+        assert (await job).body == b"second try"
+        await until(lambda: len(gone) == 1)
+        assert gone[0] == WorkerGone(first_worker.pid, "killed by SIGKILL", "m", "")
+
+        once = asyncio.ensure_future(d.submit(b"once", now + 60, idempotent=False))
+        seq, _ = await other.receive()
+        other.die()
+        d.worker_exited(other.pid, "killed by SIGSEGV")
+        with pytest.raises(Unavailable, match="SIGSEGV"):
+            await once
+
+    with_dispatcher(body)
