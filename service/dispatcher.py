@@ -77,6 +77,9 @@ class Result:
     body: bytes
     timings: Timings
     queue_ns: int
+    enqueued: float = 0.0  # loop (monotonic) times, for spans built after the fact
+    started: float = 0.0
+    finished: float = 0.0
 
 
 class WorkerState(enum.StrEnum):
@@ -220,7 +223,9 @@ class Dispatcher:
         loop = asyncio.get_running_loop()
         now = loop.time()
         if deadline <= now:
-            raise DeadlineExceeded(f"deadline already spent on arrival at pool '{self.name}'")
+            raise DeadlineExceeded(
+                f"deadline already spent on arrival at pool '{self.name}'", stage="pool"
+            )
         # With no live worker the job still queues: replacements are on their
         # way (health says NOT_SERVING meanwhile), and its deadline bounds the wait.
         job = Job(
@@ -271,9 +276,11 @@ class Dispatcher:
         if job.state is JobState.QUEUED:
             self.expired_in_queue += 1
             where = f"while queued in pool '{self.name}' (it never reached a worker)"
+            stage = "pool queue"
         else:
             where = f"while running on a worker of pool '{self.name}'"
-        self._finish(job, DeadlineExceeded(f"deadline exceeded {where}"))
+            stage = "worker"
+        self._finish(job, DeadlineExceeded(f"deadline exceeded {where}", stage=stage))
         self._abandon(job)
 
     def _finish(self, job: Job, outcome: Result | ServingError) -> None:
@@ -349,7 +356,11 @@ class Dispatcher:
             job.state = JobState.DONE
             if reply.failure is None:
                 queue_ns = int((job.started - job.enqueued) * 1e9)
-                self._finish(job, Result(reply.body, reply.timings, queue_ns))
+                finished = asyncio.get_running_loop().time()
+                result = Result(
+                    reply.body, reply.timings, queue_ns, job.enqueued, job.started, finished
+                )
+                self._finish(job, result)
             else:
                 self._finish(job, error_for(reply.failure, reply.message))
         else:
@@ -447,7 +458,7 @@ class Dispatcher:
         job.state = JobState.DONE
         if worker.kill_reason.startswith("model"):
             error: ServingError = DeadlineExceeded(
-                f"{worker.kill_reason}; worker pid {worker.pid} was killed"
+                f"{worker.kill_reason}; worker pid {worker.pid} was killed", stage="worker"
             )
         else:
             why = worker.kill_reason or worker.status

@@ -52,9 +52,11 @@ class ServingError(Exception):
 
     failure = Failure.INTERNAL
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, stage: str = "") -> None:
         super().__init__(message)
         self.message = message
+        # where a deadline ran out: "router", "pool", "pool queue" or "worker"
+        self.stage = stage
 
 
 class InvalidInput(ServingError):
@@ -155,7 +157,10 @@ _FAILURE_FOR_STATUS: dict[grpc.StatusCode, Failure] = {
 }
 
 
-def from_upstream(code: grpc.StatusCode, details: str, where: str) -> ServingError:
+STAGE_METADATA = "poolserve-stage"  # trailing metadata: where the budget ran out
+
+
+def from_upstream(code: grpc.StatusCode, details: str, where: str, stage: str = "") -> ServingError:
     """An error that a pool answered, as the router passes it on.
 
     The status code is kept; an empty message (a status made by the gRPC
@@ -166,4 +171,6 @@ def from_upstream(code: grpc.StatusCode, details: str, where: str) -> ServingErr
     message = details or f"{code.name.lower().replace('_', ' ')} {where}"
     if code is grpc.StatusCode.UNAVAILABLE and not message.startswith("pool"):
         message = f"{where} is unavailable: {message}"
-    return error_for(failure, message)
+    error = error_for(failure, message)
+    error.stage = stage
+    return error

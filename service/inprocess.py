@@ -21,7 +21,7 @@ from poolserve.service.health import Health
 from poolserve.service.inference import infer
 from poolserve.service.model import Model, instantiate, tensor_specs
 from poolserve.service.repository import ModelSettings, Repository
-from poolserve.service.servicer import InferenceServicer
+from poolserve.service.servicer import InferenceServicer, Observer
 from poolserve.service.settings import ServerSettings
 from poolserve.service.wire import Routing
 
@@ -62,7 +62,12 @@ class InProcessBackend:
             self._catalog.set_state(settings.name, ModelState.READY, "", tensor_specs(model))
 
     async def infer(
-        self, entry: ModelEntry, request: bytes, deadline: float, routing: Routing
+        self,
+        entry: ModelEntry,
+        request: bytes,
+        deadline: float,
+        routing: Routing,
+        observe: Observer | None = None,
     ) -> bytes:
         queued = time.monotonic_ns()
         if time.monotonic() >= deadline:

@@ -38,8 +38,9 @@ from poolserve.service.health import Health
 from poolserve.service.procutil import pss_bytes
 from poolserve.service.repository import ModelSettings, TensorSpec, scan
 from poolserve.service.respawn import Respawner
-from poolserve.service.servicer import InferenceServicer, guarded
+from poolserve.service.servicer import InferenceServicer, Observer, guarded
 from poolserve.service.settings import ServerSettings
+from poolserve.service.tracing import Tracing
 from poolserve.service.wire import Routing
 from poolserve.service.zygote import ZygoteEvents, ZygoteLink
 
@@ -79,7 +80,12 @@ class PoolBackend:
         return self.dispatcher.live_workers() > 0
 
     async def infer(
-        self, entry: ModelEntry, request: bytes, deadline: float, routing: Routing
+        self,
+        entry: ModelEntry,
+        request: bytes,
+        deadline: float,
+        routing: Routing,
+        observe: Observer | None = None,
     ) -> bytes:
         began = time.monotonic_ns()
         if self.reject_hopeless:
@@ -100,6 +106,8 @@ class PoolBackend:
             entry.stats.record_failure(time.monotonic_ns() - began)
             raise
         entry.stats.record_success(result.queue_ns, result.timings, time.monotonic_ns() - began)
+        if observe is not None:
+            observe(result)
         return result.body
 
     @staticmethod
@@ -111,7 +119,8 @@ class PoolBackend:
             entry.stats.record_failure(0)
             raise DeadlineExceeded(
                 f"rejected on arrival: {remaining * 1000:.1f} ms left, below model "
-                f"'{entry.name}' recent median compute time of {p50 * 1000:.1f} ms"
+                f"'{entry.name}' recent median compute time of {p50 * 1000:.1f} ms",
+                stage="pool",
             )
 
 
@@ -157,6 +166,7 @@ class PoolServer:
             server_name=settings.server_name,
             default_timeout_s=settings.default_timeout_s,
             control=self,
+            margin_s=settings.deadline_margin_ms / 1000,
         )
         self._stop = asyncio.Event()
         self.exit_code = 0
@@ -386,6 +396,8 @@ class PoolServer:
         self._stop.set()
 
     async def serve(self, ready: Callable[[], None]) -> int:
+        # The zygote is forked already: from here on threads (the exporter's) are fine.
+        self.servicer.tracing = Tracing.from_env(f"pool:{self.gid}")
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
@@ -427,6 +439,8 @@ class PoolServer:
             await self._stop.wait()
             await self._shutdown(server)
         log.info("pool %s: zygote %s", self.gid, await self.zygote.wait(timeout=5.0))
+        if self.servicer.tracing is not None:
+            await asyncio.to_thread(self.servicer.tracing.shutdown)
         return self.exit_code
 
     async def _shutdown(self, server: grpc.aio.Server) -> None:

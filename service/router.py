@@ -11,6 +11,7 @@ grpc.health.v1 agree and never claim ready while any configured model is not.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import signal
 import time
@@ -21,22 +22,27 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry.trace import Span
 
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service import __version__
 from poolserve.service.errors import (
+    STAGE_METADATA,
     DeadlineExceeded,
     FailedPrecondition,
+    Failure,
     ModelNotFound,
     ModelNotReady,
     ServingError,
     from_upstream,
+    grpc_status,
 )
 from poolserve.service.health import SERVING, Health
 from poolserve.service.pool import pool_socket_path
 from poolserve.service.repository import Repository, scan
 from poolserve.service.servicer import EXTENSIONS, NO_DEADLINE_S, SERVICE, guarded
 from poolserve.service.settings import ServerSettings
+from poolserve.service.tracing import Tracing, deadline_event, strip_carried
 from poolserve.service.wire import peek_model
 
 log = logging.getLogger(__name__)
@@ -44,7 +50,12 @@ log = logging.getLogger(__name__)
 _DROP_METADATA = frozenset({"user-agent", "content-type", "te", "host"})
 ROUTED = ("ModelInfer", "ModelReady", "ModelMetadata", "ModelConfig", "ModelStatistics")
 RETRY_WATCH_S = (0.05, 1.0)
-ADDRESS_FILE = "router.addr"  # host:port actually bound (useful with --grpc-port 0)
+ADDRESS_FILE = "router.addr"
+Handler = Callable[[bytes, Any], Awaitable[bytes]]
+# The router's span of the call being handled (each RPC runs in its own task).
+_SPAN: contextvars.ContextVar[Span | None] = contextvars.ContextVar(
+    "span", default=None
+)  # host:port actually bound (useful with --grpc-port 0)
 
 
 @dataclass(eq=False)
@@ -60,6 +71,13 @@ class PoolRoute:
     @property
     def where(self) -> str:
         return f"pool '{self.gid}'"
+
+
+def _stage_of(exc: grpc.aio.AioRpcError) -> str:
+    for key, value in exc.trailing_metadata() or ():
+        if key == STAGE_METADATA:
+            return str(value)
+    return ""
 
 
 def _peek_model_name_field2(data: bytes) -> str:
@@ -90,6 +108,7 @@ class Router:
         self._stop = asyncio.Event()
         self._tasks: asyncio.TaskGroup | None = None
         self._watchers: list[asyncio.Task[None]] = []
+        self.tracing: Tracing | None = None  # set in serve(): never before a fork
         self.port = 0
 
     # -- readiness -------------------------------------------------------------
@@ -160,7 +179,9 @@ class Router:
             remaining = self.settings.default_timeout_s
         timeout = remaining - self.settings.deadline_margin_ms / 1000
         if timeout <= 0:
-            raise DeadlineExceeded("deadline spent before the router could forward the call")
+            raise DeadlineExceeded(
+                "deadline spent before the router could forward the call", stage="router"
+            )
         return timeout
 
     @staticmethod
@@ -179,19 +200,29 @@ class Router:
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> bytes:
         timeout = self._timeout(context)
+        metadata = self._metadata(context)
+        span = _SPAN.get()
+        if span is not None:
+            span.set_attribute("poolserve.deadline.remaining_ms", timeout * 1000)
+            span.set_attribute("poolserve.pool", route.gid)
+            metadata = (*strip_carried(metadata), *Tracing.carry(span))
         try:
-            return await route.calls[method](
-                body, timeout=timeout, metadata=self._metadata(context)
-            )
+            return await route.calls[method](body, timeout=timeout, metadata=metadata)
         except grpc.aio.AioRpcError as exc:
             details = exc.details() or ""
-            if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED and details == "Deadline Exceeded":
-                details = f"deadline exceeded waiting for {route.where}"
-            raise from_upstream(exc.code(), details, route.where) from None
+            stage = _stage_of(exc)
+            if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED and not stage:
+                details = f"deadline exceeded waiting for {route.where} to answer"
+                stage = "pool"
+            raise from_upstream(exc.code(), details, route.where, stage) from None
 
     def _routed(self, method: str) -> Callable[[bytes, Any], Awaitable[bytes]]:
         async def handler(body: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
-            name, _ = peek_model(body)
+            name, version = peek_model(body)
+            span = _SPAN.get()
+            if span is not None:
+                span.set_attribute("poolserve.model.name", name)
+                span.set_attribute("poolserve.model.version", version)
             if method == "ModelStatistics" and not name:
                 return await self._all_statistics(context)
             if method == "ModelReady" and name in self.invalid:
@@ -319,21 +350,66 @@ class Router:
             error = from_upstream(exc.code(), exc.details() or "", route.where)
             yield pb.ModelStreamInferResponse(error_message=error.message).SerializeToString()
 
+    def _traced(self, method: str, fn: Handler) -> Handler:
+        """A SERVER span per call, with the deadline budget and where it ran out."""
+        tracing = self.tracing
+        if tracing is None:
+            return fn
+
+        async def handler(body: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+            attributes: dict[str, Any] = {
+                "rpc.system": "grpc",
+                "rpc.service": SERVICE,
+                "rpc.method": method,
+            }
+            budget = context.time_remaining()
+            if budget is not None and budget <= NO_DEADLINE_S:
+                attributes["poolserve.deadline.budget_ms"] = budget * 1000
+            span = tracing.server_span(
+                f"{SERVICE}/{method}", context.invocation_metadata(), attributes
+            )
+            token = _SPAN.set(span)
+            code = grpc.StatusCode.OK
+            try:
+                return await fn(body, context)
+            except ServingError as exc:
+                code = grpc_status(exc)[0]
+                if exc.failure is Failure.DEADLINE:
+                    deadline_event(span, exc.stage or "router", exc.message)
+                raise
+            except asyncio.CancelledError:
+                code = grpc.StatusCode.CANCELLED
+                raise
+            finally:
+                _SPAN.reset(token)
+                span.set_attribute("rpc.grpc.status_code", code.value[0])
+                span.end()
+
+        handler.__name__ = fn.__name__
+        return handler
+
     def generic_handler(self) -> grpc.GenericRpcHandler:
-        def unary(fn: Callable[[bytes, Any], Awaitable[bytes]]) -> grpc.RpcMethodHandler[Any, Any]:
+        def unary(fn: Handler) -> grpc.RpcMethodHandler[Any, Any]:
             return grpc.unary_unary_rpc_method_handler(guarded(fn))
 
+        def traced(method: str, fn: Handler) -> grpc.RpcMethodHandler[Any, Any]:
+            return unary(self._traced(method, fn))
+
         handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
-            m: unary(self._routed(m)) for m in ROUTED
+            m: traced(m, self._routed(m)) for m in ROUTED
         }
         handlers.update(
             {
                 "ServerLive": unary(self.server_live),
                 "ServerReady": unary(self.server_ready),
                 "ServerMetadata": unary(self.server_metadata),
-                "RepositoryIndex": unary(self.repository_index),
-                "RepositoryModelLoad": unary(self._routed_by_field2("RepositoryModelLoad")),
-                "RepositoryModelUnload": unary(self._routed_by_field2("RepositoryModelUnload")),
+                "RepositoryIndex": traced("RepositoryIndex", self.repository_index),
+                "RepositoryModelLoad": traced(
+                    "RepositoryModelLoad", self._routed_by_field2("RepositoryModelLoad")
+                ),
+                "RepositoryModelUnload": traced(
+                    "RepositoryModelUnload", self._routed_by_field2("RepositoryModelUnload")
+                ),
                 "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(self.model_stream_infer),
             }
         )
@@ -357,6 +433,7 @@ class Router:
         self._stop.set()
 
     async def serve(self, ready: Callable[[], None], bind: str | None = None) -> None:
+        self.tracing = Tracing.from_env("router")
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
@@ -388,6 +465,8 @@ class Router:
                 task.cancel()
         self._tasks = None
         self.address_file.unlink(missing_ok=True)
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)  # flushes, off the loop
         for route in self.pools.values():
             if route.channel is not None:
                 await route.channel.close()

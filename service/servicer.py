@@ -14,20 +14,30 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import grpc
 
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service import __version__
 from poolserve.service.catalog import Catalog, ModelEntry
-from poolserve.service.errors import ServingError, Unimplemented, grpc_status
+from poolserve.service.errors import (
+    STAGE_METADATA,
+    Failure,
+    ServingError,
+    Unimplemented,
+    grpc_status,
+)
 from poolserve.service.metadata import model_config, model_metadata
+from poolserve.service.tracing import Tracing, deadline_event
 from poolserve.service.wire import Routing, encode_len_field, peek_routing
 
 SERVICE = "inference.GRPCInferenceService"
 EXTENSIONS = ("model_repository", "statistics", "model_configuration", "schedule_policy")
 NO_DEADLINE_S = 1e6  # grpc.aio reports a huge time_remaining() when the client set none
+
+if TYPE_CHECKING:
+    from poolserve.service.dispatcher import Result
 
 log = logging.getLogger(__name__)
 
@@ -35,22 +45,36 @@ Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 
 
+Observer = Callable[["Result"], None]  # sees a successful execution's timings (for spans)
+
+
 class InferBackend(Protocol):
     """Runs serialized requests for ready models; raises ServingError subclasses."""
 
     async def infer(
-        self, entry: ModelEntry, request: bytes, deadline: float, routing: Routing
+        self,
+        entry: ModelEntry,
+        request: bytes,
+        deadline: float,
+        routing: Routing,
+        observe: Observer | None = None,
     ) -> bytes: ...
 
     def serving(self) -> bool: ...
 
 
-def deadline_from(context: grpc.aio.ServicerContext[Any, Any], default_s: float) -> float:
-    """Absolute monotonic deadline: the client's, or ``default_s`` when it set none."""
+def deadline_from(
+    context: grpc.aio.ServicerContext[Any, Any], default_s: float, margin_s: float = 0.0
+) -> float:
+    """Absolute monotonic deadline: the client's, or ``default_s`` when it set none.
+
+    ``margin_s`` ends our part a little early, so that we answer (saying where
+    the time went) before our caller's own timer fires.
+    """
     remaining = context.time_remaining()
     if remaining is None or remaining > NO_DEADLINE_S:
         remaining = default_s
-    return time.monotonic() + remaining
+    return time.monotonic() + remaining - margin_s
 
 
 def guarded(
@@ -63,6 +87,8 @@ def guarded(
             return await fn(request, context)
         except ServingError as exc:
             code, message = grpc_status(exc)
+            if exc.stage:
+                context.set_trailing_metadata(((STAGE_METADATA, exc.stage),))
         except Exception as exc:
             log.exception("unexpected error in %s", fn.__name__)
             code, message = grpc_status(exc)
@@ -113,10 +139,13 @@ class InferenceServicer:
         server_name: str = "poolserve",
         default_timeout_s: float = 60.0,
         control: ModelControl | None = None,
+        margin_s: float = 0.0,
     ) -> None:
         self.catalog = catalog
         self.backend = backend
         self.control = control
+        self.margin_s = margin_s
+        self.tracing: Tracing | None = None  # set by the server once it can have threads
         self.server_name = server_name
         self.default_timeout_s = default_timeout_s
 
@@ -183,13 +212,59 @@ class InferenceServicer:
     async def model_infer(
         self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]
     ) -> bytes:
-        deadline = deadline_from(context, self.default_timeout_s)
-        return await self.infer_bytes(request, deadline)
+        deadline = deadline_from(context, self.default_timeout_s, self.margin_s)
+        if self.tracing is None:
+            return await self.infer_bytes(request, deadline)
+        return await self._infer_traced(self.tracing, request, context, deadline)
 
-    async def infer_bytes(self, request: bytes, deadline: float) -> bytes:
+    async def infer_bytes(
+        self, request: bytes, deadline: float, observe: Observer | None = None
+    ) -> bytes:
         routing = peek_routing(request)
         entry = self.catalog.lookup_ready(routing.name, routing.version)
-        return await self.backend.infer(entry, request, deadline, routing)
+        return await self.backend.infer(entry, request, deadline, routing, observe)
+
+    async def _infer_traced(
+        self,
+        tracing: Tracing,
+        request: bytes,
+        context: grpc.aio.ServicerContext[Any, Any],
+        deadline: float,
+    ) -> bytes:
+        """The pool's span, with ``queue`` and ``compute`` children from the worker's timings."""
+        span = tracing.server_span(
+            f"{self.server_name} pool ModelInfer",
+            context.invocation_metadata(),
+            {"rpc.system": "grpc", "rpc.service": SERVICE, "rpc.method": "ModelInfer"},
+        )
+
+        def observe(result: Result) -> None:
+            worker = result.timings
+            busy = (worker.decode_ns + worker.compute_ns + worker.encode_ns) / 1e9
+            tracing.child(span, "queue", result.enqueued, result.started)
+            tracing.child(
+                span,
+                "compute",
+                max(result.started, result.finished - busy),
+                result.finished,
+                {
+                    "poolserve.decode_ns": worker.decode_ns,
+                    "poolserve.compute_ns": worker.compute_ns,
+                    "poolserve.encode_ns": worker.encode_ns,
+                },
+            )
+
+        code = grpc.StatusCode.OK
+        try:
+            return await self.infer_bytes(request, deadline, observe)
+        except ServingError as exc:
+            code = grpc_status(exc)[0]
+            if exc.failure is Failure.DEADLINE:
+                deadline_event(span, exc.stage or "pool", exc.message)
+            raise
+        finally:
+            span.set_attribute("rpc.grpc.status_code", code.value[0])
+            span.end()
 
     async def model_stream_infer(
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]

@@ -23,8 +23,16 @@ READY_PREFIX = "poolserve: ready, serving on "
 class Serving:
     """One ``poolserve serve`` tree; kills every PID it saw when it closes."""
 
-    def __init__(self, repo: Path, run_dir: Path, *extra: str, workers: int = 2) -> None:
+    def __init__(
+        self,
+        repo: Path,
+        run_dir: Path,
+        *extra: str,
+        workers: int = 2,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.repo = repo
+        self.env = env
         self.run_dir = run_dir
         self.log_path = run_dir.parent / f"{run_dir.name}.log"
         self.argv = [
@@ -45,8 +53,9 @@ class Serving:
 
     def start(self, timeout: float = 60.0) -> Serving:
         log = open(self.log_path, "w")  # noqa: SIM115 (closed with the process)
+        env = None if self.env is None else {**os.environ, **self.env}
         self.proc = subprocess.Popen(
-            self.argv, stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1
+            self.argv, stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1, env=env
         )
         log.close()
         self.address = self._read_ready(timeout)

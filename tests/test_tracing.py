@@ -1,0 +1,179 @@
+"""OpenTelemetry traces across router and pool, exported to a real OTLP receiver."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from opentelemetry.proto.trace.v1 import trace_pb2
+
+from poolserve.protos import inference_pb2 as pb
+from poolserve.protos import inference_pb2_grpc as pbg
+from poolserve.service.codec import encode_inputs
+
+from otlp_receiver import Receiver, attributes
+from serving import Serving, pool_status, wait_serving
+from support import copy_example
+
+pytestmark = pytest.mark.e2e
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_SPAN = "00f067aa0ba902b7"
+Stub = pbg.GRPCInferenceServiceStub
+
+
+def otel_env(port: int) -> dict[str, str]:
+    return {
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
+        "OTEL_EXPORTER_OTLP_INSECURE": "true",
+        "OTEL_BSP_SCHEDULE_DELAY": "50",
+        "OTEL_SERVICE_NAME": "poolserve-test",
+    }
+
+
+def request(model: str, value: float, **params: int) -> pb.ModelInferRequest:
+    req = pb.ModelInferRequest(model_name=model)
+    encode_inputs({"INPUT0": np.full((1, 4), value, np.float32)}, req, raw=True)
+    for key, v in params.items():
+        req.parameters[key].int64_param = v
+    return req
+
+
+def repo(tmp_path: Path) -> Path:
+    root = tmp_path / "repo"
+    copy_example(root, "echo")
+    copy_example(root, "sleep")
+    return root
+
+
+def test_one_trace_through_router_and_pool(tmp_path: Path) -> None:
+    async def main() -> None:
+        receiver = Receiver()
+        port = await receiver.start()
+        try:
+            with Serving(repo(tmp_path), tmp_path / "run", workers=1, env=otel_env(port)) as s:
+                await traced_calls(s, receiver)
+        finally:
+            await receiver.stop()
+
+    async def traced_calls(serving: Serving, receiver: Receiver) -> None:
+        async with grpc.aio.insecure_channel(serving.address) as channel:
+            await wait_serving(channel)
+            stub = Stub(channel)
+            parent = f"00-{TRACE_ID}-{CLIENT_SPAN}-01"
+            await stub.ModelInfer(
+                request("echo", 1.0), timeout=5, metadata=(("traceparent", parent),)
+            )
+
+            def complete(spans: list[tuple[dict[str, str], trace_pb2.Span]]) -> bool:
+                names = {sp.name for _, sp in spans if sp.trace_id.hex() == TRACE_ID}
+                return {"queue", "compute"} <= names and len(names) >= 4
+
+            try:
+                await receiver.wait_for(complete)
+            except TimeoutError:
+                raise AssertionError(
+                    [(sp.name, sp.trace_id.hex()) for _, sp in receiver.spans]
+                ) from None
+            mine = [(r, sp) for r, sp in receiver.spans if sp.trace_id.hex() == TRACE_ID]
+            by_name = {sp.name: (r, sp) for r, sp in mine}
+            router_resource, router = by_name["inference.GRPCInferenceService/ModelInfer"]
+            assert router.parent_span_id.hex() == CLIENT_SPAN
+            assert router.kind == trace_pb2.Span.SpanKind.SPAN_KIND_SERVER
+            assert router_resource["service.name"] == "poolserve-test"
+            attrs = attributes(router)
+            assert attrs["rpc.system"] == "grpc"
+            assert attrs["rpc.method"] == "ModelInfer"
+            assert attrs["rpc.grpc.status_code"] == 0
+            assert attrs["poolserve.model.name"] == "echo"
+            # grpc-timeout travels in coarse units: allow its rounding
+            assert 4000 < attrs["poolserve.deadline.budget_ms"] <= 5100
+            assert (
+                0
+                < attrs["poolserve.deadline.remaining_ms"]
+                <= attrs["poolserve.deadline.budget_ms"]
+            )
+            pool = next(sp for _, sp in mine if sp.parent_span_id == router.span_id)
+            children = {sp.name for _, sp in mine if sp.parent_span_id == pool.span_id}
+            assert children == {"queue", "compute"}
+            compute = by_name["compute"][1]
+            assert pool.start_time_unix_nano <= compute.start_time_unix_nano
+            assert compute.end_time_unix_nano <= pool.end_time_unix_nano
+
+            # a request that expires in the pool queue says so in the router span
+            busy = asyncio.ensure_future(
+                stub.ModelInfer(request("sleep", 2.0, sleep_ms=1500), timeout=10)
+            )
+            for _ in range(3000):  # until the only worker is busy (polled: no event)
+                if (await pool_status(serving)).workers[0].state == "busy":
+                    break
+                await asyncio.sleep(0.01)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.ModelInfer(request("sleep", 3.0, sleep_ms=1), timeout=0.3)
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            await busy
+
+            def expired(spans: list[tuple[dict[str, str], trace_pb2.Span]]) -> bool:
+                return any(
+                    e.name == "deadline_exceeded" and sp.name.endswith("/ModelInfer")
+                    for _, sp in spans
+                    for e in sp.events
+                )
+
+            await receiver.wait_for(expired)
+            events = [
+                e
+                for _, sp in receiver.spans
+                if sp.name.endswith("/ModelInfer")
+                for e in sp.events
+                if e.name == "deadline_exceeded"
+            ]
+            stages = {
+                a.value.string_value
+                for e in events
+                for a in e.attributes
+                if a.key == "poolserve.deadline.stage"
+            }
+            assert "pool queue" in stages
+
+    asyncio.run(main())
+
+
+def test_collector_down_costs_requests_nothing(tmp_path: Path) -> None:
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens there
+
+    async def main(serving: Serving) -> None:
+        async with grpc.aio.insecure_channel(serving.address) as channel:
+            await wait_serving(channel)
+            stub = Stub(channel)
+            began = time.monotonic()
+            replies = await asyncio.gather(
+                *(stub.ModelInfer(request("echo", float(k)), timeout=10) for k in range(300))
+            )
+            assert len(replies) == 300
+            print(f"300 echo calls with the collector down: {time.monotonic() - began:.2f} s")
+
+    env = otel_env(port)
+    env["OTEL_EXPORTER_OTLP_TIMEOUT"] = "1"
+    with Serving(repo(tmp_path), tmp_path / "run", env=env) as serving:
+        asyncio.run(main(serving))
+        assert "Traceback" not in serving.log()
+
+
+def test_tracing_off_by_default(tmp_path: Path) -> None:
+    assert "OTEL_TRACES_EXPORTER" not in os.environ
+    from poolserve.service.tracing import Tracing
+
+    assert Tracing.from_env("router", {}) is None
+    assert Tracing.from_env("router", {"OTEL_TRACES_EXPORTER": "none"}) is None
+    assert Tracing.from_env("router", {"OTEL_TRACES_EXPORTER": "console"}) is not None
