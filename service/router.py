@@ -85,6 +85,20 @@ def _peek_model_name_field2(data: bytes) -> str:
     return peek_model(data)[1]
 
 
+def server_credentials(settings: ServerSettings) -> grpc.ServerCredentials | None:
+    """TLS for the router's port when configured; mutual TLS with a client CA."""
+    if not settings.tls_cert_file:
+        return None
+    key = Path(settings.tls_key_file).read_bytes()
+    cert = Path(settings.tls_cert_file).read_bytes()
+    client_ca = (
+        Path(settings.tls_client_ca_file).read_bytes() if settings.tls_client_ca_file else None
+    )
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
+    )
+
+
 class Router:
     def __init__(
         self,
@@ -449,7 +463,11 @@ class Router:
         )
         server.add_generic_rpc_handlers((self.generic_handler(), self.health.generic_handler()))
         address = bind or f"{self.settings.host}:{self.settings.grpc_port}"
-        self.port = server.add_insecure_port(address)
+        credentials = server_credentials(self.settings)
+        if credentials is None:
+            self.port = server.add_insecure_port(address)
+        else:
+            self.port = server.add_secure_port(address, credentials)
         async with asyncio.TaskGroup() as tasks:
             self._tasks = tasks
             self._watchers = list(self._start_watchers(tasks))

@@ -53,6 +53,9 @@ class ServerSettings:
     heartbeat_timeout_s: float = 30.0
     reject_hopeless: bool = False
     model_control: bool = True
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_client_ca_file: str = ""  # set: clients must present a certificate it signed
     server_name: str = "poolserve"
 
     def workers_for(self, gid: str) -> int:
@@ -77,7 +80,15 @@ _FLOAT_FIELDS = {
     "heartbeat_timeout_s",
 }
 _BOOL_FIELDS = {"reject_hopeless", "model_control"}
-_STR_FIELDS = {"host", "run_dir", "log_format", "server_name"}
+_STR_FIELDS = {
+    "host",
+    "run_dir",
+    "log_format",
+    "server_name",
+    "tls_cert_file",
+    "tls_key_file",
+    "tls_client_ca_file",
+}
 
 
 def _check_value(source: str, name: str, value: object) -> object:
@@ -173,6 +184,18 @@ def read_json_object(path: Path) -> dict[str, Any]:
     return data
 
 
+def check_tls(settings: ServerSettings, source: str) -> None:
+    """Both or neither of cert and key; a client CA only with them; files readable."""
+    if bool(settings.tls_cert_file) != bool(settings.tls_key_file):
+        raise ConfigError(source, "tls_cert_file", "tls_cert_file and tls_key_file go together")
+    if settings.tls_client_ca_file and not settings.tls_cert_file:
+        raise ConfigError(source, "tls_client_ca_file", "mutual TLS needs tls_cert_file too")
+    for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+        path = getattr(settings, name)
+        if path and not os.access(path, os.R_OK):
+            raise ConfigError(source, name, f"cannot read {path}")
+
+
 def load_server_settings(
     repository: Path,
     environ: Mapping[str, str] | None = None,
@@ -188,4 +211,6 @@ def load_server_settings(
     env = os.environ if environ is None else environ
     settings = apply_overrides(settings, _env_values(env), "environment")
     cli = {k: v for k, v in (flags or {}).items() if v is not None}
-    return apply_overrides(settings, cli, "command line")
+    settings = apply_overrides(settings, cli, "command line")
+    check_tls(settings, str(path) if path.exists() else "environment")
+    return settings

@@ -1,0 +1,83 @@
+"""TLS and mutual TLS on the router port, with certificates made by the test."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import grpc
+import pytest
+
+from poolserve.protos import inference_pb2 as pb
+from poolserve.protos import inference_pb2_grpc as pbg
+from poolserve.service.settings import ConfigError, load_server_settings
+
+from certs import make_certs
+from serving import Serving
+from support import copy_example
+
+pytestmark = pytest.mark.e2e
+
+
+def tls_repo(tmp_path: Path, mutual: bool) -> tuple[Path, Path]:
+    certs = make_certs(tmp_path / "certs")
+    repo = tmp_path / "repo"
+    copy_example(repo, "echo")
+    settings = {
+        "tls_cert_file": str(certs / "server.crt"),
+        "tls_key_file": str(certs / "server.key"),
+    }
+    if mutual:
+        settings["tls_client_ca_file"] = str(certs / "ca.crt")
+    (repo / "settings.json").write_text(json.dumps(settings))
+    return repo, certs
+
+
+async def refused(channel: grpc.aio.Channel) -> grpc.StatusCode:
+    stub = pbg.GRPCInferenceServiceStub(channel)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.ServerLive(pb.ServerLiveRequest(), timeout=5)
+    return info.value.code()
+
+
+def test_tls_and_plaintext_refused(tmp_path: Path) -> None:
+    repo, certs = tls_repo(tmp_path, mutual=False)
+    ca = (certs / "ca.crt").read_bytes()
+
+    async def main(address: str) -> None:
+        creds = grpc.ssl_channel_credentials(root_certificates=ca)
+        async with grpc.aio.secure_channel(address, creds) as channel:
+            assert (
+                await pbg.GRPCInferenceServiceStub(channel).ServerLive(pb.ServerLiveRequest())
+            ).live
+        async with grpc.aio.insecure_channel(address) as plain:
+            assert await refused(plain) == grpc.StatusCode.UNAVAILABLE
+
+    with Serving(repo, tmp_path / "run") as serving:
+        asyncio.run(main(serving.address))
+
+
+def test_mutual_tls_requires_a_client_certificate(tmp_path: Path) -> None:
+    repo, certs = tls_repo(tmp_path, mutual=True)
+    ca = (certs / "ca.crt").read_bytes()
+    key = (certs / "client.key").read_bytes()
+    cert = (certs / "client.crt").read_bytes()
+
+    async def main(address: str) -> None:
+        with_cert = grpc.ssl_channel_credentials(ca, key, cert)
+        async with grpc.aio.secure_channel(address, with_cert) as channel:
+            live = await pbg.GRPCInferenceServiceStub(channel).ServerLive(pb.ServerLiveRequest())
+            assert live.live
+        without = grpc.ssl_channel_credentials(root_certificates=ca)
+        async with grpc.aio.secure_channel(address, without) as channel:
+            assert await refused(channel) == grpc.StatusCode.UNAVAILABLE
+
+    with Serving(repo, tmp_path / "run") as serving:
+        asyncio.run(main(serving.address))
+
+
+def test_half_a_tls_configuration_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "settings.json").write_text(json.dumps({"tls_cert_file": "/nonexistent.crt"}))
+    with pytest.raises(ConfigError, match="tls_cert_file"):
+        load_server_settings(tmp_path, environ={})
