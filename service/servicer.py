@@ -235,7 +235,13 @@ class InferenceServicer:
         span = tracing.server_span(
             f"{self.server_name} pool ModelInfer",
             context.invocation_metadata(),
-            {"rpc.system": "grpc", "rpc.service": SERVICE, "rpc.method": "ModelInfer"},
+            {
+                "rpc.system": "grpc",
+                "rpc.service": SERVICE,
+                "rpc.method": "ModelInfer",
+                "poolserve.deadline.remaining_ms": (deadline - time.monotonic() + self.margin_s)
+                * 1000,
+            },
         )
 
         def observe(result: Result) -> None:
