@@ -62,11 +62,14 @@ def test_deadline_propagation(tmp_path: Path) -> None:
             stub = Stub(channel)
             await stub.ModelInfer(echo(), timeout=0.05)
             await stub.ModelInfer(echo())  # no deadline at all
+            codes = set()
             for _ in range(20):  # budgets below the router's 1 ms margin
                 try:
                     await stub.ModelInfer(echo(), timeout=0.0005)
+                    codes.add(grpc.StatusCode.OK)  # grpc-timeout rounding gave it room
                 except grpc.aio.AioRpcError as exc:
-                    assert exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                    codes.add(exc.code())
+            assert codes <= {grpc.StatusCode.OK, grpc.StatusCode.DEADLINE_EXCEEDED}
 
             def exported(spans: object) -> bool:
                 spent = [
