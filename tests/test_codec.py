@@ -13,6 +13,7 @@ from google.protobuf.message import Message
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service import codec
 from poolserve.service.errors import InvalidInput

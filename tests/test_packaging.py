@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from poolserve.protos import generate
+
 from support import BIN, ROOT
 
 

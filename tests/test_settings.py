@@ -6,8 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
+
 from poolserve.service.repository import scan
 from poolserve.service.settings import ConfigError, load_server_settings
+
 from support import write_model
 
 IMPL = "poolserve.service.runtimes.SKLearnModel"
