@@ -27,6 +27,10 @@ Array = npt.NDArray[Any]
 class Model:
     """Base class of every model. Subclass it; ``self.settings`` holds the settings."""
 
+    # An inline model ("parallel_workers": 0) that declares itself fast runs its
+    # predict on the pool's event loop; keep it well under a millisecond.
+    inline_fast = False
+
     def __init__(self, settings: ModelSettings) -> None:
         self.settings = settings
 

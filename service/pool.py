@@ -35,6 +35,7 @@ from poolserve.service.errors import (
     Unavailable,
 )
 from poolserve.service.health import Health
+from poolserve.service.inline import InlineRunner, is_inline
 from poolserve.service.procutil import pss_bytes
 from poolserve.service.repository import ModelSettings, TensorSpec, scan
 from poolserve.service.respawn import Respawner
@@ -72,12 +73,20 @@ class ModelReply:
 class PoolBackend:
     """The InferBackend of a pool server: the dispatcher over forked workers."""
 
-    def __init__(self, dispatcher: Dispatcher, reject_hopeless: bool = False) -> None:
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        inline: InlineRunner,
+        needs_workers: bool,
+        reject_hopeless: bool = False,
+    ) -> None:
         self.dispatcher = dispatcher
+        self.inline = inline
+        self.needs_workers = needs_workers
         self.reject_hopeless = reject_hopeless
 
     def serving(self) -> bool:
-        return self.dispatcher.live_workers() > 0
+        return not self.needs_workers or self.dispatcher.live_workers() > 0
 
     async def infer(
         self,
@@ -87,9 +96,11 @@ class PoolBackend:
         routing: Routing,
         observe: Observer | None = None,
     ) -> bytes:
-        began = time.monotonic_ns()
         if self.reject_hopeless:
             self._reject_if_hopeless(entry, deadline)
+        if entry.name in self.inline:
+            return await self.inline.infer(entry, request, deadline, observe)
+        began = time.monotonic_ns()
         try:
             result = await self.dispatcher.submit(
                 request,
@@ -149,7 +160,9 @@ class PoolServer:
         self.settings = settings
         self.socket_path = socket_path
         self.workers = settings.workers_for(gid)
-        self.zygote = ZygoteLink(self.models, settings.heartbeat_interval_s)
+        self.inline_models = [m for m in self.models if is_inline(m)]
+        self.worker_models = [m for m in self.models if not is_inline(m)]
+        self.zygote = ZygoteLink(self.worker_models, settings.heartbeat_interval_s)
         self.catalog = Catalog.from_settings(self.models)
         self.health = Health()
         self.dispatcher = Dispatcher(
@@ -160,9 +173,15 @@ class PoolServer:
             heartbeat_timeout=settings.heartbeat_timeout_s,
         )
         self.respawner = Respawner(self.zygote.spawn, self._mark_failed, clock=time.monotonic)
+        self.inline = InlineRunner(self.catalog)
         self.servicer = InferenceServicer(
             self.catalog,
-            PoolBackend(self.dispatcher, settings.reject_hopeless),
+            PoolBackend(
+                self.dispatcher,
+                self.inline,
+                bool(self.worker_models),
+                settings.reject_hopeless,
+            ),
             server_name=settings.server_name,
             default_timeout_s=settings.default_timeout_s,
             control=self,
@@ -203,6 +222,8 @@ class PoolServer:
             self.catalog.set_state(name, ModelState.UNAVAILABLE, reason)
 
     def _on_loaded(self) -> None:
+        if not self.worker_models:
+            return  # only inline models: no worker to fork
         for _ in range(self.workers):
             self.zygote.spawn()
 
@@ -278,6 +299,8 @@ class PoolServer:
         self.catalog.lookup(req.model_name)
         async with self._model_ops:
             self.catalog.set_state(req.model_name, ModelState.UNLOADED, "unloaded on request")
+            if self.inline.unload(req.model_name):
+                return pb.RepositoryModelUnloadResponse()
             reply = self._expect_reply(f"unload:{req.model_name}")
             self.zygote.unload(req.model_name)
             await reply
@@ -310,6 +333,13 @@ class PoolServer:
         async with self._model_ops:
             settings = self._find_settings(name)
             entry = self.catalog.upsert(settings)
+            if is_inline(settings):
+                failures = await self.inline.load([settings])  # sets the catalog state
+                if name in failures:
+                    kept = "; the previous version keeps serving" if name in self.inline else ""
+                    raise FailedPrecondition(f"inline model '{name}' {failures[name]}{kept}")
+                entry.settings, entry.version = settings, settings.version
+                return
             was_ready = entry.ready
             reply = self._expect_reply(name)
             self.zygote.load(settings.source)
@@ -436,6 +466,8 @@ class PoolServer:
             await server.start()
             log.info("pool %s: serving on %s (pid %d)", self.gid, self.socket_path, os.getpid())
             ready()
+            if self.inline_models:
+                tasks.create_task(self.inline.load(self.inline_models), name="inline-load")
             await self._stop.wait()
             await self._shutdown(server)
         log.info("pool %s: zygote %s", self.gid, await self.zygote.wait(timeout=5.0))
@@ -448,6 +480,7 @@ class PoolServer:
         # Stop taking calls, let in-flight calls finish within the grace period.
         await server.stop(self.settings.stop_grace_s)
         self.respawner.close()
+        self.inline.close()
         for flight in list(self._flights.values()):
             flight.cancel()
         self.dispatcher.close()
