@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epoolserve/protos/control.proto\x12\x14poolserve.control.v1\"U\n\x0cWorkerStatus\x12\x0b\n\x03pid\x18\x01 \x01(\x05\x12\r\n\x05state\x18\x02 \x01(\t\x12\x17\n\x0frequests_served\x18\x03 \x01(\x04\x12\x10\n\x08restarts\x18\x04 \x01(\r\"J\n\nModelState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\x13\n\x11PoolStatusRequest\"\xe7\x01\n\nPoolStatus\x12\x0b\n\x03gid\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\x12\n\nzygote_pid\x18\x03 \x01(\x05\x12\x13\n\x0bqueue_depth\x18\x04 \x01(\r\x12\x33\n\x07workers\x18\x05 \x03(\x0b\x32\".poolserve.control.v1.WorkerStatus\x12\x11\n\tpss_bytes\x18\x06 \x01(\x04\x12\x30\n\x06models\x18\x07 \x03(\x0b\x32 .poolserve.control.v1.ModelState\x12\x1c\n\x14late_replies_dropped\x18\x08 \x01(\x04\"\xb8\x01\n\x08TreeNode\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\r\n\x05state\x18\x03 \x01(\t\x12\x10\n\x08uptime_s\x18\x04 \x01(\x01\x12\x10\n\x08restarts\x18\x05 \x01(\r\x12\x30\n\x08\x63hildren\x18\x06 \x03(\x0b\x32\x1e.poolserve.control.v1.TreeNode\x12.\n\x04pool\x18\x07 \x01(\x0b\x32 .poolserve.control.v1.PoolStatus\"\x13\n\x11TreeStatusRequest\":\n\nTreeStatus\x12,\n\x04root\x18\x01 \x01(\x0b\x32\x1e.poolserve.control.v1.TreeNode\"\x0f\n\rReloadRequest\"!\n\x0eReloadResponse\x12\x0f\n\x07summary\x18\x01 \x01(\t\" \n\x11\x45nsurePoolRequest\x12\x0b\n\x03gid\x18\x01 \x01(\t\"%\n\x12\x45nsurePoolResponse\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t2d\n\x0bPoolControl\x12U\n\x06Status\x12\'.poolserve.control.v1.PoolStatusRequest\x1a .poolserve.control.v1.PoolStatus\"\x00\x32\xa4\x02\n\x11SupervisorControl\x12U\n\x06Status\x12\'.poolserve.control.v1.TreeStatusRequest\x1a .poolserve.control.v1.TreeStatus\"\x00\x12U\n\x06Reload\x12#.poolserve.control.v1.ReloadRequest\x1a$.poolserve.control.v1.ReloadResponse\"\x00\x12\x61\n\nEnsurePool\x12\'.poolserve.control.v1.EnsurePoolRequest\x1a(.poolserve.control.v1.EnsurePoolResponse\"\x00\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epoolserve/protos/control.proto\x12\x14poolserve.control.v1\"U\n\x0cWorkerStatus\x12\x0b\n\x03pid\x18\x01 \x01(\x05\x12\r\n\x05state\x18\x02 \x01(\t\x12\x17\n\x0frequests_served\x18\x03 \x01(\x04\x12\x10\n\x08restarts\x18\x04 \x01(\r\"J\n\nModelState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\x13\n\x11PoolStatusRequest\"\xe7\x01\n\nPoolStatus\x12\x0b\n\x03gid\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\x12\n\nzygote_pid\x18\x03 \x01(\x05\x12\x13\n\x0bqueue_depth\x18\x04 \x01(\r\x12\x33\n\x07workers\x18\x05 \x03(\x0b\x32\".poolserve.control.v1.WorkerStatus\x12\x11\n\tpss_bytes\x18\x06 \x01(\x04\x12\x30\n\x06models\x18\x07 \x03(\x0b\x32 .poolserve.control.v1.ModelState\x12\x1c\n\x14late_replies_dropped\x18\x08 \x01(\x04\"\xdf\x01\n\x08TreeNode\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\r\n\x05state\x18\x03 \x01(\t\x12\x10\n\x08uptime_s\x18\x04 \x01(\x01\x12\x10\n\x08restarts\x18\x05 \x01(\r\x12\x30\n\x08\x63hildren\x18\x06 \x03(\x0b\x32\x1e.poolserve.control.v1.TreeNode\x12.\n\x04pool\x18\x07 \x01(\x0b\x32 .poolserve.control.v1.PoolStatus\x12\x11\n\tlast_exit\x18\x08 \x01(\t\x12\x12\n\npool_error\x18\t \x01(\t\"\'\n\x11TreeStatusRequest\x12\x12\n\nskip_pools\x18\x01 \x01(\x08\":\n\nTreeStatus\x12,\n\x04root\x18\x01 \x01(\x0b\x32\x1e.poolserve.control.v1.TreeNode\"\x0f\n\rReloadRequest\"\x9d\x01\n\x0eReloadResponse\x12\x0f\n\x07summary\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\x0f\n\x07started\x18\x03 \x03(\t\x12\x0f\n\x07stopped\x18\x04 \x03(\t\x12\x0f\n\x07updated\x18\x05 \x03(\t\x12\x11\n\trestarted\x18\x06 \x03(\t\x12\x10\n\x08\x66\x61ilures\x18\x07 \x03(\t\x12\x16\n\x0erouter_updated\x18\x08 \x01(\x08\" \n\x11\x45nsurePoolRequest\x12\x0b\n\x03gid\x18\x01 \x01(\t\"6\n\x12\x45nsurePoolResponse\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07started\x18\x02 \x01(\x08\":\n\nPoolRoutes\x12\x0b\n\x03gid\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06models\x18\x03 \x03(\t\"1\n\x11InvalidModelRoute\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x8b\x01\n\nRouteTable\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12/\n\x05pools\x18\x02 \x03(\x0b\x32 .poolserve.control.v1.PoolRoutes\x12\x38\n\x07invalid\x18\x03 \x03(\x0b\x32\'.poolserve.control.v1.InvalidModelRoute\"\'\n\x11SetRoutesResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x32\x64\n\x0bPoolControl\x12U\n\x06Status\x12\'.poolserve.control.v1.PoolStatusRequest\x1a .poolserve.control.v1.PoolStatus\"\x00\x32\xa4\x02\n\x11SupervisorControl\x12U\n\x06Status\x12\'.poolserve.control.v1.TreeStatusRequest\x1a .poolserve.control.v1.TreeStatus\"\x00\x12U\n\x06Reload\x12#.poolserve.control.v1.ReloadRequest\x1a$.poolserve.control.v1.ReloadResponse\"\x00\x12\x61\n\nEnsurePool\x12\'.poolserve.control.v1.EnsurePoolRequest\x1a(.poolserve.control.v1.EnsurePoolResponse\"\x00\x32i\n\rRouterControl\x12X\n\tSetRoutes\x12 .poolserve.control.v1.RouteTable\x1a\'.poolserve.control.v1.SetRoutesResponse\"\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,21 +40,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_POOLSTATUS']._serialized_start=241
   _globals['_POOLSTATUS']._serialized_end=472
   _globals['_TREENODE']._serialized_start=475
-  _globals['_TREENODE']._serialized_end=659
-  _globals['_TREESTATUSREQUEST']._serialized_start=661
-  _globals['_TREESTATUSREQUEST']._serialized_end=680
-  _globals['_TREESTATUS']._serialized_start=682
-  _globals['_TREESTATUS']._serialized_end=740
-  _globals['_RELOADREQUEST']._serialized_start=742
-  _globals['_RELOADREQUEST']._serialized_end=757
-  _globals['_RELOADRESPONSE']._serialized_start=759
-  _globals['_RELOADRESPONSE']._serialized_end=792
-  _globals['_ENSUREPOOLREQUEST']._serialized_start=794
-  _globals['_ENSUREPOOLREQUEST']._serialized_end=826
-  _globals['_ENSUREPOOLRESPONSE']._serialized_start=828
-  _globals['_ENSUREPOOLRESPONSE']._serialized_end=865
-  _globals['_POOLCONTROL']._serialized_start=867
-  _globals['_POOLCONTROL']._serialized_end=967
-  _globals['_SUPERVISORCONTROL']._serialized_start=970
-  _globals['_SUPERVISORCONTROL']._serialized_end=1262
+  _globals['_TREENODE']._serialized_end=698
+  _globals['_TREESTATUSREQUEST']._serialized_start=700
+  _globals['_TREESTATUSREQUEST']._serialized_end=739
+  _globals['_TREESTATUS']._serialized_start=741
+  _globals['_TREESTATUS']._serialized_end=799
+  _globals['_RELOADREQUEST']._serialized_start=801
+  _globals['_RELOADREQUEST']._serialized_end=816
+  _globals['_RELOADRESPONSE']._serialized_start=819
+  _globals['_RELOADRESPONSE']._serialized_end=976
+  _globals['_ENSUREPOOLREQUEST']._serialized_start=978
+  _globals['_ENSUREPOOLREQUEST']._serialized_end=1010
+  _globals['_ENSUREPOOLRESPONSE']._serialized_start=1012
+  _globals['_ENSUREPOOLRESPONSE']._serialized_end=1066
+  _globals['_POOLROUTES']._serialized_start=1068
+  _globals['_POOLROUTES']._serialized_end=1126
+  _globals['_INVALIDMODELROUTE']._serialized_start=1128
+  _globals['_INVALIDMODELROUTE']._serialized_end=1177
+  _globals['_ROUTETABLE']._serialized_start=1180
+  _globals['_ROUTETABLE']._serialized_end=1319
+  _globals['_SETROUTESRESPONSE']._serialized_start=1321
+  _globals['_SETROUTESRESPONSE']._serialized_end=1360
+  _globals['_POOLCONTROL']._serialized_start=1362
+  _globals['_POOLCONTROL']._serialized_end=1462
+  _globals['_SUPERVISORCONTROL']._serialized_start=1465
+  _globals['_SUPERVISORCONTROL']._serialized_end=1757
+  _globals['_ROUTERCONTROL']._serialized_start=1759
+  _globals['_ROUTERCONTROL']._serialized_end=1864
 # @@protoc_insertion_point(module_scope)

@@ -55,7 +55,7 @@ class PoolStatus(_message.Message):
     def __init__(self, gid: _Optional[str] = ..., pid: _Optional[int] = ..., zygote_pid: _Optional[int] = ..., queue_depth: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., pss_bytes: _Optional[int] = ..., models: _Optional[_Iterable[_Union[ModelState, _Mapping]]] = ..., late_replies_dropped: _Optional[int] = ...) -> None: ...
 
 class TreeNode(_message.Message):
-    __slots__ = ("id", "pid", "state", "uptime_s", "restarts", "children", "pool")
+    __slots__ = ("id", "pid", "state", "uptime_s", "restarts", "children", "pool", "last_exit", "pool_error")
     ID_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,8 @@ class TreeNode(_message.Message):
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
     CHILDREN_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
+    LAST_EXIT_FIELD_NUMBER: _ClassVar[int]
+    POOL_ERROR_FIELD_NUMBER: _ClassVar[int]
     id: str
     pid: int
     state: str
@@ -70,11 +72,15 @@ class TreeNode(_message.Message):
     restarts: int
     children: _containers.RepeatedCompositeFieldContainer[TreeNode]
     pool: PoolStatus
-    def __init__(self, id: _Optional[str] = ..., pid: _Optional[int] = ..., state: _Optional[str] = ..., uptime_s: _Optional[float] = ..., restarts: _Optional[int] = ..., children: _Optional[_Iterable[_Union[TreeNode, _Mapping]]] = ..., pool: _Optional[_Union[PoolStatus, _Mapping]] = ...) -> None: ...
+    last_exit: str
+    pool_error: str
+    def __init__(self, id: _Optional[str] = ..., pid: _Optional[int] = ..., state: _Optional[str] = ..., uptime_s: _Optional[float] = ..., restarts: _Optional[int] = ..., children: _Optional[_Iterable[_Union[TreeNode, _Mapping]]] = ..., pool: _Optional[_Union[PoolStatus, _Mapping]] = ..., last_exit: _Optional[str] = ..., pool_error: _Optional[str] = ...) -> None: ...
 
 class TreeStatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("skip_pools",)
+    SKIP_POOLS_FIELD_NUMBER: _ClassVar[int]
+    skip_pools: bool
+    def __init__(self, skip_pools: _Optional[bool] = ...) -> None: ...
 
 class TreeStatus(_message.Message):
     __slots__ = ("root",)
@@ -87,10 +93,24 @@ class ReloadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReloadResponse(_message.Message):
-    __slots__ = ("summary",)
+    __slots__ = ("summary", "ok", "started", "stopped", "updated", "restarted", "failures", "router_updated")
     SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    STOPPED_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_FIELD_NUMBER: _ClassVar[int]
+    RESTARTED_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_UPDATED_FIELD_NUMBER: _ClassVar[int]
     summary: str
-    def __init__(self, summary: _Optional[str] = ...) -> None: ...
+    ok: bool
+    started: _containers.RepeatedScalarFieldContainer[str]
+    stopped: _containers.RepeatedScalarFieldContainer[str]
+    updated: _containers.RepeatedScalarFieldContainer[str]
+    restarted: _containers.RepeatedScalarFieldContainer[str]
+    failures: _containers.RepeatedScalarFieldContainer[str]
+    router_updated: bool
+    def __init__(self, summary: _Optional[str] = ..., ok: _Optional[bool] = ..., started: _Optional[_Iterable[str]] = ..., stopped: _Optional[_Iterable[str]] = ..., updated: _Optional[_Iterable[str]] = ..., restarted: _Optional[_Iterable[str]] = ..., failures: _Optional[_Iterable[str]] = ..., router_updated: _Optional[bool] = ...) -> None: ...
 
 class EnsurePoolRequest(_message.Message):
     __slots__ = ("gid",)
@@ -99,7 +119,43 @@ class EnsurePoolRequest(_message.Message):
     def __init__(self, gid: _Optional[str] = ...) -> None: ...
 
 class EnsurePoolResponse(_message.Message):
-    __slots__ = ("address",)
+    __slots__ = ("address", "started")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
     address: str
-    def __init__(self, address: _Optional[str] = ...) -> None: ...
+    started: bool
+    def __init__(self, address: _Optional[str] = ..., started: _Optional[bool] = ...) -> None: ...
+
+class PoolRoutes(_message.Message):
+    __slots__ = ("gid", "address", "models")
+    GID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    gid: str
+    address: str
+    models: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, gid: _Optional[str] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class InvalidModelRoute(_message.Message):
+    __slots__ = ("name", "reason")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    reason: str
+    def __init__(self, name: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class RouteTable(_message.Message):
+    __slots__ = ("generation", "pools", "invalid")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    INVALID_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    pools: _containers.RepeatedCompositeFieldContainer[PoolRoutes]
+    invalid: _containers.RepeatedCompositeFieldContainer[InvalidModelRoute]
+    def __init__(self, generation: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolRoutes, _Mapping]]] = ..., invalid: _Optional[_Iterable[_Union[InvalidModelRoute, _Mapping]]] = ...) -> None: ...
+
+class SetRoutesResponse(_message.Message):
+    __slots__ = ("generation",)
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    def __init__(self, generation: _Optional[int] = ...) -> None: ...

@@ -253,3 +253,75 @@ class SupervisorControl:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class RouterControlStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.SetRoutes = channel.unary_unary(
+                '/poolserve.control.v1.RouterControl/SetRoutes',
+                request_serializer=poolserve_dot_protos_dot_control__pb2.RouteTable.SerializeToString,
+                response_deserializer=poolserve_dot_protos_dot_control__pb2.SetRoutesResponse.FromString,
+                _registered_method=True)
+
+
+class RouterControlServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def SetRoutes(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_RouterControlServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'SetRoutes': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetRoutes,
+                    request_deserializer=poolserve_dot_protos_dot_control__pb2.RouteTable.FromString,
+                    response_serializer=poolserve_dot_protos_dot_control__pb2.SetRoutesResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'poolserve.control.v1.RouterControl', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('poolserve.control.v1.RouterControl', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class RouterControl:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def SetRoutes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/poolserve.control.v1.RouterControl/SetRoutes',
+            poolserve_dot_protos_dot_control__pb2.RouteTable.SerializeToString,
+            poolserve_dot_protos_dot_control__pb2.SetRoutesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -392,7 +392,13 @@ class Router:
                     deadline_event(span, exc.stage or "router", exc.message)
                 raise
             except asyncio.CancelledError:
-                code = grpc.StatusCode.CANCELLED
+                remaining = context.time_remaining()
+                if remaining is not None and remaining <= 0:
+                    # grpc ended the call at its deadline before the pool's answer came
+                    code = grpc.StatusCode.DEADLINE_EXCEEDED
+                    deadline_event(span, "pool", "deadline passed while the pool had the call")
+                else:
+                    code = grpc.StatusCode.CANCELLED
                 raise
             finally:
                 _SPAN.reset(token)

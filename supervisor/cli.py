@@ -1,10 +1,12 @@
-"""The ``poolserve`` command line: serve, pool, router, serve-inprocess."""
+"""The ``poolserve`` command line: serve, pool, router, serve-inprocess, probe,
+supervisord-config, status, reload."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,11 +45,61 @@ def build_parser() -> argparse.ArgumentParser:
         "serve-inprocess", help="serve every model inside one process (development)"
     )
     _server_flags(inproc)
+    from poolserve.supervisor.probe import add_probe_arguments
+
+    probe = commands.add_parser(
+        "probe", help="check a server's health; exit codes like grpc_health_probe"
+    )
+    add_probe_arguments(probe)
+    flat = commands.add_parser(
+        "supervisord-config",
+        help="print a flat supervisord config: one program per pool, one for the router",
+    )
+    _server_flags(flat)
+    flat.add_argument("--executable", help="the poolserve command to run (default: this one)")
+    flat.add_argument("--user", help="run the programs as this user (supervisord as root)")
+    flat.add_argument(
+        "--log-stdout", action="store_true", help="programs log to supervisord's stdout"
+    )
+    from poolserve.supervisor.status_cli import (
+        DEFAULT_RELOAD_TIMEOUT,
+        DEFAULT_STATUS_TIMEOUT,
+        add_control_arguments,
+    )
+
+    status = commands.add_parser("status", help="print the supervision tree of a running server")
+    add_control_arguments(status, DEFAULT_STATUS_TIMEOUT)
+    status.add_argument("--json", action="store_true", help="one JSON object, for machines")
+    reload = commands.add_parser(
+        "reload", help="re-read the repository and settings of a running server (like SIGHUP)"
+    )
+    add_control_arguments(reload, DEFAULT_RELOAD_TIMEOUT)
+    reload.add_argument("--json", action="store_true", help="one JSON object, for machines")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    if arguments[:1] == ["probe"]:
+        # Its own parser: bad arguments exit 1, as grpc_health_probe's do.
+        from poolserve.supervisor.probe import main as probe_main
+
+        return probe_main(arguments[1:])
+    args = build_parser().parse_args(arguments)
+    if args.command == "supervisord-config":
+        from poolserve.supervisor.supervisord_config import main as supervisord_config
+
+        return supervisord_config(
+            args.repo,
+            _flags(args),
+            executable=shlex.split(args.executable) if args.executable else None,
+            user=args.user,
+            log_stdout=args.log_stdout,
+        )
+    if args.command in ("status", "reload"):
+        from poolserve.supervisor.status_cli import reload_main, status_main
+
+        return status_main(args) if args.command == "status" else reload_main(args)
     if args.command == "pool":
         from poolserve.service.entrypoints import run_pool
 

@@ -1,8 +1,10 @@
 """The two Linux prctl calls process supervision needs, through ctypes.
 
-Kept apart so that both sides use them: the supervisor in a pre-exec hook
-(PR_SET_PDEATHSIG) and as the root (PR_SET_CHILD_SUBREAPER), a supervised
-child through :func:`poolserve.supervisor.child.die_with_parent`.
+Kept apart so that both sides use them: the supervisor as the root
+(PR_SET_CHILD_SUBREAPER), a supervised child through
+:func:`poolserve.supervisor.child.die_with_parent` (PR_SET_PDEATHSIG; the
+spawn trampoline of :mod:`poolserve.supervisor.process` makes the same call
+without importing anything of ours).
 """
 
 from __future__ import annotations

@@ -2,13 +2,20 @@
 reap, and the exit code turned into the supervisor's next move.
 
 - Spawn: ``subprocess.Popen`` in its own process group (``process_group=0``)
-  with PR_SET_PDEATHSIG=SIGKILL set in a pre-exec hook, plus
-  ``POOLSERVE_PARENT_PID`` so the child can close the race with
-  :func:`~poolserve.supervisor.child.die_with_parent`. A pre-exec hook is
-  only unsafe when other threads exist at fork time (one may hold a lock the
-  child then needs); the supervisor process creates no threads. Call
+  and *without* a pre-exec hook, so CPython takes its vfork+exec path: the
+  new process runs no Python code and no ``pthread_atfork`` handler before
+  it execs. That is what makes spawning safe in a process that has threads
+  (the root serves its gRPC control socket, and grpc.aio starts threads): a
+  pre-exec hook means a real ``fork()`` that runs gRPC's fork handlers and
+  Python code in a copy of a threaded process, which can deadlock (with
+  ``GRPC_ENABLE_FORK_SUPPORT=1`` it does). PR_SET_PDEATHSIG=SIGKILL is set
+  instead by a tiny exec trampoline (:data:`TRAMPOLINE`): a ``python -I -S``
+  that makes the prctl, checks that its parent is still us, and execs the
+  program (the setting survives exec). ``POOLSERVE_PARENT_PID`` lets the
+  program close the same race again with
+  :func:`~poolserve.supervisor.child.die_with_parent`. Call
   :meth:`ProcessService.serve` from the main thread: PDEATHSIG fires when the
-  forking *thread* exits.
+  spawning *thread* exits.
 - Readiness: a pipe whose write end is ``$POOLSERVE_READY_FD`` in the child;
   the child writes ``READY=1\\n`` (and may write ``STATUS=...\\n`` lines).
 - Watch: a pidfd in the event loop; then ``waitpid(pid, 0)`` reaps exactly
@@ -23,10 +30,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import os
+import shutil
 import signal
 import subprocess
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Final
 
@@ -38,7 +48,6 @@ from poolserve.supervisor.exitcodes import (
     EXIT_UNRECOVERABLE,
     ExitStatus,
 )
-from poolserve.supervisor.linux import set_pdeathsig
 from poolserve.supervisor.reaper import OWNED_PIDS, OwnedPids
 from poolserve.supervisor.spec import (
     ChildSpec,
@@ -155,14 +164,15 @@ class ProcessService:
         env = dict(os.environ) if self._env is None else dict(self._env)
         env[PARENT_PID_ENV] = str(os.getpid())
         env[READY_FD_ENV] = str(ready_fd)
+        # Resolved here, so a missing program raises in the parent, as with a plain Popen.
+        program = _resolve_program(self.argv[0], env, self._cwd)
         return subprocess.Popen(
-            self.argv,
+            trampoline_argv(os.getpid(), program, self.argv),
             env=env,
             cwd=self._cwd,
             stdin=subprocess.DEVNULL,
             pass_fds=(ready_fd, *self._pass_fds),
             process_group=0,
-            preexec_fn=functools.partial(_before_exec, os.getpid()),
         )
 
     async def _watch(
@@ -294,11 +304,50 @@ class _NotifyReader:
             self._on_status(value)
 
 
-def _before_exec(parent_pid: int) -> None:
-    """Runs in the child between fork and exec: must not touch the parent."""
-    set_pdeathsig(signal.SIGKILL)
-    if os.getppid() != parent_pid:
-        os._exit(1)  # the parent died before the prctl: the signal would never come
+# The exec trampoline: argv[1] is the parent's pid, argv[2] the program's
+# path, argv[3:] its argv. Exit codes: 1 the parent died before the prctl
+# (EXIT_PARENT_GONE: the signal would never come), 126 the prctl failed,
+# 127 the exec failed (as a shell reports them).
+TRAMPOLINE: Final = """\
+import ctypes, os, signal, sys
+prctl = ctypes.CDLL(None, use_errno=True).prctl
+prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
+if prctl(1, 9, 0, 0, 0) != 0:  # PR_SET_PDEATHSIG, SIGKILL
+    os._exit(126)
+if os.getppid() != int(sys.argv[1]):
+    os._exit(1)
+# Python ignores these at start-up; an ignored signal stays ignored across exec.
+for number in (signal.SIGPIPE, signal.SIGXFSZ):
+    signal.signal(number, signal.SIG_DFL)
+try:
+    os.execv(sys.argv[2], sys.argv[3:])
+except OSError as error:
+    sys.stderr.write(f"poolserve: cannot run {sys.argv[2]}: {error}\\n")
+    os._exit(127)
+"""
+
+
+def trampoline_argv(parent_pid: int, program: str, argv: Sequence[str]) -> list[str]:
+    """The command line that runs ``argv`` (found at ``program``) with
+    PR_SET_PDEATHSIG=SIGKILL, which exec preserves; ``-I -S`` keeps the
+    trampoline's start-up to the interpreter and ctypes."""
+    return [sys.executable, "-I", "-S", "-c", TRAMPOLINE, str(parent_pid), program, *argv]
+
+
+def _resolve_program(name: str, env: Mapping[str, str], cwd: str | os.PathLike[str] | None) -> str:
+    """The absolute path exec will run, found like Popen finds it (``PATH`` of ``env``)."""
+    if os.sep in name:
+        path = name if cwd is None else os.path.join(cwd, name)
+        if not os.path.exists(path):
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), name)
+    else:
+        found = shutil.which(name, path=env.get("PATH", os.defpath))
+        if found is None:
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), name)
+        path = found
+    if not os.access(path, os.X_OK) or os.path.isdir(path):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), name)
+    return os.path.abspath(path)
 
 
 def _set_once(future: asyncio.Future[None]) -> None:

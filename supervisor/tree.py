@@ -3,10 +3,10 @@ them in reverse order within bounded time; and :func:`run_root` for the tree's
 root.
 
 Ownership: all of a supervisor's state belongs to the task running its
-``serve`` (the main loop). Child tasks, ``ready()`` handshakes, ``add_child``
-and ``remove_child`` only post messages to its inbox. The supervisor owns
-every task it creates (one per child incarnation, one resume timer) and waits
-for each before it returns. A child task is never restarted in place: it
+``serve`` (the main loop). Child tasks, ``ready()`` handshakes, ``add_child``,
+``remove_child`` and ``restart_child`` only post messages to its inbox. The
+supervisor owns every task it creates (one per child incarnation, one resume
+timer) and waits for each before it returns. A child task is never restarted in place: it
 returns an outcome and the main loop decides.
 
 Why not ``asyncio.TaskGroup``: a TaskGroup waits for every task without bound,
@@ -135,7 +135,14 @@ class _Remove:
     done: asyncio.Future[None] = field(compare=False)
 
 
-_Message = _Ready | _Exited | _Resume | _Add | _Remove
+@dataclass(frozen=True)
+class _RestartChild:
+    id: str
+    spec: ChildSpec | None
+    done: asyncio.Future[None] = field(compare=False)
+
+
+_Message = _Ready | _Exited | _Resume | _Add | _Remove | _RestartChild
 
 
 class _Handshake:
@@ -233,6 +240,22 @@ class Supervisor:
         self._inbox.put_nowait(_Remove(child_id, done))
         await done
 
+    async def restart_child(self, child_id: str, spec: ChildSpec | None = None) -> None:
+        """Stops a child (bounded by its stop_timeout) and starts it again in
+        its place, with ``spec`` when given (same id), for a change of
+        configuration: not a failure, so the restart policy is not charged,
+        but ``restarts`` counts it. A child that had stopped or failed for good
+        is started again. Returns once the new incarnation is planned; its
+        ``ChildReady`` event tells when it is ready.
+        """
+        if spec is not None and spec.id != child_id:
+            raise ValueError(f"restart_child({child_id!r}) got a spec for {spec.id!r}")
+        if self._inbox is None:
+            raise RuntimeError(f"supervisor {self.id} is not serving")
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._inbox.put_nowait(_RestartChild(child_id, spec, done))
+        await done
+
     # -- status -------------------------------------------------------------
 
     def status(self) -> list[ChildStatus]:
@@ -275,6 +298,8 @@ class Supervisor:
                 self._on_add(spec, done)
             case _Remove(child_id, done):
                 await self._on_remove(child_id, done)
+            case _RestartChild(child_id, spec, done):
+                await self._on_restart_child(child_id, spec, done)
 
     def _on_ready(self, child: _Child, run: _Run) -> None:
         if child.run is not run or run.stopping or run.ready:
@@ -372,6 +397,30 @@ class Supervisor:
             raise
         self._children.remove(child)
         self._policy.forget(child_id)
+        _resolve(done)
+
+    async def _on_restart_child(
+        self, child_id: str, spec: ChildSpec | None, done: asyncio.Future[None]
+    ) -> None:
+        try:
+            child = self._find(child_id)
+        except KeyError as error:
+            _resolve(done, error)
+            return
+        self._held = [each for each in self._held if each is not child]
+        try:
+            await self._stop_child(child, will_restart=True)
+        except BaseException:
+            # Cancelled mid-stop: the shutdown stops the child; nothing restarts.
+            _resolve(done, RuntimeError(f"supervisor {self.id} stopped"))
+            raise
+        if spec is not None:
+            child.spec = spec
+        self._want(child)
+        child.restarting = True
+        child.restarts += 1
+        planned = set(self._plan) | {child}
+        self._plan = [each for each in self._children if each in planned]
         _resolve(done)
 
     async def _resume_after(self, seconds: float) -> None:
@@ -547,6 +596,8 @@ class Supervisor:
                     _resolve(message.done, error)
                 else:
                     _resolve(message.done)
+            elif isinstance(message, _RestartChild):
+                _resolve(message.done, RuntimeError(f"supervisor {self.id} has stopped"))
 
     # -- small helpers ------------------------------------------------------
 

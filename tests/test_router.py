@@ -88,7 +88,7 @@ def test_deadline_propagation(tmp_path: Path) -> None:
             ]
             (fifty,) = budget50
             pool_side = attributes(pools[fifty.span_id])["poolserve.deadline.remaining_ms"]
-            assert 0 < pool_side <= 50
+            assert 0 < pool_side <= 51  # grpc-timeout is sent in whole units: allow 1 ms
             (unbounded,) = [
                 r for r in routers if "poolserve.deadline.budget_ms" not in attributes(r)
             ]

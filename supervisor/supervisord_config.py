@@ -1,0 +1,200 @@
+"""``poolserve supervisord-config REPO``: a flat supervisord configuration.
+
+For teams that want supervisord to own every process: one
+``[program:poolserve-pool-<gid>]`` per inference pool (``poolserve pool``)
+and one ``[program:poolserve-router]`` (``poolserve router``), instead of the
+single ``poolserve serve`` program of ``deploy/supervisord/poolserve.conf``.
+
+What ``poolserve serve`` does for its tree, the generated sections ask of
+supervisord:
+
+- order: pools get a lower ``priority`` than the router, so supervisord
+  starts them first and, stopping everything, stops the router first (it
+  drains) and the pools after it;
+- signals: SIGTERM goes to the pool server alone (``stopasgroup=false``):
+  it drains its in-flight calls, then stops its zygote and workers itself.
+  Sent to the whole group, it would kill the workers under the calls they
+  hold and make the pool exit 1 ("zygote died"). SIGKILL, when the drain
+  overruns ``stopwaitsecs``, goes to the whole group (``killasgroup``); and
+  the zygote and workers die with the pool server anyway (PR_SET_PDEATHSIG).
+  The router has no children: its group is itself;
+- bounds: ``stopwaitsecs`` above ``stop_grace_s`` (the drain), ``startsecs``
+  and ``autorestart=unexpected`` with the exit codes that must not loop
+  (2: invalid configuration);
+- one run directory, resolved now and passed to every program, so that the
+  router finds the pools' sockets whatever environment supervisord has.
+
+The router does not wait for the pools: it follows their health and answers
+NOT_SERVING until every pool is up, which is what readiness checks watch.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+import shutil
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from poolserve.service.repository import scan
+from poolserve.service.settings import ConfigError, ServerSettings, load_server_settings
+from poolserve.supervisor.exitcodes import EXIT_CONFIG, EXIT_OK
+
+POOL_PRIORITY = 100
+ROUTER_PRIORITY = 200
+START_SECS = 3
+START_RETRIES = 3
+# supervisord's SIGKILL comes this long after the process's own drain bound.
+STOP_MARGIN_S = 5
+PROGRAM_PREFIX = "poolserve"
+
+# The flags of `poolserve pool` / `poolserve router`, in command-line order.
+_FLAG_NAMES = (
+    ("host", "--host"),
+    ("grpc_port", "--grpc-port"),
+    ("parallel_workers", "--workers"),
+    ("log_format", "--log-format"),
+)
+
+
+@dataclass(frozen=True)
+class Program:
+    """One ``[program:x]`` section: its name and its options, in order."""
+
+    name: str
+    options: tuple[tuple[str, str], ...]
+
+    def render(self) -> str:
+        lines = [f"[program:{self.name}]"]
+        lines += [f"{key}={value}" for key, value in self.options]
+        return "\n".join(lines) + "\n"
+
+
+def pool_program_name(gid: str) -> str:
+    return f"{PROGRAM_PREFIX}-pool-{gid}"
+
+
+ROUTER_PROGRAM = f"{PROGRAM_PREFIX}-router"
+
+
+def default_executable() -> list[str]:
+    """The ``poolserve`` console script beside this interpreter, else ``python -m``."""
+    beside = Path(sys.executable).parent / "poolserve"
+    if beside.exists():
+        return [str(beside)]
+    found = shutil.which("poolserve")
+    if found:
+        return [found]
+    return [sys.executable, "-m", "poolserve.supervisor.cli"]
+
+
+def _quote(argv: Sequence[str]) -> str:
+    # supervisord splits `command` with shlex and expands %(name)s: escape both.
+    return " ".join(shlex.quote(arg) for arg in argv).replace("%", "%%")
+
+
+def _common_options(
+    settings: ServerSettings,
+    *,
+    priority: int,
+    stop_as_group: bool,
+    user: str | None,
+    log_stdout: bool,
+) -> list[tuple[str, str]]:
+    stopwait = math.ceil(settings.stop_grace_s) + STOP_MARGIN_S
+    options = [
+        ("priority", str(priority)),
+        ("autostart", "true"),
+        ("autorestart", "unexpected"),
+        ("exitcodes", f"{EXIT_OK},{EXIT_CONFIG}"),
+        ("startsecs", str(START_SECS)),
+        ("startretries", str(START_RETRIES)),
+        ("stopsignal", "TERM"),
+        ("stopwaitsecs", str(stopwait)),
+        ("stopasgroup", "true" if stop_as_group else "false"),
+        ("killasgroup", "true"),
+        ("redirect_stderr", "true"),
+    ]
+    if user:
+        options.append(("user", user))
+    if log_stdout:
+        options += [("stdout_logfile", "/dev/fd/1"), ("stdout_logfile_maxbytes", "0")]
+    return options
+
+
+def build_programs(
+    repo: Path,
+    flags: Mapping[str, object],
+    *,
+    executable: Sequence[str] | None = None,
+    user: str | None = None,
+    log_stdout: bool = False,
+) -> list[Program]:
+    """The pools' programs (sorted by gid), then the router's.
+
+    Raises ConfigError for a repository without any valid model.
+    """
+    repo = repo.resolve()
+    settings = load_server_settings(repo, flags=flags)
+    pools = scan(repo).pools()
+    if not pools:
+        raise ConfigError(str(repo), "(repository)", "no valid model, so no pool to run")
+    run_dir = Path(settings.resolved_run_dir()).absolute()
+    exe = list(executable) if executable else default_executable()
+    shared: list[str] = []
+    for key, flag in _FLAG_NAMES:
+        value = flags.get(key)
+        if value is not None:
+            shared += [flag, str(value)]
+    shared += ["--run-dir", str(run_dir)]
+
+    programs = []
+    for gid in pools:
+        argv = [*exe, "pool", str(repo), "--gid", gid, *shared]
+        options = [("command", _quote(argv))]
+        options += _common_options(
+            settings, priority=POOL_PRIORITY, stop_as_group=False, user=user, log_stdout=log_stdout
+        )
+        programs.append(Program(pool_program_name(gid), tuple(options)))
+    router = [("command", _quote([*exe, "router", str(repo), *shared]))]
+    router += _common_options(
+        settings, priority=ROUTER_PRIORITY, stop_as_group=True, user=user, log_stdout=log_stdout
+    )
+    programs.append(Program(ROUTER_PROGRAM, tuple(router)))
+    return programs
+
+
+def render_config(repo: Path, programs: Sequence[Program]) -> str:
+    names = ", ".join(p.name for p in programs)
+    header = (
+        f"; poolserve: flat supervisord configuration for {repo.resolve()}\n"
+        "; generated by `poolserve supervisord-config`; regenerate it when pools change.\n"
+        f"; programs: {names}\n"
+        "; Pools start before the router (priority); supervisord's shutdown stops the\n"
+        "; router first (it drains), then the pools. `supervisorctl stop all` stops\n"
+        "; every program at once: each drains its own in-flight calls.\n"
+        "; settings.json and POOLSERVE_* in supervisord's environment apply to each program.\n"
+    )
+    return header + "".join("\n" + p.render() for p in programs)
+
+
+def main(
+    repo: Path,
+    flags: Mapping[str, object],
+    *,
+    executable: Sequence[str] | None = None,
+    user: str | None = None,
+    log_stdout: bool = False,
+) -> int:
+    """Prints the configuration; exit code 2 for an invalid configuration."""
+    try:
+        programs = build_programs(
+            repo, flags, executable=executable, user=user, log_stdout=log_stdout
+        )
+    except ConfigError as exc:
+        print(f"poolserve supervisord-config: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    sys.stdout.write(render_config(repo, programs))
+    return EXIT_OK
