@@ -15,7 +15,7 @@ import contextvars
 import logging
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.trace import Span
 
+from poolserve.protos import control_pb2 as cpb
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service import __version__
 from poolserve.service.errors import (
@@ -38,7 +39,7 @@ from poolserve.service.errors import (
     grpc_status,
 )
 from poolserve.service.health import SERVING, Health
-from poolserve.service.pool import pool_socket_path
+from poolserve.service.pool import bind_private_unix, pool_socket_path
 from poolserve.service.repository import Repository, scan
 from poolserve.service.servicer import EXTENSIONS, NO_DEADLINE_S, SERVICE, guarded
 from poolserve.service.settings import ServerSettings
@@ -51,6 +52,8 @@ _DROP_METADATA = frozenset({"user-agent", "content-type", "te", "host"})
 ROUTED = ("ModelInfer", "ModelReady", "ModelMetadata", "ModelConfig", "ModelStatistics")
 RETRY_WATCH_S = (0.05, 1.0)
 ADDRESS_FILE = "router.addr"
+CONTROL_SOCKET = "router-control.sock"  # RouterControl for the supervisor; never public
+ROUTER_CONTROL_SERVICE = "poolserve.control.v1.RouterControl"
 Handler = Callable[[bytes, Any], Awaitable[bytes]]
 # The router's span of the call being handled (each RPC runs in its own task).
 _SPAN: contextvars.ContextVar[Span | None] = contextvars.ContextVar(
@@ -67,6 +70,7 @@ class PoolRoute:
     calls: dict[str, grpc.aio.UnaryUnaryMultiCallable[bytes, bytes]] = field(default_factory=dict)
     serving: bool = False
     model_serving: dict[str, bool] = field(default_factory=dict)
+    watchers: list[asyncio.Task[None]] = field(default_factory=list)
 
     @property
     def where(self) -> str:
@@ -121,7 +125,8 @@ class Router:
         self.health = Health()
         self._stop = asyncio.Event()
         self._tasks: asyncio.TaskGroup | None = None
-        self._watchers: list[asyncio.Task[None]] = []
+        self._generation = 0
+        self.control_path = run_dir / CONTROL_SOCKET
         self.tracing: Tracing | None = None  # set in serve(): never before a fork
         self.port = 0
 
@@ -272,11 +277,7 @@ class Router:
         self.invalid.pop(name, None)
         route.models.append(name)
         self.routes[name] = route
-        if self._tasks is not None:
-            applier = self._model_applier(route, name)
-            self._watchers.append(
-                self._tasks.create_task(self._watch(route, f"model:{name}", applier))
-            )
+        self._watch_model(route, name)
 
     # -- aggregated answers --------------------------------------------------
 
@@ -437,16 +438,74 @@ class Router:
 
     # -- lifecycle ---------------------------------------------------------------
 
-    def _open_channels(self) -> None:
+    def _open_channel(self, route: PoolRoute) -> None:
         limit = self.settings.max_message_size
         options = [
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
         ]
         methods = (*ROUTED, "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload")
+        route.channel = grpc.aio.insecure_channel(f"unix:{route.path}", options=options)
+        route.calls = {m: route.channel.unary_unary(f"/{SERVICE}/{m}") for m in methods}
+
+    def _open_channels(self) -> None:
         for route in self.pools.values():
-            route.channel = grpc.aio.insecure_channel(f"unix:{route.path}", options=options)
-            route.calls = {m: route.channel.unary_unary(f"/{SERVICE}/{m}") for m in methods}
+            self._open_channel(route)
+
+    # -- live route updates (from the supervisor, on a private socket) -------
+
+    async def set_routes(self, table: cpb.RouteTable, _: Any) -> cpb.SetRoutesResponse:
+        """Applies a whole route table; replies once it is in force."""
+        if table.generation <= self._generation:
+            return cpb.SetRoutesResponse(generation=self._generation)
+        self._generation = table.generation
+        wanted = {p.gid: p for p in table.pools}
+        removed = [route for gid, route in self.pools.items() if gid not in wanted]
+        for gid, pool in wanted.items():
+            route = self.pools.get(gid)
+            if route is None:
+                route = PoolRoute(gid, Path(pool.address.removeprefix("unix:")), [])
+                self.pools[gid] = route
+                self._open_channel(route)
+                self._watch_pool(route)
+            for name in pool.models:
+                if name not in route.models:
+                    route.models.append(name)
+                    self._watch_model(route, name)
+            route.models[:] = [m for m in route.models if m in set(pool.models)]
+        for route in removed:
+            del self.pools[route.gid]
+        self.routes = {name: r for r in self.pools.values() for name in r.models}
+        self.invalid = {bad.name: bad.reason for bad in table.invalid}
+        self._sync_health()
+        for route in removed:
+            for task in route.watchers:
+                task.cancel()
+            if route.channel is not None:
+                await route.channel.close(grace=self.settings.stop_grace_s)
+        log.info(
+            "router: routes generation %d: %d pools, %d models",
+            table.generation,
+            len(self.pools),
+            len(self.routes),
+        )
+        return cpb.SetRoutesResponse(generation=table.generation)
+
+    def _control_server(self) -> grpc.aio.Server:
+        server = grpc.aio.server()
+        handler = grpc.method_handlers_generic_handler(
+            ROUTER_CONTROL_SERVICE,
+            {
+                "SetRoutes": grpc.unary_unary_rpc_method_handler(
+                    guarded(self.set_routes),
+                    cpb.RouteTable.FromString,
+                    cpb.SetRoutesResponse.SerializeToString,
+                )
+            },
+        )
+        server.add_generic_rpc_handlers((handler,))
+        bind_private_unix(server, self.control_path)
+        return server
 
     def request_stop(self) -> None:
         self.health.shutdown()  # NOT_SERVING from the first moment of the stop
@@ -474,20 +533,28 @@ class Router:
             self.port = server.add_insecure_port(address)
         else:
             self.port = server.add_secure_port(address, credentials)
+        control = self._control_server()
         async with asyncio.TaskGroup() as tasks:
             self._tasks = tasks
-            self._watchers = list(self._start_watchers(tasks))
+            for route in self.pools.values():
+                self._watch_pool(route)
+                for name in route.models:
+                    self._watch_model(route, name)
             await server.start()
+            await control.start()
             self._publish_address()
             log.info("router: listening on %s", address)
             ready()
             await self._stop.wait()
             began = time.monotonic()
+            await control.stop(0)
             await server.stop(self.settings.stop_grace_s)
             log.info("router: drained in %.3f s", time.monotonic() - began)
-            for task in self._watchers:
-                task.cancel()
+            for route in self.pools.values():
+                for task in route.watchers:
+                    task.cancel()
         self._tasks = None
+        self.control_path.unlink(missing_ok=True)
         self.address_file.unlink(missing_ok=True)
         if self.tracing is not None:
             await asyncio.to_thread(self.tracing.shutdown)  # flushes, off the loop
@@ -502,11 +569,14 @@ class Router:
         partial.write_text(text + "\n")
         partial.replace(self.address_file)
 
-    def _start_watchers(self, tasks: asyncio.TaskGroup) -> Sequence[asyncio.Task[None]]:
-        started = []
-        for route in self.pools.values():
-            started.append(tasks.create_task(self._watch(route, "", self._pool_applier(route))))
-            for name in route.models:
-                applier = self._model_applier(route, name)
-                started.append(tasks.create_task(self._watch(route, f"model:{name}", applier)))
-        return started
+    def _watch_pool(self, route: PoolRoute) -> None:
+        assert self._tasks is not None
+        route.watchers.append(
+            self._tasks.create_task(self._watch(route, "", self._pool_applier(route)))
+        )
+
+    def _watch_model(self, route: PoolRoute, name: str) -> None:
+        if self._tasks is None:
+            return  # not serving yet: serve() starts every watcher
+        applier = self._model_applier(route, name)
+        route.watchers.append(self._tasks.create_task(self._watch(route, f"model:{name}", applier)))

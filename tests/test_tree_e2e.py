@@ -306,8 +306,8 @@ def test_sighup_after_adding_a_model_with_a_new_gid(tmp_path: Path, systemd: Sys
     async def sighup_starts_one_pool(serving: Serving) -> None:
         before = await fetch_tree_status(serving.run_dir, WAIT)
         kept = {gid: await pool_pids(serving, gid) for gid in ("default", "other")}
-        # Whether the router takes routes live (RouterControl.SetRoutes) or restarts.
-        router_live = router_control_path(serving.run_dir).exists()
+        # The router takes routes live (RouterControl.SetRoutes on a private socket).
+        assert router_control_path(serving.run_dir).exists()
         add_model_copy(repo, "echo", "echo3", "fresh")
         os.kill(serving.pid, signal.SIGHUP)
         await asyncio.to_thread(systemd.until, "RELOADING=1")
@@ -323,12 +323,8 @@ def test_sighup_after_adding_a_model_with_a_new_gid(tmp_path: Path, systemd: Sys
             assert node(after, f"pool:{gid}").pid == node(before, f"pool:{gid}").pid
             assert await pool_pids(serving, gid) == kept[gid]
         router_before, router_after = node(before, "router"), node(after, "router")
-        if router_live:
-            assert router_after.pid == router_before.pid
-        else:  # no live route update in the router yet: it restarts to learn the routes
-            assert router_after.pid != router_before.pid
-            assert router_after.restarts == 1
-            assert "router" in status_line
+        assert router_after.pid == router_before.pid
+        assert router_after.restarts == 0
         async with grpc.aio.insecure_channel(router_address(serving)) as channel:
             await wait_serving(channel)
             stub = Stub(channel)
