@@ -267,8 +267,6 @@ class PoolServer:
     async def repository_model_load(
         self, req: pb.RepositoryModelLoadRequest, _: Any
     ) -> pb.RepositoryModelLoadResponse:
-        if not self.settings.model_control:
-            raise FailedPrecondition("loading models through the API is disabled (model_control)")
         flight = self._flights.get(req.model_name)
         if flight is None:  # concurrent loads of one model share one load
             assert self._tasks is not None
@@ -294,8 +292,6 @@ class PoolServer:
     async def repository_model_unload(
         self, req: pb.RepositoryModelUnloadRequest, _: Any
     ) -> pb.RepositoryModelUnloadResponse:
-        if not self.settings.model_control:
-            raise FailedPrecondition("unloading models through the API is disabled (model_control)")
         self.catalog.lookup(req.model_name)
         async with self._model_ops:
             self.catalog.set_state(req.model_name, ModelState.UNLOADED, "unloaded on request")

@@ -253,6 +253,12 @@ class Router:
 
     def _routed_by_field2(self, method: str) -> Callable[[bytes, Any], Awaitable[bytes]]:
         async def handler(body: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+            if not self.settings.model_control:
+                # Checked here, at the public door: the pools' private sockets always
+                # accept loads, so that `poolserve reload` can use them.
+                raise FailedPrecondition(
+                    "loading and unloading models through the API is disabled (model_control)"
+                )
             name = _peek_model_name_field2(body)
             if method == "RepositoryModelLoad" and name not in self.routes:
                 self._learn_route(name)

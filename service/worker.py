@@ -1,28 +1,36 @@
 """A worker: forked from its pool's zygote with the models already in memory.
 
-It serves one request at a time from its socket: read a REQUEST frame, run
-the model, write one REPLY or ERROR frame. A model exception becomes an
-error frame, never a dead worker. It exits when the pool closes the socket,
-and dies with the zygote (PR_SET_PDEATHSIG plus a parent check).
+It serves one request at a time from its socket: read a REQUEST frame, hand
+its opaque body to the pool's request handler, write the one REPLY or ERROR
+frame the handler returns. The handler is what the zygote was built with:
+:func:`inference_handler` (a serialized ModelInferRequest, for the pool
+server) or the WorkerPool's pickled ``score`` calls
+(:mod:`poolserve.service.scoring`). A model exception becomes an error frame,
+never a dead worker. It exits when the pool closes the socket, and dies with
+the zygote (PR_SET_PDEATHSIG plus a parent check).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import socket
 import threading
 import time
-from collections.abc import Mapping
-from typing import BinaryIO, NoReturn
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, BinaryIO, NoReturn
 
 from poolserve.service.errors import Failure, ModelNotFound, ServingError
 from poolserve.service.frames import HEADER, REQUEST, error_frame, heartbeat_frame, reply_frame
-from poolserve.service.inference import infer
-from poolserve.service.model import Model
 from poolserve.service.stats import Timings
-from poolserve.service.wire import peek_model
+
+if TYPE_CHECKING:
+    from poolserve.service.model import Model
+
+Handler = Callable[[bytes, int], bytes]
+"""A request handler: (request body, sequence number) -> one REPLY or ERROR frame."""
 
 
 def _read_exact(stream: BinaryIO, size: int) -> bytes | None:
@@ -33,6 +41,12 @@ def _read_exact(stream: BinaryIO, size: int) -> bytes | None:
 
 
 def handle(models: Mapping[str, Model], body: bytes, seq: int) -> bytes:
+    """The inference handler: one serialized ModelInferRequest, one frame."""
+    # Imported here, so that a zygote that serves WorkerPool calls never loads
+    # protobuf, the codec or numpy unless its own models do.
+    from poolserve.service.inference import infer
+    from poolserve.service.wire import peek_model
+
     try:
         name, version = peek_model(body)
         model = models.get(name)
@@ -46,7 +60,11 @@ def handle(models: Mapping[str, Model], body: bytes, seq: int) -> bytes:
         return error_frame(seq, Timings(), Failure.INTERNAL, f"{type(exc).__name__}: {exc}")
 
 
-def serve(sock: socket.socket, models: Mapping[str, Model], send_lock: threading.Lock) -> None:
+def inference_handler(models: Mapping[str, Model]) -> Handler:
+    return functools.partial(handle, models)
+
+
+def serve(sock: socket.socket, handler: Handler, send_lock: threading.Lock) -> None:
     stream = sock.makefile("rb")
     while True:
         header = _read_exact(stream, HEADER.size)
@@ -56,7 +74,8 @@ def serve(sock: socket.socket, models: Mapping[str, Model], send_lock: threading
         body = _read_exact(stream, length)
         if body is None or kind != REQUEST:
             return
-        frame = handle(models, body, seq)
+        frame = handler(body, seq)
+        del body  # a large request is not kept alive while we wait for the next
         with send_lock:
             sock.sendall(frame)
 
@@ -74,7 +93,7 @@ def heartbeat(sock: socket.socket, send_lock: threading.Lock, interval: float) -
             return
 
 
-def run(sock: socket.socket, models: Mapping[str, Model], heartbeat_s: float) -> NoReturn:
+def run(sock: socket.socket, handler: Handler, heartbeat_s: float) -> NoReturn:
     """The worker's whole life, called in the child right after fork."""
     # The pool server owns shutdown: a terminal's Ctrl-C is not for us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -85,5 +104,5 @@ def run(sock: socket.socket, models: Mapping[str, Model], heartbeat_s: float) ->
     )
     beat.start()
     with contextlib.suppress(OSError):  # the pool went away: nothing left to answer
-        serve(sock, models, send_lock)
+        serve(sock, handler, send_lock)
     os._exit(0)

@@ -1,24 +1,37 @@
 """The zygote: loads a pool's models once, then forks workers that share them.
 
-The pool server forks the zygote before it creates any gRPC object, thread
-or exporter. The zygote is single-threaded: it loads the models, calls
-``gc.freeze()`` so that workers do not dirty the shared pages by collecting
-them, and forks a worker each time the pool asks. Each worker's socket goes
-back to the pool server over the control socket (SCM_RIGHTS). The zygote
-reaps its workers and reports each exit with its decoded status.
+The zygote is single-threaded: it loads its cargo, calls ``gc.freeze()`` so
+that workers do not dirty the shared pages by collecting them, and forks a
+worker each time the pool asks. Each worker's socket goes back to the pool
+over the control socket (SCM_RIGHTS). The zygote reaps its workers and
+reports each exit with its decoded status.
+
+What the zygote loads, and what its workers run, is its :class:`Cargo`:
+
+- :class:`InferenceCargo` for the pool server: models named by their
+  ``model-settings.json``, workers that answer ModelInferRequest bytes. The
+  pool server forks this zygote (:class:`ZygoteLink`) before it creates any
+  gRPC object, thread or exporter.
+- the WorkerPool's cargo (:mod:`poolserve.service.scoring`): user ``load``
+  callables, workers that run pickled ``score`` calls. That zygote is started
+  by a clean exec (:class:`ExecZygote`), never as a fork of a host
+  application that may have threads, an event loop or gRPC objects.
 
 Control messages are JSON over a SOCK_SEQPACKET pair (one message each):
-pool -> zygote ``{"op": "spawn"}``, ``{"op": "load", "path": settings}``,
-``{"op": "unload", "name": N}``; zygote -> pool ``{"event": "model", ...}``
-(one per load, ok or not), ``{"event": "loaded"}`` (the initial models are
-in), ``{"event": "worker", "pid": N}`` (with the worker's socket attached),
+pool -> zygote ``{"op": "spawn"}``, and any other op for the cargo (the
+inference cargo knows ``{"op": "load", "path": settings}`` and ``{"op":
+"unload", "name": N}``); zygote -> pool ``{"event": "model", ...}`` (one per
+load, ok or not), ``{"event": "loaded"}`` (the initial cargo is in),
+``{"event": "worker", "pid": N}`` (with the worker's socket attached),
 ``{"event": "exit", "pid": N, "status": "..."}`` and ``{"event":
 "unloaded", "name": N}``. The zygote handles them in order, so every worker
-forked after a load reply holds the loaded model.
+forked after a load reply holds the loaded model, and every worker whose
+event arrives after that reply was forked after the load.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import gc
@@ -27,19 +40,41 @@ import os
 import select
 import signal
 import socket
-from collections.abc import Callable, Sequence
+import subprocess
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from poolserve.service import worker
-from poolserve.service.model import Model, instantiate, tensor_specs
 from poolserve.service.procutil import describe_status, set_process_name, wait_child
-from poolserve.service.repository import ModelSettings, TensorSpec, parse_model_settings
-from poolserve.service.settings import ConfigError
 from poolserve.supervisor.child import die_with_parent
 
+if TYPE_CHECKING:
+    from poolserve.service.model import Model
+    from poolserve.service.repository import ModelSettings, TensorSpec
+
 MAX_MESSAGE = 64 * 1024
+MAX_REASON = 16 * 1024  # a load failure's text, traceback included, fits one message
+
+Emit = Callable[[dict[str, Any]], None]
+
+
+class Cargo(Protocol):
+    """What a zygote holds for its workers, and how they serve it."""
+
+    def load_initial(self, emit: Emit) -> None:
+        """Loads what the zygote starts with, one ``model`` event each."""
+
+    def apply(self, message: Mapping[str, Any], emit: Emit) -> None:
+        """Carries out one control op other than ``spawn`` (load, unload, ...)."""
+
+    def handler(self) -> worker.Handler:
+        """The request handler of a worker forked now."""
+
+    def close(self) -> None:
+        """The zygote stops: release what outlives processes (files, ...)."""
 
 
 def _specs_json(specs: Sequence[TensorSpec]) -> list[list[Any]]:
@@ -47,6 +82,8 @@ def _specs_json(specs: Sequence[TensorSpec]) -> list[list[Any]]:
 
 
 def specs_from_json(raw: list[list[Any]]) -> tuple[TensorSpec, ...]:
+    from poolserve.service.repository import TensorSpec
+
     return tuple(TensorSpec(str(n), str(d), tuple(int(x) for x in s)) for n, d, s in raw)
 
 
@@ -58,68 +95,104 @@ def _send(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ())
         sock.send(data)
 
 
-class _Zygote:
-    def __init__(
-        self, ctrl: socket.socket, settings: Sequence[ModelSettings], heartbeat_s: float
-    ) -> None:
-        self.ctrl = ctrl
-        self.heartbeat_s = heartbeat_s
+def truncate_reason(reason: str) -> str:
+    if len(reason) <= MAX_REASON:
+        return reason
+    return reason[: MAX_REASON - 20] + "\n[... truncated]"
+
+
+class InferenceCargo:
+    """The pool server's cargo: runtime models from their settings."""
+
+    def __init__(self, settings: Sequence[ModelSettings]) -> None:
         self.settings = settings
         self.models: dict[str, Model] = {}
-        self.workers: set[int] = set()
-        self.wake_r, self.wake_w = os.pipe()
 
-    def load_models(self) -> None:
+    def load_initial(self, emit: Emit) -> None:
         for s in self.settings:
-            self.load_one(s)
-        self.freeze()
-        _send(self.ctrl, {"event": "loaded"})
+            self.load_one(s, emit)
 
-    def load_one(self, settings: ModelSettings) -> None:
+    def load_one(self, settings: ModelSettings, emit: Emit) -> None:
         """Loads (or reloads) one model; a failure leaves the previous one in place."""
+        from poolserve.service.model import instantiate, tensor_specs
+
         try:
             model = instantiate(settings)
             model.load()
         except BaseException as exc:  # a model's load may raise anything, even SystemExit
-            reason = f"load failed: {type(exc).__name__}: {exc}"
-            _send(
-                self.ctrl, {"event": "model", "name": settings.name, "ok": False, "reason": reason}
-            )
+            reason = truncate_reason(f"load failed: {type(exc).__name__}: {exc}")
+            emit({"event": "model", "name": settings.name, "ok": False, "reason": reason})
             return
         self.models[settings.name] = model
         inputs, outputs = tensor_specs(model)
-        _send(
-            self.ctrl,
+        emit(
             {
                 "event": "model",
                 "name": settings.name,
                 "ok": True,
                 "inputs": _specs_json(inputs),
                 "outputs": _specs_json(outputs),
-            },
+            }
         )
+
+    def apply(self, message: Mapping[str, Any], emit: Emit) -> None:
+        op = message.get("op")
+        if op == "load":
+            self.live_load(str(message["path"]), emit)
+        elif op == "unload":
+            name = str(message["name"])
+            self.models.pop(name, None)
+            emit({"event": "unloaded", "name": name})
+
+    def live_load(self, path: str, emit: Emit) -> None:
+        from poolserve.service.repository import parse_model_settings
+        from poolserve.service.settings import ConfigError
+
+        try:
+            settings = parse_model_settings(Path(path))
+        except ConfigError as exc:
+            name = Path(path).parent.name
+            emit({"event": "model", "name": name, "ok": False, "reason": str(exc)})
+            return
+        self.load_one(settings, emit)
+
+    def handler(self) -> worker.Handler:
+        return worker.inference_handler(self.models)
+
+    def close(self) -> None:
+        pass
+
+
+class _Zygote:
+    def __init__(
+        self, ctrl: socket.socket, cargo: Cargo, heartbeat_s: float, stop_on_term: bool = False
+    ) -> None:
+        self.ctrl = ctrl
+        self.heartbeat_s = heartbeat_s
+        self.cargo = cargo
+        self.stop_on_term = stop_on_term
+        self.workers: set[int] = set()
+        self.wake_r, self.wake_w = os.pipe()
+
+    def emit(self, message: dict[str, Any]) -> None:
+        _send(self.ctrl, message)
+
+    def load_initial(self) -> None:
+        self.cargo.load_initial(self.emit)
+        self.freeze()
+        self.emit({"event": "loaded"})
 
     @staticmethod
     def freeze() -> None:
         gc.collect()
         gc.freeze()  # workers must not touch (and so copy) the pages of loaded models
 
-    def live_load(self, path: str) -> None:
+    def apply(self, message: Mapping[str, Any]) -> None:
+        gc.unfreeze()
         try:
-            settings = parse_model_settings(Path(path))
-        except ConfigError as exc:
-            name = Path(path).parent.name
-            _send(self.ctrl, {"event": "model", "name": name, "ok": False, "reason": str(exc)})
-            return
-        gc.unfreeze()
-        self.load_one(settings)
-        self.freeze()
-
-    def unload(self, name: str) -> None:
-        gc.unfreeze()
-        self.models.pop(name, None)
-        self.freeze()
-        _send(self.ctrl, {"event": "unloaded", "name": name})
+            self.cargo.apply(message, self.emit)
+        finally:
+            self.freeze()
 
     def spawn(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -134,7 +207,7 @@ class _Zygote:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             die_with_parent(zygote_pid)
             set_process_name("poolserve-wrk")
-            worker.run(theirs, self.models, self.heartbeat_s)
+            worker.run(theirs, self.cargo.handler(), self.heartbeat_s)
         theirs.close()
         self.workers.add(pid)
         try:
@@ -167,27 +240,34 @@ class _Zygote:
         os.set_blocking(self.wake_w, False)
         signal.set_wakeup_fd(self.wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
-        self.load_models()
+        if self.stop_on_term:  # the wakeup byte names the signal: handled in the loop
+            signal.signal(signal.SIGTERM, lambda *_: None)
+        try:
+            self._serve()
+        finally:
+            self.stop_workers()
+            self.cargo.close()
+
+    def _serve(self) -> None:
+        self.load_initial()
         while True:
             readable, _, _ = select.select([self.ctrl.fileno(), self.wake_r], [], [])
             if self.wake_r in readable:
-                os.read(self.wake_r, 512)
+                signals = os.read(self.wake_r, 512)
+                if self.stop_on_term and signal.SIGTERM in signals:
+                    return  # our parent died (PR_SET_PDEATHSIG) or someone asked
                 self.reap()
             if self.ctrl.fileno() in readable:
                 data = self.ctrl.recv(MAX_MESSAGE)
                 if not data:
-                    self.stop_workers()  # the pool server is done with us
-                    return
+                    return  # the pool is done with us
                 self.handle(json.loads(data))
 
     def handle(self, message: dict[str, Any]) -> None:
-        op = message.get("op")
-        if op == "spawn":
+        if message.get("op") == "spawn":
             self.spawn()
-        elif op == "load":
-            self.live_load(str(message["path"]))
-        elif op == "unload":
-            self.unload(str(message["name"]))
+        else:
+            self.apply(message)
 
 
 def _zygote_main(
@@ -199,10 +279,40 @@ def _zygote_main(
         set_process_name("poolserve-zyg")
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        _Zygote(ctrl, settings, heartbeat_s).loop()
+        _Zygote(ctrl, InferenceCargo(settings), heartbeat_s).loop()
     except BaseException:
         code = 1
     os._exit(code)
+
+
+def exec_main(ctrl_fd: int, parent_pid: int, heartbeat_s: float, cargo: Cargo) -> NoReturn:
+    """The life of a zygote started by :class:`ExecZygote` (a fresh interpreter).
+
+    It dies with its parent by SIGTERM (PR_SET_PDEATHSIG), which it handles
+    in its loop: workers killed and reaped, the cargo closed, then exit.
+    """
+    code = 0
+    try:
+        die_with_parent(parent_pid, signal.SIGTERM)
+        set_process_name("poolserve-zyg")
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        ctrl = socket.socket(fileno=ctrl_fd)
+        _Zygote(ctrl, cargo, heartbeat_s, stop_on_term=True).loop()
+    except BaseException:
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def exec_arguments(argv: Sequence[str]) -> argparse.Namespace:
+    """Parses the arguments :class:`ExecZygote` passes (plus the cargo's own)."""
+    parser = argparse.ArgumentParser(prog="poolserve-zygote", add_help=False)
+    parser.add_argument("--ctrl-fd", type=int, required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--heartbeat", type=float, default=1.0)
+    args, _ = parser.parse_known_args(argv)
+    return args
 
 
 @dataclass
@@ -215,29 +325,12 @@ class ZygoteEvents:
     on_unloaded: Callable[[str], None]
 
 
-class ZygoteLink:
-    """The pool server's end: forks the zygote, then talks to it from asyncio."""
+class ZygoteControl:
+    """The pool's end of a zygote's control socket, read from asyncio."""
 
-    def __init__(self, settings: Sequence[ModelSettings], heartbeat_s: float = 1.0) -> None:
-        self._settings = settings
-        self._heartbeat_s = heartbeat_s
+    def __init__(self) -> None:
         self._sock: socket.socket | None = None
         self.pid = 0
-
-    def start(self, close_in_child: Sequence[int] = ()) -> None:
-        """Forks the zygote. Call before any gRPC object or thread exists."""
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        pool_pid = os.getpid()
-        pid = os.fork()
-        if pid == 0:
-            ours.close()
-            for fd in close_in_child:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-            _zygote_main(theirs, self._settings, pool_pid, self._heartbeat_s)
-        theirs.close()
-        self.pid = pid
-        self._sock = ours
 
     def attach(self, events: ZygoteEvents) -> None:
         """Starts delivering zygote messages to ``events`` on the running loop."""
@@ -292,16 +385,13 @@ class ZygoteLink:
                 asyncio.get_running_loop().remove_reader(self._sock.fileno())
 
     def spawn(self) -> None:
-        self._command({"op": "spawn"})
-
-    def load(self, settings_path: Path) -> None:
-        """Asks the zygote to (re)load the model of this settings file."""
-        self._command({"op": "load", "path": str(settings_path)})
+        self.command({"op": "spawn"})
 
     def unload(self, name: str) -> None:
-        self._command({"op": "unload", "name": name})
+        self.command({"op": "unload", "name": name})
 
-    def _command(self, message: dict[str, Any]) -> None:
+    def command(self, message: dict[str, Any]) -> None:
+        """Sends one op; a zygote that is gone is reported by ``on_lost``, not here."""
         with contextlib.suppress(OSError):
             _send(self._require(), message)
 
@@ -312,8 +402,127 @@ class ZygoteLink:
             self._sock.close()
             self._sock = None
 
+
+class ZygoteLink(ZygoteControl):
+    """The pool server's zygote: forked, with the inference cargo."""
+
+    def __init__(self, settings: Sequence[ModelSettings], heartbeat_s: float = 1.0) -> None:
+        super().__init__()
+        self._settings = settings
+        self._heartbeat_s = heartbeat_s
+
+    def start(self, close_in_child: Sequence[int] = ()) -> None:
+        """Forks the zygote. Call before any gRPC object or thread exists."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pool_pid = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            ours.close()
+            for fd in close_in_child:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            _zygote_main(theirs, self._settings, pool_pid, self._heartbeat_s)
+        theirs.close()
+        self.pid = pid
+        self._sock = ours
+
+    def load(self, settings_path: Path) -> None:
+        """Asks the zygote to (re)load the model of this settings file."""
+        self.command({"op": "load", "path": str(settings_path)})
+
     async def wait(self, timeout: float) -> str:
         """Reaps the zygote, killing it after ``timeout``; returns its decoded status."""
         if not self.pid:
             return "not started"
         return await wait_child(self.pid, timeout)
+
+
+def _interpreter_flags() -> list[str]:
+    """The host interpreter's flags (-O, -B, -X ..., -W ...), as multiprocessing passes them."""
+    flags: Callable[[], list[str]] = getattr(subprocess, "_args_from_interpreter_flags", lambda: [])
+    return list(flags())
+
+
+class ExecZygote(ZygoteControl):
+    """A zygote started by a clean exec of ``python -m <module>``.
+
+    Safe from any host process: the child is a fresh interpreter, so it
+    inherits no threads, locks held by other threads, event loop or gRPC
+    state. ``module`` calls :func:`exec_main` with its cargo; it receives its
+    end of the control socket as ``--ctrl-fd`` (the only descriptor passed).
+    """
+
+    def __init__(
+        self,
+        module: str,
+        args: Sequence[str] = (),
+        heartbeat_s: float = 1.0,
+        python: str | None = None,
+    ) -> None:
+        super().__init__()
+        self._module = module
+        self._args = list(args)
+        self._heartbeat_s = heartbeat_s
+        self._python = python or sys.executable
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        if not self._python:
+            raise RuntimeError("sys.executable is empty: pass python= to start the zygote")
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            fd = theirs.fileno()
+            argv = [
+                self._python,
+                *_interpreter_flags(),
+                "-m",
+                self._module,
+                "--ctrl-fd",
+                str(fd),
+                "--parent-pid",
+                str(os.getpid()),
+                "--heartbeat",
+                str(self._heartbeat_s),
+                *self._args,
+            ]
+            # Popen's fork and exec run no Python code in the child: safe in a
+            # host with threads. pass_fds makes only this one fd inheritable.
+            self._proc = subprocess.Popen(argv, pass_fds=(fd,), stdin=subprocess.DEVNULL)
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self.pid = self._proc.pid
+        self._sock = ours
+
+    async def wait(self, timeout: float) -> str:
+        """Waits for the zygote to exit (SIGKILL after ``timeout``); reaps it."""
+        proc = self._proc
+        if proc is None:
+            return "not started"
+        if proc.poll() is None:
+            loop = asyncio.get_running_loop()
+            exited = asyncio.Event()
+            pidfd = os.pidfd_open(proc.pid)
+            try:
+                loop.add_reader(pidfd, exited.set)
+                try:
+                    await asyncio.wait_for(exited.wait(), timeout)
+                except TimeoutError:
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                    await exited.wait()
+                finally:
+                    loop.remove_reader(pidfd)
+            finally:
+                os.close(pidfd)
+        code = proc.wait()  # exited already (the pidfd said so): reaps without blocking
+        if code < 0:
+            return f"killed by {signal.Signals(-code).name}"
+        return f"exited with code {code}"
+
+    def kill(self) -> None:
+        """SIGKILL now (a start that failed half-way); the caller still waits."""
+        if self._proc is not None and self._proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.kill()

@@ -141,7 +141,14 @@ def test_model_control_can_be_disabled(tmp_path: Path) -> None:
             assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="echo3"))
-            assert info.value.code() == grpc.StatusCode.NOT_FOUND
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "model_control" in (info.value.details() or "")
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.RepositoryModelUnload(
+                    pb.RepositoryModelUnloadRequest(model_name="echo")
+                )
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert (await stub.ModelReady(pb.ModelReadyRequest(name="echo"))).ready
 
     with Serving(repo, tmp_path / "run") as serving:
         asyncio.run(main(serving))

@@ -1,0 +1,1055 @@
+"""WorkerPool: pre-forked scoring inside your own application (the MLPool use case).
+
+A library API over the pool core that ``poolserve serve`` runs (zygote,
+workers, frames, :class:`~poolserve.service.dispatcher.Dispatcher`,
+:class:`~poolserve.service.respawn.Respawner`), without gRPC::
+
+    from functools import partial
+    from poolserve.service import WorkerPool
+
+    async with WorkerPool(workers=4) as pool:
+        pool.add_model("xgb", load=partial(load_model, "xgb.json"), score=score_model)
+        result = await pool.score("xgb", features, timeout=0.2)
+
+``load()`` runs once, in the pool's zygote; workers forked from it share the
+model copy-on-write. ``score(model, *args, **kwargs)`` runs in a worker.
+Adding a model to a running pool loads it in the zygote and replaces the
+workers one at a time by fresh forks (the previous workers finish their
+current call first), as a live load does in the server.
+
+Semantics are the server pool's: a deadline (``timeout``) drops work that
+has not started in time, before it runs (:class:`DeadlineExceeded`); a
+cancelled caller's call leaves the queue at once; the queue is bounded
+(:class:`QueueFull`); a worker's death is noticed at once (its socket
+closes), its one call is retried once on another worker when the model is
+idempotent (the default) or fails with :class:`Unavailable`; replacements are
+forked from the zygote with crash back-off, and a model that keeps killing
+its workers is disabled; a reply whose caller has gone is dropped (and its
+shared-memory segments swept); close drains, then cancels, within a bound.
+What ``score`` raises reaches the caller as :class:`ScoreError` with the
+original type name, message and traceback text.
+
+Fork safety: the zygote is started by a clean exec (``python -m
+poolserve.service.scoring``), never forked from the host, so a host with
+threads, a running event loop or gRPC objects is safe. The price: ``load`` and
+``score`` are pickled by reference and imported by name in that fresh
+interpreter, so they must be module-level functions (or ``functools.partial``
+of them); lambdas and nested functions are refused by :meth:`add_model` with
+an explanation. Functions in the main script work as with multiprocessing's
+spawn start method: the script is imported as ``__mp_main__`` in the zygote,
+so keep the code that starts the pool under ``if __name__ == "__main__":``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import concurrent.futures
+import contextlib
+import dataclasses
+import enum
+import itertools
+import logging
+import os
+import pickle
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal, TypeVar
+
+from poolserve.service.dispatcher import Dispatcher, Result, Worker, WorkerGone
+from poolserve.service.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    ModelNotFound,
+    ModelNotReady,
+    QueueFull,
+    Unavailable,
+)
+from poolserve.service.payload import SHM_THRESHOLD, SegmentDir
+from poolserve.service.respawn import Respawner
+from poolserve.service.scoring import (
+    MAX_CODE,
+    ModelLoadError,
+    ScoreError,
+    decode_outcome,
+    encode_call,
+    in_zygote,
+    job_of_segment,
+)
+from poolserve.service.zygote import ExecZygote, ZygoteEvents
+
+__all__ = [
+    "ModelLoadError",
+    "PoolStatus",
+    "ScoreError",
+    "ScoreStats",
+    "WorkerInfo",
+    "WorkerPool",
+]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+ZYGOTE_MODULE = "poolserve.service.scoring"
+NO_DEADLINE_S = 10 * 365 * 86400.0  # "no timeout": a deadline no call lives to see
+JANITOR_PERIOD_S = 1.0  # how often segments of abandoned calls are swept
+ZYGOTE_EXIT_S = 5.0  # after the control socket closes, then SIGKILL
+
+
+@dataclass
+class ScoreStats:
+    """One model's counters; durations in nanoseconds, summed over ``executed`` calls."""
+
+    calls: int = 0  # score() calls for this model
+    succeeded: int = 0
+    raised: int = 0  # score raised: ScoreError
+    deadline_exceeded: int = 0
+    queue_full: int = 0
+    cancelled: int = 0  # the caller went away (or the pool closed first)
+    failed: int = 0  # anything else: worker died, model not ready, bad arguments...
+    executed: int = 0  # calls a worker ran to the end (succeeded + raised)
+    queue_ns: int = 0  # waiting for a worker
+    decode_ns: int = 0  # unpickling the arguments, in the worker
+    compute_ns: int = 0  # score itself
+    encode_ns: int = 0  # pickling the result, in the worker
+
+    @property
+    def mean_queue_s(self) -> float:
+        return self.queue_ns / self.executed / 1e9 if self.executed else 0.0
+
+    @property
+    def mean_compute_s(self) -> float:
+        return self.compute_ns / self.executed / 1e9 if self.executed else 0.0
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    pid: int
+    state: str
+    served: int
+    generation: int
+    retiring: bool
+
+
+@dataclass(frozen=True)
+class PoolStatus:
+    name: str
+    state: str
+    zygote_pid: int
+    workers: tuple[WorkerInfo, ...]
+    queue_depth: int
+    late_replies_dropped: int
+    expired_in_queue: int
+    respawns: int
+    segment_dir: str
+    models: dict[str, str]  # name -> "serving", "loading", "failed: ...", "disabled: ..."
+
+
+class _State(enum.Enum):
+    NEW = "new"
+    STARTING = "starting"
+    RUNNING = "running"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+
+@dataclass(eq=False)
+class _Model:
+    name: str
+    code: bytes  # pickle of (load, score)
+    idempotent: bool
+    max_compute_s: float | None
+    stats: ScoreStats = field(default_factory=ScoreStats)
+    pending: int = 0  # loads sent to the zygote, reply not in yet
+    loaded: bool = False  # a version of it is in the zygote
+    ready_gen: int = 0  # workers of this generation or later hold the latest version
+    serving: bool = False  # calls may go to any non-retiring worker
+    load_error: str = ""  # why the latest load failed ("" if it did not)
+    disabled: str = ""  # why it was taken out of service (it kept killing workers)
+    removed: bool = False
+
+    def describe(self) -> str:
+        if self.disabled:
+            return f"disabled: {self.disabled}"
+        if self.serving:
+            return "serving"
+        if self.pending:
+            return "loading"
+        return f"failed: {self.load_error}" if self.load_error else "loading"
+
+
+def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_forever()
+    finally:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+
+
+class WorkerPool:
+    """A zygote and ``workers`` pre-forked worker processes that run ``score`` calls.
+
+    Constructing one has no side effect; processes start in :meth:`astart`
+    (``async with``) or :meth:`start` (``with``, for scripts: the pool then
+    runs its own event loop on a thread). Methods are safe to call from any
+    thread; ``await pool.score(...)`` from any event loop.
+    """
+
+    def __init__(
+        self,
+        workers: int = 2,
+        *,
+        name: str = "workerpool",
+        max_queue: int = 1000,
+        default_timeout: float | None = None,
+        shm_threshold: int | None = SHM_THRESHOLD,
+        shm_dir: str | Path | None = None,
+        heartbeat_interval: float = 1.0,
+        heartbeat_timeout: float = 30.0,
+        start_timeout: float = 60.0,
+        close_timeout: float = 10.0,
+        python: str | None = None,
+    ) -> None:
+        """
+        ``max_queue``: calls waiting for a worker beyond this raise QueueFull.
+        ``default_timeout``: seconds, for calls made without ``timeout``
+        (None: no deadline). ``shm_threshold``: out-of-band buffers of at
+        least this many bytes go through shared memory (None: never).
+        ``shm_dir``: where the segment folder goes (default /dev/shm, or
+        $POOLSERVE_SHM_DIR). A worker silent for ``heartbeat_timeout`` s is
+        killed. ``close_timeout``: how long close drains before cancelling.
+        ``python``: the interpreter for the zygote (default sys.executable).
+        """
+        if workers < 1:
+            raise ValueError("a WorkerPool needs at least one worker")
+        if max_queue < 0:
+            raise ValueError("max_queue must be >= 0")
+        self.name = name
+        self.size = workers
+        self.max_queue = max_queue
+        self.default_timeout = default_timeout
+        self.start_timeout = start_timeout
+        self.close_timeout = close_timeout
+        self._shm_threshold = shm_threshold
+        self._shm_base = Path(shm_dir) if shm_dir is not None else None
+        self._heartbeat_interval = heartbeat_interval
+        self._heartbeat_timeout = heartbeat_timeout
+        self._python = python
+        self._state = _State.NEW
+        self._models: dict[str, _Model] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._zygote: ExecZygote | None = None
+        self._zygote_started = False
+        self._dispatcher: Dispatcher | None = None
+        self._respawner: Respawner | None = None
+        self._segments: SegmentDir | None = None
+        self._main: asyncio.Task[None] | None = None
+        self._janitor_task: asyncio.Task[None] | None = None
+        self._calls: set[asyncio.Task[Any]] = set()
+        self._idle = asyncio.Event()
+        self._changed = asyncio.Event()
+        self._closed = asyncio.Event()
+        self._cancel_reason = ""
+        self._broken = ""
+        self._gen = 0
+        self._roll_inflight = 0
+        self._jobs = itertools.count(1)
+        self._live_jobs: set[int] = set()
+
+    def __repr__(self) -> str:
+        return f"<WorkerPool {self.name!r} workers={self.size} {self._state.value}>"
+
+    # -- models ----------------------------------------------------------------
+
+    def add_model(
+        self,
+        name: str,
+        *,
+        load: Callable[[], Any],
+        score: Callable[..., Any],
+        idempotent: bool = True,
+        max_compute_s: float | None = None,
+    ) -> None:
+        """Registers a model: ``load()`` runs once in the zygote, ``score(model, ...)`` in workers.
+
+        Returns at once. Before start, the model loads with the pool; on a
+        running pool it loads now and the workers are replaced by fresh forks
+        (``score`` calls for it wait for that, within their timeout; see
+        :meth:`wait_ready`). Adding a name again reloads it; the previous
+        version serves until the new one is in. ``idempotent=False``: a call
+        whose worker dies is failed rather than retried. ``max_compute_s``:
+        a worker still computing after that long is killed (the call fails
+        with DeadlineExceeded).
+
+        Raises TypeError at once when ``load`` or ``score`` cannot be pickled
+        by reference (lambdas, nested functions).
+        """
+        if not callable(load) or not callable(score):
+            raise TypeError(f"add_model('{name}'): load and score must be callables")
+        code = self._pickle_callables(name, load, score)
+        model = _Model(name, code, idempotent, max_compute_s)
+        self._in_loop_soon(self._add_in_loop, model)
+
+    def remove_model(self, name: str) -> None:
+        """Takes a model out: calls for it raise ModelNotFound; workers are replaced."""
+        self._in_loop_soon(self._remove_in_loop, name)
+
+    @staticmethod
+    def _pickle_callables(name: str, load: Callable[[], Any], score: Callable[..., Any]) -> bytes:
+        try:
+            code = pickle.dumps((load, score), protocol=5)
+        except (pickle.PicklingError, AttributeError, TypeError) as exc:
+            raise TypeError(
+                f"add_model('{name}'): load and score must be picklable by reference: "
+                "module-level functions, or functools.partial of them with picklable "
+                "arguments, because they are imported by name in the pool's zygote (a fresh "
+                f"interpreter, started by exec). Lambdas and nested functions are not. ({exc})"
+            ) from exc
+        if len(code) > MAX_CODE:
+            raise TypeError(
+                f"add_model('{name}'): load and score pickle to {len(code)} bytes, more than "
+                f"{MAX_CODE}: bind a path or a small config with partial, not the data itself"
+            )
+        main = sys.modules.get("__main__")
+        if b"__main__" in code and not getattr(main, "__file__", None):
+            spec = getattr(main, "__spec__", None)
+            if spec is None:
+                raise TypeError(
+                    f"add_model('{name}'): load or score is defined in an interactive "
+                    "session's __main__, which the pool's zygote cannot import: move it to a "
+                    "module"
+                )
+        return code
+
+    def _add_in_loop(self, model: _Model) -> None:
+        if self._state in (_State.CLOSING, _State.CLOSED):
+            log.warning("workerpool %s: add_model(%r) after close ignored", self.name, model.name)
+            return
+        existing = self._models.get(model.name)
+        if existing is not None and not existing.removed:
+            existing.code = model.code
+            existing.idempotent = model.idempotent
+            existing.max_compute_s = model.max_compute_s
+            existing.load_error = ""
+            model = existing
+        else:
+            self._models[model.name] = model
+        if self._zygote_started:
+            self._send_load(model)
+        self._wake()
+
+    def _remove_in_loop(self, name: str) -> None:
+        model = self._models.pop(name, None)
+        if model is None:
+            return
+        model.removed = True
+        model.serving = False
+        if self._zygote is not None and self._zygote_started:
+            self._zygote.unload(name)
+        self._wake()
+
+    def _send_load(self, model: _Model) -> None:
+        assert self._zygote is not None
+        model.pending += 1
+        code = base64.b64encode(model.code).decode()
+        self._zygote.command({"op": "load", "name": model.name, "code": code})
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    async def __aenter__(self) -> WorkerPool:
+        await self.astart()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def __enter__(self) -> WorkerPool:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    async def astart(self) -> None:
+        """Starts the zygote and the workers on the running loop; returns once they serve.
+
+        Models added before start must load, or this raises ModelLoadError
+        (and the pool is closed again).
+        """
+        if self._state is not _State.NEW:
+            raise RuntimeError(f"WorkerPool '{self.name}' was started already")
+        if in_zygote():
+            raise RuntimeError(
+                "a WorkerPool was started while the pool's zygote imported your main script "
+                "(to find load/score functions defined there): start the pool under "
+                '`if __name__ == "__main__":`'
+            )
+        self._state = _State.STARTING
+        self._loop = asyncio.get_running_loop()
+        self._idle.set()
+        try:
+            await self._launch()
+            await asyncio.wait_for(self._until_started(), self.start_timeout)
+        except TimeoutError:
+            live = self._dispatcher.live_workers() if self._dispatcher is not None else 0
+            await self._shutdown()
+            raise Unavailable(
+                f"workerpool '{self.name}' did not start within {self.start_timeout} s "
+                f"({live} of {self.size} workers up; models: {self._describe_models()})"
+            ) from None
+        except BaseException:
+            await self._shutdown()
+            raise
+        self._state = _State.RUNNING
+        log.info(
+            "workerpool %s: %d workers serving (zygote pid %d)",
+            self.name,
+            self.size,
+            self._zygote.pid if self._zygote is not None else 0,
+        )
+
+    async def _launch(self) -> None:
+        if self._shm_threshold is not None:
+            self._segments = SegmentDir.create(self._shm_base, self._shm_threshold)
+        args: list[str] = []
+        if self._segments is not None:
+            args = ["--shm-dir", str(self._segments.path), "--shm-threshold"]
+            args.append(str(self._segments.threshold))
+        zygote = ExecZygote(ZYGOTE_MODULE, args, self._heartbeat_interval, self._python)
+        self._zygote = zygote
+        self._dispatcher = Dispatcher(
+            self.name,
+            self.max_queue,
+            on_change=self._reconcile,
+            on_worker_gone=self._on_worker_gone,
+            heartbeat_timeout=self._heartbeat_timeout,
+        )
+        self._respawner = Respawner(zygote.spawn, self._disable, clock=time.monotonic)
+        started = asyncio.Event()
+        self._main = asyncio.create_task(self._run(started.set), name=f"workerpool-{self.name}")
+        self._main.add_done_callback(self._main_done)
+        await started.wait()
+        zygote.start()
+        zygote.attach(
+            ZygoteEvents(
+                self._on_model,
+                lambda: None,
+                self._on_worker,
+                self._on_exit,
+                self._on_lost,
+                self._on_unloaded,
+            )
+        )
+        zygote.command(self._prepare_message())
+        self._zygote_started = True
+        for model in self._models.values():
+            self._send_load(model)
+        for _ in range(self.size):
+            zygote.spawn()
+
+    @staticmethod
+    def _prepare_message() -> dict[str, Any]:
+        main = sys.modules.get("__main__")
+        spec = getattr(main, "__spec__", None)
+        main_file = getattr(main, "__file__", None)
+        return {
+            "op": "prepare",
+            "sys_path": [os.path.abspath(p) if p else os.getcwd() for p in sys.path],
+            "main_path": os.path.abspath(main_file) if main_file else None,
+            "main_name": getattr(spec, "name", None),
+        }
+
+    async def _until_started(self) -> None:
+        assert self._dispatcher is not None
+        while True:
+            self._raise_if_broken()
+            for model in self._models.values():
+                if model.pending == 0 and model.load_error and not model.loaded:
+                    raise ModelLoadError(model.name, model.load_error)
+            models_in = all(m.serving for m in self._models.values())
+            if models_in and self._dispatcher.live_workers() >= self.size:
+                return
+            await self._changes()
+
+    async def _run(self, started: Callable[[], None]) -> None:
+        assert self._dispatcher is not None
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(self._dispatcher.run(started), name=f"dispatcher-{self.name}")
+            if self._segments is not None:
+                self._janitor_task = tasks.create_task(self._janitor(), name="segment-janitor")
+
+    def _main_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        error = task.exception()
+        log.error("workerpool %s: internal error: %r", self.name, error, exc_info=error)
+        self._break(f"workerpool '{self.name}' stopped on an internal error: {error!r}")
+
+    async def aclose(self, grace: float | None = None) -> None:
+        """Stops taking calls, lets running ones finish for ``grace`` seconds
+        (default ``close_timeout``), cancels the rest (they raise Cancelled),
+        then stops the workers and the zygote. Idempotent."""
+        if self._state is _State.NEW:
+            self._state = _State.CLOSED
+            return
+        await self._in_pool_loop(self._aclose(self.close_timeout if grace is None else grace))
+
+    async def _aclose(self, grace: float) -> None:
+        if self._state in (_State.CLOSING, _State.CLOSED):
+            await self._closed.wait()
+            return
+        self._state = _State.CLOSING
+        try:
+            await self._drain(grace)
+        finally:
+            await self._shutdown()
+
+    async def _drain(self, grace: float) -> None:
+        self._wake()  # calls waiting for a model to load give up now
+        if self._calls:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), grace)
+        if self._calls:
+            log.warning(
+                "workerpool %s: cancelling %d calls still running after %.1f s",
+                self.name,
+                len(self._calls),
+                grace,
+            )
+            self._cancel_calls(
+                f"workerpool '{self.name}' closed before the call finished (close waited {grace} s)"
+            )
+            await asyncio.wait(set(self._calls))
+
+    async def _shutdown(self) -> None:
+        self._state = _State.CLOSING
+        if self._respawner is not None:
+            self._respawner.close()
+        if self._janitor_task is not None:
+            self._janitor_task.cancel()
+        if self._dispatcher is not None:
+            self._dispatcher.close()  # closes every worker's socket: they exit
+        if self._main is not None:
+            with contextlib.suppress(BaseException):
+                await self._main
+        if self._zygote is not None:
+            self._zygote.close()  # the zygote kills what is left of its workers and exits
+            status = await self._zygote.wait(ZYGOTE_EXIT_S)
+            log.info("workerpool %s: zygote %s", self.name, status)
+        if self._segments is not None:
+            self._segments.remove()
+        self._state = _State.CLOSED
+        self._closed.set()
+
+    def start(self) -> WorkerPool:
+        """Starts the pool on an event loop of its own, in a thread (for scripts)."""
+        if self._state is not _State.NEW or self._thread is not None:
+            raise RuntimeError(f"WorkerPool '{self.name}' was started already")
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(
+            target=_run_loop, args=(loop,), name=f"workerpool-{self.name}", daemon=True
+        )
+        thread.start()
+        self._thread = thread
+        try:
+            asyncio.run_coroutine_threadsafe(self.astart(), loop).result()
+        except BaseException:
+            self._stop_thread(loop)
+            raise
+        return self
+
+    def close(self, grace: float | None = None) -> None:
+        """:meth:`aclose` for synchronous code (any thread but the pool loop's own)."""
+        loop = self._loop
+        if loop is None:
+            self._state = _State.CLOSED
+            return
+        self._refuse_pool_thread("close", "await pool.aclose()")
+        if not loop.is_closed():
+            asyncio.run_coroutine_threadsafe(self.aclose(grace), loop).result()
+        if self._thread is not None:
+            self._stop_thread(loop)
+
+    def _stop_thread(self, loop: asyncio.AbstractEventLoop) -> None:
+        with contextlib.suppress(RuntimeError):  # closed already
+            loop.call_soon_threadsafe(loop.stop)
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    # -- scoring -----------------------------------------------------------------
+
+    async def score(
+        self, model: str, /, *args: Any, timeout: float | None = None, **kwargs: Any
+    ) -> Any:
+        """Runs ``score(loaded_model, *args, **kwargs)`` on a worker; returns its result.
+
+        ``timeout`` (seconds, default ``default_timeout``) bounds the whole
+        call: a call still queued at its deadline never runs. Raises
+        ScoreError (score raised), DeadlineExceeded, QueueFull, Unavailable
+        (the worker died and the call could not be retried, or the pool is
+        closed), ModelNotFound, ModelLoadError, Cancelled (the pool closed
+        first). Cancelling the awaiting task cancels the call.
+        """
+        deadline = self._deadline(timeout)
+        return await self._in_pool_loop(self._score(model, args, kwargs, deadline))
+
+    def score_sync(
+        self, model: str, /, *args: Any, timeout: float | None = None, **kwargs: Any
+    ) -> Any:
+        """:meth:`score` for synchronous code: blocks this thread (never the pool's loop)."""
+        deadline = self._deadline(timeout)
+        return self._sync(self._score(model, args, kwargs, deadline), "score_sync", "score")
+
+    async def wait_ready(self, *models: str, timeout: float | None = None) -> None:
+        """Waits until ``models`` (default: all) are loaded and on every worker.
+
+        Raises ModelLoadError if the latest load of one failed (for a reload,
+        the previous version still serves), DeadlineExceeded after ``timeout``.
+        """
+        deadline = self._deadline(timeout)
+        await self._in_pool_loop(self._wait_ready(models, deadline))
+
+    def wait_ready_sync(self, *models: str, timeout: float | None = None) -> None:
+        deadline = self._deadline(timeout)
+        self._sync(self._wait_ready(models, deadline), "wait_ready_sync", "wait_ready")
+
+    def _deadline(self, timeout: float | None) -> float:
+        seconds = self.default_timeout if timeout is None else timeout
+        return time.monotonic() + (NO_DEADLINE_S if seconds is None else seconds)
+
+    async def _score(
+        self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], deadline_mono: float
+    ) -> Any:
+        self._raise_unless_open()
+        model = self._lookup(name)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (deadline_mono - time.monotonic())
+        call = loop.create_task(self._call(model, args, kwargs, deadline))
+        self._calls.add(call)
+        self._idle.clear()
+        try:
+            return await call
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            ours = task is None or not task.cancelling()  # we cancelled it, not its caller
+            if call.cancelled() and self._cancel_reason and ours:
+                raise Cancelled(self._cancel_reason) from None
+            raise
+        finally:
+            self._calls.discard(call)
+            if not self._calls:
+                self._idle.set()
+
+    async def _call(
+        self, model: _Model, args: tuple[Any, ...], kwargs: dict[str, Any], deadline: float
+    ) -> Any:
+        stats = model.stats
+        stats.calls += 1
+        try:
+            await self._until_serving(model, deadline)
+            value = await self._run_job(model, args, kwargs, deadline)
+        except asyncio.CancelledError:
+            stats.cancelled += 1
+            raise
+        except ScoreError:
+            stats.raised += 1
+            raise
+        except DeadlineExceeded:
+            stats.deadline_exceeded += 1
+            raise
+        except QueueFull:
+            stats.queue_full += 1
+            raise
+        except BaseException:
+            stats.failed += 1
+            raise
+        stats.succeeded += 1
+        return value
+
+    async def _run_job(
+        self, model: _Model, args: tuple[Any, ...], kwargs: dict[str, Any], deadline: float
+    ) -> Any:
+        assert self._dispatcher is not None
+        job = next(self._jobs)
+        self._live_jobs.add(job)
+        try:
+            try:
+                encoded = encode_call(job, model.name, args, kwargs, self._segments)
+            except (pickle.PicklingError, AttributeError, TypeError) as exc:
+                raise TypeError(
+                    f"the arguments of a call to model '{model.name}' cannot be pickled: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+            try:
+                result = await self._dispatcher.submit(
+                    encoded.data,
+                    deadline,
+                    idempotent=model.idempotent,
+                    tag=model.name,
+                    timeout=model.max_compute_s,
+                )
+            finally:
+                if encoded.segments and self._segments is not None:
+                    self._segments.unlink(encoded.segments)
+            self._record(model.stats, result)
+            return decode_outcome(model.name, result.body, self._segments)
+        finally:
+            self._live_jobs.discard(job)
+
+    @staticmethod
+    def _record(stats: ScoreStats, result: Result) -> None:
+        stats.executed += 1
+        stats.queue_ns += result.queue_ns
+        stats.decode_ns += result.timings.decode_ns
+        stats.compute_ns += result.timings.compute_ns
+        stats.encode_ns += result.timings.encode_ns
+
+    def _lookup(self, name: str) -> _Model:
+        model = self._models.get(name)
+        if model is None or model.removed:
+            known = ", ".join(sorted(self._models)) or "none"
+            raise ModelNotFound(f"workerpool '{self.name}' has no model '{name}' (models: {known})")
+        return model
+
+    async def _until_serving(self, model: _Model, deadline: float) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._raise_if_broken()
+            if model.removed:
+                raise ModelNotFound(f"model '{model.name}' was removed from the pool")
+            if model.disabled:
+                raise ModelNotReady(
+                    f"model '{model.name}' is disabled: {model.disabled}; "
+                    "add_model it again to retry"
+                )
+            if model.serving:
+                return
+            if model.pending == 0 and model.load_error:
+                raise ModelLoadError(model.name, model.load_error)
+            if self._state in (_State.CLOSING, _State.CLOSED):
+                raise Unavailable(f"workerpool '{self.name}' closed while the model loaded")
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise DeadlineExceeded(
+                    f"deadline exceeded while model '{model.name}' was loading "
+                    f"in workerpool '{self.name}'",
+                    stage="pool",
+                )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changes(), remaining)
+
+    async def _wait_ready(self, names: tuple[str, ...], deadline_mono: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (deadline_mono - time.monotonic())
+        for name in names or tuple(self._models):
+            model = self._lookup(name)
+            while not self._settled(model):
+                self._raise_if_broken()
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise DeadlineExceeded(f"model '{name}' was not ready in time", stage="pool")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changes(), remaining)
+            if model.load_error:
+                raise ModelLoadError(name, model.load_error)
+            if model.disabled:
+                raise ModelNotReady(f"model '{name}' is disabled: {model.disabled}")
+
+    def _settled(self, model: _Model) -> bool:
+        if model.pending or model.removed:
+            return model.removed
+        if model.load_error or model.disabled:
+            return True
+        return model.loaded and not self._has_stale(model.ready_gen)
+
+    # -- statistics --------------------------------------------------------------
+
+    def stats(self) -> dict[str, ScoreStats]:
+        """Per-model counters (copies)."""
+        return self._on_pool_loop(self._stats)
+
+    def _stats(self) -> dict[str, ScoreStats]:
+        return {name: dataclasses.replace(m.stats) for name, m in self._models.items()}
+
+    def status(self) -> PoolStatus:
+        """Processes, queue and models, as the pool sees them now."""
+        return self._on_pool_loop(self._status)
+
+    def _status(self) -> PoolStatus:
+        d = self._dispatcher
+        workers = tuple(
+            WorkerInfo(w.pid, str(w.state), w.served, w.generation, w.retiring)
+            for w in (d.workers() if d is not None else [])
+        )
+        return PoolStatus(
+            name=self.name,
+            state=self._state.value,
+            zygote_pid=self._zygote.pid if self._zygote is not None else 0,
+            workers=workers,
+            queue_depth=d.queue_depth() if d is not None else 0,
+            late_replies_dropped=d.late_replies if d is not None else 0,
+            expired_in_queue=d.expired_in_queue if d is not None else 0,
+            respawns=self._respawner.respawns if self._respawner is not None else 0,
+            segment_dir=str(self._segments.path) if self._segments is not None else "",
+            models={name: m.describe() for name, m in self._models.items()},
+        )
+
+    def _describe_models(self) -> str:
+        return ", ".join(f"{n} {m.describe()}" for n, m in self._models.items()) or "none"
+
+    # -- zygote and worker events (on the pool's loop) ------------------------------
+
+    def _on_model(
+        self, name: str, ok: bool, reason: str, _inputs: object = (), _outputs: object = ()
+    ) -> None:
+        model = self._models.get(name)
+        if model is None or model.removed:
+            return
+        model.pending = max(0, model.pending - 1)
+        if ok:
+            self._gen += 1  # workers whose event comes after this were forked after the load
+            model.loaded = True
+            model.ready_gen = self._gen
+            model.load_error = ""
+            model.disabled = ""
+            if self._respawner is not None:
+                self._respawner.forgive(name)
+            if reason:
+                log.warning("workerpool %s: model %s: %s", self.name, name, reason)
+            log.info("workerpool %s: model %s loaded", self.name, name)
+        else:
+            model.load_error = reason
+            kept = "; the previous version keeps serving" if model.loaded else ""
+            log.error("workerpool %s: model %s: %s%s", self.name, name, reason, kept)
+        self._reconcile()
+
+    def _on_unloaded(self, name: str) -> None:
+        self._gen += 1  # fresh forks no longer carry it: replace the workers that do
+        self._reconcile()
+
+    def _on_worker(self, pid: int, sock: socket.socket) -> None:
+        assert self._dispatcher is not None
+        self._roll_inflight = max(0, self._roll_inflight - 1)
+        log.debug("workerpool %s: worker %d started", self.name, pid)
+        self._dispatcher.add_worker(pid, sock, self._gen)
+        self._reconcile()
+
+    def _on_exit(self, pid: int, status: str) -> None:
+        if self._dispatcher is not None:
+            self._dispatcher.worker_exited(pid, status)
+
+    def _on_lost(self) -> None:
+        if self._state in (_State.CLOSING, _State.CLOSED):
+            return
+        pid = self._zygote.pid if self._zygote is not None else 0
+        self._break(
+            f"workerpool '{self.name}': its zygote (pid {pid}) exited unexpectedly, so no "
+            "worker can be forked any more: close this pool and start a new one"
+        )
+
+    def _on_worker_gone(self, gone: WorkerGone) -> None:
+        if gone.retired or self._respawner is None:
+            return
+        if self._state not in (_State.STARTING, _State.RUNNING):
+            return
+        running = f" while running model '{gone.tag}'" if gone.tag else ""
+        killed = f" (killed: {gone.reason})" if gone.reason else ""
+        log.warning(
+            "workerpool %s: worker %d %s%s%s", self.name, gone.pid, gone.status, running, killed
+        )
+        delay = self._respawner.worker_lost(gone.tag, gone.reason or gone.status)
+        if delay:
+            log.info("workerpool %s: next worker in %.2f s (crash back-off)", self.name, delay)
+
+    def _disable(self, name: str, reason: str) -> None:
+        model = self._models.get(name)
+        if model is None:
+            return
+        log.error("workerpool %s: model %s disabled: %s", self.name, name, reason)
+        model.disabled = reason
+        model.serving = False
+        self._wake()
+
+    def _break(self, reason: str) -> None:
+        if self._broken:
+            return
+        log.error("%s", reason)
+        self._broken = reason
+        if self._respawner is not None:
+            self._respawner.close()
+        self._cancel_calls(reason)
+        self._wake()
+
+    def _cancel_calls(self, reason: str) -> None:
+        self._cancel_reason = reason
+        for call in list(self._calls):
+            call.cancel()
+
+    # -- worker generations: the rolling replacement --------------------------------
+
+    def _reconcile(self) -> None:
+        """Keeps ``size`` workers of the current generation.
+
+        After a load (or unload) bumps the generation, one extra worker is
+        forked at a time, and each arrival retires one stale worker (it
+        finishes its current call first), so capacity never drops. Surplus
+        workers (a respawn racing a roll) are retired too.
+        """
+        d, zygote = self._dispatcher, self._zygote
+        if d is None or zygote is None or self._state not in (_State.STARTING, _State.RUNNING):
+            self._settle()
+            return
+        live = [w for w in d.workers() if not w.retiring]
+        stale = [w for w in live if w.generation < self._gen]
+        surplus = len(live) - self.size
+        if surplus > 0:
+            fresh = [w for w in live if w.generation >= self._gen]
+            for worker in (_idle_first(stale) + _idle_first(fresh))[:surplus]:
+                d.retire(worker.pid)
+            stale = [w for w in stale if not w.retiring]
+        if stale and self._roll_inflight == 0 and not self._broken:
+            self._roll_inflight = 1
+            zygote.spawn()
+        self._settle()
+
+    def _has_stale(self, generation: int) -> bool:
+        d = self._dispatcher
+        if d is None:
+            return False
+        return any(w.generation < generation for w in d.workers() if not w.retiring)
+
+    def _settle(self) -> None:
+        for model in self._models.values():
+            if model.serving or not model.loaded or model.disabled or model.removed:
+                continue
+            if not self._has_stale(model.ready_gen):
+                model.serving = True
+        self._wake()
+
+    # -- shared memory -----------------------------------------------------------------
+
+    async def _janitor(self) -> None:
+        """Sweeps segments that no live call will read (results of calls given up)."""
+        while True:
+            await asyncio.sleep(JANITOR_PERIOD_S)  # a periodic sweep, not a readiness wait
+            self._sweep()
+
+    def _sweep(self) -> int:
+        if self._segments is None:
+            return 0
+        live = self._live_jobs
+        return self._segments.sweep(lambda name: job_of_segment(name) in live)
+
+    # -- plumbing ----------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        self._changed.set()
+
+    def _changes(self) -> Coroutine[Any, Any, Literal[True]]:
+        """Waits for the next change of models, workers or pool state.
+
+        Not a coroutine function: the event is cleared now, right after the
+        caller checked its condition, not when the returned wait first runs.
+        """
+        self._changed.clear()
+        return self._changed.wait()
+
+    def _raise_if_broken(self) -> None:
+        if self._broken:
+            raise Unavailable(self._broken)
+
+    def _raise_unless_open(self) -> None:
+        self._raise_if_broken()
+        if self._state is _State.NEW:
+            raise RuntimeError(
+                f"WorkerPool '{self.name}' is not started: use `async with` or start() first"
+            )
+        if self._state in (_State.CLOSING, _State.CLOSED):
+            raise Unavailable(f"workerpool '{self.name}' is {self._state.value}")
+
+    def _in_loop_soon(self, fn: Callable[[T], None], arg: T) -> None:
+        """Runs ``fn(arg)`` on the pool's loop: now if we are on it, else soon."""
+        loop = self._loop
+        if loop is None or _running_loop() is loop:
+            fn(arg)
+        else:
+            loop.call_soon_threadsafe(fn, arg)
+
+    def _on_pool_loop(self, fn: Callable[[], T]) -> T:
+        """``fn()``, run on the pool's loop (which owns the state it reads)."""
+        loop = self._loop
+        if loop is None or loop.is_closed() or _running_loop() is loop:
+            return fn()
+
+        async def run() -> T:
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(run(), loop).result()
+
+    async def _in_pool_loop(self, coro: Coroutine[Any, Any, T]) -> T:
+        loop = self._loop
+        if loop is None or _running_loop() is loop:
+            return await coro
+        if loop.is_closed():
+            coro.close()
+            raise Unavailable(f"workerpool '{self.name}' is closed")
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
+
+    def _sync(self, coro: Coroutine[Any, Any, T], method: str, instead: str) -> T:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            coro.close()
+            if loop is None:
+                raise RuntimeError(
+                    f"WorkerPool '{self.name}' is not started: use `with` or start() first"
+                )
+            raise Unavailable(f"workerpool '{self.name}' is closed")
+        try:
+            self._refuse_pool_thread(method, f"await pool.{instead}(...)")
+        except RuntimeError:
+            coro.close()
+            raise
+        future = asyncio.run_coroutine_threadsafe(coro, loop)
+        try:
+            return future.result()
+        except concurrent.futures.CancelledError:
+            raise Cancelled(f"{method} was cancelled") from None
+        except BaseException:
+            future.cancel()  # e.g. KeyboardInterrupt: the call leaves the queue
+            raise
+
+    def _refuse_pool_thread(self, method: str, instead: str) -> None:
+        if self._loop is not None and _running_loop() is self._loop:
+            raise RuntimeError(
+                f"{method} would block the event loop the pool runs on; use `{instead}` there"
+            )
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _idle_first(workers: list[Worker]) -> list[Worker]:
+    return sorted(workers, key=lambda w: w.current is not None)
