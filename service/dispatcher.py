@@ -46,6 +46,7 @@ DEFAULT_PRIORITY = 1 << 30  # below every explicit priority (1 is the highest)
 RETRY_PRIORITY = -(1 << 62)  # a retried job goes before everything else
 STATUS_WAIT_S = 1.0  # how long a dead worker's job waits for the exit status
 ABORT_GRACE_S = 1.0  # SIGABRT (core dump, traceback) before SIGKILL
+SERVICE_EWMA = 0.2  # weight of the newest sample in a model's service-time average
 
 
 class JobState(enum.Enum):
@@ -144,6 +145,8 @@ class Dispatcher:
         self._closing = asyncio.Event()
         self.late_replies = 0
         self.expired_in_queue = 0
+        self.skipped_hopeless = 0
+        self._service_s: dict[str, float] = {}  # per tag: recent worker time per job
 
     # -- lifecycle -------------------------------------------------------
 
@@ -306,12 +309,42 @@ class Dispatcher:
         worker.writer.write(request_frame(job.seq, job.body))
 
     def _next_job(self) -> Job | None:
+        """The next job worth starting.
+
+        A job that can no longer finish before its deadline (less time left than
+        its model's recent service time) is answered now instead of run: under
+        overload, running it would burn a worker on a reply nobody waits for,
+        and make the jobs behind it late too.
+        """
+        now = asyncio.get_running_loop().time()
         while self._heap:
             job = heapq.heappop(self._heap)[3]
-            if job.state is JobState.QUEUED:
-                self._queued -= 1
-                return job
+            if job.state is not JobState.QUEUED:
+                continue
+            self._queued -= 1
+            needs = self._service_s.get(job.tag)
+            if needs is not None and job.deadline - now < needs and not job.future.done():
+                self.skipped_hopeless += 1
+                job.state = JobState.DONE
+                left = max(0.0, job.deadline - now) * 1000
+                self._finish(
+                    job,
+                    DeadlineExceeded(
+                        f"deadline would pass before the request could finish: {left:.1f} ms "
+                        f"left in pool '{self.name}', model '{job.tag}' takes about "
+                        f"{needs * 1000:.1f} ms",
+                        stage="pool queue",
+                    ),
+                )
+                continue
+            return job
         return None
+
+    def _learn_service_time(self, tag: str, timings: Timings) -> None:
+        """A moving average of how long a model keeps a worker busy."""
+        took = (timings.decode_ns + timings.compute_ns + timings.encode_ns) / 1e9
+        before = self._service_s.get(tag)
+        self._service_s[tag] = took if before is None else before + SERVICE_EWMA * (took - before)
 
     def _worker_free(self, worker: Worker) -> None:
         worker.current = None
@@ -352,6 +385,8 @@ class Dispatcher:
         if job is None or job.seq != reply.seq:
             raise ValueError(f"reply for sequence {reply.seq} that this worker does not hold")
         worker.served += 1
+        if reply.failure is None and job.tag:
+            self._learn_service_time(job.tag, reply.timings)
         if job.state is JobState.RUNNING:
             job.state = JobState.DONE
             if reply.failure is None:
@@ -490,8 +525,13 @@ class Dispatcher:
         return True
 
     def _close_worker(self, worker: Worker) -> None:
-        """Closing the socket makes the worker exit (EOF); its reader then finishes."""
+        """Closing the socket makes the worker exit (EOF); its reader then finishes.
+
+        A worker still connecting (no writer yet) is closed by its reader once
+        connected: closing the socket under a pending ``open_connection``
+        would leave the reader waiting on a dead, or reused, descriptor.
+        """
         if worker.writer is not None:
             worker.writer.close()
         else:
-            worker.sock.close()
+            worker.retiring = True

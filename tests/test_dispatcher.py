@@ -35,9 +35,9 @@ class FakeWorker:
         assert kind == REQUEST
         return seq, await self.reader.readexactly(length)
 
-    def reply(self, seq: int, body: bytes) -> None:
+    def reply(self, seq: int, body: bytes, compute_ns: int = 2) -> None:
         assert self.writer is not None
-        self.writer.write(reply_frame(seq, Timings(1, 2, 3), body))
+        self.writer.write(reply_frame(seq, Timings(1, compute_ns, 3), body))
 
     def die(self) -> None:
         assert self.writer is not None
@@ -193,5 +193,34 @@ def test_worker_death_retries_once_or_fails_with_status() -> None:
         d.worker_exited(other.pid, "killed by SIGSEGV")
         with pytest.raises(Unavailable, match="SIGSEGV"):
             await once
+
+    with_dispatcher(body)
+
+
+def test_a_job_that_cannot_finish_in_time_is_not_started() -> None:
+    async def body(d: Dispatcher, _: list[WorkerGone]) -> None:
+        w = FakeWorker(d, 1)
+        await w.connect()
+        await until(lambda: d.live_workers() == 1)
+        loop = asyncio.get_running_loop()
+        first = asyncio.ensure_future(d.submit(b"learn", loop.time() + 60, tag="m"))
+        seq, _ = await w.receive()
+        w.reply(seq, b"ok", compute_ns=2_000_000_000)  # model m keeps a worker 2 s
+        await first
+        busy = asyncio.ensure_future(d.submit(b"busy", loop.time() + 60, tag="other"))
+        seq, _ = await w.receive()
+        short = asyncio.ensure_future(d.submit(b"short", loop.time() + 3.0, tag="m"))
+        long = asyncio.ensure_future(d.submit(b"long", loop.time() + 30, tag="m"))
+        await until(lambda: d.queue_depth() == 2)
+        await asyncio.sleep(1.0)  # the short job has < 2 s left now (1.5 s of slack)
+        w.reply(seq, b"done")
+        with pytest.raises(DeadlineExceeded, match="would pass before the request could finish"):
+            await short
+        seq, got = await w.receive()
+        assert got == b"long", "the hopeless job never reached the worker"
+        w.reply(seq, b"fine")
+        assert (await long).body == b"fine"
+        assert (await busy).body == b"done"
+        assert d.skipped_hopeless == 1
 
     with_dispatcher(body)
