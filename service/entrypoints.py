@@ -5,15 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import stat
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from poolserve.service.pool import PoolServer, pool_socket_path
 from poolserve.service.procutil import set_process_name
 from poolserve.service.repository import scan
-from poolserve.service.router import Router
+from poolserve.service.rundir import ensure_private_dir, pool_socket_path, setup_logging
 from poolserve.service.settings import ConfigError, ServerSettings, load_server_settings
 from poolserve.supervisor.child import READY_FD_ENV, die_with_parent, notify_ready
 from poolserve.supervisor.exitcodes import EXIT_CONFIG, EXIT_OK
@@ -21,28 +19,9 @@ from poolserve.supervisor.exitcodes import EXIT_CONFIG, EXIT_OK
 log = logging.getLogger(__name__)
 
 
-def setup_logging(role: str, log_format: str = "text") -> None:
-    if log_format == "json":
-        fmt = (
-            '{"ts": "%(asctime)s", "level": "%(levelname)s", "role": "' + role + '", '
-            '"pid": %(process)d, "msg": "%(message)s"}'
-        )
-    else:
-        fmt = f"%(asctime)s %(levelname)s {role}[%(process)d] %(message)s"
-    logging.basicConfig(level=logging.INFO, format=fmt, stream=sys.stderr, force=True)
-
-
-def ensure_private_dir(path: Path) -> None:
-    """The run directory holds our sockets: ours alone, mode 0700."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    info = path.stat()
-    if info.st_uid != os.getuid():
-        raise ConfigError(str(path), "run_dir", "owned by another user")
-    if stat.S_IMODE(info.st_mode) != 0o700:
-        path.chmod(0o700)
-
-
 def run_pool(repo: Path, gid: str, flags: Mapping[str, object]) -> int:
+    from poolserve.service.pool import PoolServer  # the pool's imports, in the pool only
+
     die_with_parent()
     set_process_name("poolserve-pool")
     raw_fd = os.environ.get(READY_FD_ENV, "")
@@ -69,6 +48,8 @@ def _ready(status: str) -> None:
 
 
 def run_router(repo: Path, flags: Mapping[str, object]) -> int:
+    from poolserve.service.router import Router
+
     die_with_parent()
     set_process_name("poolserve-rtr")
     try:

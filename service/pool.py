@@ -39,6 +39,7 @@ from poolserve.service.inline import InlineRunner, is_inline
 from poolserve.service.procutil import pss_bytes
 from poolserve.service.repository import ModelSettings, TensorSpec, scan
 from poolserve.service.respawn import Respawner
+from poolserve.service.rundir import bind_private_unix
 from poolserve.service.servicer import InferenceServicer, Observer, guarded
 from poolserve.service.settings import ServerSettings
 from poolserve.service.tracing import Tracing
@@ -48,16 +49,6 @@ from poolserve.service.zygote import ZygoteEvents, ZygoteLink
 log = logging.getLogger(__name__)
 
 CONTROL_SERVICE = "poolserve.control.v1.PoolControl"
-MAX_UNIX_PATH = 107
-
-
-def pool_socket_path(run_dir: Path, gid: str) -> Path:
-    path = run_dir / f"pool-{gid}.sock"
-    if len(str(path)) > MAX_UNIX_PATH:
-        raise ValueError(f"socket path {path} is longer than {MAX_UNIX_PATH} bytes")
-    return path
-
-
 ROLL_TIMEOUT_S = 60.0
 
 
@@ -133,16 +124,6 @@ class PoolBackend:
                 f"'{entry.name}' recent median compute time of {p50 * 1000:.1f} ms",
                 stage="pool",
             )
-
-
-def bind_private_unix(server: grpc.aio.Server, path: Path) -> None:
-    """Binds with a umask so the socket is 0600 from its first instant."""
-    path.unlink(missing_ok=True)
-    old = os.umask(0o177)
-    try:
-        server.add_insecure_port(f"unix:{path}")
-    finally:
-        os.umask(old)
 
 
 class PoolServer:

@@ -39,8 +39,13 @@ from poolserve.service.errors import (
     grpc_status,
 )
 from poolserve.service.health import SERVING, Health
-from poolserve.service.pool import bind_private_unix, pool_socket_path
 from poolserve.service.repository import Repository, scan
+from poolserve.service.rundir import (
+    ADDRESS_FILE,
+    ROUTER_CONTROL_SOCKET,
+    bind_private_unix,
+    pool_socket_path,
+)
 from poolserve.service.servicer import EXTENSIONS, NO_DEADLINE_S, SERVICE, guarded
 from poolserve.service.settings import ServerSettings
 from poolserve.service.tracing import Tracing, deadline_event, strip_carried
@@ -51,8 +56,6 @@ log = logging.getLogger(__name__)
 _DROP_METADATA = frozenset({"user-agent", "content-type", "te", "host"})
 ROUTED = ("ModelInfer", "ModelReady", "ModelMetadata", "ModelConfig", "ModelStatistics")
 RETRY_WATCH_S = (0.05, 1.0)
-ADDRESS_FILE = "router.addr"
-CONTROL_SOCKET = "router-control.sock"  # RouterControl for the supervisor; never public
 ROUTER_CONTROL_SERVICE = "poolserve.control.v1.RouterControl"
 Handler = Callable[[bytes, Any], Awaitable[bytes]]
 # The router's span of the call being handled (each RPC runs in its own task).
@@ -126,7 +129,7 @@ class Router:
         self._stop = asyncio.Event()
         self._tasks: asyncio.TaskGroup | None = None
         self._generation = 0
-        self.control_path = run_dir / CONTROL_SOCKET
+        self.control_path = run_dir / ROUTER_CONTROL_SOCKET
         self.tracing: Tracing | None = None  # set in serve(): never before a fork
         self.port = 0
 

@@ -17,15 +17,15 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 from opentelemetry.trace import Span, SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+if TYPE_CHECKING:  # the SDK is imported only when tracing is on (memory, start-up time)
+    from opentelemetry.sdk.trace import TracerProvider
 
 from poolserve.service import __version__
 from poolserve.service.settings import ConfigError
@@ -52,6 +52,14 @@ class Tracing:
         kind = env.get("OTEL_TRACES_EXPORTER", "none").split(",")[0].strip().lower()
         if kind in ("", "none"):
             return None
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import (
+            BatchSpanProcessor,
+            ConsoleSpanExporter,
+            SpanExporter,
+        )
+
         exporter: SpanExporter
         if kind == "otlp":
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter

@@ -116,9 +116,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _serve_inprocess(args: argparse.Namespace) -> int:
-    from poolserve.service.entrypoints import setup_logging
     from poolserve.service.inprocess import InProcessServer
     from poolserve.service.repository import scan
+    from poolserve.service.rundir import setup_logging
     from poolserve.service.settings import ConfigError, load_server_settings
     from poolserve.supervisor.exitcodes import EXIT_CONFIG
 

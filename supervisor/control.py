@@ -28,7 +28,7 @@ import grpc
 
 from poolserve.protos import control_pb2 as cpb
 from poolserve.service.errors import FailedPrecondition, InvalidInput, ModelNotFound, Unavailable
-from poolserve.service.pool import bind_private_unix, pool_socket_path
+from poolserve.service.rundir import bind_private_unix, pool_socket_path
 from poolserve.service.servicer import guarded
 from poolserve.service.settings import ConfigError
 from poolserve.supervisor.reconcile import Reconciler, ReloadReport, Routes

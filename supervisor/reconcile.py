@@ -34,8 +34,8 @@ from typing import Protocol
 import grpc
 
 from poolserve.protos import inference_pb2 as pb
-from poolserve.service.pool import pool_socket_path
 from poolserve.service.repository import InvalidModel, ModelSettings, Repository, scan
+from poolserve.service.rundir import pool_socket_path
 from poolserve.service.servicer import SERVICE
 from poolserve.service.settings import SAFE_ID, ServerSettings, load_server_settings
 from poolserve.supervisor.events import ChildExited, ChildReady, ChildStarted, Event

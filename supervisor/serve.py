@@ -25,9 +25,8 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from poolserve.service.entrypoints import ensure_private_dir, setup_logging
 from poolserve.service.repository import scan
-from poolserve.service.router import ADDRESS_FILE
+from poolserve.service.rundir import ADDRESS_FILE, ensure_private_dir, setup_logging
 from poolserve.service.settings import ConfigError, ServerSettings, load_server_settings
 from poolserve.supervisor.control import ControlService, push_routes
 from poolserve.supervisor.events import (

@@ -1,0 +1,59 @@
+"""The private run directory: where internal sockets live, and who may use them.
+
+Light to import on purpose: the supervisor and the router need these names,
+and must not pay for the pool's imports (numpy, models) in their memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import sys
+from pathlib import Path
+
+import grpc
+
+from poolserve.service.settings import ConfigError
+
+MAX_UNIX_PATH = 107
+ADDRESS_FILE = "router.addr"  # host:port the router bound (useful with --grpc-port 0)
+ROUTER_CONTROL_SOCKET = "router-control.sock"  # RouterControl for the supervisor only
+
+
+def pool_socket_path(run_dir: Path, gid: str) -> Path:
+    path = run_dir / f"pool-{gid}.sock"
+    if len(str(path)) > MAX_UNIX_PATH:
+        raise ValueError(f"socket path {path} is longer than {MAX_UNIX_PATH} bytes")
+    return path
+
+
+def bind_private_unix(server: grpc.aio.Server, path: Path) -> None:
+    """Binds with a umask so the socket is 0600 from its first instant."""
+    path.unlink(missing_ok=True)
+    old = os.umask(0o177)
+    try:
+        server.add_insecure_port(f"unix:{path}")
+    finally:
+        os.umask(old)
+
+
+def ensure_private_dir(path: Path) -> None:
+    """The run directory holds our sockets: ours alone, mode 0700."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = path.stat()
+    if info.st_uid != os.getuid():
+        raise ConfigError(str(path), "run_dir", "owned by another user")
+    if stat.S_IMODE(info.st_mode) != 0o700:
+        path.chmod(0o700)
+
+
+def setup_logging(role: str, log_format: str = "text") -> None:
+    if log_format == "json":
+        fmt = (
+            '{"ts": "%(asctime)s", "level": "%(levelname)s", "role": "' + role + '", '
+            '"pid": %(process)d, "msg": "%(message)s"}'
+        )
+    else:
+        fmt = f"%(asctime)s %(levelname)s {role}[%(process)d] %(message)s"
+    logging.basicConfig(level=logging.INFO, format=fmt, stream=sys.stderr, force=True)
