@@ -144,9 +144,7 @@ def test_model_control_can_be_disabled(tmp_path: Path) -> None:
             assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert "model_control" in (info.value.details() or "")
             with pytest.raises(grpc.aio.AioRpcError) as info:
-                await stub.RepositoryModelUnload(
-                    pb.RepositoryModelUnloadRequest(model_name="echo")
-                )
+                await stub.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(model_name="echo"))
             assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert (await stub.ModelReady(pb.ModelReadyRequest(name="echo"))).ready
 
