@@ -8,7 +8,7 @@ REPO ?= examples/models
 PACKAGES := -p poolserve.protos -p poolserve.service -p poolserve.supervisor
 PROTOS := $(wildcard protos/*.proto)
 
-.PHONY: install test lint typecheck pytest protos run clean ns bench bench-quick
+.PHONY: install test lint typecheck pytest protos run clean ns bench bench-quick stress chaos fuzz
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,17 @@ bench: install
 
 bench-quick: install
 	$(BIN)/python bench/run.py --mode quick
+
+# Reliability suite (figures in README): pass options with ARGS, e.g.
+# `make stress ARGS=--assert-bound` or `make chaos ARGS=--quick`.
+stress: install
+	$(BIN)/python reliability/stress.py $(ARGS)
+
+chaos: install
+	$(BIN)/python reliability/chaos.py $(ARGS)
+
+fuzz: install
+	$(BIN)/python reliability/fuzz.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .ns build .mypy_cache .pytest_cache .ruff_cache

@@ -146,6 +146,7 @@ class Dispatcher:
         self.late_replies = 0
         self.expired_in_queue = 0
         self.skipped_hopeless = 0
+        self._refusal: ServingError | None = None
         self._service_s: dict[str, float] = {}  # per tag: recent worker time per job
 
     # -- lifecycle -------------------------------------------------------
@@ -164,6 +165,13 @@ class Dispatcher:
 
     def close(self) -> None:
         self._closing.set()
+
+    def refuse(self, error: ServingError) -> None:
+        """No worker will come back (the zygote is gone): fail what waits, and what comes."""
+        self._refusal = error
+        while (job := self._next_job()) is not None:
+            job.state = JobState.DONE
+            self._finish(job, error)
 
     def add_worker(self, pid: int, sock: socket.socket, generation: int = 0) -> None:
         if self._tasks is None or self._closing.is_set():
@@ -223,6 +231,8 @@ class Dispatcher:
         tag: str = "",
         timeout: float | None = None,
     ) -> Result:
+        if self._refusal is not None:
+            raise self._refusal
         loop = asyncio.get_running_loop()
         now = loop.time()
         if deadline <= now:

@@ -59,5 +59,9 @@ def run_router(repo: Path, flags: Mapping[str, object]) -> int:
     except ConfigError as exc:
         print(f"poolserve router: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    asyncio.run(router.serve(lambda: _ready(f"router listening on port {router.port}")))
+    try:
+        asyncio.run(router.serve(lambda: _ready(f"router listening on port {router.port}")))
+    except ConfigError as exc:  # e.g. the port is taken: restarting cannot help
+        print(f"poolserve router: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     return EXIT_OK

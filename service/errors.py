@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 
 import grpc
+from google.protobuf.message import DecodeError
 
 
 class Failure(enum.IntEnum):
@@ -138,6 +139,8 @@ def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status code and message a client sees for ``exc``."""
     if isinstance(exc, ServingError):
         return _STATUS[exc.failure], exc.message
+    if isinstance(exc, DecodeError):
+        return grpc.StatusCode.INVALID_ARGUMENT, f"request cannot be parsed: {exc}"
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
 
 

@@ -72,6 +72,8 @@ class Health:
             if status != last:
                 yield health_pb2.HealthCheckResponse(status=status)
                 last = status
+            if self._shutting_down:
+                return  # said NOT_SERVING; an open stream must not hold up the stop
             await changed.wait()
 
     def generic_handler(self) -> grpc.GenericRpcHandler:

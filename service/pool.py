@@ -30,6 +30,7 @@ from poolserve.service.dispatcher import Dispatcher, WorkerGone
 from poolserve.service.errors import (
     DeadlineExceeded,
     FailedPrecondition,
+    MessageTooLarge,
     ModelNotFound,
     ServingError,
     Unavailable,
@@ -70,7 +71,9 @@ class PoolBackend:
         inline: InlineRunner,
         needs_workers: bool,
         reject_hopeless: bool = False,
+        max_message_size: int = 64 * 1024 * 1024,
     ) -> None:
+        self.max_message_size = max_message_size
         self.dispatcher = dispatcher
         self.inline = inline
         self.needs_workers = needs_workers
@@ -107,6 +110,12 @@ class PoolBackend:
         except ServingError:
             entry.stats.record_failure(time.monotonic_ns() - began)
             raise
+        if len(result.body) > self.max_message_size:
+            entry.stats.record_failure(time.monotonic_ns() - began)
+            raise MessageTooLarge(
+                f"model '{entry.name}' replied {len(result.body)} bytes, over max_message_size "
+                f"({self.max_message_size} bytes)"
+            )
         entry.stats.record_success(result.queue_ns, result.timings, time.monotonic_ns() - began)
         if observe is not None:
             observe(result)
@@ -153,7 +162,12 @@ class PoolServer:
             on_worker_gone=self._on_worker_gone,
             heartbeat_timeout=settings.heartbeat_timeout_s,
         )
-        self.respawner = Respawner(self.zygote.spawn, self._mark_failed, clock=time.monotonic)
+        self.respawner = Respawner(
+            self.zygote.spawn,
+            self._mark_failed,
+            retry_model=self._retry_model,
+            clock=time.monotonic,
+        )
         self.inline = InlineRunner(self.catalog)
         self.servicer = InferenceServicer(
             self.catalog,
@@ -162,6 +176,7 @@ class PoolServer:
                 self.inline,
                 bool(self.worker_models),
                 settings.reject_hopeless,
+                settings.max_message_size,
             ),
             server_name=settings.server_name,
             default_timeout_s=settings.default_timeout_s,
@@ -225,6 +240,9 @@ class PoolServer:
     def _on_zygote_lost(self) -> None:
         if not self._stop.is_set():
             log.error("pool %s: zygote %d died; stopping the pool", self.gid, self.zygote.pid)
+            self.dispatcher.refuse(
+                Unavailable(f"pool '{self.gid}' lost its zygote and is restarting")
+            )
             self.exit_code = 1
             self._stop.set()
 
@@ -242,6 +260,12 @@ class PoolServer:
     def _mark_failed(self, name: str, reason: str) -> None:
         log.error("pool %s: model %s marked failed: %s", self.gid, name, reason)
         self.catalog.set_state(name, ModelState.UNAVAILABLE, reason)
+
+    def _retry_model(self, name: str) -> None:
+        entry = self.catalog.find(name)
+        if entry is not None and entry.state is ModelState.UNAVAILABLE:
+            log.info("pool %s: model %s gets another chance after its cooldown", self.gid, name)
+            self.catalog.set_state(name, ModelState.READY, "")
 
     # -- live load and unload ------------------------------------------------
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from poolserve.supervisor.policy import DecayingCounter, backoff_delay
 
 CRASH_HALF_LIFE_S = 60.0
+COOLDOWN_S = (30.0, 600.0)  # a failed model is tried again after this, doubling each time
 MODEL_CRASH_THRESHOLD = 4.0
 BACKOFF_BASE_S = 0.05
 BACKOFF_CAP_S = 5.0
@@ -28,12 +29,15 @@ class Respawner:
         spawn: Callable[[], None],
         mark_failed: Callable[[str, str], None],
         *,
+        retry_model: Callable[[str], None] = lambda name: None,
         clock: Callable[[], float],
         rng: random.Random | None = None,
         threshold: float = MODEL_CRASH_THRESHOLD,
     ) -> None:
         self._spawn = spawn
         self._mark_failed = mark_failed
+        self._retry_model = retry_model
+        self._cooldowns: dict[str, float] = {}
         self._clock = clock
         self._rng = rng or random.Random()
         self._threshold = threshold
@@ -51,9 +55,16 @@ class Respawner:
             count = self._models.setdefault(model, DecayingCounter(CRASH_HALF_LIFE_S)).add(now)
             if count >= self._threshold:
                 self._failed.add(model)
+                cooldown = self._cooldowns.get(model, COOLDOWN_S[0])
+                self._cooldowns[model] = min(cooldown * 2, COOLDOWN_S[1])
                 self._mark_failed(
-                    model, f"model crashed its worker {round(count)} times recently (last: {why})"
+                    model,
+                    f"model crashed its worker {round(count)} times recently (last: {why}); "
+                    f"tried again in {cooldown:.0f} s",
                 )
+                # Kills from outside (OOM, an operator) look the same as crashes: never
+                # give up on a model for good, try it again after a growing cooldown.
+                self._after(cooldown, lambda: self._give_another_chance(model))
         delay = 0.0
         if failures > 1.5:
             delay = backoff_delay(
@@ -63,22 +74,35 @@ class Respawner:
         return delay
 
     def _schedule(self, delay: float) -> None:
+        def fire() -> None:
+            self.respawns += 1
+            self._spawn()
+
+        self._after(delay, fire)
+
+    def _after(self, delay: float, action: Callable[[], None]) -> None:
         loop = asyncio.get_running_loop()
         handle: asyncio.TimerHandle | None = None
 
         def fire() -> None:
             assert handle is not None
             self._timers.discard(handle)
-            self.respawns += 1
-            self._spawn()
+            action()
 
         handle = loop.call_later(delay, fire)
         self._timers.add(handle)
+
+    def _give_another_chance(self, model: str) -> None:
+        if model in self._failed:
+            self._failed.discard(model)
+            self._models.pop(model, None)
+            self._retry_model(model)
 
     def forgive(self, model: str) -> None:
         """A model was (re)loaded: its crash history starts over."""
         self._failed.discard(model)
         self._models.pop(model, None)
+        self._cooldowns.pop(model, None)
 
     def close(self) -> None:
         for handle in self._timers:

@@ -35,6 +35,7 @@ from poolserve.service.errors import (
     ModelNotFound,
     ModelNotReady,
     ServingError,
+    Unavailable,
     from_upstream,
     grpc_status,
 )
@@ -47,7 +48,7 @@ from poolserve.service.rundir import (
     pool_socket_path,
 )
 from poolserve.service.servicer import EXTENSIONS, NO_DEADLINE_S, SERVICE, guarded
-from poolserve.service.settings import ServerSettings
+from poolserve.service.settings import ConfigError, ServerSettings
 from poolserve.service.tracing import Tracing, deadline_event, strip_carried
 from poolserve.service.wire import peek_model
 
@@ -148,7 +149,8 @@ class Router:
         for name, route in self.routes.items():
             self.health.set(f"model:{name}", route.model_serving.get(name, False))
         for name in self.invalid:
-            self.health.set(f"model:{name}", False)
+            if name not in self.routes:  # a broken duplicate must not shadow a good model
+                self.health.set(f"model:{name}", False)
 
     async def _watch(self, route: PoolRoute, service: str, apply: Callable[[bool], None]) -> None:
         """Follows one health service of a pool for the router's whole life."""
@@ -236,6 +238,10 @@ class Router:
             if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED and not stage:
                 details = f"deadline exceeded waiting for {route.where} to answer"
                 stage = "pool"
+            if exc.code() is grpc.StatusCode.CANCELLED:
+                # Our caller did not cancel (or this task would be cancelled, not
+                # here): the pool dropped the call while stopping. Try again elsewhere.
+                raise Unavailable(f"{route.where} dropped the call while stopping") from None
             raise from_upstream(exc.code(), details, route.where, stage) from None
 
     def _routed(self, method: str) -> Callable[[bytes, Any], Awaitable[bytes]]:
@@ -247,7 +253,7 @@ class Router:
                 span.set_attribute("poolserve.model.version", version)
             if method == "ModelStatistics" and not name:
                 return await self._all_statistics(context)
-            if method == "ModelReady" and name in self.invalid:
+            if method == "ModelReady" and name in self.invalid and name not in self.routes:
                 return pb.ModelReadyResponse(ready=False).SerializeToString()
             return await self._forward(self._route(name), method, body, context)
 
@@ -538,10 +544,18 @@ class Router:
         server.add_generic_rpc_handlers((self.generic_handler(), self.health.generic_handler()))
         address = bind or f"{self.settings.host}:{self.settings.grpc_port}"
         credentials = server_credentials(self.settings)
-        if credentials is None:
-            self.port = server.add_insecure_port(address)
+        try:
+            if credentials is None:
+                self.port = server.add_insecure_port(address)
+            else:
+                self.port = server.add_secure_port(address, credentials)
+        except RuntimeError as exc:
+            self.port = 0
+            reason = str(exc)
         else:
-            self.port = server.add_secure_port(address, credentials)
+            reason = "the address is in use or not ours"
+        if self.port == 0:
+            raise ConfigError("router", "grpc_port", f"cannot listen on {address}: {reason}")
         control = self._control_server()
         async with asyncio.TaskGroup() as tasks:
             self._tasks = tasks

@@ -212,7 +212,10 @@ class ScoreHandler:
     def _encode(self, job: int, kind: int, value: Any) -> bytes:
         prefix = f"{job}-{os.getpid()}-r"
         try:
-            return dumps(value, self.segments, prefix, head=_KIND.pack(kind)).data
+            try:
+                return dumps(value, self.segments, prefix, head=_KIND.pack(kind)).data
+            except OSError:  # shared memory unusable (its folder gone...): inline instead
+                return dumps(value, None, head=_KIND.pack(kind)).data
         except Exception as exc:
             failure = TypeError(f"the value score returned cannot be pickled: {exc}")
             return dumps(_raised(failure), None, head=_KIND.pack(RAISED)).data
@@ -274,7 +277,6 @@ class ScoreCargo:
         sys.modules["__main__"] = sys.modules["__mp_main__"] = module
 
     def load(self, name: str, code: bytes, emit: Emit) -> None:
-        threads = _threads()
         try:
             if b"__main__" in code:
                 self.import_main()
@@ -287,6 +289,7 @@ class ScoreCargo:
             )
             emit({"event": "model", "name": name, "ok": False, "reason": truncate_reason(reason)})
             return
+        threads = _threads()  # after the imports: numpy's OpenBLAS threads are fork-safe
         try:
             model = load()
         except BaseException as exc:  # a user's load may raise anything, even SystemExit

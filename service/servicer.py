@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service import __version__
@@ -89,6 +90,8 @@ def guarded(
             code, message = grpc_status(exc)
             if exc.stage:
                 context.set_trailing_metadata(((STAGE_METADATA, exc.stage),))
+        except DecodeError as exc:  # bytes that are not the message they claim to be
+            code, message = grpc_status(exc)
         except Exception as exc:
             log.exception("unexpected error in %s", fn.__name__)
             code, message = grpc_status(exc)

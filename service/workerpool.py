@@ -693,7 +693,10 @@ class WorkerPool:
         self._live_jobs.add(job)
         try:
             try:
-                encoded = encode_call(job, model.name, args, kwargs, self._segments)
+                try:
+                    encoded = encode_call(job, model.name, args, kwargs, self._segments)
+                except OSError:  # shared memory unusable: everything inline
+                    encoded = encode_call(job, model.name, args, kwargs, None)
             except (pickle.PicklingError, AttributeError, TypeError) as exc:
                 raise TypeError(
                     f"the arguments of a call to model '{model.name}' cannot be pickled: "
@@ -763,7 +766,7 @@ class WorkerPool:
         for name in names or tuple(self._models):
             model = self._lookup(name)
             while not self._settled(model):
-                self._raise_if_broken()
+                self._raise_unless_open()
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     raise DeadlineExceeded(f"model '{name}' was not ready in time", stage="pool")

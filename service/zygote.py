@@ -244,6 +244,8 @@ class _Zygote:
             signal.signal(signal.SIGTERM, lambda *_: None)
         try:
             self._serve()
+        except (BrokenPipeError, ConnectionError):
+            pass  # the pool's end is gone: the same as its closing it
         finally:
             self.stop_workers()
             self.cargo.close()
@@ -293,6 +295,8 @@ def exec_main(ctrl_fd: int, parent_pid: int, heartbeat_s: float, cargo: Cargo) -
     """
     code = 0
     try:
+        # A host thread may block signals; its mask survives exec, ours must not.
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])
         die_with_parent(parent_pid, signal.SIGTERM)
         set_process_name("poolserve-zyg")
         signal.signal(signal.SIGINT, signal.SIG_IGN)

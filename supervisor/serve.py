@@ -200,6 +200,9 @@ def run_serve(repo: Path, flags: Mapping[str, object]) -> int:
         repository = scan(repo)
         if not repository.models and not repository.invalid:
             raise ConfigError(str(repo), "(repository)", "no model-settings.json found")
+        if not repository.models:  # nothing could ever serve: no half-started tree
+            reasons = "; ".join(bad.reason for bad in repository.invalid)
+            raise ConfigError(str(repo), "(repository)", f"no valid model: {reasons}")
         run_dir = settings.resolved_run_dir()
         ensure_private_dir(run_dir)
     except ConfigError as exc:

@@ -1,0 +1,246 @@
+"""Fuzzing the door (issue 9.3) against a real tree, with figures.
+
+    .venv/bin/python reliability/fuzz.py             # crafted cases + 20,000 random inputs
+    .venv/bin/python reliability/fuzz.py --quick     # crafted cases + 2,000
+
+Raw bytes go through ``channel.unary_unary(...)`` with no stubs: crafted
+attacks, mutants of valid requests and noise. Every answer must be the
+in-process oracle's (:mod:`fuzzing`): INVALID_ARGUMENT for malformed input,
+NOT_FOUND for a well-formed unknown model, RESOURCE_EXHAUSTED for size, OK
+with the exact reply for what is valid. Also: other methods with garbage,
+unknown methods (UNIMPLEMENTED), no process dies (the PIDs are the same
+before and after), memory (RSS) of router, pools and workers before and
+after the long run, and no traceback in the logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import shutil
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from fuzzing import Oracle, crafted, random_inputs
+from fuzzing import field as wire_field
+from harness import (
+    INFER,
+    Tree,
+    channel_options,
+    make_repo,
+    rss_bytes,
+    wait_serving,
+)
+
+SERVICE = "inference.GRPCInferenceService"
+LIMIT = 1 << 20  # max_message_size of the fuzzed tree
+OTHER_METHODS = (
+    "ModelReady",
+    "ModelMetadata",
+    "ModelConfig",
+    "ModelStatistics",
+    "RepositoryIndex",
+    "RepositoryModelLoad",
+    "RepositoryModelUnload",
+)
+GARBAGE = (b"\xff\xff\xff\xff", b"\x0a\x80", b"\x12", b"\x0a\x02\xff\xfe", b"\x08")
+UNKNOWN_METHODS = (
+    f"/{SERVICE}/NoSuchMethod",
+    "/inference.NoSuchService/ModelInfer",
+    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+    "/poolserve.control.v1.PoolControl/Status",  # internal: never on the public port
+    "/poolserve.control.v1.SupervisorControl/Reload",
+)
+
+
+@dataclass
+class Report:
+    inputs: int = 0
+    crafted: int = 0
+    codes: dict[str, int] = field(default_factory=dict)
+    mismatches: list[str] = field(default_factory=list)
+    other_methods: dict[str, str] = field(default_factory=dict)
+    unknown_methods: dict[str, str] = field(default_factory=dict)
+    pids_same: bool = True
+    pids_before: list[int] = field(default_factory=list)
+    pids_after: list[int] = field(default_factory=list)
+    rss_before: dict[str, int] = field(default_factory=dict)
+    rss_after: dict[str, int] = field(default_factory=dict)
+    tracebacks: list[str] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def rss_growth(self) -> dict[str, int]:
+        return {k: self.rss_after.get(k, 0) - v for k, v in self.rss_before.items()}
+
+
+async def send(
+    method: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes], body: bytes
+) -> tuple[str, bytes, str]:
+    try:
+        reply = await method(body, timeout=30)
+    except grpc.aio.AioRpcError as exc:
+        return exc.code().name, b"", exc.details() or ""
+    return "OK", reply, ""
+
+
+def rss_by_role(tree: Tree, expected: dict[str, int]) -> dict[str, int]:
+    census = tree.census(expected)
+    out: dict[str, int] = {}
+    for proc in census.procs:
+        if proc.role in ("router", "pool", "worker"):
+            out[f"{proc.role} {proc.pid}"] = rss_bytes(proc.pid)
+    return out
+
+
+async def fuzz_infer(
+    channel: grpc.aio.Channel,
+    oracle: Oracle,
+    cases: list[tuple[str, bytes]],
+    report: Report,
+    concurrency: int = 16,
+) -> None:
+    method = channel.unary_unary(INFER)
+    queue = iter(cases)
+
+    async def lane() -> None:
+        for name, body in queue:
+            code, reply, details = await send(method, body)
+            want = oracle.expect(body)
+            report.codes[code] = report.codes.get(code, 0) + 1
+            report.inputs += 1
+            if code != want.code or (code == "OK" and reply != want.reply):
+                report.mismatches.append(
+                    f"{name}: got {code} ({details[:80]}), expected {want.code}; "
+                    f"bytes {body[:48].hex()}{'...' if len(body) > 48 else ''}"
+                )
+
+    await asyncio.gather(*(lane() for _ in range(concurrency)))
+
+
+async def fuzz_doors(channel: grpc.aio.Channel, report: Report) -> None:
+    for name in OTHER_METHODS:
+        method = channel.unary_unary(f"/{SERVICE}/{name}")
+        for garbage in GARBAGE:
+            code, _, details = await send(method, garbage)
+            report.other_methods[f"{name} {garbage.hex()}"] = f"{code} {details[:60]}"
+    for path in UNKNOWN_METHODS:
+        code, _, _ = await send(channel.unary_unary(path), b"")
+        report.unknown_methods[path] = code
+
+
+def oversized() -> list[tuple[str, bytes]]:
+    big = wire_field(1, 2, b"echo") + wire_field(7, 2, b"\0" * (LIMIT + 16))
+    return [("message over max_message_size", big)]
+
+
+def run(count: int, seed: int, workdir: Path) -> Report:
+    repo = make_repo(workdir / "repo", {"echo": None, "sleep": "slow"}, {"max_message_size": LIMIT})
+    expected = {"default": 2, "slow": 2}
+    report = Report()
+    oracle = Oracle(LIMIT)
+    with Tree(repo, workdir / "run", workers=2) as tree:
+
+        async def main() -> None:
+            async with grpc.aio.insecure_channel(
+                tree.address, options=channel_options(local=False)
+            ) as channel:
+                await wait_serving(channel)
+                before = tree.census(expected)
+                report.pids_before = sorted(p.pid for p in before.procs)
+                began = time.monotonic()
+                warmup = list(itertools.islice(random_inputs(seed + 1), min(1000, count)))
+                await fuzz_infer(channel, oracle, crafted() + oversized() + warmup, report)
+                report.crafted = len(crafted()) + 1
+                report.rss_before = rss_by_role(tree, expected)
+                stream = list(itertools.islice(random_inputs(seed), count))
+                await fuzz_infer(channel, oracle, stream, report)
+                await fuzz_doors(channel, report)
+                report.wall_s = time.monotonic() - began
+                report.rss_after = rss_by_role(tree, expected)
+                after = tree.census(expected)
+                report.pids_after = sorted(p.pid for p in after.procs)
+                report.pids_same = report.pids_before == report.pids_after and after.ok
+
+        asyncio.run(main())
+        report.tracebacks = tree.tracebacks()
+    return report
+
+
+def problems(report: Report, rss_tolerance: int) -> list[str]:
+    out = []
+    if report.mismatches:
+        out.append(
+            f"{len(report.mismatches)} answers differ from the oracle: "
+            + "\n  ".join(report.mismatches[:10])
+        )
+    bad = {k: v for k, v in report.other_methods.items() if not v.startswith("INVALID_ARGUMENT")}
+    if bad:
+        out.append(f"garbage to other methods: {bad}")
+    bad = {k: v for k, v in report.unknown_methods.items() if v != "UNIMPLEMENTED"}
+    if bad:
+        out.append(f"unknown methods: {bad}")
+    if not report.pids_same:
+        out.append(f"processes changed: {report.pids_before} -> {report.pids_after}")
+    grown = {k: v for k, v in report.rss_growth().items() if v > rss_tolerance}
+    if grown:
+        out.append(f"RSS grew more than {rss_tolerance >> 20} MiB: {grown}")
+    if report.tracebacks:
+        out.append(f"{len(report.tracebacks)} tracebacks in the log:\n{report.tracebacks[0]}")
+    return out
+
+
+def print_report(report: Report) -> None:
+    r = report
+    print(
+        f"fuzz: {r.inputs} ModelInfer inputs ({r.crafted} crafted) in {r.wall_s:.1f} s: "
+        f"{json.dumps(r.codes, sort_keys=True)}"
+    )
+    print(f"  answers that differ from the in-process oracle: {len(r.mismatches)}")
+    other = Counter(v.split()[0] for v in r.other_methods.values())
+    print(f"  garbage to {len(OTHER_METHODS)} other methods: {dict(other)}")
+    print(f"  unknown methods: {dict(Counter(r.unknown_methods.values()))}")
+    print(f"  processes unchanged: {r.pids_same} ({len(r.pids_after)} processes)")
+    growth = ", ".join(f"{k} {v / 1024:+.0f} KiB" for k, v in sorted(r.rss_growth().items()))
+    print(f"  RSS growth over the long run: {growth}")
+    print(f"  tracebacks in logs: {len(r.tracebacks)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="2,000 random inputs")
+    parser.add_argument("--count", type=int, help="random inputs (default 20,000)")
+    parser.add_argument("--seed", type=int, default=9)
+    parser.add_argument("--rss-tolerance-mib", type=int, default=8)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--keep", type=Path)
+    args = parser.parse_args(argv)
+    count = args.count or (2000 if args.quick else 20_000)
+    if args.keep:
+        shutil.rmtree(args.keep, ignore_errors=True)
+        args.keep.mkdir(parents=True)
+        report = run(count, args.seed, args.keep)
+    else:
+        with tempfile.TemporaryDirectory(prefix="poolserve-fuzz-") as tmp:
+            report = run(count, args.seed, Path(tmp))
+    print_report(report)
+    if args.json:
+        args.json.write_text(json.dumps(asdict(report), indent=2, default=str))
+    found = problems(report, args.rss_tolerance_mib << 20)
+    for problem in found:
+        print(f"FAIL: {problem}")
+    print("fuzz: " + ("FAILED" if found else "passed"))
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
