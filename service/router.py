@@ -538,6 +538,7 @@ class Router:
             options=[
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),
+                ("grpc.max_concurrent_streams", self.settings.max_concurrent_streams),
                 ("grpc.so_reuseport", 0),
             ]
         )

@@ -44,6 +44,7 @@ class ServerSettings:
     pools: Mapping[str, PoolOverride] = field(default_factory=dict)
     max_queue: int = 1024
     max_message_size: int = 64 * MIB
+    max_concurrent_streams: int = 1024  # per client connection, at the router
     run_dir: str = ""
     default_timeout_s: float = 60.0
     deadline_margin_ms: float = 1.0
@@ -71,7 +72,13 @@ class ServerSettings:
         return Path(base) / f"poolserve-{os.getuid()}-{self.grpc_port}"
 
 
-_INT_FIELDS = {"grpc_port", "parallel_workers", "max_queue", "max_message_size"}
+_INT_FIELDS = {
+    "grpc_port",
+    "parallel_workers",
+    "max_queue",
+    "max_message_size",
+    "max_concurrent_streams",
+}
 _FLOAT_FIELDS = {
     "default_timeout_s",
     "deadline_margin_ms",

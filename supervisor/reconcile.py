@@ -62,7 +62,6 @@ POOL_SETTINGS = (
     "heartbeat_interval_s",
     "heartbeat_timeout_s",
     "reject_hopeless",
-    "model_control",
     "server_name",
 )
 ROUTER_SETTINGS = (
@@ -78,6 +77,7 @@ ROUTER_SETTINGS = (
     "tls_cert_file",
     "tls_key_file",
     "tls_client_ca_file",
+    "max_concurrent_streams",
 )
 PER_POOL_SETTINGS = ("parallel_workers", "pools")  # compared through workers_for(gid)
 FIXED_SETTINGS = ("run_dir",)  # given to every child on its command line: never reloaded
