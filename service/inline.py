@@ -18,14 +18,18 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from poolserve.service.catalog import Catalog, ModelEntry, ModelState
 from poolserve.service.dispatcher import Result
 from poolserve.service.errors import DeadlineExceeded, ServingError
-from poolserve.service.inference import infer
-from poolserve.service.model import Model, instantiate, tensor_specs
 from poolserve.service.repository import ModelSettings
 from poolserve.service.stats import Timings
+
+if TYPE_CHECKING:
+    # numpy comes with these; the pool server must not import it before it forks
+    # its zygote (numpy's BLAS starts a thread at import)
+    from poolserve.service.model import Model
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +74,7 @@ class InlineRunner:
                 model = await loop.run_in_executor(thread, _load, settings)
             except Exception as exc:
                 thread.shutdown(wait=False)
-                reason = f"load failed: {type(exc).__name__}: {exc}"
+                reason = f"load failed: {type(exc).__name__}: {exc} (model {settings.source})"
                 log.error("inline model %s: %s", settings.name, reason)
                 failures[settings.name] = reason
                 if settings.name not in self._models:
@@ -83,6 +87,8 @@ class InlineRunner:
             self._models[settings.name] = _Inline(model, fast, None if fast else thread)
             mode = "on the event loop" if fast else "on its own thread"
             log.info("inline model %s loaded (runs %s)", settings.name, mode)
+            from poolserve.service.model import tensor_specs
+
             self._catalog.set_state(settings.name, ModelState.READY, "", tensor_specs(model))
         return failures
 
@@ -135,6 +141,8 @@ class InlineRunner:
 
 
 def _load(settings: ModelSettings) -> Model:
+    from poolserve.service.model import instantiate
+
     model = instantiate(settings)
     model.load()
     return model
@@ -146,6 +154,8 @@ def _run(model: Model, request: bytes, deadline: float) -> tuple[bytes, Timings]
             f"deadline exceeded before inline model '{model.settings.name}' ran",
             stage="pool queue",
         )
+    from poolserve.service.inference import infer
+
     return infer(model, request)
 
 

@@ -95,9 +95,10 @@ def heartbeat(sock: socket.socket, send_lock: threading.Lock, interval: float) -
 
 def run(sock: socket.socket, handler: Handler, heartbeat_s: float) -> NoReturn:
     """The worker's whole life, called in the child right after fork."""
-    # The pool server owns shutdown: a terminal's Ctrl-C is not for us.
+    # The pool owns shutdown: a terminal's Ctrl-C or a SIGTERM to the process group
+    # is not for us. A worker ends when its socket closes, or dies with the zygote.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     send_lock = threading.Lock()
     beat = threading.Thread(
         target=heartbeat, args=(sock, send_lock, heartbeat_s), name="heartbeat", daemon=True

@@ -120,7 +120,9 @@ class InferenceCargo:
             model = instantiate(settings)
             model.load()
         except BaseException as exc:  # a model's load may raise anything, even SystemExit
-            reason = truncate_reason(f"load failed: {type(exc).__name__}: {exc}")
+            reason = truncate_reason(
+                f"load failed: {type(exc).__name__}: {exc} (model {settings.source})"
+            )
             emit({"event": "model", "name": settings.name, "ok": False, "reason": reason})
             return
         self.models[settings.name] = model
@@ -279,8 +281,11 @@ def _zygote_main(
     try:
         die_with_parent(pool_pid)
         set_process_name("poolserve-zyg")
+        # The pool server owns the stop: a SIGTERM to the whole process group (a
+        # supervisor's stop) must not take workers away while the pool drains. The
+        # zygote ends when the pool closes its socket, or dies with the pool.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         _Zygote(ctrl, InferenceCargo(settings), heartbeat_s).loop()
     except BaseException:
         code = 1

@@ -272,11 +272,6 @@ def test_broken_models_keep_server_not_ready_and_the_tree_whole(
     assert "Traceback" not in tree.log()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a model whose implementation fails to import or load is reported "
-    "without naming its model-settings.json (or model file)",
-)
 def test_load_failures_name_the_file(broken_tree: tuple[Tree, dict[str, str], bool]) -> None:
     _, reasons, _ = broken_tree
     for folder in LOAD_FAILURES:
