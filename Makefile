@@ -8,7 +8,7 @@ REPO ?= examples/models
 PACKAGES := -p poolserve.protos -p poolserve.service -p poolserve.supervisor
 PROTOS := $(wildcard protos/*.proto)
 
-.PHONY: install test lint typecheck pytest protos run clean ns bench bench-quick stress chaos fuzz
+.PHONY: install test lint typecheck pytest protos run clean ns bench bench-quick bench-workerpool stress chaos fuzz
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,11 @@ run: install
 # live in bench/.peers, never in .venv). Writes bench/results/.
 bench: install
 	$(BIN)/python bench/run.py --mode full
+	$(BIN)/python bench/workerpool_bench.py
+
+# WorkerPool in a FastAPI-style app versus scoring on the event loop (MLPool's comparison).
+bench-workerpool: install
+	$(BIN)/python bench/workerpool_bench.py
 
 bench-quick: install
 	$(BIN)/python bench/run.py --mode quick
