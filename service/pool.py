@@ -228,6 +228,8 @@ class PoolServer:
         self.dispatcher.add_worker(pid, sock, self.generation)
         if self._arrival is not None and not self._arrival.done():
             self._arrival.set_result(pid)
+        elif self._arrival is None and not self._model_ops.locked():
+            self._trim_workers()
 
     def _on_unloaded(self, name: str) -> None:
         waiting = self._model_replies.pop(f"unload:{name}", None)
@@ -378,6 +380,14 @@ class PoolServer:
             finally:
                 self._arrival = None
             self.dispatcher.retire(pid)
+        self._trim_workers()
+
+    def _trim_workers(self) -> None:
+        """Outside a roll, never more than ``workers``: a crash replacement that
+        arrived mid-roll counted as one of ours, so a later arrival is one too many."""
+        extra = [w for w in self.dispatcher.workers() if not w.retiring][self.workers :]
+        for worker in extra:
+            self.dispatcher.retire(worker.pid)
 
     # -- health --------------------------------------------------------------
 
