@@ -22,7 +22,6 @@ pytestmark = pytest.mark.e2e
 SLACK_S = 3.0  # no speed assertion: only "nothing is wildly late"
 
 
-
 def test_short_stress_every_call_accounted_for(tmp_path: Path) -> None:
     config = stress.Config(channels=10, concurrency=10, calls=1500, client_procs=1, seed=11)
     report = stress.run(config, tmp_path)

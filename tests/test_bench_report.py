@@ -1,0 +1,304 @@
+"""The bench's own parsing and reporting, on recorded perf_analyzer output (no server, no load).
+
+bench/ is not a package: its modules load here by path under private names,
+so nothing is added to sys.path for the other tests.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from poolserve.protos import inference_pb2 as pb
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def load(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+perf = load("_bench_perf", ROOT / "bench" / "perf.py")
+report = load("_bench_report", ROOT / "bench" / "report.py")
+pbwire = load("_bench_pbwire", ROOT / "bench" / "peers" / "pbwire.py")
+workload = load("_bench_workload", ROOT / "bench" / "peers" / "workload.py")
+
+
+def recorded(stem: str) -> Any:
+    csv_text = (DATA / f"{stem}.csv").read_text()
+    stdout = (DATA / f"{stem}.out").read_text()
+    return perf.parse(csv_text, stdout)
+
+
+# -- perf_analyzer output ------------------------------------------------------------
+
+
+def test_parses_a_recorded_csv_with_server_columns() -> None:
+    result = recorded("perf_analyzer_echo_c16")
+    assert result.throughput == pytest.approx(1607.77)
+    assert (result.p50_us, result.p90_us, result.p95_us, result.p99_us) == (
+        9326,
+        13505,
+        15462,
+        28982,
+    )
+    assert result.avg_us == 9933
+
+
+def test_parses_a_recorded_csv_without_server_columns() -> None:
+    # A server whose statistics report zero counts gets no server columns in the CSV.
+    result = recorded("perf_analyzer_burn_c16")
+    assert result.throughput == pytest.approx(84.802)
+    assert result.p99_us == 366048
+    assert result.avg_us == 182375
+
+
+def test_rejects_a_csv_without_data_or_columns() -> None:
+    header = (DATA / "perf_analyzer_echo_c16.csv").read_text().splitlines()[0]
+    with pytest.raises(ValueError, match="no data row"):
+        perf.parse_csv(header + "\n")
+    with pytest.raises(ValueError, match="lacks column"):
+        perf.parse_csv("Concurrency,Inferences/Second\n16,100\n")
+
+
+def test_finds_perf_analyzer_errors() -> None:
+    out = "*** Measurement Settings ***\nThread [0] had error: model 'x' not found\nbye\n"
+    assert perf.first_error(out) == "Thread [0] had error: model 'x' not found"
+    assert perf.first_error("one\nlast line\n") == "last line"
+    assert perf.first_error("") == "no output"
+    assert perf.parse_stdout_avg("no latency here") is None
+
+
+def test_every_cell_takes_exactly_three_fixed_windows() -> None:
+    argv = perf.command(Path("/pa"), "127.0.0.1:1", "echo", 16, 2000, Path("/tmp/x.csv"))
+    assert argv[argv.index("--stability-percentage") + 1] == "1000"
+    assert argv[argv.index("--measurement-interval") + 1] == "2000"
+    assert argv[argv.index("--concurrency-range") + 1] == "16"
+    assert argv[argv.index("--shape") + 1] == "INPUT0:1,16"
+    assert argv[argv.index("-i") + 1] == "grpc"
+
+
+# -- medians, targets, Markdown -----------------------------------------------------------
+
+
+def run(
+    server: str, model: str, c: int, throughput: float, p99_ms: float, r: int = 0
+) -> dict[str, Any]:
+    base = recorded("perf_analyzer_echo_c16").to_json()
+    result = {**base, "throughput": throughput, "p99_us": p99_ms * 1000}
+    cpu = {
+        "wall_s": 10.0,
+        "cpu_s": throughput * 10.0 * 0.001,  # 1 ms per request
+        "cpu_by_process": {"router": throughput * 10.0 * 0.0004},
+        "foreign_cores": 0.1 * (r + 1),
+    }
+    if model == "burn":  # counted by the model: exact
+        cpu.update(executions=int(throughput * 10.0), model_cpu_ms=20.0 + r)
+    return {"round": r, "server": server, "model": model, "concurrency": c, "result": result,
+            "cpu": cpu}  # fmt: skip
+
+
+def sample_results() -> dict[str, Any]:
+    runs = []
+    for r, (ps_echo, ml_echo) in enumerate([(1700, 1000), (1500, 1100), (1600, 900)]):
+        runs.append(run("poolserve", "echo", 16, ps_echo, 10.0 + r, r))
+        runs.append(run("mlserver-2", "echo", 16, ml_echo, 30.0, r))
+        runs.append(run("poolserve", "burn", 16, 93.0, 300.0, r))
+        runs.append(run("mlserver-2", "burn", 16, 85.0, 350.0, r))
+    runs.append({"round": 3, "server": "poolserve", "model": "echo", "concurrency": 16,
+                 "error": "perf_analyzer exit 1: boom"})  # fmt: skip
+    return {
+        "meta": {"cores": 2, "physical_limit": 95.0, "runs": 3, "date": "2026-01-01 00:00 UTC",
+                 "mode": "full", "command": "make bench", "versions": {"python": "3.11"}},
+        "servers": [
+            {"key": "poolserve", "label": "poolserve (2 workers)"},
+            {"key": "mlserver-2", "label": "MLServer (parallel_workers 2)"},
+        ],
+        "runs": runs,
+        "memory": {
+            "a": {"poolserve": {"pss_bytes": 100 * report.MIB, "processes": 6},
+                  "mlserver-2": {"pss_bytes": 300 * report.MIB, "processes": 4}},
+            "b": {"poolserve": {"pss_bytes": 160 * report.MIB, "processes": 10},
+                  "mlserver-2": {"pss_bytes": 300 * report.MIB, "processes": 8}},
+            "c": {"array_bytes": 400 * report.MIB,
+                  "poolserve": {"pss_bytes": 500 * report.MIB, "processes": 8,
+                                "by_process": [["poolserve-zyg", 410 * report.MIB]]}},
+        },
+        "overload": {"poolserve": {"goodput_ratio": 0.95, "goodput_per_s": 88.35,
+                                   "abandoned_fraction": 0.08, "abandoned_executions": 8,
+                                   "capacity": 93.0, "executions": 100, "ok_in_deadline": 92}},
+    }  # fmt: skip
+
+
+def test_cells_hold_medians_of_the_successful_runs_and_the_errors() -> None:
+    cells = report.cells(sample_results()["runs"])
+    echo = cells["poolserve"]["echo"]["16"]
+    assert echo["throughput"] == 1600
+    assert echo["p99_ms"] == pytest.approx(11.0)
+    assert echo["n"] == 3
+    assert echo["errors"] == ["perf_analyzer exit 1: boom"]
+    assert cells["mlserver-2"]["echo"]["16"]["throughput"] == 1000
+
+
+def test_targets_are_ratios_of_medians_with_pass_and_miss() -> None:
+    results = report.summarize(sample_results())
+    found = {t["key"]: t for t in results["targets"]}
+    assert found["echo_c16_throughput"]["value"] == pytest.approx(1.6)
+    assert found["echo_c16_throughput"]["passed"]
+    assert found["echo_c16_p99"]["value"] == pytest.approx(11 / 30)
+    # The limit comes from the loop's CPU measured inside poolserve: 2 cores / 21 ms.
+    assert results["model_cpu_ms"] == {"mlserver-2": 21.0, "poolserve": 21.0}
+    assert found["burn_c16_vs_limit"]["value"] == pytest.approx(93 / (2 / 0.021))
+    assert found["burn_c16_vs_limit"]["passed"]
+    assert found["burn_c16_throughput"]["passed"]
+    assert found["burn_c16_p99"]["passed"]
+    assert found["memory_a"]["value"] == pytest.approx(1 / 3)
+    assert not found["memory_b"]["passed"]  # 160 / 300 > 0.5
+    assert found["memory_c"]["value"] == pytest.approx(1.25)
+    assert found["overload_goodput"]["passed"]
+    assert not found["overload_abandoned_cpu"]["passed"]  # 8 % >= 5 %
+
+
+def test_the_limit_falls_back_to_the_calibration() -> None:
+    results = sample_results()
+    for r in results["runs"]:
+        r.get("cpu", {}).pop("model_cpu_ms", None)
+    found = {t["key"]: t for t in report.summarize(results)["targets"]}
+    assert found["burn_c16_vs_limit"]["value"] == pytest.approx(93 / 95)
+
+
+def test_a_missing_figure_is_a_miss_not_a_pass() -> None:
+    results = sample_results()
+    del results["overload"]
+    results["runs"] = [r for r in results["runs"] if r["server"] != "mlserver-2"]
+    found = {t["key"]: t for t in report.summarize(results)["targets"]}
+    assert found["echo_c16_throughput"]["value"] is None
+    assert not found["echo_c16_throughput"]["passed"]
+    assert not found["overload_goodput"]["passed"]
+    assert "n/a" in report.targets_table(results)
+
+
+def test_markdown_shows_each_target_beside_its_verdict_and_the_added_handlers() -> None:
+    results = report.summarize(sample_results())
+    text = report.markdown(results)
+    assert (
+        "| echo c16 throughput vs MLServer (2 workers) (1,600.0 vs 1,000.0 infer/s) | 1.60 "
+        "| >= 1.5 | PASS |"
+    ) in text
+    assert (
+        "| memory (b) one gid per model: PSS vs MLServer (160.0 vs 300.0 MiB) | 0.53 | <= 0.5 "
+        "| MISS |"
+    ) in text
+    assert "(8 of 100 executions) | 0.08 | < 0.05 | MISS |" in text
+    assert text.count("| PASS |") + text.count("| MISS |") == len(results["targets"])
+    assert "added those two handlers" in text
+    assert "1,600.0" in text  # the median throughput
+    assert "poolserve (c), MiB by process: poolserve-zyg 410" in text
+
+
+def test_cpu_per_request_and_outside_load() -> None:
+    results = report.summarize(sample_results())
+    per = results["cpu_per_request_ms"]["poolserve"]["echo"]
+    assert per["total"] == pytest.approx(1.0)
+    assert per["router"] == pytest.approx(0.4)
+    # burn counts its executions: the per-request figure divides by that count
+    assert results["cpu_per_request_ms"]["poolserve"]["burn"]["total"] == pytest.approx(1.0)
+    assert results["foreign_load"]["max_cores"] == pytest.approx(0.3)
+
+
+def test_readme_section_replaces_only_what_is_between_the_markers() -> None:
+    results = report.summarize(sample_results())
+    section = report.readme_section(results)
+    before = f"# title\n\nintro\n\n{report.README_START}\nold\n{report.README_END}\n\n## after\n"
+    updated = report.update_readme(before, section)
+    assert updated.startswith("# title\n\nintro\n\n")
+    assert updated.endswith("\n\n## after\n")
+    assert "old" not in updated
+    assert report.update_readme(updated, section) == updated  # idempotent
+    appended = report.update_readme("# title\n", section)
+    assert appended.startswith("# title\n\n" + report.README_START)
+    assert appended.rstrip().endswith(report.README_END)
+
+
+# -- the hand-encoded protobuf the bench's client and add-on handlers speak ------------------
+
+
+def test_infer_request_bytes_parse_as_kserve_v2() -> None:
+    raw = bytes(range(64))
+    body = pbwire.infer_request("echo", "INPUT0", "FP32", (1, 16), raw)
+    request = pb.ModelInferRequest.FromString(body)
+    assert request.model_name == "echo"
+    assert [(t.name, t.datatype, list(t.shape)) for t in request.inputs] == [
+        ("INPUT0", "FP32", [1, 16])
+    ]
+    assert list(request.raw_input_contents) == [raw]
+    assert pb.ModelInferRequest.FromString(
+        pbwire.infer_request("m", "x", "INT64", (-1,), b"")
+    ).inputs[0].shape == [-1]
+
+
+def test_model_config_and_statistics_responses_parse_as_triton_messages() -> None:
+    spec = pbwire.TensorSpec("INPUT0", "FP32", (1, 16))
+    out = pbwire.TensorSpec("OUTPUT0", "FP32", (1, 16))
+    config = pb.ModelConfigResponse.FromString(
+        pbwire.model_config_response("echo", "mlserver", [spec], [out])
+    ).config
+    assert (config.name, config.platform, config.max_batch_size) == ("echo", "mlserver", 0)
+    assert config.input[0].data_type == pb.TYPE_FP32 and list(config.input[0].dims) == [1, 16]
+    assert config.output[0].name == "OUTPUT0" and list(config.output[0].dims) == [1, 16]
+    stats = pbwire.ModelStats("burn", "1", 5, 5, 5, 1234)
+    parsed = pb.ModelStatisticsResponse.FromString(pbwire.model_statistics_response([stats]))
+    assert parsed.model_stats[0].version == "1"  # perf_analyzer parses versions as integers
+    assert parsed.model_stats[0].inference_stats.success.ns == 1234
+    assert parsed.model_stats[0].inference_stats.HasField("queue")
+
+
+def test_statistics_parse_back_from_generated_bytes() -> None:
+    response = pb.ModelStatisticsResponse()
+    s = response.model_stats.add(name="burn", version="1", inference_count=7, execution_count=6)
+    s.inference_stats.success.count = 6
+    s.inference_stats.success.ns = 99
+    parsed = pbwire.parse_model_statistics(response.SerializeToString())
+    assert parsed == [pbwire.ModelStats("burn", "1", 7, 6, 6, 99)]
+    ready = pb.ServerReadyResponse(ready=True).SerializeToString()
+    assert pbwire.parse_bool_response(ready) is True
+    assert pbwire.parse_bool_response(b"") is False
+    with pytest.raises(ValueError, match="truncated"):
+        pbwire.decode(b"\x0a\x05ab")
+
+
+def test_execution_records_count_and_time_each_burn(tmp_path: Path) -> None:
+    path = tmp_path / "burn.count"
+    counter = workload.ExecutionCounter(str(path))
+    start = workload.counter_offset(path)
+    assert start == 0
+    workload.burn(1000, counter)
+    counter.count(123)
+    end = workload.counter_offset(path)
+    records = workload.read_records(path, start, end)
+    assert len(records) == 2 and records[1] == 123 and records[0] > 0
+    assert workload.read_records(path, end, end) == []
+    with open(path, "ab") as f:  # a record being written is not counted yet
+        f.write(b"\x01\x02")
+    assert workload.counter_offset(path) == end
+    workload.ExecutionCounter("").count(1)  # no path: counting is off
+
+
+def test_results_survive_a_json_round_trip() -> None:
+    import json
+
+    results = report.summarize(sample_results())
+    again = report.summarize(json.loads(json.dumps(copy.deepcopy(results))))
+    assert again["targets"] == results["targets"]
