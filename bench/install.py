@@ -1,0 +1,170 @@
+"""Installs the bench's peers under bench/.peers, never in the project's .venv.
+
+- one virtual environment per peer server (MLServer today; KServe joins with
+  one more :class:`VenvSpec`), plus a ``tools`` environment with matplotlib,
+  py-spy and the CUDA runtime library that perf_analyzer links against;
+- Triton's ``perf_analyzer`` binary, taken from the tritonclient 2.51.0
+  wheel (the pip package ``perf-analyzer`` has no binary for this glibc),
+  with Debian's ``libb64-0d`` unpacked beside it. Nothing outside
+  bench/.peers is changed.
+
+Each step is skipped when its stamp says it is already done with the same
+requirements.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+PEERS = BENCH / ".peers"
+PERF_ANALYZER_TRITONCLIENT = "2.51.0"
+CUDA_RUNTIME = "nvidia-cuda-runtime-cu12==12.9.79"
+
+
+def project_grpcio() -> str:
+    """The project's grpcio version: the peers get the same one, so gRPC is not a variable."""
+    return metadata.version("grpcio")
+
+
+@dataclass(frozen=True)
+class VenvSpec:
+    name: str
+    packages: tuple[str, ...]
+
+    @property
+    def path(self) -> Path:
+        return PEERS / self.name
+
+    @property
+    def python(self) -> Path:
+        return self.path / "bin" / "python"
+
+
+def mlserver_venv() -> VenvSpec:
+    return VenvSpec(
+        "mlserver", ("mlserver==1.7.1", "uvloop==0.21.0", f"grpcio=={project_grpcio()}")
+    )
+
+
+# Peer environments by name (ServerSpec.venv names one); KServe joins with one entry.
+PEER_VENVS = {"mlserver": mlserver_venv}
+
+
+def tools_venv() -> VenvSpec:
+    return VenvSpec("tools", ("matplotlib", "py-spy", CUDA_RUNTIME))
+
+
+def log(message: str) -> None:
+    print(f"bench: {message}", file=sys.stderr, flush=True)
+
+
+def ensure_venv(spec: VenvSpec) -> Path:
+    stamp = spec.path / ".bench-installed"
+    wanted = "\n".join(spec.packages)
+    if stamp.exists() and stamp.read_text() == wanted and spec.python.exists():
+        return spec.python
+    log(f"installing {', '.join(spec.packages)} into {spec.path} (once)")
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(spec.path)], check=True)
+    pip = [str(spec.python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    subprocess.run([*pip, "--upgrade", "pip"], check=True)
+    subprocess.run([*pip, *spec.packages], check=True)
+    stamp.write_text(wanted)
+    return spec.python
+
+
+@dataclass(frozen=True)
+class PerfAnalyzer:
+    binary: Path
+    env: dict[str, str]
+    version: str = PERF_ANALYZER_TRITONCLIENT
+
+
+def _site_packages(venv: Path) -> Path:
+    return Path(glob.glob(str(venv / "lib" / "python*" / "site-packages"))[0])
+
+
+def _apt_download(package: str, into: Path) -> Path:
+    def download() -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run(["apt-get", "download", package], cwd=into, capture_output=True)
+
+    if download().returncode != 0:
+        subprocess.run(["apt-get", "update", "-qq"], check=True)
+        done = download()
+        if done.returncode != 0:
+            raise RuntimeError(f"apt-get download {package}: {done.stderr.decode()}")
+    return Path(sorted(glob.glob(str(into / f"{package}_*.deb")))[-1])
+
+
+def ensure_perf_analyzer(tools: VenvSpec) -> PerfAnalyzer:
+    home = PEERS / "perf_analyzer"
+    binary = home / "bin" / "perf_analyzer"
+    libb64 = home / "lib" / "libb64.so.0d"
+    cudart = _site_packages(tools.path) / "nvidia" / "cuda_runtime" / "lib"
+    env = {"LD_LIBRARY_PATH": f"{home / 'lib'}:{cudart}"}
+    if binary.exists() and libb64.exists():
+        return PerfAnalyzer(binary, env)
+    log(f"installing perf_analyzer from tritonclient {PERF_ANALYZER_TRITONCLIENT} (once)")
+    dl = home / "dl"
+    for d in (home / "bin", home / "lib", dl):
+        d.mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        [
+            str(tools.python),
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--disable-pip-version-check",
+            "--no-deps",
+            "--only-binary=:all:",
+            "-d",
+            str(dl),
+            f"tritonclient=={PERF_ANALYZER_TRITONCLIENT}",
+        ],
+        check=True,
+    )
+    wheel = glob.glob(str(dl / f"tritonclient-{PERF_ANALYZER_TRITONCLIENT}-*.whl"))[0]
+    with zipfile.ZipFile(wheel) as z:
+        data = z.read(f"tritonclient-{PERF_ANALYZER_TRITONCLIENT}.data/data/bin/perf_analyzer")
+    binary.write_bytes(data)
+    binary.chmod(0o755)
+    deb = _apt_download("libb64-0d", dl)
+    subprocess.run(["dpkg-deb", "-x", str(deb), str(dl / "deb")], check=True)
+    found = glob.glob(str(dl / "deb" / "usr" / "lib" / "*" / "libb64.so.0d"))
+    libb64.write_bytes(Path(found[0]).read_bytes())
+    return PerfAnalyzer(binary, env)
+
+
+@dataclass(frozen=True)
+class Installed:
+    venvs: dict[str, Path]
+    tools_python: Path
+    perf_analyzer: PerfAnalyzer
+
+
+def ensure_all(peer_venvs: list[VenvSpec]) -> Installed:
+    PEERS.mkdir(parents=True, exist_ok=True)
+    tools = tools_venv()
+    tools_python = ensure_venv(tools)
+    venvs = {spec.name: ensure_venv(spec) for spec in peer_venvs}
+    return Installed(venvs, tools_python, ensure_perf_analyzer(tools))
+
+
+def package_version(python: Path, package: str) -> str:
+    code = f"from importlib.metadata import version; print(version({package!r}))"
+    done = subprocess.run([str(python), "-c", code], capture_output=True, text=True)
+    return done.stdout.strip() or "?"
+
+
+if __name__ == "__main__":  # install only: python bench/install.py
+    installed = ensure_all([make() for make in PEER_VENVS.values()])
+    print(installed)
+    os.environ.update(installed.perf_analyzer.env)

@@ -1,0 +1,485 @@
+"""From the raw measurements of a run to medians, target ratios, Markdown and the README.
+
+Pure functions over the JSON-able ``results`` dict that run.py fills in, so
+that tests/test_bench_report.py can check them on a recorded sample.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+README_START = "<!-- bench:start -->"
+README_END = "<!-- bench:end -->"
+MODELS = ("echo", "burn")
+CONCURRENCIES = (1, 4, 16)
+MIB = 1024 * 1024
+
+Results = dict[str, Any]
+
+
+# -- medians per cell ------------------------------------------------------------
+
+
+def cells(runs: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, dict[str, dict[str, Any]]]]:
+    """server -> model -> concurrency (as a string key) -> medians of the successful runs."""
+    grouped: dict[tuple[str, str, int], list[Mapping[str, Any]]] = {}
+    errors: dict[tuple[str, str, int], list[str]] = {}
+    for run in runs:
+        key = (run["server"], run["model"], int(run["concurrency"]))
+        if run.get("result"):
+            grouped.setdefault(key, []).append(run["result"])
+        else:
+            errors.setdefault(key, []).append(str(run.get("error", "")))
+    out: dict[str, dict[str, dict[str, dict[str, Any]]]] = {}
+    for key in sorted(set(grouped) | set(errors)):
+        server, model, concurrency = key
+        results = grouped.get(key, [])
+        throughput = [float(r["throughput"]) for r in results]
+        p99 = [float(r["p99_us"]) / 1000 for r in results]
+        out.setdefault(server, {}).setdefault(model, {})[str(concurrency)] = {
+            "throughput": statistics.median(throughput) if throughput else None,
+            "p99_ms": statistics.median(p99) if p99 else None,
+            "n": len(results),
+            "throughput_runs": throughput,
+            "p99_ms_runs": p99,
+            "errors": errors.get(key, []),
+        }
+    return out
+
+
+def cell(results: Results, server: str, model: str, concurrency: int, what: str) -> float | None:
+    found = results.get("cells", {}).get(server, {}).get(model, {}).get(str(concurrency), {})
+    value = found.get(what)
+    return float(value) if value is not None else None
+
+
+def capacity(results: Results, server: str) -> float | None:
+    """A server's burn capacity: its best median throughput over the concurrency levels."""
+    found = [cell(results, server, "burn", c, "throughput") for c in CONCURRENCIES]
+    values = [v for v in found if v is not None]
+    return max(values) if values else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+# -- targets ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Target:
+    key: str
+    label: str
+    value: float | None
+    op: str  # ">=", "<=" or "<"
+    threshold: float
+    detail: str = ""
+
+    @property
+    def passed(self) -> bool:
+        if self.value is None:
+            return False
+        if self.op == ">=":
+            return self.value >= self.threshold
+        if self.op == "<=":
+            return self.value <= self.threshold
+        return self.value < self.threshold
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "passed": self.passed}
+
+
+def _mem(results: Results, config: str, server: str) -> float | None:
+    found = results.get("memory", {}).get(config, {}).get(server)
+    return float(found["pss_bytes"]) if found and found.get("pss_bytes") else None
+
+
+def _versus(
+    key: str, label: str, a: float | None, b: float | None, op: str, threshold: float, unit: str
+) -> Target:
+    """A target on a / b, with both figures in its detail."""
+    detail = f"{fmt(a)} vs {fmt(b)} {unit}" if a is not None or b is not None else ""
+    return Target(key, label, ratio(a, b), op, threshold, detail.strip())
+
+
+def targets(results: Results, subject: str = "poolserve", peer: str = "mlserver-2") -> list[Target]:
+    def c16(server: str, model: str, what: str) -> float | None:
+        return cell(results, server, model, 16, what)
+
+    def mib(config: str, server: str) -> float | None:
+        found = _mem(results, config, server)
+        return found / MIB if found is not None else None
+
+    limit = results.get("physical_limit") or results.get("meta", {}).get("physical_limit")
+    overload = results.get("overload", {}).get(subject, {})
+    array = results.get("memory", {}).get("c", {}).get("array_bytes")
+    share = overload.get("abandoned_fraction")
+    gone = (
+        f"{overload.get('abandoned_executions')} of {overload.get('executions')} executions"
+        if overload
+        else ""
+    )
+    peer_label = "MLServer (2 workers)"
+    return [
+        _versus("echo_c16_throughput", f"echo c16 throughput vs {peer_label}",
+                c16(subject, "echo", "throughput"), c16(peer, "echo", "throughput"),
+                ">=", 1.5, "infer/s"),
+        _versus("echo_c16_p99", f"echo c16 p99 vs {peer_label}",
+                c16(subject, "echo", "p99_ms"), c16(peer, "echo", "p99_ms"), "<=", 0.67, "ms"),
+        _versus("burn_c16_vs_limit", "burn c16 throughput vs physical limit",
+                c16(subject, "burn", "throughput"), float(limit) if limit else None,
+                ">=", 0.97, "infer/s"),
+        _versus("burn_c16_throughput", f"burn c16 throughput vs {peer_label}",
+                c16(subject, "burn", "throughput"), c16(peer, "burn", "throughput"),
+                ">=", 1.0, "infer/s"),
+        _versus("burn_c16_p99", f"burn c16 p99 vs {peer_label}",
+                c16(subject, "burn", "p99_ms"), c16(peer, "burn", "p99_ms"), "<=", 1.0, "ms"),
+        _versus("memory_a", "memory (a) one pool, 2 workers: PSS vs MLServer",
+                mib("a", subject), mib("a", peer), "<=", 0.5, "MiB"),
+        _versus("memory_b", "memory (b) one gid per model: PSS vs MLServer",
+                mib("b", subject), mib("b", peer), "<=", 0.5, "MiB"),
+        _versus("memory_c", "memory (c) 400 MiB array, 4 workers: PSS vs array",
+                mib("c", subject), float(array) / MIB if array else None, "<=", 1.3, "MiB"),
+        _versus("overload_goodput",
+                "overload (2x capacity, 200 ms deadline): goodput vs capacity",
+                overload.get("goodput_per_s"), overload.get("capacity"), ">=", 0.9, "/s"),
+        Target("overload_abandoned_cpu", "overload: share of burn CPU spent for callers gone",
+               share, "<", 0.05, gone),
+    ]  # fmt: skip
+
+
+def summarize(results: Results) -> Results:
+    """Adds the derived ``cells``, ``targets`` and CPU figures to a run's results."""
+    runs = results.get("runs", [])
+    results["cells"] = cells(runs)
+    results["model_cpu_ms"] = model_cpu_ms(runs)
+    results["physical_limit"] = physical_limit(results)
+    results["targets"] = [t.to_json() for t in targets(results)]
+    results["cpu_per_request_ms"] = cpu_per_request(runs)
+    results["foreign_load"] = foreign_load(runs)
+    return results
+
+
+# -- CPU ---------------------------------------------------------------------------------
+
+
+def _requests(run: Mapping[str, Any]) -> float:
+    """Requests served during the cell: counted by burn itself, else estimated for echo
+    as its throughput over perf_analyzer's whole run."""
+    if run["cpu"].get("executions"):
+        return float(run["cpu"]["executions"])
+    return float(run["result"]["throughput"]) * float(run["cpu"]["wall_s"])
+
+
+def model_cpu_ms(runs: Sequence[Mapping[str, Any]], concurrency: int = 16) -> dict[str, float]:
+    """server -> median CPU ms of one burn loop, measured by the model inside that server."""
+    samples: dict[str, list[float]] = {}
+    for run in runs:
+        cpu = run.get("cpu") or {}
+        if (
+            run["model"] == "burn"
+            and int(run["concurrency"]) == concurrency
+            and cpu.get("model_cpu_ms")
+        ):
+            samples.setdefault(run["server"], []).append(float(cpu["model_cpu_ms"]))
+    return {server: statistics.median(v) for server, v in sorted(samples.items())}
+
+
+def physical_limit(results: Results, subject: str = "poolserve") -> float | None:
+    """cores / per-request CPU: the burn loop's CPU as measured inside the subject during its
+    burn c16 cells (same contention as the figure it is compared with); else the calibration."""
+    cores = results.get("meta", {}).get("cores")
+    inside = results.get("model_cpu_ms", {}).get(subject)
+    if cores and inside:
+        return float(cores) / (float(inside) / 1000)
+    limit = results.get("meta", {}).get("physical_limit")
+    return float(limit) if limit else None
+
+
+def cpu_per_request(
+    runs: Sequence[Mapping[str, Any]], concurrency: int = 16
+) -> dict[str, dict[str, dict[str, float]]]:
+    """server -> model -> process name (and "total") -> median CPU ms per request."""
+    samples: dict[tuple[str, str, str], list[float]] = {}
+    for run in runs:
+        if int(run["concurrency"]) != concurrency or not run.get("result") or not run.get("cpu"):
+            continue
+        requests = _requests(run)
+        if requests <= 0:
+            continue
+        parts = {"total": float(run["cpu"]["cpu_s"]), **run["cpu"].get("cpu_by_process", {})}
+        for name, seconds in parts.items():
+            key = (run["server"], run["model"], name)
+            samples.setdefault(key, []).append(1000 * float(seconds) / requests)
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for (server, model, name), values in sorted(samples.items()):
+        out.setdefault(server, {}).setdefault(model, {})[name] = statistics.median(values)
+    return out
+
+
+def foreign_load(runs: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Cores used by processes outside the bench during the cells: median and max."""
+    values = [float(r["cpu"]["foreign_cores"]) for r in runs if r.get("cpu")]
+    if not values:
+        return {}
+    repeated = sum(1 for r in runs if int(r.get("attempts", 1)) > 1)
+    return {
+        "median_cores": statistics.median(values),
+        "max_cores": max(values),
+        "cells_measured_again": repeated,
+    }
+
+
+# -- Markdown -------------------------------------------------------------------------
+
+
+def fmt(value: float | None, digits: int = 1) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:,.{digits}f}"
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _labels(results: Results) -> dict[str, str]:
+    return {s["key"]: s["label"] for s in results.get("servers", [])}
+
+
+def perf_tables(results: Results) -> str:
+    labels = _labels(results)
+    header = ["server"] + [f"{m} c{c}" for m in MODELS for c in CONCURRENCIES]
+    tp_rows, p99_rows = [], []
+    points = [(m, c) for m in MODELS for c in CONCURRENCIES]
+    for key, label in labels.items():
+        tp_rows.append([label] + [fmt(cell(results, key, m, c, "throughput")) for m, c in points])
+        p99_rows.append([label] + [fmt(cell(results, key, m, c, "p99_ms")) for m, c in points])
+    n = results.get("meta", {}).get("runs", "?")
+    return (
+        f"Throughput (infer/s, median of {n} runs per cell)\n\n"
+        + table(header, tp_rows)
+        + f"\n\np99 latency (ms, median of {n} runs per cell)\n\n"
+        + table(header, p99_rows)
+    )
+
+
+def memory_table(results: Results) -> str:
+    memory = results.get("memory", {})
+    labels = _labels(results)
+    names = {
+        "a": "(a) echo + burn in one pool, 2 workers",
+        "b": "(b) echo and burn each in its own gid, 2 workers each",
+        "c": "(c) one model holding a 400 MiB array, 4 workers",
+    }
+    servers = sorted({k for config in memory.values() for k in config if k in labels})
+    rows = []
+    for config, name in names.items():
+        found = memory.get(config, {})
+        row = [name]
+        for key in servers:
+            entry = found.get(key)
+            row.append(
+                f"{entry['pss_bytes'] / MIB:,.0f} MiB ({entry['processes']} proc)" if entry else "-"
+            )
+        rows.append(row)
+    return table(["configuration"] + [labels[k] for k in servers], rows)
+
+
+def memory_breakdown(results: Results, subject: str = "poolserve") -> str:
+    lines = []
+    for config, servers in sorted(results.get("memory", {}).items()):
+        found = servers.get(subject) if isinstance(servers, dict) else None
+        if not found or not found.get("by_process"):
+            continue
+        parts = ", ".join(f"{name} {b / MIB:,.0f}" for name, b in found["by_process"])
+        lines.append(f"- {subject} ({config}), MiB by process: {parts}")
+    return "\n".join(lines)
+
+
+def overload_table(results: Results) -> str:
+    labels = _labels(results)
+    rows = []
+    for key, o in results.get("overload", {}).items():
+        share = o.get("abandoned_fraction")
+        rows.append(
+            [
+                labels.get(key, key),
+                fmt(o.get("capacity")),
+                fmt(o.get("offered_rate")),
+                fmt(o.get("goodput_per_s")),
+                fmt(o.get("goodput_ratio"), 2),
+                str(o.get("executions", "n/a")),
+                str(o.get("ok_in_deadline", "n/a")),
+                fmt(100 * share if share is not None else None) + " %",
+                fmt(o.get("server_cpu_s")),
+            ]
+        )
+    header = [
+        "server",
+        "capacity/s",
+        "offered/s",
+        "goodput/s",
+        "goodput / capacity",
+        "burn executions",
+        "OK within deadline",
+        "executions for callers gone",
+        "server CPU s",
+    ]
+    return table(header, rows)
+
+
+def cpu_table(results: Results) -> str:
+    labels = _labels(results)
+    per = results.get("cpu_per_request_ms", {})
+    rows = []
+    for key, label in labels.items():
+        found = per.get(key, {})
+        row = [label]
+        for model in MODELS:
+            parts = found.get(model, {})
+            split = ", ".join(
+                f"{name} {ms:.2f}" for name, ms in sorted(parts.items()) if name != "total"
+            )
+            total = parts.get("total")
+            row.append(f"{fmt(total, 2)} ({split})" if total is not None else "n/a")
+        rows.append(row)
+    return table(["server", "echo c16: ms CPU/request (by process)", "burn c16"], rows)
+
+
+def targets_table(results: Results) -> str:
+    rows = []
+    for t in results.get("targets", []):
+        value = fmt(t["value"], 2) if t["value"] is not None else "n/a"
+        detail = f" ({t['detail']})" if t.get("detail") else ""
+        verdict = "PASS" if t["passed"] else "MISS"
+        rows.append([t["label"] + detail, value, f"{t['op']} {t['threshold']}", verdict])
+    return table(["target (poolserve, same run)", "measured", "target", "result"], rows)
+
+
+def burn_line(results: Results) -> str:
+    inside = results.get("model_cpu_ms", {})
+    if not inside:
+        return ""
+    labels = _labels(results)
+    parts = ", ".join(f"{labels.get(k, k)} {v:.2f} ms" for k, v in inside.items())
+    cores = results.get("meta", {}).get("cores", "?")
+    return (
+        f"CPU of one burn loop measured by the model inside each server during the burn c16 "
+        f"cells (median): {parts}. Physical limit = {cores} cores / poolserve's = "
+        f"{fmt(results.get('physical_limit'))}/s."
+    )
+
+
+def load_line(results: Results) -> str:
+    load = results.get("foreign_load", {})
+    if not load:
+        return ""
+    return (
+        f"This machine is shared: processes outside the bench used a median "
+        f"{load['median_cores']:.2f} cores (max {load['max_cores']:.2f}) of "
+        f"{results.get('meta', {}).get('cores', '?')} during the perf_analyzer cells "
+        f"(kept attempt of each cell; {load.get('cells_measured_again', 0)} cells were measured "
+        "again because other processes used more than 0.35 cores)."
+    )
+
+
+def header_lines(results: Results) -> list[str]:
+    meta = results.get("meta", {})
+    versions = meta.get("versions", {})
+    lines = [
+        f"Run {meta.get('date', '?')} ({meta.get('mode', '?')} mode, `{meta.get('command', '')}`), "
+        f"{meta.get('cores', '?')} cores ({meta.get('cpu', '?')}), "
+        f"Python {versions.get('python', '?')}.",
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items() if k != "python") + ".",
+        f"Client: perf_analyzer over gRPC, FP32 [1,16], concurrency 1/4/16, servers interleaved "
+        f"per round, {meta.get('window_ms', '?')} ms windows x 3 per cell. `burn`: "
+        f"{meta.get('iterations', '?')} iterations, calibrated once to "
+        f"{fmt(meta.get('burn_cpu_ms'), 2)} ms CPU and passed to every server.",
+        burn_line(results),
+        "MLServer lacks ModelConfig and ModelStatistics, which perf_analyzer needs: the bench "
+        "added those two handlers around the unmodified MLServer server (statistics report zero "
+        'counts, version "1"). MLServer runs with its defaults except parallel_workers, '
+        "loopback host and ports.",
+        load_line(results),
+    ]
+    return [line for line in lines if line]
+
+
+def markdown(results: Results) -> str:
+    parts = [
+        "# poolserve bench: latest run",
+        "\n".join(header_lines(results)),
+        "## Targets\n\n" + targets_table(results),
+        "## Throughput and latency\n\n" + perf_tables(results),
+        "## Memory (PSS of the whole process tree, after warm-up)\n\n"
+        + memory_table(results)
+        + "\n\n"
+        + memory_breakdown(results),
+        "## Server CPU per request at concurrency 16 (approximate)\n\n"
+        "CPU of the server's process tree during a cell over the requests it served "
+        "(throughput x duration of the perf_analyzer run), median of the runs.\n\n"
+        + cpu_table(results),
+        "## Overload\n\n" + overload_note(results) + "\n\n" + overload_table(results),
+    ]
+    return "\n\n".join(parts) + "\n"
+
+
+def overload_note(results: Results) -> str:
+    meta = results.get("meta", {})
+    return (
+        f"`burn` offered open-loop at 2x each server's capacity (its best median burn "
+        f"throughput above) for {meta.get('overload_s', '?')} s by the bench's grpc.aio "
+        "client, 200 ms deadline per request. Goodput = OK replies within the deadline per "
+        "second. Executions are counted by the model itself (one record appended to a file per "
+        "finished `burn`, the same code in every server) until the count stops moving; "
+        "executions minus OK replies within the deadline is the work done for callers that had "
+        "already given up (every execution costs the same loop)."
+    )
+
+
+def readme_section(results: Results, chart: str = "bench/results/latest.png") -> str:
+    return "\n\n".join(
+        [
+            README_START,
+            "## Benchmark",
+            "`make bench` (about 15 minutes on 2 cores; `make bench-quick` about 3) installs "
+            "MLServer and perf_analyzer under bench/.peers and measures poolserve against them "
+            "side by side. Full report: [bench/results/latest.md](bench/results/latest.md).",
+            "\n".join(header_lines(results)),
+            targets_table(results),
+            perf_tables(results),
+            f"![throughput and p99 per concurrency]({chart})",
+            README_END,
+        ]
+    )
+
+
+def update_readme(text: str, section: str) -> str:
+    """Replaces what is between the markers (adds them at the end when missing)."""
+    start, end = text.find(README_START), text.find(README_END)
+    if start == -1 or end == -1 or end < start:
+        return text.rstrip("\n") + "\n\n" + section + "\n"
+    return text[:start] + section + text[end + len(README_END) :]
+
+
+def console(results: Results) -> str:
+    return "\n\n".join(
+        [
+            "\n".join(header_lines(results)),
+            targets_table(results),
+            perf_tables(results),
+            memory_table(results),
+            memory_breakdown(results),
+            cpu_table(results),
+            overload_table(results),
+        ]
+    )

@@ -1,0 +1,562 @@
+"""`make bench`: poolserve against MLServer and a bare grpc.aio server, side by side, one run.
+
+  python bench/run.py --mode full    # make bench: 3 runs per cell, 13-15 minutes on 2 cores
+  python bench/run.py --mode quick   # make bench-quick: 1 run per cell, under 3 minutes
+  python bench/run.py --render       # rewrite latest.md, latest.png and README from latest.json
+
+Phases: install the peers (once, under bench/.peers); calibrate ``burn``;
+start every server with the same models; perf_analyzer rounds with the
+servers interleaved; overload; memory; then results in bench/results
+(JSON, Markdown, PNG) and, for a full run, the README section. Every process
+it starts is stopped by PID, whatever happens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH / "peers"))
+
+import install  # noqa: E402
+import perf  # noqa: E402
+import report  # noqa: E402
+import servers  # noqa: E402
+import workload  # noqa: E402
+
+ROOT = BENCH.parent
+RESULTS = BENCH / "results"
+WORK = install.PEERS / "work"
+CLIENT = BENCH / "client.py"
+DEADLINE_S = 0.2
+OVERLOAD_FACTOR = 2.0
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    runs: int
+    window_ms: int
+    overload_s: float
+    overload_servers: tuple[str, ...]
+    memory_c_peer: bool  # also MLServer with the 400 MiB model (information, no target)
+    publish: bool  # write latest.* and the README section
+    quiet_wait_s: float  # how long to wait for the machine to calm down before measuring
+    retries: int  # cells re-measured because other processes loaded the machine (whole run)
+
+
+MODES = {
+    "full": Mode("full", 3, 2000, 20.0, tuple(s.key for s in servers.SERVERS), True, True, 30, 10),
+    "quick": Mode("quick", 1, 1000, 8.0, (servers.SUBJECT,), False, False, 10, 2),
+}
+NOISY_CORES = 0.35  # a cell during which other processes used more than this is measured again
+QUIET_CORES = 0.25
+
+
+def log(message: str) -> None:
+    print(f"bench: {message}", file=sys.stderr, flush=True)
+
+
+class Stopped(Exception):
+    """SIGTERM or SIGHUP: unwind so that every server is stopped."""
+
+
+def _raise_stopped(signum: int, _: Any) -> None:
+    raise Stopped(f"signal {signum}")
+
+
+# -- servers ----------------------------------------------------------------------
+
+
+class Fleet:
+    """Every server this run started, so that each is stopped whatever happens."""
+
+    def __init__(self, run_dir: Path, venvs: dict[str, Path], load: servers.Workload) -> None:
+        self.run_dir = run_dir
+        self.venvs = venvs
+        self.workload = load
+        self.running: list[servers.Running] = []
+
+    def start(self, spec: servers.ServerSpec, layout: servers.Layout, tag: str) -> servers.Running:
+        workdir = self.run_dir / f"{tag}-{spec.key}"
+        load = replace(self.workload, counter=workdir / "burn.count")
+        ctx = servers.Context(workdir, servers.free_port(), load, layout, self.venvs)
+        server = servers.start(spec, ctx)
+        self.running.append(server)
+        return server
+
+    def wait_ready(self, server: servers.Running, warm: int = 3) -> None:
+        servers.wait_line(server, timeout=120)
+        done = client("ready", server.address, "--models", ",".join(server.layout.models),
+                      "--timeout", "120", "--warm", str(warm), timeout=300)  # fmt: skip
+        if not done.get("ready"):
+            tail = server.log.read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"{server.spec.key} never became ready: {done}\n{tail}")
+        server.tree()
+
+    def stop(self, server: servers.Running) -> None:
+        servers.stop(server)
+        if server in self.running:
+            self.running.remove(server)
+
+    def stop_all(self) -> None:
+        for server in list(self.running):
+            try:
+                self.stop(server)
+            except Exception as exc:  # keep stopping the others
+                log(f"stopping {server.spec.key}: {exc}")
+
+
+def client(*args: str, timeout: float) -> dict[str, Any]:
+    argv = [sys.executable, str(CLIENT), *args]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    lines = done.stdout.strip().splitlines()
+    if not lines:
+        raise RuntimeError(f"client {args[0]} failed: {done.stderr[-2000:]}")
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
+
+
+@contextmanager
+def phase(name: str, timings: dict[str, float]) -> Iterator[None]:
+    began = time.monotonic()
+    log(f"{name} ...")
+    try:
+        yield
+    finally:
+        timings[name] = round(time.monotonic() - began, 1)
+        log(f"{name}: {timings[name]} s")
+
+
+# -- the machine's own load ------------------------------------------------------------
+
+
+def outside_load(seconds: float, fleet: Sequence[servers.Running] = ()) -> float:
+    """Cores used by processes other than the bench and its servers over ``seconds``."""
+    busy, own, ours = servers.machine_busy_seconds(), own_cpu_seconds(), sum(s.cpu() for s in fleet)
+    time.sleep(seconds)
+    spent = (own_cpu_seconds() - own) + (sum(s.cpu() for s in fleet) - ours)
+    return max(0.0, servers.machine_busy_seconds() - busy - spent) / seconds
+
+
+def wait_for_quiet(limit_s: float) -> float:
+    """Waits (up to ``limit_s``) until other processes leave the cores alone; returns their load."""
+    end = time.monotonic() + limit_s
+    load = outside_load(2.0)
+    while load > QUIET_CORES and time.monotonic() < end:
+        log(f"other processes use {load:.2f} cores: waiting for a quieter machine")
+        load = outside_load(2.0)
+    if load > QUIET_CORES:
+        log(f"WARNING: measuring while other processes use {load:.2f} cores")
+    return load
+
+
+# -- calibration -------------------------------------------------------------------------
+
+
+def calibrate() -> dict[str, float]:
+    """Iterations for ~20 ms of CPU, and the CPU of one burn alone and with every core busy."""
+    iterations = workload.calibrate()
+    solo = workload.measure(iterations)
+    cores = os.cpu_count() or 1
+    code = f"import workload; print(workload.measure({iterations}))"
+    env = {**os.environ, "PYTHONPATH": str(BENCH / "peers")}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+        for _ in range(cores)
+    ]
+    try:
+        busy = [float(p.communicate(timeout=120)[0]) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    per_request = max(solo, sum(busy) / len(busy))
+    return {
+        "iterations": iterations,
+        "burn_cpu_solo_ms": solo * 1000,
+        "burn_cpu_ms": per_request * 1000,
+        "physical_limit": cores / per_request,
+    }
+
+
+# -- perf_analyzer rounds ---------------------------------------------------------------------
+
+
+def own_cpu_seconds() -> float:
+    """CPU of this process and of its reaped children (perf_analyzer, client.py)."""
+    me, kids = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+@dataclass(frozen=True)
+class CpuSnapshot:
+    """Where the machine's CPU went, read before and after one cell."""
+
+    at: float
+    busy: float
+    own: float
+    fleet: float
+    measured: dict[int, tuple[str, float]]
+
+    @staticmethod
+    def take(fleet: Sequence[servers.Running], measured: servers.Running) -> CpuSnapshot:
+        return CpuSnapshot(
+            time.monotonic(),
+            servers.machine_busy_seconds(),
+            own_cpu_seconds(),
+            sum(s.cpu() for s in fleet),
+            measured.cpu_by_process(),
+        )
+
+
+def cpu_record(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, Any]:
+    """The measured server's CPU by process name, and the load from outside the bench."""
+    wall = after.at - before.at
+    by_name: dict[str, float] = {}
+    for pid, (name, cpu) in after.measured.items():
+        spent = cpu - before.measured.get(pid, (name, 0.0))[1]
+        by_name[name] = by_name.get(name, 0.0) + spent
+    bench = (after.own - before.own) + (after.fleet - before.fleet)
+    return {
+        "wall_s": round(wall, 3),
+        "cpu_s": round(sum(by_name.values()), 3),
+        "cpu_by_process": {k: round(v, 3) for k, v in sorted(by_name.items())},
+        "foreign_cores": round(max(0.0, (after.busy - before.busy) - bench) / wall, 3),
+    }
+
+
+def measure_cell(
+    server: servers.Running,
+    running: Sequence[servers.Running],
+    model: str,
+    concurrency: int,
+    mode: Mode,
+    pa: install.PerfAnalyzer,
+    env: dict[str, str],
+    csv_path: Path,
+    timeout: float,
+) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    counter = server.workdir / "burn.count"
+    offset = workload.counter_offset(counter)
+    before = CpuSnapshot.take(running, server)
+    try:
+        if server.process.poll() is not None:
+            raise RuntimeError("server exited")
+        result = perf.run(pa.binary, env, server.address, model, concurrency,
+                          mode.window_ms, csv_path, timeout)  # fmt: skip
+        out["result"] = result.to_json()
+        out["shown"] = f"{result.throughput:8.1f}/s p99 {result.p99_us / 1000:7.1f} ms"
+    except RuntimeError as exc:
+        out["error"] = str(exc)
+        out["shown"] = f"ERROR {exc}"
+    out["cpu"] = cpu_record(before, CpuSnapshot.take(running, server))
+    if model == "burn":  # perf_analyzer waits for every reply: the records are complete
+        records = workload.read_records(counter, offset, workload.counter_offset(counter))
+        out["cpu"]["executions"] = len(records)
+        if records:
+            out["cpu"]["model_cpu_ms"] = round(statistics.median(records) / 1e6, 3)
+    return out
+
+
+def perf_rounds(
+    mode: Mode, running: Sequence[servers.Running], pa: install.PerfAnalyzer, run_dir: Path
+) -> list[dict[str, Any]]:
+    runs: list[dict[str, Any]] = []
+    env = {**os.environ, **pa.env}
+    timeout = 10 * mode.window_ms / 1000 + 30
+    total = mode.runs * len(report.MODELS) * len(report.CONCURRENCIES) * len(running)
+    retries_left = mode.retries
+    for r in range(mode.runs):
+        order = list(running[r % len(running) :]) + list(running[: r % len(running)])
+        for model in report.MODELS:
+            for c in report.CONCURRENCIES:
+                for server in order:  # innermost: the servers meet the same drift
+                    record: dict[str, Any] = {"round": r, "server": server.spec.key,
+                                              "model": model, "concurrency": c}  # fmt: skip
+                    csv_path = run_dir / "perf" / f"r{r}-{server.spec.key}-{model}-c{c}.csv"
+                    csv_path.parent.mkdir(exist_ok=True)
+                    attempts: list[dict[str, Any]] = []
+                    while True:
+                        attempts.append(measure_cell(server, running, model, c, mode, pa, env,
+                                                     csv_path, timeout))  # fmt: skip
+                        noisy = attempts[-1]["cpu"]["foreign_cores"] > NOISY_CORES
+                        if not noisy or retries_left <= 0 or "error" in attempts[-1]:
+                            break
+                        retries_left -= 1
+                        log(f"  other processes used {attempts[-1]['cpu']['foreign_cores']:.2f} "
+                            "cores: measuring this cell again")  # fmt: skip
+                    best = min(attempts, key=lambda a: float(a["cpu"]["foreign_cores"]))
+                    record.update(best, attempts=len(attempts))
+                    runs.append(record)
+                    log(f"[{len(runs)}/{total}] round {r + 1} {model} c{c} "
+                        f"{server.spec.key:<11} {best['shown']}  "
+                        f"(other load {record['cpu']['foreign_cores']:.2f} cores)")  # fmt: skip
+                    del record["shown"]
+                    (run_dir / "runs.json").write_text(json.dumps(runs, indent=1))
+    return runs
+
+
+# -- overload -----------------------------------------------------------------------------
+
+
+def settle(path: Path, quiet_s: float = 1.0, limit_s: float = 25.0) -> int:
+    """The counter's offset once it has not moved for ``quiet_s`` (late executions included)."""
+    end = time.monotonic() + limit_s
+    last, since = workload.counter_offset(path), time.monotonic()
+    while time.monotonic() < end:
+        time.sleep(0.25)
+        now = workload.counter_offset(path)
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            break
+    return last
+
+
+def overload(server: servers.Running, capacity: float, seconds: float) -> dict[str, Any]:
+    counter = server.workdir / "burn.count"
+    rate = OVERLOAD_FACTOR * capacity
+    before, cpu_before = settle(counter), server.cpu()
+    stats_before = client("stats", server.address, "--model", "burn", timeout=30)
+    done = client("overload", server.address, "--model", "burn", "--rate", f"{rate:.3f}",
+                  "--duration", str(seconds), "--deadline", str(DEADLINE_S),
+                  timeout=seconds + 120)  # fmt: skip
+    after = settle(counter)
+    cpu = server.cpu() - cpu_before
+    stats_after = client("stats", server.address, "--model", "burn", timeout=30)
+    records = workload.read_records(counter, before, after)
+    executions = len(records)
+    ok = int(done["ok_in_deadline"])
+    abandoned = max(0, executions - ok)
+    duration = float(done["send_s"]) or seconds
+    goodput = ok / duration
+    success = [
+        a["success_count"] - b["success_count"]
+        for a, b in zip(stats_after["stats"], stats_before["stats"], strict=False)
+    ]
+    return {
+        **done,
+        "capacity": capacity,
+        "offered_rate": rate,
+        "duration_s": duration,
+        "deadline_s": DEADLINE_S,
+        "goodput_per_s": goodput,
+        "goodput_ratio": goodput / capacity,
+        "executions": executions,
+        "abandoned_executions": abandoned,
+        "abandoned_fraction": abandoned / executions if executions else None,
+        "server_cpu_s": cpu,
+        "model_cpu_s": sum(records) / 1e9,
+        "server_stats_success": success[0] if success else None,
+    }
+
+
+# -- memory ---------------------------------------------------------------------------------
+
+
+def memory_configs(mode: Mode) -> list[tuple[str, str, servers.Layout]]:
+    both = ("echo", "burn")
+    configs = [
+        ("a", servers.SUBJECT, servers.Layout(both)),
+        ("a", servers.REFERENCE, servers.Layout(both)),
+        ("b", servers.SUBJECT, servers.Layout(both, separate_gids=True)),
+        ("b", servers.REFERENCE, servers.Layout(both, separate_gids=True)),
+        ("c", servers.SUBJECT, servers.Layout(("big",), workers=4)),
+    ]
+    if mode.memory_c_peer:
+        configs.append(("c", servers.REFERENCE, servers.Layout(("big",), workers=4)))
+    return configs
+
+
+def measure_memory(fleet: Fleet, mode: Mode) -> dict[str, Any]:
+    memory: dict[str, Any] = {"c": {"array_bytes": fleet.workload.array_mib * report.MIB}}
+    for config, key, layout in memory_configs(mode):
+        server = fleet.start(servers.spec(key), layout, f"mem-{config}")
+        try:
+            fleet.wait_ready(server, warm=10)
+            time.sleep(1.0)  # let start-up garbage settle before reading smaps
+            parts = server.pss_by_process()
+            pss = sum(b for _, b in parts)
+            memory.setdefault(config, {})[key] = {
+                "pss_bytes": pss,
+                "processes": len(parts),
+                "by_process": [[name, b] for name, b in parts],
+            }
+            pids = parts
+            log(f"memory ({config}) {key}: {pss / report.MIB:,.0f} MiB in {len(pids)} processes")
+        finally:
+            fleet.stop(server)
+    return memory
+
+
+# -- the run ----------------------------------------------------------------------------------
+
+
+def versions(venvs: dict[str, Path], pa: install.PerfAnalyzer) -> dict[str, str]:
+    found = {
+        "python": platform.python_version(),
+        "poolserve": metadata.version("poolserve"),
+        "grpcio": metadata.version("grpcio"),
+        "protobuf": metadata.version("protobuf"),
+        "perf_analyzer": f"tritonclient {pa.version}",
+    }
+    if "mlserver" in venvs:
+        found["MLServer"] = install.package_version(venvs["mlserver"], "mlserver")
+        found["grpcio (MLServer venv)"] = install.package_version(venvs["mlserver"], "grpcio")
+    return found
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "?"
+
+
+def publish(results: dict[str, Any], tools_python: Path, out: Path, readme: bool) -> None:
+    """latest.json, latest.md and latest.png in ``out``; the README section if asked."""
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = out / "latest.json"
+    json_path.write_text(json.dumps(results, indent=1) + "\n")
+    (out / "latest.md").write_text(report.markdown(results))
+    chart = subprocess.run(
+        [str(tools_python), str(BENCH / "chart.py"), str(json_path), str(out / "latest.png")],
+        capture_output=True,
+        text=True,
+    )
+    if chart.returncode != 0:
+        log(f"chart failed: {chart.stderr[-1500:]}")
+    if readme:
+        path = ROOT / "README.md"
+        section = report.readme_section(results, "bench/results/latest.png")
+        path.write_text(report.update_readme(path.read_text(), section))
+    log(f"wrote {json_path.with_suffix('.*')}" + (" and the README section" if readme else ""))
+
+
+def run(mode: Mode, only: Sequence[str], publish_results: bool) -> dict[str, Any]:
+    timings: dict[str, float] = {}
+    began = time.monotonic()
+    chosen = [s for s in servers.SERVERS if not only or s.key in only]
+    with phase("install peers", timings):
+        needed = sorted({s.venv for s in chosen if s.venv})
+        installed = install.ensure_all([install.PEER_VENVS[name]() for name in needed])
+    shutil.rmtree(WORK, ignore_errors=True)  # the previous run's logs and repositories
+    run_dir = WORK / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True)
+    with phase("wait for a quiet machine", timings):
+        quiet = wait_for_quiet(mode.quiet_wait_s)
+    with phase("calibrate burn", timings):
+        calibration = calibrate()
+    log(f"burn: {calibration['iterations']:.0f} iterations, "
+        f"{calibration['burn_cpu_ms']:.2f} ms CPU; physical limit "
+        f"{calibration['physical_limit']:.1f}/s")  # fmt: skip
+    load = servers.Workload(int(calibration["iterations"]), run_dir / "burn.count")
+    fleet = Fleet(run_dir, installed.venvs, load)
+    results: dict[str, Any] = {
+        "meta": {
+            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+            "mode": mode.name,
+            "command": "make bench" if mode.name == "full" else "make bench-quick",
+            "cores": os.cpu_count(),
+            "cpu": cpu_model(),
+            "kernel": platform.release(),
+            "versions": versions(installed.venvs, installed.perf_analyzer),
+            **calibration,
+            "runs": mode.runs,
+            "window_ms": mode.window_ms,
+            "overload_s": mode.overload_s,
+            "outside_load_at_start_cores": round(quiet, 3),
+            "timings_s": timings,
+            "work_dir": str(run_dir),
+        },
+        "servers": [
+            {"key": s.key, "label": s.label, "workers": s.workers, "note": s.note} for s in chosen
+        ],
+    }
+    try:
+        with phase("start servers", timings):
+            running = [fleet.start(s, servers.Layout(), "perf") for s in chosen]
+            for server in running:
+                fleet.wait_ready(server)
+        with phase("perf_analyzer rounds", timings):
+            results["runs"] = perf_rounds(mode, running, installed.perf_analyzer, run_dir)
+        report.summarize(results)
+        overloads: dict[str, Any] = {}
+        with phase("overload", timings):
+            for server in running:
+                capacity = report.capacity(results, server.spec.key)
+                if server.spec.key not in mode.overload_servers or not capacity:
+                    continue
+                overloads[server.spec.key] = o = overload(server, capacity, mode.overload_s)
+                gone = f"{o['abandoned_executions']}/{o['executions']}"
+                log(f"overload {server.spec.key}: goodput {o['goodput_ratio']:.2f} x capacity, "
+                    f"{gone} executions for callers gone")  # fmt: skip
+        results["overload"] = overloads
+        fleet.stop_all()
+        with phase("memory", timings):
+            results["memory"] = measure_memory(fleet, mode)
+    finally:
+        fleet.stop_all()
+    timings["total"] = round(time.monotonic() - began, 1)
+    report.summarize(results)
+    out = RESULTS if publish_results else run_dir
+    publish(results, installed.tools_python, out, readme=publish_results)
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--mode", choices=sorted(MODES), default="full")
+    parser.add_argument("--servers", default="", help="comma-separated subset (debugging)")
+    parser.add_argument(
+        "--render", action="store_true", help="only re-render bench/results from latest.json"
+    )
+    parser.add_argument(
+        "--publish",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="write bench/results/latest.* and the README section (default: full mode only)",
+    )
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, _raise_stopped)
+    signal.signal(signal.SIGHUP, _raise_stopped)
+    only = [s for s in args.servers.split(",") if s]
+    if args.render:
+        results = report.summarize(json.loads((RESULTS / "latest.json").read_text()))
+        publish(results, install.tools_venv().python, RESULTS, readme=True)
+        print(report.console(results))
+        return 0
+    mode = MODES[args.mode]
+    publish_results = mode.publish if args.publish is None else args.publish
+    results = run(mode, only, publish_results and not only)
+    print(report.console(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

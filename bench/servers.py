@@ -1,0 +1,384 @@
+"""The servers the bench compares: how each is configured, started, watched and stopped.
+
+A server is one :class:`ServerSpec` in :data:`SERVERS`: a key, a label, the
+virtual environment it runs from, its worker count and a function that
+writes its model repository and returns its command line. Adding a peer
+(KServe, for instance) is one more entry in :data:`SERVERS`, its runtime
+module under peers/ and, if it needs its own environment, one entry in
+``install.PEER_VENVS``; the rounds, tables and chart pick it up.
+
+Every server gets the same models (peers/workload.py holds the one copy of
+their code) and the same calibrated iteration count, as configuration: a
+temporary model repository for poolserve and MLServer, flags for the bare
+server. Processes are tracked by PID: the root we spawned plus every
+descendant seen in /proc, and stopped TERM -> grace -> KILL, PID by PID.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+PEER_CODE = BENCH / "peers"
+PROJECT_PYTHON = ROOT / ".venv" / "bin" / "python"
+POOLSERVE = ROOT / ".venv" / "bin" / "poolserve"
+
+TENSOR = {"name": "INPUT0", "datatype": "FP32", "shape": [1, 16]}
+OUTPUT = {"name": "OUTPUT0", "datatype": "FP32", "shape": [1, 16]}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the bench passes to every server: calibrated once per run."""
+
+    iterations: int
+    counter: Path  # burn appends one byte here per execution
+    array_mib: int = 400
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which models a server holds, in which pools, with how many workers per pool."""
+
+    models: tuple[str, ...] = ("echo", "burn")
+    separate_gids: bool = False
+    workers: int | None = None  # None: the spec's own worker count
+
+    def gid(self, model: str) -> str | None:
+        return model if self.separate_gids else None
+
+    def extra(self, model: str, workload: Workload) -> dict[str, object]:
+        if model == "burn":
+            return {"iterations": workload.iterations, "counter": str(workload.counter)}
+        if model == "big":
+            return {"array_mib": workload.array_mib}
+        return {}
+
+
+@dataclass(frozen=True)
+class Launch:
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    ready_line: str = ""  # a line the server prints on stdout once it serves
+    cleanup: tuple[Path, ...] = ()  # folders to remove after it stopped
+
+
+@dataclass(frozen=True)
+class Context:
+    workdir: Path  # private to this server instance
+    port: int
+    workload: Workload
+    layout: Layout
+    venvs: dict[str, Path]  # peer venv name -> python
+
+
+Builder = Callable[["ServerSpec", Context], Launch]
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    key: str
+    label: str
+    workers: int
+    build: Builder
+    venv: str = ""  # "" = the project's .venv
+    note: str = ""
+
+    def workers_for(self, layout: Layout) -> int:
+        return self.workers if layout.workers is None else layout.workers
+
+
+# -- poolserve ------------------------------------------------------------------
+
+POOLSERVE_CLASSES = {"echo": "EchoModel", "burn": "BurnModel", "big": "BigModel"}
+
+
+def build_poolserve(spec: ServerSpec, ctx: Context) -> Launch:
+    repo = ctx.workdir / "repo"
+    for model in ctx.layout.models:
+        folder = repo / model
+        folder.mkdir(parents=True)
+        shutil.copy(PEER_CODE / "poolserve_models.py", folder / "model.py")
+        shutil.copy(PEER_CODE / "workload.py", folder / "workload.py")
+        parameters: dict[str, object] = {"extra": ctx.layout.extra(model, ctx.workload)}
+        gid = ctx.layout.gid(model)
+        if gid:
+            parameters["inference_pool_gid"] = gid
+        write_json(
+            folder / "model-settings.json",
+            {
+                "name": model,
+                "implementation": f"model.{POOLSERVE_CLASSES[model]}",
+                "parameters": parameters,
+                "inputs": [TENSOR],
+                "outputs": [OUTPUT],
+            },
+        )
+    run_dir = Path(os.environ.get("XDG_RUNTIME_DIR") or "/tmp") / f"psb-{os.getpid()}-{ctx.port}"
+    argv = [str(POOLSERVE), "serve", str(repo), "--grpc-port", str(ctx.port)]
+    argv += ["--run-dir", str(run_dir), "--workers", str(spec.workers_for(ctx.layout))]
+    return Launch(argv, ready_line="poolserve: ready", cleanup=(run_dir,))
+
+
+# -- MLServer ---------------------------------------------------------------------
+
+MLSERVER_CLASSES = {"echo": "EchoRuntime", "burn": "BurnRuntime", "big": "BigRuntime"}
+
+
+def build_mlserver(spec: ServerSpec, ctx: Context) -> Launch:
+    repo = ctx.workdir / "repo"
+    repo.mkdir(parents=True)
+    # Only the worker count and where to listen (loopback, free ports): defaults otherwise.
+    write_json(
+        repo / "settings.json",
+        {
+            "parallel_workers": spec.workers_for(ctx.layout),
+            "host": "127.0.0.1",
+            "grpc_port": ctx.port,
+            "http_port": free_port(),
+            "metrics_port": free_port(),
+        },
+    )
+    for model in ctx.layout.models:
+        parameters: dict[str, object] = {"extra": ctx.layout.extra(model, ctx.workload)}
+        gid = ctx.layout.gid(model)
+        if gid:
+            parameters["inference_pool_gid"] = gid
+        (repo / model).mkdir()
+        write_json(
+            repo / model / "model-settings.json",
+            {
+                "name": model,
+                "implementation": f"mlserver_models.{MLSERVER_CLASSES[model]}",
+                "parameters": parameters,
+                "inputs": [TENSOR],
+                "outputs": [OUTPUT],
+            },
+        )
+    python = ctx.venvs[spec.venv]
+    argv = [str(python), str(PEER_CODE / "mlserver_addon.py"), "start", str(repo)]
+    return Launch(argv, env={"PYTHONPATH": str(PEER_CODE)})
+
+
+# -- the bare grpc.aio server --------------------------------------------------------
+
+
+def build_bare(spec: ServerSpec, ctx: Context) -> Launch:
+    if set(ctx.layout.models) != {"echo", "burn"}:
+        raise ValueError("the bare server serves echo and burn only")
+    argv = [str(PROJECT_PYTHON), str(PEER_CODE / "bare_server.py"), "--port", str(ctx.port)]
+    argv += ["--iterations", str(ctx.workload.iterations), "--counter", str(ctx.workload.counter)]
+    return Launch(argv, env={"PYTHONPATH": str(PEER_CODE)}, ready_line="bare: ready")
+
+
+MLSERVER_NOTE = (
+    "MLServer 1.7.1 defaults (debug access log and Prometheus interceptor on) except "
+    "parallel_workers, loopback host and free ports; ModelConfig/ModelStatistics added by the bench"
+)
+
+SERVERS: tuple[ServerSpec, ...] = (
+    ServerSpec("poolserve", "poolserve (2 workers)", 2, build_poolserve),
+    ServerSpec(
+        "mlserver-2", "MLServer 1.7.1 (parallel_workers 2)", 2, build_mlserver, "mlserver",
+        MLSERVER_NOTE,
+    ),
+    ServerSpec(
+        "mlserver-0", "MLServer 1.7.1 (parallel_workers 0)", 0, build_mlserver, "mlserver",
+        MLSERVER_NOTE,
+    ),
+    ServerSpec(
+        "bare", "bare grpc.aio (1 process)", 0, build_bare, "",
+        "the bench's own single-process grpc.aio server: the floor of one Python gRPC hop",
+    ),
+)  # fmt: skip
+SUBJECT = "poolserve"
+REFERENCE = "mlserver-2"  # the peer the targets compare against
+
+
+def spec(key: str) -> ServerSpec:
+    for s in SERVERS:
+        if s.key == key:
+            return s
+    raise KeyError(key)
+
+
+# -- running processes ----------------------------------------------------------------
+
+
+def write_json(path: Path, data: object) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def children(pid: int) -> list[int]:
+    kids: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                kids.extend(int(x) for x in (task / "children").read_text().split())
+    return kids
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` (if alive) and all its descendants, from /proc."""
+    found = [root] if Path(f"/proc/{root}").exists() else []
+    stack = [root]
+    while stack:
+        for kid in children(stack.pop()):
+            found.append(kid)
+            stack.append(kid)
+    return found
+
+
+def pss_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return 0
+    return 0
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of one process (its own, not its reaped children's)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "?"
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds all cores spent busy since boot (everything but idle and iowait)."""
+    ticks = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def start_time(pid: int) -> int:
+    """The process's start time in clock ticks since boot (0 if gone or a zombie)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0
+    return 0 if fields[0] == "Z" else int(fields[19])
+
+
+@dataclass
+class Running:
+    spec: ServerSpec
+    layout: Layout
+    process: subprocess.Popen[bytes]
+    port: int
+    workdir: Path
+    log: Path
+    ready_line: str
+    cleanup: tuple[Path, ...] = ()
+    seen: dict[int, int] = field(default_factory=dict)  # PID -> start time, all ever seen
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def tree(self) -> list[int]:
+        pids = process_tree(self.process.pid)
+        for pid in pids:
+            self.seen.setdefault(pid, start_time(pid))
+        return pids
+
+    def pss(self) -> int:
+        return sum(pss_bytes(p) for p in self.tree())
+
+    def cpu(self) -> float:
+        return sum(cpu_seconds(p) for p in self.tree())
+
+    def cpu_by_process(self) -> dict[int, tuple[str, float]]:
+        return {p: (comm(p), cpu_seconds(p)) for p in self.tree()}
+
+    def pss_by_process(self) -> list[tuple[str, int]]:
+        return [(comm(p), pss_bytes(p)) for p in self.tree()]
+
+
+def start(spec: ServerSpec, ctx: Context) -> Running:
+    ctx.workdir.mkdir(parents=True, exist_ok=True)
+    launch = spec.build(spec, ctx)
+    log = ctx.workdir / "server.log"
+    env = {**os.environ, **launch.env}
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            launch.argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=ctx.workdir,
+            env=env,
+            start_new_session=True,
+        )
+    running = Running(
+        spec, ctx.layout, process, ctx.port, ctx.workdir, log, launch.ready_line, launch.cleanup
+    )
+    running.tree()
+    return running
+
+
+def wait_line(server: Running, timeout: float) -> None:
+    """Waits for the server's ready line on stdout (if it prints one)."""
+    if not server.ready_line:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.ready_line.encode() in server.log.read_bytes():
+            return
+        if server.process.poll() is not None:
+            break
+        time.sleep(0.05)
+    tail = server.log.read_text(errors="replace")[-2000:]
+    raise RuntimeError(f"{server.spec.key} did not print its ready line:\n{tail}")
+
+
+def stop(server: Running, grace: float = 15.0) -> None:
+    """TERM to the root, then KILL, PID by PID, to everything of its tree still alive."""
+    server.tree()
+    if server.process.poll() is None:
+        server.process.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            server.process.wait(grace)
+    kill_pids(server.seen)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        server.process.wait(5)
+    for folder in server.cleanup:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def kill_pids(seen: Mapping[int, int]) -> None:
+    """SIGKILL each PID still alive that is still the same process (same start time)."""
+    for pid, started in sorted(seen.items()):
+        if started and start_time(pid) == started:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
