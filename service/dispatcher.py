@@ -47,6 +47,8 @@ RETRY_PRIORITY = -(1 << 62)  # a retried job goes before everything else
 STATUS_WAIT_S = 1.0  # how long a dead worker's job waits for the exit status
 ABORT_GRACE_S = 1.0  # SIGABRT (core dump, traceback) before SIGKILL
 SERVICE_EWMA = 0.2  # weight of the newest sample in a model's service-time average
+SERVICE_SLACK = 1.25  # a job starts only with this much more time left than it needs...
+RETURN_TRIP_S = 0.002  # ...plus the way back through the pool and the router
 
 
 class JobState(enum.Enum):
@@ -333,6 +335,9 @@ class Dispatcher:
                 continue
             self._queued -= 1
             needs = self._service_s.get(job.tag)
+            if needs is not None:
+                # room for the reply's trip back and for a slower run than usual
+                needs = needs * SERVICE_SLACK + RETURN_TRIP_S
             if needs is not None and job.deadline - now < needs and not job.future.done():
                 self.skipped_hopeless += 1
                 job.state = JobState.DONE
@@ -350,9 +355,9 @@ class Dispatcher:
             return job
         return None
 
-    def _learn_service_time(self, tag: str, timings: Timings) -> None:
-        """A moving average of how long a model keeps a worker busy."""
-        took = (timings.decode_ns + timings.compute_ns + timings.encode_ns) / 1e9
+    def _learn_service_time(self, tag: str, took: float) -> None:
+        """A moving average of a model's service time: dispatch to reply, as the
+        dispatcher sees it (so it includes the hops and any wait for a CPU)."""
         before = self._service_s.get(tag)
         self._service_s[tag] = took if before is None else before + SERVICE_EWMA * (took - before)
 
@@ -396,7 +401,7 @@ class Dispatcher:
             raise ValueError(f"reply for sequence {reply.seq} that this worker does not hold")
         worker.served += 1
         if reply.failure is None and job.tag:
-            self._learn_service_time(job.tag, reply.timings)
+            self._learn_service_time(job.tag, asyncio.get_running_loop().time() - job.started)
         if job.state is JobState.RUNNING:
             job.state = JobState.DONE
             if reply.failure is None:

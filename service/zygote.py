@@ -109,6 +109,11 @@ class InferenceCargo:
         self.models: dict[str, Model] = {}
 
     def load_initial(self, emit: Emit) -> None:
+        # The request path's modules (protobuf, codec, numpy), imported here once
+        # so that every worker shares their pages instead of importing its own.
+        import poolserve.service.inference
+        import poolserve.service.wire  # noqa: F401
+
         for s in self.settings:
             self.load_one(s, emit)
 

@@ -205,14 +205,15 @@ def test_a_job_that_cannot_finish_in_time_is_not_started() -> None:
         loop = asyncio.get_running_loop()
         first = asyncio.ensure_future(d.submit(b"learn", loop.time() + 60, tag="m"))
         seq, _ = await w.receive()
-        w.reply(seq, b"ok", compute_ns=2_000_000_000)  # model m keeps a worker 2 s
+        await asyncio.sleep(1.0)  # model m keeps the worker about 1 s: the pool learns it
+        w.reply(seq, b"ok")
         await first
         busy = asyncio.ensure_future(d.submit(b"busy", loop.time() + 60, tag="other"))
         seq, _ = await w.receive()
-        short = asyncio.ensure_future(d.submit(b"short", loop.time() + 3.0, tag="m"))
+        short = asyncio.ensure_future(d.submit(b"short", loop.time() + 4.0, tag="m"))
         long = asyncio.ensure_future(d.submit(b"long", loop.time() + 30, tag="m"))
         await until(lambda: d.queue_depth() == 2)
-        await asyncio.sleep(1.0)  # the short job has < 2 s left now (1.5 s of slack)
+        await asyncio.sleep(3.0)  # short has < 1.25 s left now (about 1 s of slack)
         w.reply(seq, b"done")
         with pytest.raises(DeadlineExceeded, match="would pass before the request could finish"):
             await short
