@@ -183,3 +183,30 @@ def test_size_limit_streaming_and_garbage(tmp_path: Path) -> None:
     with Serving(repo, tmp_path / "run") as serving:
         asyncio.run(main(serving))
         assert len(children_of(serving.pid)) == 3  # two pools and the router, still
+
+
+def test_queue_bound_is_resource_exhausted_naming_the_pool(tmp_path: Path) -> None:
+    repo = two_pools(tmp_path)
+    (repo / "settings.json").write_text('{"max_queue": 3}')
+
+    async def main(serving: Serving) -> None:
+        async with grpc.aio.insecure_channel(serving.address) as channel:
+            await wait_serving(channel)
+            stub = Stub(channel)
+            sleep = pb.ModelInferRequest(model_name="sleep")
+            encode_inputs({"INPUT0": np.ones((1, 4), np.float32)}, sleep, raw=True)
+            sleep.parameters["sleep_ms"].int64_param = 2000
+            # 2 workers busy + 3 queued fill the pool; the rest are refused at once
+            calls = [stub.ModelInfer(sleep, timeout=30) for _ in range(12)]
+            results = await asyncio.gather(*calls, return_exceptions=True)
+            refused = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
+            served = [r for r in results if not isinstance(r, BaseException)]
+            assert len(served) == 5
+            assert len(refused) == 7
+            for error in refused:
+                assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "pool 'other'" in (error.details() or "")
+            assert (await stub.ModelInfer(echo(), timeout=30)).outputs  # other pools unaffected
+
+    with Serving(repo, tmp_path / "run") as serving:
+        asyncio.run(main(serving))
