@@ -33,8 +33,11 @@ def pss_bytes(pid: int) -> int:
     return 0
 
 
-async def wait_child(pid: int, timeout: float) -> str:
-    """Waits for our child ``pid`` through its pidfd; SIGKILL after ``timeout``. Reaps it."""
+async def wait_exit(pid: int, timeout: float) -> None:
+    """Waits for ``pid`` to exit, through its pidfd; SIGKILL after ``timeout``.
+
+    It does not reap: the caller does (waitpid, or Popen.wait), at once.
+    """
     import asyncio
 
     loop = asyncio.get_running_loop()
@@ -51,5 +54,10 @@ async def wait_child(pid: int, timeout: float) -> str:
             loop.remove_reader(pidfd)
     finally:
         os.close(pidfd)
+
+
+async def wait_child(pid: int, timeout: float) -> str:
+    """Waits for our child ``pid`` (SIGKILL after ``timeout``), reaps it, decodes its status."""
+    await wait_exit(pid, timeout)
     _, status = os.waitpid(pid, 0)  # noqa: ASYNC222 (the pidfd said it exited: no wait)
     return describe_status(status)

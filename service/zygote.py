@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from poolserve.service import worker
-from poolserve.service.procutil import describe_status, set_process_name, wait_child
+from poolserve.service.procutil import describe_status, set_process_name, wait_child, wait_exit
 from poolserve.supervisor.child import die_with_parent
 
 if TYPE_CHECKING:
@@ -516,20 +516,7 @@ class ExecZygote(ZygoteControl):
         if proc is None:
             return "not started"
         if proc.poll() is None:
-            loop = asyncio.get_running_loop()
-            exited = asyncio.Event()
-            pidfd = os.pidfd_open(proc.pid)
-            try:
-                loop.add_reader(pidfd, exited.set)
-                try:
-                    await asyncio.wait_for(exited.wait(), timeout)
-                except TimeoutError:
-                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-                    await exited.wait()
-                finally:
-                    loop.remove_reader(pidfd)
-            finally:
-                os.close(pidfd)
+            await wait_exit(proc.pid, timeout)
         code = proc.wait()  # exited already (the pidfd said so): reaps without blocking
         if code < 0:
             return f"killed by {signal.Signals(-code).name}"
