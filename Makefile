@@ -45,7 +45,7 @@ run: install
 	@echo "  try: $(BIN)/python examples/client.py 127.0.0.1:8081"
 	$(BIN)/poolserve serve $(REPO)
 
-# Side-by-side benchmark against MLServer and a bare grpc.aio server (peers
+# Side-by-side benchmark against MLServer, KServe and a bare grpc.aio server (peers
 # live in bench/.peers, never in .venv). Writes bench/results/.
 bench: install
 	$(BIN)/python bench/run.py --mode full

@@ -32,7 +32,8 @@ def draw(results: dict[str, Any], out: Path) -> None:
     for row, model in enumerate(MODELS):
         for col, (metric, title, runs_key) in enumerate(METRICS):
             ax = axes[row][col]
-            for key, label in labels.items():
+            # one colour per server in every panel, also where a server does not serve a model
+            for i, (key, label) in enumerate(labels.items()):
                 xs, ys, low, high = [], [], [], []
                 for c in CONCURRENCIES:
                     found = cells.get(key, {}).get(model, {}).get(str(c))
@@ -44,7 +45,8 @@ def draw(results: dict[str, Any], out: Path) -> None:
                     low.append(found[metric] - min(runs))
                     high.append(max(runs) - found[metric])
                 if xs:
-                    ax.errorbar(xs, ys, yerr=[low, high], marker="o", capsize=3, label=label)
+                    ax.errorbar(xs, ys, yerr=[low, high], marker="o", capsize=3, label=label,
+                                color=f"C{i % 10}")  # fmt: skip
             ax.set_xscale("log", base=2)
             ax.set_xticks(CONCURRENCIES, [str(c) for c in CONCURRENCIES])
             ax.set_xlabel("concurrency")

@@ -1,7 +1,7 @@
 """Installs the bench's peers under bench/.peers, never in the project's .venv.
 
-- one virtual environment per peer server (MLServer today; KServe joins with
-  one more :class:`VenvSpec`), plus a ``tools`` environment with matplotlib,
+- one virtual environment per peer server (MLServer, KServe; each one
+  :class:`VenvSpec` in :data:`PEER_VENVS`), plus a ``tools`` environment with matplotlib,
   py-spy and the CUDA runtime library that perf_analyzer links against;
 - Triton's ``perf_analyzer`` binary, taken from the tritonclient 2.51.0
   wheel (the pip package ``perf-analyzer`` has no binary for this glibc),
@@ -34,6 +34,10 @@ def project_grpcio() -> str:
     return metadata.version("grpcio")
 
 
+def project_protobuf() -> str:
+    return metadata.version("protobuf")
+
+
 @dataclass(frozen=True)
 class VenvSpec:
     name: str
@@ -54,8 +58,25 @@ def mlserver_venv() -> VenvSpec:
     )
 
 
-# Peer environments by name (ServerSpec.venv names one); KServe joins with one entry.
-PEER_VENVS = {"mlserver": mlserver_venv}
+def kserve_venv() -> VenvSpec:
+    """KServe 0.21.0 with the project's gRPC and protobuf.
+
+    kserve 0.21.0 asks for grpcio>=1.73 and grpcio-tools>=1.73 (unpinned, so a
+    newer grpcio would come with them), protobuf>=6.33.5,<7: pin grpcio to the
+    project's, grpcio-tools to the same release (each grpcio-tools needs its own
+    grpcio), protobuf to the project's. Its gRPC server runs on asyncio's own
+    loop (asyncio.run; uvloop is only for its REST server), so uvloop is not pinned.
+    """
+    grpc = project_grpcio()
+    return VenvSpec(
+        "kserve",
+        ("kserve==0.21.0", f"grpcio=={grpc}", f"grpcio-tools=={grpc}",
+         f"protobuf=={project_protobuf()}"),
+    )  # fmt: skip
+
+
+# Peer environments by name (ServerSpec.venv names one).
+PEER_VENVS = {"mlserver": mlserver_venv, "kserve": kserve_venv}
 
 
 def tools_venv() -> VenvSpec:

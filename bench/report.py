@@ -80,6 +80,7 @@ class Target:
     op: str  # ">=", "<=" or "<"
     threshold: float
     detail: str = ""
+    issue: str = ""  # the tracker issue(s) that set this target
 
     @property
     def passed(self) -> bool:
@@ -101,14 +102,30 @@ def _mem(results: Results, config: str, server: str) -> float | None:
 
 
 def _versus(
-    key: str, label: str, a: float | None, b: float | None, op: str, threshold: float, unit: str
+    key: str,
+    label: str,
+    a: float | None,
+    b: float | None,
+    op: str,
+    threshold: float,
+    unit: str,
+    issue: str = "8",
 ) -> Target:
     """A target on a / b, with both figures in its detail."""
     detail = f"{fmt(a)} vs {fmt(b)} {unit}" if a is not None or b is not None else ""
-    return Target(key, label, ratio(a, b), op, threshold, detail.strip())
+    return Target(key, label, ratio(a, b), op, threshold, detail.strip(), issue)
 
 
-def targets(results: Results, subject: str = "poolserve", peer: str = "mlserver-2") -> list[Target]:
+def targets(
+    results: Results,
+    subject: str = "poolserve",
+    peer: str = "mlserver-2",
+    kserve: str = "kserve",
+    inline: str = "poolserve-inline",
+) -> list[Target]:
+    """Issue 8 (make bench) against MLServer (2 workers) and the machine; issue 10 (light
+    models) against KServe's single process, with echo also served inline by poolserve."""
+
     def c16(server: str, model: str, what: str) -> float | None:
         return cell(results, server, model, 16, what)
 
@@ -126,6 +143,7 @@ def targets(results: Results, subject: str = "poolserve", peer: str = "mlserver-
         else ""
     )
     peer_label = "MLServer (2 workers)"
+    ks_label = "KServe (1 process)"
     return [
         _versus("echo_c16_throughput", f"echo c16 throughput vs {peer_label}",
                 c16(subject, "echo", "throughput"), c16(peer, "echo", "throughput"),
@@ -137,7 +155,7 @@ def targets(results: Results, subject: str = "poolserve", peer: str = "mlserver-
                 ">=", 0.97, "infer/s"),
         _versus("burn_c16_throughput", f"burn c16 throughput vs {peer_label}",
                 c16(subject, "burn", "throughput"), c16(peer, "burn", "throughput"),
-                ">=", 1.0, "infer/s"),
+                ">=", 1.0, "infer/s", "8, 10"),
         _versus("burn_c16_p99", f"burn c16 p99 vs {peer_label}",
                 c16(subject, "burn", "p99_ms"), c16(peer, "burn", "p99_ms"), "<=", 1.0, "ms"),
         _versus("memory_a", "memory (a) one pool, 2 workers: PSS vs MLServer",
@@ -150,7 +168,22 @@ def targets(results: Results, subject: str = "poolserve", peer: str = "mlserver-
                 "overload (2x capacity, 200 ms deadline): goodput vs capacity",
                 overload.get("goodput_per_s"), overload.get("capacity"), ">=", 0.9, "/s"),
         Target("overload_abandoned_cpu", "overload: share of burn CPU spent for callers gone",
-               share, "<", 0.05, gone),
+               share, "<", 0.05, gone, "8"),
+        _versus("echo_c16_vs_kserve", f"echo c16 throughput vs {ks_label}",
+                c16(subject, "echo", "throughput"), c16(kserve, "echo", "throughput"),
+                ">=", 0.75, "infer/s", "10"),
+        _versus("echo_c16_vs_mlserver_x2", f"echo c16 throughput vs {peer_label}",
+                c16(subject, "echo", "throughput"), c16(peer, "echo", "throughput"),
+                ">=", 2.0, "infer/s", "10"),
+        _versus("echo_c16_p99_vs_kserve", f"echo c16 p99 vs {ks_label}",
+                c16(subject, "echo", "p99_ms"), c16(kserve, "echo", "p99_ms"),
+                "<=", 1.3, "ms", "10"),
+        _versus("echo_inline_c16_vs_kserve", f"echo inline (fast) c16 throughput vs {ks_label}",
+                c16(inline, "echo", "throughput"), c16(kserve, "echo", "throughput"),
+                ">=", 0.9, "infer/s", "10"),
+        _versus("burn_c16_vs_kserve", f"burn c16 throughput vs {ks_label}",
+                c16(subject, "burn", "throughput"), c16(kserve, "burn", "throughput"),
+                ">=", 1.9, "infer/s", "10"),
     ]  # fmt: skip
 
 
@@ -255,14 +288,28 @@ def _labels(results: Results) -> dict[str, str]:
     return {s["key"]: s["label"] for s in results.get("servers", [])}
 
 
+def serves(results: Results, server: str, model: str) -> bool:
+    """Whether ``server`` serves ``model`` in the rounds (every model, for older results)."""
+    for s in results.get("servers", []):
+        if s["key"] == server:
+            return model in s.get("models", MODELS)
+    return True
+
+
+def _shown(results: Results, server: str, model: str, c: int, what: str) -> str:
+    if not serves(results, server, model):
+        return "-"
+    return fmt(cell(results, server, model, c, what))
+
+
 def perf_tables(results: Results) -> str:
     labels = _labels(results)
     header = ["server"] + [f"{m} c{c}" for m in MODELS for c in CONCURRENCIES]
     tp_rows, p99_rows = [], []
     points = [(m, c) for m in MODELS for c in CONCURRENCIES]
     for key, label in labels.items():
-        tp_rows.append([label] + [fmt(cell(results, key, m, c, "throughput")) for m, c in points])
-        p99_rows.append([label] + [fmt(cell(results, key, m, c, "p99_ms")) for m, c in points])
+        tp_rows.append([label] + [_shown(results, key, m, c, "throughput") for m, c in points])
+        p99_rows.append([label] + [_shown(results, key, m, c, "p99_ms") for m, c in points])
     n = results.get("meta", {}).get("runs", "?")
     return (
         f"Throughput (infer/s, median of {n} runs per cell)\n\n"
@@ -292,6 +339,15 @@ def memory_table(results: Results) -> str:
             )
         rows.append(row)
     return table(["configuration"] + [labels[k] for k in servers], rows)
+
+
+def memory_note(results: Results) -> str:
+    if not any("kserve" in config for config in results.get("memory", {}).values()):
+        return ""
+    return (
+        "\n\nKServe is measured in (a) only: one process holds every model, with no pools, gids "
+        "or workers, so (b) and (c) do not apply to it."
+    )
 
 
 def memory_breakdown(results: Results, subject: str = "poolserve") -> str:
@@ -350,7 +406,10 @@ def cpu_table(results: Results) -> str:
                 f"{name} {ms:.2f}" for name, ms in sorted(parts.items()) if name != "total"
             )
             total = parts.get("total")
-            row.append(f"{fmt(total, 2)} ({split})" if total is not None else "n/a")
+            if total is not None:
+                row.append(f"{fmt(total, 2)} ({split})")
+            else:
+                row.append("n/a" if serves(results, key, model) else "-")
         rows.append(row)
     return table(["server", "echo c16: ms CPU/request (by process)", "burn c16"], rows)
 
@@ -361,8 +420,10 @@ def targets_table(results: Results) -> str:
         value = fmt(t["value"], 2) if t["value"] is not None else "n/a"
         detail = f" ({t['detail']})" if t.get("detail") else ""
         verdict = "PASS" if t["passed"] else "MISS"
-        rows.append([t["label"] + detail, value, f"{t['op']} {t['threshold']}", verdict])
-    return table(["target (poolserve, same run)", "measured", "target", "result"], rows)
+        issue = t.get("issue", "")
+        rows.append([issue, t["label"] + detail, value, f"{t['op']} {t['threshold']}", verdict])
+    header = ["issue", "target (poolserve, same run)", "measured", "target", "result"]
+    return table(header, rows)
 
 
 def burn_line(results: Results) -> str:
@@ -405,13 +466,50 @@ def header_lines(results: Results) -> list[str]:
         f"{meta.get('iterations', '?')} iterations, calibrated once to "
         f"{fmt(meta.get('burn_cpu_ms'), 2)} ms CPU and passed to every server.",
         burn_line(results),
-        "MLServer lacks ModelConfig and ModelStatistics, which perf_analyzer needs: the bench "
-        "added those two handlers around the unmodified MLServer server (statistics report zero "
-        'counts, version "1"). MLServer runs with its defaults except parallel_workers, '
-        "loopback host and ports.",
+        *server_lines(results),
         load_line(results),
     ]
     return [line for line in lines if line]
+
+
+def server_lines(results: Results) -> list[str]:
+    """What the bench added to or changed in each peer, and the inline configuration."""
+    keys = set(_labels(results))
+    mlserver = any(k.startswith("mlserver") for k in keys)
+    kserve = "kserve" in keys
+    peers = [name for name, present in (("MLServer", mlserver), ("KServe", kserve)) if present]
+    lines = []
+    if peers:
+        names = " and ".join(peers)
+        lines.append(
+            f"{names} {'lacks' if len(peers) == 1 else 'lack'} ModelConfig and ModelStatistics, "
+            "which perf_analyzer needs: the bench added those two handlers around the unmodified "
+            f"{names} server{'s' if len(peers) > 1 else ''} (statistics report zero counts, "
+            'version "1").'
+        )
+    if mlserver:
+        lines.append(
+            "MLServer runs with its defaults except parallel_workers, loopback host and ports."
+        )
+    if kserve:
+        lines.append(
+            "KServe runs its models (kserve.Model subclasses, tensors declared through "
+            "get_input_types/get_output_types for ModelMetadata) on kserve.ModelServer with its "
+            "defaults (one process: its --workers adds REST processes only) except "
+            "KSERVE_LOGLEVEL=WARNING (at its default INFO it logs every gRPC call and every "
+            "request's latency) and free ports (--grpc_port, --http_port). KServe has no "
+            "listen-address setting and binds gRPC to [::]:PORT: the bench's launcher "
+            "(bench/peers/kserve_server.py) binds it to 127.0.0.1 by rewriting the address "
+            "KServe passes to add_insecure_port, and sets its uvicorn REST host to 127.0.0.1."
+        )
+    if "poolserve-inline" in keys:
+        lines.append(
+            f"{_labels(results)['poolserve-inline']}: the same echo model with "
+            '`"parallel_workers": 0` and `parameters.extra.inline_fast: true` in its '
+            "model-settings.json, so it runs inside the pool server process, on its event loop, "
+            "with no worker hop; it serves echo only."
+        )
+    return lines
 
 
 def markdown(results: Results) -> str:
@@ -422,6 +520,7 @@ def markdown(results: Results) -> str:
         "## Throughput and latency\n\n" + perf_tables(results),
         "## Memory (PSS of the whole process tree, after warm-up)\n\n"
         + memory_table(results)
+        + memory_note(results)
         + "\n\n"
         + memory_breakdown(results),
         "## Server CPU per request at concurrency 16 (approximate)\n\n"
@@ -442,7 +541,8 @@ def overload_note(results: Results) -> str:
         "second. Executions are counted by the model itself (one record appended to a file per "
         "finished `burn`, the same code in every server) until the count stops moving; "
         "executions minus OK replies within the deadline is the work done for callers that had "
-        "already given up (every execution costs the same loop)."
+        "already given up (every execution costs the same loop). `make bench` runs it on every "
+        "server that serves `burn` (KServe included), `make bench-quick` on poolserve only."
     )
 
 
@@ -451,9 +551,10 @@ def readme_section(results: Results, chart: str = "bench/results/latest.png") ->
         [
             README_START,
             "## Benchmark",
-            "`make bench` (about 15 minutes on 2 cores; `make bench-quick` about 3) installs "
-            "MLServer and perf_analyzer under bench/.peers and measures poolserve against them "
-            "side by side. Full report: [bench/results/latest.md](bench/results/latest.md).",
+            "`make bench` (about 16 minutes on 2 cores; `make bench-quick` about 3) installs "
+            "MLServer, KServe and perf_analyzer under bench/.peers and measures poolserve against "
+            "them and a bare grpc.aio server side by side. Full report: "
+            "[bench/results/latest.md](bench/results/latest.md).",
             "\n".join(header_lines(results)),
             targets_table(results),
             perf_tables(results),
@@ -477,7 +578,7 @@ def console(results: Results) -> str:
             "\n".join(header_lines(results)),
             targets_table(results),
             perf_tables(results),
-            memory_table(results),
+            memory_table(results) + memory_note(results),
             memory_breakdown(results),
             cpu_table(results),
             overload_table(results),

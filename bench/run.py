@@ -1,7 +1,7 @@
-"""`make bench`: poolserve against MLServer and a bare grpc.aio server, side by side, one run.
+"""`make bench`: poolserve against MLServer, KServe and a bare grpc.aio server, side by side.
 
-  python bench/run.py --mode full    # make bench: 3 runs per cell, 13-15 minutes on 2 cores
-  python bench/run.py --mode quick   # make bench-quick: 1 run per cell, under 3 minutes
+  python bench/run.py --mode full    # make bench: 3 runs per cell, about 15 minutes on 2 cores
+  python bench/run.py --mode quick   # make bench-quick: 1 run per cell, about 3 minutes
   python bench/run.py --render       # rewrite latest.md, latest.png and README from latest.json
 
 Phases: install the peers (once, under bench/.peers); calibrate ``burn``;
@@ -63,7 +63,7 @@ class Mode:
 
 
 MODES = {
-    "full": Mode("full", 3, 2000, 20.0, tuple(s.key for s in servers.SERVERS), True, True, 30, 10),
+    "full": Mode("full", 3, 1500, 20.0, tuple(s.key for s in servers.SERVERS), True, True, 30, 10),
     "quick": Mode("quick", 1, 1000, 8.0, (servers.SUBJECT,), False, False, 10, 2),
 }
 NOISY_CORES = 0.35  # a cell during which other processes used more than this is measured again
@@ -287,13 +287,16 @@ def perf_rounds(
     runs: list[dict[str, Any]] = []
     env = {**os.environ, **pa.env}
     timeout = 10 * mode.window_ms / 1000 + 30
-    total = mode.runs * len(report.MODELS) * len(report.CONCURRENCIES) * len(running)
+    served = sum(1 for s in running for m in report.MODELS if m in s.layout.models)
+    total = mode.runs * len(report.CONCURRENCIES) * served
     retries_left = mode.retries
     for r in range(mode.runs):
         order = list(running[r % len(running) :]) + list(running[: r % len(running)])
         for model in report.MODELS:
             for c in report.CONCURRENCIES:
                 for server in order:  # innermost: the servers meet the same drift
+                    if model not in server.layout.models:
+                        continue
                     record: dict[str, Any] = {"round": r, "server": server.spec.key,
                                               "model": model, "concurrency": c}  # fmt: skip
                     csv_path = run_dir / "perf" / f"r{r}-{server.spec.key}-{model}-c{c}.csv"
@@ -312,7 +315,7 @@ def perf_rounds(
                     record.update(best, attempts=len(attempts))
                     runs.append(record)
                     log(f"[{len(runs)}/{total}] round {r + 1} {model} c{c} "
-                        f"{server.spec.key:<11} {best['shown']}  "
+                        f"{server.spec.key:<16} {best['shown']}  "
                         f"(other load {record['cpu']['foreign_cores']:.2f} cores)")  # fmt: skip
                     del record["shown"]
                     (run_dir / "runs.json").write_text(json.dumps(runs, indent=1))
@@ -377,23 +380,26 @@ def overload(server: servers.Running, capacity: float, seconds: float) -> dict[s
 # -- memory ---------------------------------------------------------------------------------
 
 
-def memory_configs(mode: Mode) -> list[tuple[str, str, servers.Layout]]:
-    both = ("echo", "burn")
+def memory_configs(mode: Mode, chosen: Sequence[str]) -> list[tuple[str, str, servers.Layout]]:
+    """KServe in (a) only: one process holds every model, with no pools, gids or workers, so
+    (b) and (c) would measure the same process again."""
+    both = servers.BOTH
     configs = [
         ("a", servers.SUBJECT, servers.Layout(both)),
         ("a", servers.REFERENCE, servers.Layout(both)),
+        ("a", servers.KSERVE, servers.Layout(both)),
         ("b", servers.SUBJECT, servers.Layout(both, separate_gids=True)),
         ("b", servers.REFERENCE, servers.Layout(both, separate_gids=True)),
         ("c", servers.SUBJECT, servers.Layout(("big",), workers=4)),
     ]
     if mode.memory_c_peer:
         configs.append(("c", servers.REFERENCE, servers.Layout(("big",), workers=4)))
-    return configs
+    return [c for c in configs if c[1] in chosen]
 
 
-def measure_memory(fleet: Fleet, mode: Mode) -> dict[str, Any]:
+def measure_memory(fleet: Fleet, mode: Mode, chosen: Sequence[str]) -> dict[str, Any]:
     memory: dict[str, Any] = {"c": {"array_bytes": fleet.workload.array_mib * report.MIB}}
-    for config, key, layout in memory_configs(mode):
+    for config, key, layout in memory_configs(mode, chosen):
         server = fleet.start(servers.spec(key), layout, f"mem-{config}")
         try:
             fleet.wait_ready(server, warm=10)
@@ -426,6 +432,9 @@ def versions(venvs: dict[str, Path], pa: install.PerfAnalyzer) -> dict[str, str]
     if "mlserver" in venvs:
         found["MLServer"] = install.package_version(venvs["mlserver"], "mlserver")
         found["grpcio (MLServer venv)"] = install.package_version(venvs["mlserver"], "grpcio")
+    if "kserve" in venvs:
+        found["KServe"] = install.package_version(venvs["kserve"], "kserve")
+        found["grpcio (KServe venv)"] = install.package_version(venvs["kserve"], "grpcio")
     return found
 
 
@@ -493,12 +502,19 @@ def run(mode: Mode, only: Sequence[str], publish_results: bool) -> dict[str, Any
             "work_dir": str(run_dir),
         },
         "servers": [
-            {"key": s.key, "label": s.label, "workers": s.workers, "note": s.note} for s in chosen
+            {
+                "key": s.key,
+                "label": s.label,
+                "workers": s.workers,
+                "models": list(s.models),
+                "note": s.note,
+            }
+            for s in chosen
         ],
     }
     try:
         with phase("start servers", timings):
-            running = [fleet.start(s, servers.Layout(), "perf") for s in chosen]
+            running = [fleet.start(s, servers.Layout(s.models), "perf") for s in chosen]
             for server in running:
                 fleet.wait_ready(server)
         with phase("perf_analyzer rounds", timings):
@@ -517,7 +533,7 @@ def run(mode: Mode, only: Sequence[str], publish_results: bool) -> dict[str, Any
         results["overload"] = overloads
         fleet.stop_all()
         with phase("memory", timings):
-            results["memory"] = measure_memory(fleet, mode)
+            results["memory"] = measure_memory(fleet, mode, [s.key for s in chosen])
     finally:
         fleet.stop_all()
     timings["total"] = round(time.monotonic() - began, 1)

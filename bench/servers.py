@@ -1,16 +1,17 @@
 """The servers the bench compares: how each is configured, started, watched and stopped.
 
 A server is one :class:`ServerSpec` in :data:`SERVERS`: a key, a label, the
-virtual environment it runs from, its worker count and a function that
-writes its model repository and returns its command line. Adding a peer
-(KServe, for instance) is one more entry in :data:`SERVERS`, its runtime
-module under peers/ and, if it needs its own environment, one entry in
-``install.PEER_VENVS``; the rounds, tables and chart pick it up.
+virtual environment it runs from, its worker count, the models it serves and
+a function that writes its model repository and returns its command line.
+Adding a peer is one more entry in :data:`SERVERS`, its runtime module under
+peers/ and, if it needs its own environment, one entry in
+``install.PEER_VENVS``; the rounds, tables and chart pick it up (KServe came
+in that way; its targets are in report.py).
 
 Every server gets the same models (peers/workload.py holds the one copy of
 their code) and the same calibrated iteration count, as configuration: a
-temporary model repository for poolserve and MLServer, flags for the bare
-server. Processes are tracked by PID: the root we spawned plus every
+temporary model repository for poolserve, MLServer and KServe, flags for the
+bare server. Processes are tracked by PID: the root we spawned plus every
 descendant seen in /proc, and stopped TERM -> grace -> KILL, PID by PID.
 """
 
@@ -86,6 +87,9 @@ class Context:
 Builder = Callable[["ServerSpec", Context], Launch]
 
 
+BOTH = ("echo", "burn")
+
+
 @dataclass(frozen=True)
 class ServerSpec:
     key: str
@@ -94,6 +98,8 @@ class ServerSpec:
     build: Builder
     venv: str = ""  # "" = the project's .venv
     note: str = ""
+    models: tuple[str, ...] = BOTH  # what it serves in the perf_analyzer rounds
+    inline: bool = False  # poolserve: "parallel_workers": 0 and extra.inline_fast in every model
 
     def workers_for(self, layout: Layout) -> int:
         return self.workers if layout.workers is None else layout.workers
@@ -104,6 +110,32 @@ class ServerSpec:
 POOLSERVE_CLASSES = {"echo": "EchoModel", "burn": "BurnModel", "big": "BigModel"}
 
 
+def write_model_settings(
+    folder: Path,
+    model: str,
+    implementation: str,
+    ctx: Context,
+    extra: Mapping[str, object] | None = None,
+    **more: object,
+) -> None:
+    """The model-settings.json every repository-based server gets (same fields, same extra)."""
+    parameters: dict[str, object] = {"extra": {**ctx.layout.extra(model, ctx.workload),
+                                               **(extra or {})}}  # fmt: skip
+    gid = ctx.layout.gid(model)
+    if gid:
+        parameters["inference_pool_gid"] = gid
+    settings: dict[str, object] = {
+        "name": model,
+        "implementation": implementation,
+        "parameters": parameters,
+        "inputs": [TENSOR],
+        "outputs": [OUTPUT],
+        **more,
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    write_json(folder / "model-settings.json", settings)
+
+
 def build_poolserve(spec: ServerSpec, ctx: Context) -> Launch:
     repo = ctx.workdir / "repo"
     for model in ctx.layout.models:
@@ -111,20 +143,12 @@ def build_poolserve(spec: ServerSpec, ctx: Context) -> Launch:
         folder.mkdir(parents=True)
         shutil.copy(PEER_CODE / "poolserve_models.py", folder / "model.py")
         shutil.copy(PEER_CODE / "workload.py", folder / "workload.py")
-        parameters: dict[str, object] = {"extra": ctx.layout.extra(model, ctx.workload)}
-        gid = ctx.layout.gid(model)
-        if gid:
-            parameters["inference_pool_gid"] = gid
-        write_json(
-            folder / "model-settings.json",
-            {
-                "name": model,
-                "implementation": f"model.{POOLSERVE_CLASSES[model]}",
-                "parameters": parameters,
-                "inputs": [TENSOR],
-                "outputs": [OUTPUT],
-            },
-        )
+        implementation = f"model.{POOLSERVE_CLASSES[model]}"
+        if spec.inline:  # runs in the pool server process, on its event loop: no worker hop
+            write_model_settings(folder, model, implementation, ctx, {"inline_fast": True},
+                                 parallel_workers=0)  # fmt: skip
+        else:
+            write_model_settings(folder, model, implementation, ctx)
     run_dir = Path(os.environ.get("XDG_RUNTIME_DIR") or "/tmp") / f"psb-{os.getpid()}-{ctx.port}"
     argv = [str(POOLSERVE), "serve", str(repo), "--grpc-port", str(ctx.port)]
     argv += ["--run-dir", str(run_dir), "--workers", str(spec.workers_for(ctx.layout))]
@@ -151,24 +175,32 @@ def build_mlserver(spec: ServerSpec, ctx: Context) -> Launch:
         },
     )
     for model in ctx.layout.models:
-        parameters: dict[str, object] = {"extra": ctx.layout.extra(model, ctx.workload)}
-        gid = ctx.layout.gid(model)
-        if gid:
-            parameters["inference_pool_gid"] = gid
-        (repo / model).mkdir()
-        write_json(
-            repo / model / "model-settings.json",
-            {
-                "name": model,
-                "implementation": f"mlserver_models.{MLSERVER_CLASSES[model]}",
-                "parameters": parameters,
-                "inputs": [TENSOR],
-                "outputs": [OUTPUT],
-            },
-        )
+        write_model_settings(repo / model, model, f"mlserver_models.{MLSERVER_CLASSES[model]}", ctx)
     python = ctx.venvs[spec.venv]
     argv = [str(python), str(PEER_CODE / "mlserver_addon.py"), "start", str(repo)]
     return Launch(argv, env={"PYTHONPATH": str(PEER_CODE)})
+
+
+# -- KServe ------------------------------------------------------------------------
+
+KSERVE_CLASSES = {"echo": "EchoModel", "burn": "BurnModel", "big": "BigModel"}
+KSERVE_ENV = {"KSERVE_LOGLEVEL": "WARNING"}  # KServe's own setting; INFO logs every request
+
+
+def build_kserve(spec: ServerSpec, ctx: Context) -> Launch:
+    """peers/kserve_server.py: the models as kserve.Model subclasses on kserve.ModelServer.
+
+    Ports through KServe's own flags; one process (KServe's --workers adds REST
+    processes only, so the layout's worker count does not apply). The launcher
+    binds gRPC and REST to 127.0.0.1 and adds ModelConfig/ModelStatistics.
+    """
+    repo = ctx.workdir / "repo"
+    for model in ctx.layout.models:
+        write_model_settings(repo / model, model, f"kserve_server.{KSERVE_CLASSES[model]}", ctx)
+    python = ctx.venvs[spec.venv]
+    argv = [str(python), str(PEER_CODE / "kserve_server.py"), str(repo)]
+    argv += ["--grpc_port", str(ctx.port), "--http_port", str(free_port())]
+    return Launch(argv, env={"PYTHONPATH": str(PEER_CODE), **KSERVE_ENV})
 
 
 # -- the bare grpc.aio server --------------------------------------------------------
@@ -187,8 +219,24 @@ MLSERVER_NOTE = (
     "parallel_workers, loopback host and free ports; ModelConfig/ModelStatistics added by the bench"
 )
 
+KSERVE_NOTE = (
+    "KServe 0.21.0 ModelServer defaults (one process) except KSERVE_LOGLEVEL=WARNING and free "
+    "ports (--grpc_port, --http_port); bound to 127.0.0.1 by the bench's launcher (KServe binds "
+    "[::]:PORT and has no host setting: the launcher rewrites the address passed to "
+    "add_insecure_port, and uvicorn's REST host); ModelConfig/ModelStatistics added by the bench"
+)
+INLINE_NOTE = (
+    'the same echo model with "parallel_workers": 0 and parameters.extra.inline_fast: true in its '
+    "model-settings.json: it runs in the pool server process on its event loop; echo only"
+)
+
 SERVERS: tuple[ServerSpec, ...] = (
     ServerSpec("poolserve", "poolserve (2 workers)", 2, build_poolserve),
+    ServerSpec(
+        "poolserve-inline", "poolserve (echo inline, fast)", 0, build_poolserve, "",
+        INLINE_NOTE, models=("echo",), inline=True,
+    ),
+    ServerSpec("kserve", "KServe 0.21.0 (1 process)", 0, build_kserve, "kserve", KSERVE_NOTE),
     ServerSpec(
         "mlserver-2", "MLServer 1.7.1 (parallel_workers 2)", 2, build_mlserver, "mlserver",
         MLSERVER_NOTE,
@@ -204,6 +252,8 @@ SERVERS: tuple[ServerSpec, ...] = (
 )  # fmt: skip
 SUBJECT = "poolserve"
 REFERENCE = "mlserver-2"  # the peer the targets compare against
+KSERVE = "kserve"  # the single-process peer the light-model targets compare against
+INLINE = "poolserve-inline"
 
 
 def spec(key: str) -> ServerSpec:

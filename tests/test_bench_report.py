@@ -34,6 +34,7 @@ perf = load("_bench_perf", ROOT / "bench" / "perf.py")
 report = load("_bench_report", ROOT / "bench" / "report.py")
 pbwire = load("_bench_pbwire", ROOT / "bench" / "peers" / "pbwire.py")
 workload = load("_bench_workload", ROOT / "bench" / "peers" / "workload.py")
+servers = load("_bench_servers", ROOT / "bench" / "servers.py")
 
 
 def recorded(stem: str) -> Any:
@@ -114,8 +115,11 @@ def sample_results() -> dict[str, Any]:
     runs = []
     for r, (ps_echo, ml_echo) in enumerate([(1700, 1000), (1500, 1100), (1600, 900)]):
         runs.append(run("poolserve", "echo", 16, ps_echo, 10.0 + r, r))
+        runs.append(run("poolserve-inline", "echo", 16, 3100.0 + 100 * r, 8.0, r))
+        runs.append(run("kserve", "echo", 16, 3300.0, 8.0, r))
         runs.append(run("mlserver-2", "echo", 16, ml_echo, 30.0, r))
         runs.append(run("poolserve", "burn", 16, 93.0, 300.0, r))
+        runs.append(run("kserve", "burn", 16, 43.0, 500.0, r))
         runs.append(run("mlserver-2", "burn", 16, 85.0, 350.0, r))
     runs.append({"round": 3, "server": "poolserve", "model": "echo", "concurrency": 16,
                  "error": "perf_analyzer exit 1: boom"})  # fmt: skip
@@ -123,13 +127,18 @@ def sample_results() -> dict[str, Any]:
         "meta": {"cores": 2, "physical_limit": 95.0, "runs": 3, "date": "2026-01-01 00:00 UTC",
                  "mode": "full", "command": "make bench", "versions": {"python": "3.11"}},
         "servers": [
-            {"key": "poolserve", "label": "poolserve (2 workers)"},
-            {"key": "mlserver-2", "label": "MLServer (parallel_workers 2)"},
+            {"key": "poolserve", "label": "poolserve (2 workers)", "models": ["echo", "burn"]},
+            {"key": "poolserve-inline", "label": "poolserve (echo inline, fast)",
+             "models": ["echo"]},
+            {"key": "kserve", "label": "KServe 0.21.0 (1 process)", "models": ["echo", "burn"]},
+            {"key": "mlserver-2", "label": "MLServer (parallel_workers 2)",
+             "models": ["echo", "burn"]},
         ],
         "runs": runs,
         "memory": {
             "a": {"poolserve": {"pss_bytes": 100 * report.MIB, "processes": 6},
-                  "mlserver-2": {"pss_bytes": 300 * report.MIB, "processes": 4}},
+                  "mlserver-2": {"pss_bytes": 300 * report.MIB, "processes": 4},
+                  "kserve": {"pss_bytes": 90 * report.MIB, "processes": 1}},
             "b": {"poolserve": {"pss_bytes": 160 * report.MIB, "processes": 10},
                   "mlserver-2": {"pss_bytes": 300 * report.MIB, "processes": 8}},
             "c": {"array_bytes": 400 * report.MIB,
@@ -159,7 +168,7 @@ def test_targets_are_ratios_of_medians_with_pass_and_miss() -> None:
     assert found["echo_c16_throughput"]["passed"]
     assert found["echo_c16_p99"]["value"] == pytest.approx(11 / 30)
     # The limit comes from the loop's CPU measured inside poolserve: 2 cores / 21 ms.
-    assert results["model_cpu_ms"] == {"mlserver-2": 21.0, "poolserve": 21.0}
+    assert results["model_cpu_ms"] == {"kserve": 21.0, "mlserver-2": 21.0, "poolserve": 21.0}
     assert found["burn_c16_vs_limit"]["value"] == pytest.approx(93 / (2 / 0.021))
     assert found["burn_c16_vs_limit"]["passed"]
     assert found["burn_c16_throughput"]["passed"]
@@ -169,6 +178,33 @@ def test_targets_are_ratios_of_medians_with_pass_and_miss() -> None:
     assert found["memory_c"]["value"] == pytest.approx(1.25)
     assert found["overload_goodput"]["passed"]
     assert not found["overload_abandoned_cpu"]["passed"]  # 8 % >= 5 %
+
+
+def test_light_model_targets_compare_with_kserve_in_the_same_run() -> None:
+    results = report.summarize(sample_results())
+    found = {t["key"]: t for t in results["targets"]}
+    assert found["echo_c16_vs_kserve"]["value"] == pytest.approx(1600 / 3300)
+    assert not found["echo_c16_vs_kserve"]["passed"]  # 0.48 < 0.75
+    assert found["echo_c16_vs_mlserver_x2"]["value"] == pytest.approx(1.6)
+    assert not found["echo_c16_vs_mlserver_x2"]["passed"]  # issue 10 asks 2x, issue 8 1.5x
+    assert found["echo_c16_p99_vs_kserve"]["value"] == pytest.approx(11 / 8)
+    assert not found["echo_c16_p99_vs_kserve"]["passed"]  # 1.375 > 1.3
+    # the inline target is poolserve-inline's echo, not poolserve's
+    assert found["echo_inline_c16_vs_kserve"]["value"] == pytest.approx(3200 / 3300)
+    assert found["echo_inline_c16_vs_kserve"]["passed"]
+    assert found["burn_c16_vs_kserve"]["value"] == pytest.approx(93 / 43)
+    assert found["burn_c16_vs_kserve"]["passed"]  # 2.16 >= 1.9
+    issue_10 = sorted(t["key"] for t in results["targets"] if "10" in t["issue"].split(", "))
+    assert issue_10 == [
+        "burn_c16_throughput",  # >= 1.0 x MLServer (2 workers): issues 8 and 10 both ask it
+        "burn_c16_vs_kserve",
+        "echo_c16_p99_vs_kserve",
+        "echo_c16_vs_kserve",
+        "echo_c16_vs_mlserver_x2",
+        "echo_inline_c16_vs_kserve",
+    ]
+    assert found["burn_c16_throughput"]["issue"] == "8, 10"
+    assert all(t["issue"] for t in results["targets"])
 
 
 def test_the_limit_falls_back_to_the_calibration() -> None:
@@ -182,12 +218,34 @@ def test_the_limit_falls_back_to_the_calibration() -> None:
 def test_a_missing_figure_is_a_miss_not_a_pass() -> None:
     results = sample_results()
     del results["overload"]
-    results["runs"] = [r for r in results["runs"] if r["server"] != "mlserver-2"]
+    results["runs"] = [r for r in results["runs"] if r["server"] not in {"mlserver-2", "kserve"}]
     found = {t["key"]: t for t in report.summarize(results)["targets"]}
     assert found["echo_c16_throughput"]["value"] is None
     assert not found["echo_c16_throughput"]["passed"]
     assert not found["overload_goodput"]["passed"]
+    for key in ("echo_c16_vs_kserve", "echo_inline_c16_vs_kserve", "burn_c16_vs_kserve"):
+        assert found[key]["value"] is None and not found[key]["passed"]
     assert "n/a" in report.targets_table(results)
+
+
+def test_results_recorded_before_kserve_still_render() -> None:
+    # latest.json from an older run: no KServe, no inline server, no "models" per server
+    results = sample_results()
+    results["servers"] = [
+        {"key": "poolserve", "label": "poolserve (2 workers)"},
+        {"key": "mlserver-2", "label": "MLServer (parallel_workers 2)"},
+    ]
+    results["runs"] = [r for r in results["runs"] if r["server"] in {"poolserve", "mlserver-2"}]
+    del results["memory"]["a"]["kserve"]
+    text = report.markdown(report.summarize(results))
+    assert "| - |" not in report.perf_tables(results)  # every server served every model
+    assert "MLServer lacks ModelConfig and ModelStatistics" in text
+    assert "around the unmodified MLServer server (" in text
+    assert "KServe runs" not in text and "KServe is measured" not in text
+    assert (
+        "| 10 | echo c16 throughput vs KServe (1 process) (1,600.0 vs n/a infer/s) | n/a "
+        "| >= 0.75 | MISS |"
+    ) in text
 
 
 def test_markdown_shows_each_target_beside_its_verdict_and_the_added_handlers() -> None:
@@ -202,8 +260,28 @@ def test_markdown_shows_each_target_beside_its_verdict_and_the_added_handlers() 
         "| MISS |"
     ) in text
     assert "(8 of 100 executions) | 0.08 | < 0.05 | MISS |" in text
+    assert (
+        "| 10 | echo inline (fast) c16 throughput vs KServe (1 process) (3,200.0 vs 3,300.0 "
+        "infer/s) | 0.97 | >= 0.9 | PASS |"
+    ) in text
+    assert "| 8, 10 | burn c16 throughput vs MLServer (2 workers) (93.0 vs 85.0 infer/s) |" in text
     assert text.count("| PASS |") + text.count("| MISS |") == len(results["targets"])
-    assert "added those two handlers" in text
+    assert (
+        "MLServer and KServe lack ModelConfig and ModelStatistics, which perf_analyzer needs: "
+        "the bench added those two handlers around the unmodified MLServer and KServe servers"
+    ) in text
+    # how KServe is bound to loopback and its logging turned down, said in the report
+    assert (
+        "binds it to 127.0.0.1 by rewriting the address KServe passes to add_insecure_port" in text
+    )
+    assert "KSERVE_LOGLEVEL=WARNING" in text
+    assert '`"parallel_workers": 0` and `parameters.extra.inline_fast: true`' in text
+    # poolserve-inline serves echo only: its burn cells say so ("-"), they are not missing
+    inline_rows = [line for line in text.splitlines() if line.startswith("| poolserve (echo inl")]
+    assert len(inline_rows) == 3  # throughput, p99, CPU per request
+    assert inline_rows[0] == "| poolserve (echo inline, fast) | n/a | n/a | 3,200.0 | - | - | - |"
+    assert inline_rows[2].endswith("| - |")
+    assert "| 90 MiB (1 proc) |" in text and "KServe is measured in (a) only" in text
     assert "1,600.0" in text  # the median throughput
     assert "poolserve (c), MiB by process: poolserve-zyg 410" in text
 
@@ -294,6 +372,53 @@ def test_execution_records_count_and_time_each_burn(tmp_path: Path) -> None:
         f.write(b"\x01\x02")
     assert workload.counter_offset(path) == end
     workload.ExecutionCounter("").count(1)  # no path: counting is off
+
+
+def test_inline_poolserve_and_kserve_get_the_same_models_as_configuration(
+    tmp_path: Path,
+) -> None:
+    import json
+
+    load_ = servers.Workload(1000, tmp_path / "burn.count")
+    inline = servers.spec("poolserve-inline")
+    assert inline.models == ("echo",)
+    ctx = servers.Context(tmp_path / "inline", 50051, load_, servers.Layout(inline.models), {})
+    launch = inline.build(inline, ctx)
+    echo = json.loads((tmp_path / "inline" / "repo" / "echo" / "model-settings.json").read_text())
+    assert echo["parallel_workers"] == 0
+    assert echo["parameters"]["extra"] == {"inline_fast": True}
+    assert echo["implementation"] == "model.EchoModel"  # the same echo model as poolserve's
+    assert launch.argv[launch.argv.index("--workers") + 1] == "0"
+
+    kserve = servers.spec("kserve")
+    python = tmp_path / "kserve" / "bin" / "python"
+    ctx = servers.Context(tmp_path / "ks", 50052, load_, servers.Layout(kserve.models),
+                          {"kserve": python})  # fmt: skip
+    launch = kserve.build(kserve, ctx)
+    assert launch.argv[:3] == [
+        str(python),
+        str(ROOT / "bench" / "peers" / "kserve_server.py"),
+        str(tmp_path / "ks" / "repo"),
+    ]
+    assert launch.argv[launch.argv.index("--grpc_port") + 1] == "50052"
+    assert launch.env["KSERVE_LOGLEVEL"] == "WARNING"
+    burn = json.loads((tmp_path / "ks" / "repo" / "burn" / "model-settings.json").read_text())
+    assert burn["implementation"] == "kserve_server.BurnModel"
+    # the calibrated iteration count and the execution counter, as for every server
+    assert burn["parameters"]["extra"] == {"iterations": 1000, "counter": str(load_.counter)}
+    assert burn["inputs"] == [servers.TENSOR] and burn["outputs"] == [servers.OUTPUT]
+
+
+def test_every_peer_has_its_own_venv_with_the_projects_grpc() -> None:
+    from importlib import metadata
+
+    install = load("_bench_install", ROOT / "bench" / "install.py")
+    for spec in servers.SERVERS:
+        assert not spec.venv or spec.venv in install.PEER_VENVS
+    kserve = install.PEER_VENVS["kserve"]()
+    assert kserve.path == ROOT / "bench" / ".peers" / "kserve"
+    grpc = metadata.version("grpcio")
+    assert {"kserve==0.21.0", f"grpcio=={grpc}", f"grpcio-tools=={grpc}"} <= set(kserve.packages)
 
 
 def test_results_survive_a_json_round_trip() -> None:
