@@ -109,11 +109,14 @@ def test_expired_requests_never_reach_a_worker(tmp_path: Path) -> None:
         finished: list[float] = []
 
         async def short(k: int) -> grpc.StatusCode:
+            sent = time.monotonic()
             code = await status_of(stub.ModelInfer(sleep_request(1, float(k)), timeout=0.05))
-            finished.append(time.monotonic())
+            finished.append(time.monotonic() - sent)
             return code
 
         codes = await asyncio.gather(*(short(k) for k in range(20)))
+        slowest = max(finished) * 1000
+        print(f"20 x 50 ms deadlines behind a busy worker: slowest answer {slowest:.1f} ms")
         assert set(codes) == {grpc.StatusCode.DEADLINE_EXCEEDED}
         assert not busy.done(), "the expired requests waited for the busy worker"
         assert (await busy).outputs
@@ -155,6 +158,8 @@ def test_random_deadlines_and_cancels(tmp_path: Path) -> None:
             grpc.StatusCode.CANCELLED,
         }, codes
         assert grpc.StatusCode.OK in codes
+        over = sorted((took - limit) * 1000 for _, took, limit in results)
+        print(f"500 calls: worst {over[-1]:+.1f} ms past the deadline, p99 {over[494]:+.1f} ms")
         late = [(took, limit) for _, took, limit in results if took > limit + slack]
         assert not late
         # the pool still serves normally afterwards
