@@ -37,7 +37,7 @@ from poolserve.service.errors import (
     Unavailable,
     error_for,
 )
-from poolserve.service.frames import HEADER, HEARTBEAT, Reply, parse_reply, request_frame
+from poolserve.service.frames import Reply, read_reply, request_frame
 from poolserve.service.stats import Timings
 
 log = logging.getLogger(__name__)
@@ -381,12 +381,10 @@ class Dispatcher:
             self._worker_free(worker)
             self._on_change()
             while True:
-                header = await reader.readexactly(HEADER.size)
-                length, kind, seq = HEADER.unpack(header)
-                payload = await reader.readexactly(length)
+                reply = await read_reply(reader)
                 worker.last_seen = asyncio.get_running_loop().time()
-                if kind != HEARTBEAT:
-                    self._deliver(worker, parse_reply(kind, seq, payload))
+                if reply is not None:
+                    self._deliver(worker, reply)
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
             pass  # the worker died or closed: handled below
         except ValueError as exc:

@@ -144,10 +144,6 @@ def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
 
 
-def status_for_failure(failure: Failure) -> grpc.StatusCode:
-    return _STATUS[failure]
-
-
 _FAILURE_FOR_STATUS: dict[grpc.StatusCode, Failure] = {
     grpc.StatusCode.NOT_FOUND: Failure.NOT_FOUND,
     grpc.StatusCode.INVALID_ARGUMENT: Failure.INVALID_INPUT,

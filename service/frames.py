@@ -10,6 +10,7 @@ has already given up on.
 
 from __future__ import annotations
 
+import asyncio
 import struct
 from dataclasses import dataclass
 
@@ -24,8 +25,6 @@ REQUEST = 1
 REPLY = 2
 ERROR = 3
 HEARTBEAT = 4  # worker -> pool, from the worker's heartbeat thread; seq 0, no payload
-
-MAX_FRAME = 1 << 31
 
 
 @dataclass(slots=True)
@@ -55,6 +54,21 @@ def error_frame(seq: int, timings: Timings, failure: Failure, message: str) -> b
 
 def heartbeat_frame() -> bytes:
     return HEADER.pack(0, HEARTBEAT, 0)
+
+
+async def read_reply(reader: asyncio.StreamReader) -> Reply | None:
+    """The next frame from a worker; None for a heartbeat.
+
+    A REPLY's timings and body are read apart, so the response bytes go back to
+    the caller as they came off the socket, never copied by a slice.
+    """
+    length, kind, seq = HEADER.unpack(await reader.readexactly(HEADER.size))
+    if kind == HEARTBEAT:
+        return None
+    if kind == REPLY and length >= TIMINGS.size:
+        timings = Timings(*TIMINGS.unpack(await reader.readexactly(TIMINGS.size)))
+        return Reply(seq, timings, await reader.readexactly(length - TIMINGS.size))
+    return parse_reply(kind, seq, await reader.readexactly(length))
 
 
 def parse_reply(kind: int, seq: int, payload: bytes) -> Reply:
