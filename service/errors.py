@@ -135,13 +135,19 @@ _BY_FAILURE: tuple[type[ServingError], ...] = (
 )
 
 
+def as_serving_error(exc: BaseException) -> ServingError:
+    """Any exception as the error a client gets for it."""
+    if isinstance(exc, ServingError):
+        return exc
+    if isinstance(exc, DecodeError):  # bytes that are not the message they claim to be
+        return InvalidInput(f"request cannot be parsed: {exc}")
+    return ServingError(f"internal error: {type(exc).__name__}: {exc}")
+
+
 def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status code and message a client sees for ``exc``."""
-    if isinstance(exc, ServingError):
-        return _STATUS[exc.failure], exc.message
-    if isinstance(exc, DecodeError):
-        return grpc.StatusCode.INVALID_ARGUMENT, f"request cannot be parsed: {exc}"
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+    error = as_serving_error(exc)
+    return _STATUS[error.failure], error.message
 
 
 _FAILURE_FOR_STATUS: dict[grpc.StatusCode, Failure] = {

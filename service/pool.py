@@ -37,6 +37,7 @@ from poolserve.service.errors import (
 )
 from poolserve.service.health import Health
 from poolserve.service.inline import InlineRunner, is_inline
+from poolserve.service.lane import LaneServer, lane_path
 from poolserve.service.procutil import pss_bytes
 from poolserve.service.repository import ModelSettings, TensorSpec, scan
 from poolserve.service.respawn import Respawner
@@ -183,6 +184,7 @@ class PoolServer:
             control=self,
             margin_s=settings.deadline_margin_ms / 1000,
         )
+        self.lane = LaneServer(lane_path(socket_path), self.servicer.infer_lane, f"pool '{gid}'")
         self._stop = asyncio.Event()
         self.exit_code = 0
         self.generation = 0  # bumped by every live load or unload; workers carry theirs
@@ -475,6 +477,7 @@ class PoolServer:
                 )
             )
             await server.start()
+            await self.lane.start(tasks)
             log.info("pool %s: serving on %s (pid %d)", self.gid, self.socket_path, os.getpid())
             ready()
             if self.inline_models:
@@ -489,7 +492,8 @@ class PoolServer:
     async def _shutdown(self, server: grpc.aio.Server) -> None:
         self.health.shutdown()
         # Stop taking calls, let in-flight calls finish within the grace period.
-        await server.stop(self.settings.stop_grace_s)
+        grace = self.settings.stop_grace_s
+        await asyncio.gather(server.stop(grace), self.lane.stop(grace))
         self.respawner.close()
         self.inline.close()
         for flight in list(self._flights.values()):

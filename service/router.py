@@ -40,6 +40,7 @@ from poolserve.service.errors import (
     grpc_status,
 )
 from poolserve.service.health import SERVING, Health
+from poolserve.service.lane import LaneClient, lane_path
 from poolserve.service.repository import Repository, scan
 from poolserve.service.rundir import (
     ADDRESS_FILE,
@@ -49,7 +50,7 @@ from poolserve.service.rundir import (
 )
 from poolserve.service.servicer import EXTENSIONS, NO_DEADLINE_S, SERVICE, guarded
 from poolserve.service.settings import ConfigError, ServerSettings
-from poolserve.service.tracing import Tracing, deadline_event, strip_carried
+from poolserve.service.tracing import Tracing, carried, deadline_event, strip_carried
 from poolserve.service.wire import peek_model
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ class PoolRoute:
     path: Path
     models: list[str]
     channel: grpc.aio.Channel | None = None
+    lane: LaneClient | None = None
     calls: dict[str, grpc.aio.UnaryUnaryMultiCallable[bytes, bytes]] = field(default_factory=dict)
     serving: bool = False
     model_serving: dict[str, bool] = field(default_factory=dict)
@@ -216,6 +218,27 @@ class Router:
             if not key.startswith(("grpc-", ":")) and key not in _DROP_METADATA
         )
 
+    def _deadline(self, context: grpc.aio.ServicerContext[Any, Any]) -> float:
+        return time.monotonic() + self._timeout(context)
+
+    async def _infer(
+        self, route: PoolRoute, body: bytes, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> bytes:
+        """ModelInfer over the pool's lane: frames, not a second gRPC hop."""
+        deadline = self._deadline(context)
+        span = _SPAN.get()
+        trace: list[tuple[str, str]]
+        if span is not None:
+            span.set_attribute(
+                "poolserve.deadline.remaining_ms", (deadline - time.monotonic()) * 1000
+            )
+            span.set_attribute("poolserve.pool", route.gid)
+            trace = Tracing.carry(span)
+        else:  # the pool may trace even when the router does not
+            trace = carried(context.invocation_metadata())
+        assert route.lane is not None
+        return await route.lane.call(body, deadline, trace)
+
     async def _forward(
         self,
         route: PoolRoute,
@@ -255,6 +278,8 @@ class Router:
                 return await self._all_statistics(context)
             if method == "ModelReady" and name in self.invalid and name not in self.routes:
                 return pb.ModelReadyResponse(ready=False).SerializeToString()
+            if method == "ModelInfer":
+                return await self._infer(self._route(name), body, context)
             return await self._forward(self._route(name), method, body, context)
 
         handler.__name__ = method
@@ -462,6 +487,7 @@ class Router:
         methods = (*ROUTED, "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload")
         route.channel = grpc.aio.insecure_channel(f"unix:{route.path}", options=options)
         route.calls = {m: route.channel.unary_unary(f"/{SERVICE}/{m}") for m in methods}
+        route.lane = LaneClient(lane_path(route.path), route.where)
 
     def _open_channels(self) -> None:
         for route in self.pools.values():
@@ -496,6 +522,8 @@ class Router:
         for route in removed:
             for task in route.watchers:
                 task.cancel()
+            if route.lane is not None:
+                route.lane.close()
             if route.channel is not None:
                 await route.channel.close(grace=self.settings.stop_grace_s)
         log.info(
@@ -583,6 +611,8 @@ class Router:
         if self.tracing is not None:
             await asyncio.to_thread(self.tracing.shutdown)  # flushes, off the loop
         for route in self.pools.values():
+            if route.lane is not None:
+                route.lane.close()
             if route.channel is not None:
                 await route.channel.close()
 

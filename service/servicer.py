@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import grpc
@@ -29,6 +29,7 @@ from poolserve.service.errors import (
     Unimplemented,
     grpc_status,
 )
+from poolserve.service.lane import Trace
 from poolserve.service.metadata import model_config, model_metadata
 from poolserve.service.tracing import Tracing, deadline_event
 from poolserve.service.wire import Routing, encode_len_field, peek_routing
@@ -218,7 +219,15 @@ class InferenceServicer:
         deadline = deadline_from(context, self.default_timeout_s, self.margin_s)
         if self.tracing is None:
             return await self.infer_bytes(request, deadline)
-        return await self._infer_traced(self.tracing, request, context, deadline)
+        metadata = context.invocation_metadata()
+        return await self._infer_traced(self.tracing, request, metadata, deadline)
+
+    async def infer_lane(self, request: bytes, deadline: float, trace: Trace) -> bytes:
+        """A ModelInfer that came over the router's lane (no gRPC context)."""
+        deadline -= self.margin_s
+        if self.tracing is None:
+            return await self.infer_bytes(request, deadline)
+        return await self._infer_traced(self.tracing, request, trace, deadline)
 
     async def infer_bytes(
         self, request: bytes, deadline: float, observe: Observer | None = None
@@ -231,13 +240,13 @@ class InferenceServicer:
         self,
         tracing: Tracing,
         request: bytes,
-        context: grpc.aio.ServicerContext[Any, Any],
+        metadata: Iterable[tuple[str, Any]] | None,
         deadline: float,
     ) -> bytes:
         """The pool's span, with ``queue`` and ``compute`` children from the worker's timings."""
         span = tracing.server_span(
             f"{self.server_name} pool ModelInfer",
-            context.invocation_metadata(),
+            metadata,
             {
                 "rpc.system": "grpc",
                 "rpc.service": SERVICE,

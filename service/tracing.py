@@ -123,3 +123,8 @@ def deadline_event(span: Span, stage: str, message: str = "") -> None:
 
 def strip_carried(metadata: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
     return [(k, v) for k, v in metadata if k not in _CARRIED]
+
+
+def carried(metadata: Iterable[tuple[str, Any]] | None) -> list[tuple[str, str]]:
+    """The trace context entries of ``metadata``, to pass on to the next hop."""
+    return [(k, str(v)) for k, v in metadata or () if k in _CARRIED]
