@@ -37,7 +37,7 @@ from poolserve.service.errors import (
     Unavailable,
     error_for,
 )
-from poolserve.service.frames import Reply, read_reply, request_frame
+from poolserve.service.frames import Reply, ReplyBuffer, request_frame
 from poolserve.service.stats import Timings
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ class Worker:
     pid: int
     sock: socket.socket
     pidfd: int = -1
-    writer: asyncio.StreamWriter | None = None
+    transport: asyncio.Transport | None = None
     current: Job | None = None
     served: int = 0
     state: WorkerState = WorkerState.STARTING
@@ -317,8 +317,8 @@ class Dispatcher:
         worker.state = WorkerState.BUSY
         if job.timeout is not None:
             job.overtime = loop.call_at(job.started + job.timeout, self._overtime, worker, job)
-        assert worker.writer is not None
-        worker.writer.write(request_frame(job.seq, job.body))
+        assert worker.transport is not None
+        worker.transport.write(request_frame(job.seq, job.body))
 
     def _next_job(self) -> Job | None:
         """The next job worth starting.
@@ -376,22 +376,28 @@ class Dispatcher:
     # -- per-worker reader task -----------------------------------------
 
     async def _read_replies(self, worker: Worker) -> None:
+        """Lives as long as the worker's connection; the protocol delivers its replies."""
+        loop = asyncio.get_running_loop()
+        closed: asyncio.Future[None] = loop.create_future()
         try:
-            reader, worker.writer = await asyncio.open_connection(sock=worker.sock)
+            transport, _ = await loop.connect_accepted_socket(
+                lambda: _WorkerLink(self, worker, closed), sock=worker.sock
+            )
+            assert isinstance(transport, asyncio.Transport)
+            worker.transport = transport
             self._worker_free(worker)
             self._on_change()
-            while True:
-                reply = await read_reply(reader)
-                worker.last_seen = asyncio.get_running_loop().time()
-                if reply is not None:
-                    self._deliver(worker, reply)
-        except (asyncio.IncompleteReadError, ConnectionError, OSError):
-            pass  # the worker died or closed: handled below
-        except ValueError as exc:
-            log.error("pool %s: worker %d broke the frame protocol: %s", self.name, worker.pid, exc)
-            self._kill(worker, f"frame protocol error: {exc}")
+            await closed  # the worker died or closed, or we closed it
+        except (ConnectionError, OSError):
+            pass  # the worker died before we could even connect: handled below
         finally:
             self._lost(worker)
+
+    def _protocol_error(self, worker: Worker, exc: ValueError) -> None:
+        log.error("pool %s: worker %d broke the frame protocol: %s", self.name, worker.pid, exc)
+        self._kill(worker, f"frame protocol error: {exc}")
+        if worker.transport is not None:
+            worker.transport.close()
 
     def _deliver(self, worker: Worker, reply: Reply) -> None:
         job = worker.current
@@ -458,8 +464,8 @@ class Dispatcher:
         self._workers.pop(worker.pid, None)
         with contextlib.suppress(ValueError):
             self._idle.remove(worker)
-        if worker.writer is not None:
-            worker.writer.close()
+        if worker.transport is not None:
+            worker.transport.close()
         else:
             worker.sock.close()
         job, worker.current = worker.current, None
@@ -540,11 +546,34 @@ class Dispatcher:
     def _close_worker(self, worker: Worker) -> None:
         """Closing the socket makes the worker exit (EOF); its reader then finishes.
 
-        A worker still connecting (no writer yet) is closed by its reader once
-        connected: closing the socket under a pending ``open_connection``
-        would leave the reader waiting on a dead, or reused, descriptor.
+        A worker still connecting (no transport yet) is closed by its reader once
+        connected: closing the socket under a pending connect would leave the
+        reader waiting on a dead, or reused, descriptor.
         """
-        if worker.writer is not None:
-            worker.writer.close()
+        if worker.transport is not None:
+            worker.transport.close()
         else:
             worker.retiring = True
+
+
+class _WorkerLink(asyncio.Protocol):
+    """One worker's socket: every byte counts as a sign of life, every frame is delivered."""
+
+    def __init__(self, dispatcher: Dispatcher, worker: Worker, closed: asyncio.Future[None]):
+        self.dispatcher = dispatcher
+        self.worker = worker
+        self.closed = closed
+        self.replies = ReplyBuffer()
+
+    def data_received(self, data: bytes) -> None:
+        worker = self.worker
+        worker.last_seen = time.monotonic()
+        try:
+            for reply in self.replies.feed(data):
+                self.dispatcher._deliver(worker, reply)
+        except ValueError as exc:
+            self.dispatcher._protocol_error(worker, exc)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.closed.done():
+            self.closed.set_result(None)

@@ -10,7 +10,6 @@ has already given up on.
 
 from __future__ import annotations
 
-import asyncio
 import struct
 from dataclasses import dataclass
 
@@ -56,19 +55,37 @@ def heartbeat_frame() -> bytes:
     return HEADER.pack(0, HEARTBEAT, 0)
 
 
-async def read_reply(reader: asyncio.StreamReader) -> Reply | None:
-    """The next frame from a worker; None for a heartbeat.
+class ReplyBuffer:
+    """Cuts a worker's byte stream into replies; keeps an incomplete tail.
 
-    A REPLY's timings and body are read apart, so the response bytes go back to
-    the caller as they came off the socket, never copied by a slice.
+    A REPLY's body is cut straight out of the buffer, so the response bytes go
+    back to the caller with one copy, never a second one by slicing a payload.
+    Heartbeats are consumed (the caller notes that bytes arrived at all).
     """
-    length, kind, seq = HEADER.unpack(await reader.readexactly(HEADER.size))
-    if kind == HEARTBEAT:
-        return None
-    if kind == REPLY and length >= TIMINGS.size:
-        timings = Timings(*TIMINGS.unpack(await reader.readexactly(TIMINGS.size)))
-        return Reply(seq, timings, await reader.readexactly(length - TIMINGS.size))
-    return parse_reply(kind, seq, await reader.readexactly(length))
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[Reply]:
+        buf = self._buf
+        buf += data
+        replies: list[Reply] = []
+        pos, end = 0, len(buf)
+        while end - pos >= HEADER.size:
+            length, kind, seq = HEADER.unpack_from(buf, pos)
+            start = pos + HEADER.size
+            stop = start + length
+            if stop > end:
+                break
+            if kind == REPLY and length >= TIMINGS.size:
+                timings = Timings(*TIMINGS.unpack_from(buf, start))
+                replies.append(Reply(seq, timings, bytes(buf[start + TIMINGS.size : stop])))
+            elif kind != HEARTBEAT:
+                replies.append(parse_reply(kind, seq, bytes(buf[start:stop])))
+            pos = stop
+        if pos:
+            del buf[:pos]
+        return replies
 
 
 def parse_reply(kind: int, seq: int, payload: bytes) -> Reply:

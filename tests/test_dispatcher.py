@@ -7,10 +7,19 @@ import socket
 from collections.abc import Awaitable, Callable
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from poolserve.service.dispatcher import Dispatcher, WorkerGone
-from poolserve.service.errors import DeadlineExceeded, QueueFull, Unavailable
-from poolserve.service.frames import HEADER, REQUEST, reply_frame
+from poolserve.service.errors import DeadlineExceeded, Failure, QueueFull, Unavailable
+from poolserve.service.frames import (
+    HEADER,
+    REQUEST,
+    ReplyBuffer,
+    error_frame,
+    heartbeat_frame,
+    reply_frame,
+)
 from poolserve.service.stats import Timings
 
 
@@ -225,3 +234,33 @@ def test_a_job_that_cannot_finish_in_time_is_not_started() -> None:
         assert d.skipped_hopeless == 1
 
     with_dispatcher(body)
+
+
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=30))
+def test_reply_buffer_cuts_replies_errors_and_heartbeats_out_of_any_chunking(
+    cuts: list[int],
+) -> None:
+    stream = (
+        reply_frame(1, Timings(1, 2, 3), b"first body")
+        + heartbeat_frame()
+        + error_frame(2, Timings(4, 5, 6), Failure.MODEL_ERROR, "model raised")
+        + reply_frame(3, Timings(), b"")
+    )
+    buffer = ReplyBuffer()
+    got = []
+    pos, turn = 0, 0
+    while pos < len(stream):
+        step = cuts[turn % len(cuts)]
+        got.extend(buffer.feed(stream[pos : pos + step]))
+        pos, turn = pos + step, turn + 1
+    assert [(r.seq, r.body, r.failure, r.message) for r in got] == [
+        (1, b"first body", None, ""),
+        (2, b"", Failure.MODEL_ERROR, "model raised"),
+        (3, b"", None, ""),
+    ]
+    assert got[0].timings == Timings(1, 2, 3) and got[1].timings == Timings(4, 5, 6)
+
+
+def test_reply_buffer_rejects_a_frame_a_worker_must_not_send() -> None:
+    with pytest.raises(ValueError, match="unexpected frame kind"):
+        ReplyBuffer().feed(HEADER.pack(0, REQUEST, 9))
