@@ -59,6 +59,7 @@ REPLY = 3
 ERROR = 4
 
 MAX_FRAME = (1 << 32) - 1
+LANE_OVERHEAD = 64 * 1024  # an INFER frame's head and trace context, beyond the request
 Trace = Sequence[tuple[str, str]]
 # The pool's side: runs one request; raises ServingError (or anything, mapped to INTERNAL).
 Handler = Callable[[bytes, float, Trace], Awaitable[bytes]]
@@ -105,10 +106,15 @@ def parse_error(payload: bytes) -> ServingError:
 
 
 class FrameBuffer:
-    """Cuts a byte stream into frames; keeps an incomplete tail for the next read."""
+    """Cuts a byte stream into frames; keeps an incomplete tail for the next read.
 
-    def __init__(self) -> None:
+    A frame announcing more than ``max_frame`` bytes is refused (ValueError)
+    before any of it is buffered.
+    """
+
+    def __init__(self, max_frame: int = MAX_FRAME) -> None:
         self._buf = bytearray()
+        self.max_frame = max_frame
 
     def feed(self, data: bytes) -> list[tuple[int, int, bytes]]:
         buf = self._buf
@@ -117,6 +123,8 @@ class FrameBuffer:
         pos, end = 0, len(buf)
         while end - pos >= HEADER.size:
             length, kind, seq = HEADER.unpack_from(buf, pos)
+            if length > self.max_frame:
+                raise ValueError(f"a frame of {length} bytes is over the limit of {self.max_frame}")
             stop = pos + HEADER.size + length
             if stop > end:
                 break
@@ -248,7 +256,7 @@ def _time_out(future: asyncio.Future[bytes]) -> None:
 class _ServerProtocol(asyncio.Protocol):
     def __init__(self, server: LaneServer) -> None:
         self.server = server
-        self.frames = FrameBuffer()
+        self.frames = FrameBuffer(server.max_frame)
         self.running: dict[int, asyncio.Task[None]] = {}
         self.transport: asyncio.Transport | None = None
 
@@ -258,7 +266,11 @@ class _ServerProtocol(asyncio.Protocol):
         self.server.connections.add(self)
 
     def data_received(self, data: bytes) -> None:
-        for kind, seq, payload in self.frames.feed(data):
+        try:
+            frames = self.frames.feed(data)
+        except ValueError as exc:
+            return self._refuse(str(exc))
+        for kind, seq, payload in frames:
             if kind == INFER:
                 self._start(seq, payload)
             elif kind == CANCEL:
@@ -266,10 +278,13 @@ class _ServerProtocol(asyncio.Protocol):
                 if task is not None:
                     task.cancel()
             else:
-                log.warning("lane: unexpected frame kind %d; closing the connection", kind)
-                if self.transport is not None:
-                    self.transport.close()
-                return
+                return self._refuse(f"unexpected frame kind {kind}")
+
+    def _refuse(self, why: str) -> None:
+        """Whoever sent this is not our router: end that connection, nothing else."""
+        log.warning("%s lane: %s; closing the connection", self.server.where, why)
+        if self.transport is not None:
+            self.transport.close()
 
     def _start(self, seq: int, payload: bytes) -> None:
         if self.server.draining:
@@ -314,10 +329,13 @@ class _ServerProtocol(asyncio.Protocol):
 class LaneServer:
     """The pool's lane: every request runs as a task of the pool's task group."""
 
-    def __init__(self, path: Path, handler: Handler, where: str) -> None:
+    def __init__(
+        self, path: Path, handler: Handler, where: str, max_frame: int = MAX_FRAME
+    ) -> None:
         self.path = path
         self.handler = handler
         self.where = where
+        self.max_frame = max_frame
         self.connections: set[_ServerProtocol] = set()
         self.draining = False
         self._server: asyncio.base_events.Server | None = None

@@ -37,7 +37,7 @@ from poolserve.service.errors import (
 )
 from poolserve.service.health import Health
 from poolserve.service.inline import InlineRunner, is_inline
-from poolserve.service.lane import LaneServer, lane_path
+from poolserve.service.lane import LANE_OVERHEAD, LaneServer, lane_path
 from poolserve.service.procutil import pss_bytes
 from poolserve.service.repository import ModelSettings, TensorSpec, scan
 from poolserve.service.respawn import Respawner
@@ -184,7 +184,12 @@ class PoolServer:
             control=self,
             margin_s=settings.deadline_margin_ms / 1000,
         )
-        self.lane = LaneServer(lane_path(socket_path), self.servicer.infer_lane, f"pool '{gid}'")
+        self.lane = LaneServer(
+            lane_path(socket_path),
+            self.servicer.infer_lane,
+            f"pool '{gid}'",
+            max_frame=settings.max_message_size + LANE_OVERHEAD,
+        )
         self._stop = asyncio.Event()
         self.exit_code = 0
         self.generation = 0  # bumped by every live load or unload; workers carry theirs

@@ -19,10 +19,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from poolserve.protos import inference_pb2 as pb
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "reliability"))
 
 import chaos
-from harness import Tree, infer_bytes, make_repo, payload, pool_status, wait_serving
+from harness import Tree, make_repo, pool_status, wait_serving
 
 pytestmark = pytest.mark.e2e
 
@@ -84,7 +86,9 @@ def test_pool_whose_zygote_died_ends_its_health_watches(tmp_path: Path) -> None:
 def test_router_turns_a_pool_cancel_into_unavailable(tmp_path: Path) -> None:
     """A pool that cancels a call (it is stopping) must not make the router tell
     its client 'CANCELLED': that client never cancelled, and clients read
-    CANCELLED as their own doing (no retry). UNAVAILABLE is right."""
+    CANCELLED as their own doing (no retry). UNAVAILABLE is right. (ModelInfer
+    travels on the pool's lane, where a stopping pool answers UNAVAILABLE itself:
+    tests/test_lane.py; the calls below still take the pool's gRPC socket.)"""
     repo = make_repo(tmp_path / "repo", {"echo": None})
     run_dir = tmp_path / "run"
     run_dir.mkdir(mode=0o700)
@@ -99,7 +103,7 @@ def test_router_turns_a_pool_cancel_into_unavailable(tmp_path: Path) -> None:
             (
                 grpc.method_handlers_generic_handler(
                     "inference.GRPCInferenceService",
-                    {"ModelInfer": grpc.unary_unary_rpc_method_handler(stopping_pool)},
+                    {"ModelMetadata": grpc.unary_unary_rpc_method_handler(stopping_pool)},
                 ),
             )
         )
@@ -112,10 +116,11 @@ def test_router_turns_a_pool_cancel_into_unavailable(tmp_path: Path) -> None:
         try:
             address = await published_address(run_dir / "router.addr")
             async with grpc.aio.insecure_channel(address) as channel:
-                call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+                call = channel.unary_unary("/inference.GRPCInferenceService/ModelMetadata")
                 with pytest.raises(grpc.aio.AioRpcError) as info:
-                    await call(infer_bytes("echo", payload(1)), timeout=30)
+                    await call(pb.ModelMetadataRequest(name="echo").SerializeToString(), timeout=30)
                 assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value
+                assert "dropped the call while stopping" in (info.value.details() or "")
         finally:
             router.kill()
             await router.wait()

@@ -321,3 +321,23 @@ def test_a_cancel_for_an_unknown_sequence_and_garbage_kinds_do_not_hurt_the_pool
         assert await client.call(b"others", soon(), []) == b"others"
 
     asyncio.run(with_lane(sock, echo, test))
+
+
+def test_a_frame_over_the_limit_ends_only_that_connection(sock: Path) -> None:
+    async def main() -> None:
+        async with asyncio.TaskGroup() as tasks:
+            server = LaneServer(sock, echo, "pool 'x'", max_frame=1024)
+            await server.start(tasks)
+            client = LaneClient(sock, "pool 'x'")
+            reader, writer = await asyncio.open_unix_connection(str(sock))
+            writer.write(HEADER.pack(1 << 31, INFER, 1))  # announces 2 GiB: refused unread
+            assert await reader.read() == b""
+            writer.close()
+            assert await client.call(b"fits", soon(), []) == b"fits"
+            with pytest.raises(Unavailable, match="closed its lane"):
+                await client.call(b"x" * 2048, soon(), [])
+            assert await client.call(b"fits again", soon(), []) == b"fits again"
+            client.close()
+            await server.stop(5.0)
+
+    asyncio.run(main())

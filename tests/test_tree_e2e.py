@@ -269,6 +269,67 @@ def test_sigkill_of_one_pool_restarts_only_that_pool(tmp_path: Path) -> None:
         asyncio.run(main(serving))
 
 
+# Marks that predict started, then never returns: a call that is in flight for sure.
+MARKED = """
+import os, time
+from poolserve.service import Model
+
+class Marked(Model):
+    def predict(self, inputs, parameters):
+        open(self.settings.extra["mark"], "w").close()
+        time.sleep(3600)
+        return {"OUTPUT0": inputs["INPUT0"]}
+"""
+
+
+def test_a_pool_killed_under_a_call_fails_it_unavailable_and_its_lane_reconnects(
+    tmp_path: Path,
+) -> None:
+    """The router's lane to a pool: the call in flight when the pool dies is
+    answered UNAVAILABLE at once (not left to its 120 s deadline), and the
+    restarted pool serves through a new lane connection."""
+    repo = tmp_path / "repo"
+    copy_example(repo, "echo")
+    mark = tmp_path / "predict-started"
+    settings = {"implementation": "model.Marked", "parameters": {"extra": {"mark": str(mark)}}}
+    write_model(repo, "stuck", settings, MARKED)
+
+    async def main(serving: Serving) -> None:
+        async with grpc.aio.insecure_channel(serving.address) as channel:
+            await wait_serving(channel)
+            stub = Stub(channel)
+            before = await fetch_tree_status(serving.run_dir, WAIT)
+            pool_pid = node(before, "pool:default").pid
+            serving.tree()
+            call = stub.ModelInfer(infer_request("stuck"), timeout=2 * WAIT)
+            assert await asyncio.to_thread(wait_until, mark.exists, WAIT)
+            os.kill(pool_pid, signal.SIGKILL)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call
+            assert info.value.code() is grpc.StatusCode.UNAVAILABLE, info.value.details()
+            assert "pool 'default' closed its lane" in (info.value.details() or "")
+            end = time.monotonic() + WAIT
+            reply = None
+            while reply is None:  # the supervisor restarts the pool; the router reconnects
+                try:
+                    reply = await stub.ModelInfer(infer_request("echo", 7.0), timeout=WAIT)
+                except grpc.aio.AioRpcError as error:
+                    refused = error.code(), error.details()
+                else:
+                    break
+                assert refused[0] is grpc.StatusCode.UNAVAILABLE, refused
+                assert time.monotonic() < end, "the restarted pool never served"
+                await wait_serving(channel, "model:echo")
+            assert np.frombuffer(reply.raw_output_contents[0], np.float32).tolist() == [7.0] * 16
+            after = await fetch_tree_status(serving.run_dir, WAIT)
+            serving.tree()
+            assert node(after, "pool:default").pid != pool_pid
+            assert node(after, "router").pid == node(before, "router").pid
+
+    with Serving(repo, tmp_path / "run") as serving:
+        asyncio.run(main(serving))
+
+
 # -- the root dies ----------------------------------------------------------------
 
 
