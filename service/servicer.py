@@ -255,6 +255,8 @@ class InferenceServicer:
                 * 1000,
             },
         )
+        if not span.is_recording():  # not sampled: no child spans, no status to record
+            return await self.infer_bytes(request, deadline)
 
         def observe(result: Result) -> None:
             worker = result.timings

@@ -25,6 +25,7 @@ pytestmark = pytest.mark.e2e
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
+UNSAMPLED_TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 Stub = pbg.GRPCInferenceServiceStub
 
 
@@ -70,6 +71,11 @@ def test_one_trace_through_router_and_pool(tmp_path: Path) -> None:
         async with grpc.aio.insecure_channel(serving.address) as channel:
             await wait_serving(channel)
             stub = Stub(channel)
+            # not sampled by the caller: neither router nor pool records anything for it
+            unsampled = f"00-{UNSAMPLED_TRACE_ID}-{CLIENT_SPAN}-00"
+            await stub.ModelInfer(
+                request("echo", 1.0), timeout=5, metadata=(("traceparent", unsampled),)
+            )
             parent = f"00-{TRACE_ID}-{CLIENT_SPAN}-01"
             await stub.ModelInfer(
                 request("echo", 1.0), timeout=5, metadata=(("traceparent", parent),)
@@ -85,6 +91,10 @@ def test_one_trace_through_router_and_pool(tmp_path: Path) -> None:
                 raise AssertionError(
                     [(sp.name, sp.trace_id.hex()) for _, sp in receiver.spans]
                 ) from None
+            # each process exports in order: the earlier call's spans would be here by now
+            # (and no process started a trace of its own for it)
+            traces = {sp.trace_id.hex() for _, sp in receiver.spans}
+            assert traces == {TRACE_ID}, traces
             mine = [(r, sp) for r, sp in receiver.spans if sp.trace_id.hex() == TRACE_ID]
             by_name = {sp.name: (r, sp) for r, sp in mine}
             router_resource, router = by_name["inference.GRPCInferenceService/ModelInfer"]
