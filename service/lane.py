@@ -135,6 +135,31 @@ class FrameBuffer:
         return frames
 
 
+class Batcher:
+    """Frames written during one turn of the event loop leave in one write.
+
+    Calls finish in bunches (several replies become ready in one turn), and a
+    system call per frame was a tenth of the pool's CPU per light request.
+    """
+
+    __slots__ = ("frames", "loop", "transport")
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+        self.frames: list[bytes] = []
+        self.loop = asyncio.get_running_loop()
+
+    def write(self, frame: bytes) -> None:
+        if not self.frames:
+            self.loop.call_soon(self._flush)
+        self.frames.append(frame)
+
+    def _flush(self) -> None:
+        frames, self.frames = self.frames, []
+        if not self.transport.is_closing():
+            self.transport.write(frames[0] if len(frames) == 1 else b"".join(frames))
+
+
 # -- the router's side ---------------------------------------------------------
 
 
@@ -168,12 +193,12 @@ class LaneClient:
         self.pending: dict[int, asyncio.Future[bytes]] = {}
         self.late_replies = 0
         self._seq = itertools.count(1)
-        self._transport: asyncio.Transport | None = None
+        self._transport: Batcher | None = None
         self._protocol: _ClientProtocol | None = None
         self._connecting: asyncio.Future[None] | None = None
         self._closed = False
 
-    async def _connect(self) -> asyncio.Transport:
+    async def _connect(self) -> Batcher:
         while self._transport is None:
             if self._closed:
                 raise Unavailable(f"{self.where} is no longer routed")
@@ -191,7 +216,7 @@ class LaneClient:
             finally:
                 self._connecting.set_result(None)
                 self._connecting = None
-            self._transport, self._protocol = transport, protocol
+            self._transport, self._protocol = Batcher(transport), protocol
         return self._transport
 
     async def call(self, body: bytes, deadline: float, trace: Trace) -> bytes:
@@ -238,7 +263,7 @@ class LaneClient:
     def close(self) -> None:
         self._closed = True
         if self._transport is not None:
-            self._transport.close()
+            self._transport.transport.close()
 
 
 class _Timeout(Exception):
@@ -259,10 +284,12 @@ class _ServerProtocol(asyncio.Protocol):
         self.frames = FrameBuffer(server.max_frame)
         self.running: dict[int, asyncio.Task[None]] = {}
         self.transport: asyncio.Transport | None = None
+        self.batcher: Batcher | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
+        self.batcher = Batcher(transport)
         self.server.connections.add(self)
 
     def data_received(self, data: bytes) -> None:
@@ -314,8 +341,8 @@ class _ServerProtocol(asyncio.Protocol):
         self._send(frame)
 
     def _send(self, frame: bytes) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(frame)
+        if self.batcher is not None and not self.batcher.transport.is_closing():
+            self.batcher.write(frame)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None

@@ -26,6 +26,7 @@ from poolserve.service.lane import (
     CANCEL,
     HEADER,
     INFER,
+    Batcher,
     FrameBuffer,
     LaneClient,
     LaneServer,
@@ -339,5 +340,38 @@ def test_a_frame_over_the_limit_ends_only_that_connection(sock: Path) -> None:
             assert await client.call(b"fits again", soon(), []) == b"fits again"
             client.close()
             await server.stop(5.0)
+
+    asyncio.run(main())
+
+
+class RecordingTransport(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[bytes] = []
+        self.closing = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.writes.append(bytes(data))
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+
+def test_frames_of_one_loop_turn_leave_in_one_write_in_order() -> None:
+    async def main() -> None:
+        transport = RecordingTransport()
+        batcher = Batcher(transport)
+        for frame in (b"a", b"bb", b"ccc"):
+            batcher.write(frame)
+        assert transport.writes == []  # nothing before the turn ends
+        await asyncio.sleep(0)
+        assert transport.writes == [b"abbccc"]
+        batcher.write(b"alone")
+        await asyncio.sleep(0)
+        assert transport.writes == [b"abbccc", b"alone"]
+        batcher.write(b"too late")
+        transport.closing = True
+        await asyncio.sleep(0)
+        assert transport.writes == [b"abbccc", b"alone"]
 
     asyncio.run(main())
