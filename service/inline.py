@@ -100,17 +100,15 @@ class InlineRunner:
         observe: Callable[[Result], None] | None,
     ) -> bytes:
         inline = self._models[entry.name]
+        if inline.thread is None:
+            return self.infer_now(entry, request, deadline, observe)
         loop = asyncio.get_running_loop()
         enqueued = loop.time()
         try:
-            if inline.thread is None:
-                started = enqueued
-                body, timings = _run(inline.model, request, deadline)
-            else:
-                future = loop.run_in_executor(
-                    inline.thread, _timed_run, inline.model, request, deadline
-                )
-                started, body, timings = await asyncio.wait_for(future, deadline - enqueued)
+            future = loop.run_in_executor(
+                inline.thread, _timed_run, inline.model, request, deadline
+            )
+            started, body, timings = await asyncio.wait_for(future, deadline - enqueued)
         except TimeoutError:
             entry.stats.record_failure(int((loop.time() - enqueued) * 1e9))
             raise DeadlineExceeded(
@@ -124,6 +122,35 @@ class InlineRunner:
         entry.stats.record_success(queue_ns, timings, int((finished - enqueued) * 1e9))
         if observe is not None:
             observe(Result(body, timings, queue_ns, enqueued, started, finished))
+        return body
+
+    def runs_on_loop(self, name: str) -> bool:
+        """Declared fast: runs right where it is called, with no await."""
+        inline = self._models.get(name)
+        return inline is not None and inline.thread is None
+
+    def has_fast(self) -> bool:
+        return any(inline.thread is None for inline in self._models.values())
+
+    def infer_now(
+        self,
+        entry: ModelEntry,
+        request: bytes,
+        deadline: float,
+        observe: Callable[[Result], None] | None = None,
+    ) -> bytes:
+        """A model declared fast, run here and now (on the event loop)."""
+        model = self._models[entry.name].model
+        started = time.monotonic()
+        try:
+            body, timings = _run(model, request, deadline)
+        except ServingError:
+            entry.stats.record_failure(int((time.monotonic() - started) * 1e9))
+            raise
+        finished = time.monotonic()
+        entry.stats.record_success(0, timings, int((finished - started) * 1e9))
+        if observe is not None:
+            observe(Result(body, timings, 0, started, started, finished))
         return body
 
     def unload(self, name: str) -> bool:

@@ -63,6 +63,8 @@ LANE_OVERHEAD = 64 * 1024  # an INFER frame's head and trace context, beyond the
 Trace = Sequence[tuple[str, str]]
 # The pool's side: runs one request; raises ServingError (or anything, mapped to INTERNAL).
 Handler = Callable[[bytes, float, Trace], Awaitable[bytes]]
+# Optionally, first: the answer on the spot, or None when the call has to wait.
+Immediate = Callable[[bytes, float, Trace], bytes | None]
 
 
 def lane_path(pool_socket: Path) -> Path:
@@ -314,31 +316,44 @@ class _ServerProtocol(asyncio.Protocol):
             self.transport.close()
 
     def _start(self, seq: int, payload: bytes) -> None:
-        if self.server.draining:
-            self._send(error_frame(seq, Unavailable(f"{self.server.where} is stopping")))
+        server = self.server
+        if server.draining:
+            self._send(error_frame(seq, Unavailable(f"{server.where} is stopping")))
             return
-        task = self.server.tasks.create_task(self._run(seq, payload))
-        self.running[seq] = task
-
-    async def _run(self, seq: int, payload: bytes) -> None:
         try:
+            deadline, trace, body = parse_infer(payload)
+        except (struct.error, ValueError):
+            self._send(error_frame(seq, ServingError("lane: malformed INFER frame")))
+            return
+        if server.immediate is not None:
             try:
-                deadline, trace, body = parse_infer(payload)
-            except (struct.error, ValueError):
-                raise ServingError("lane: malformed INFER frame") from None
+                reply = server.immediate(body, deadline, trace)
+            except Exception as exc:
+                self._send(self._error(seq, exc))
+                return
+            if reply is not None:  # answered on the spot: no task, no await
+                self._send(HEADER.pack(len(reply), REPLY, seq) + reply)
+                return
+        self.running[seq] = server.tasks.create_task(self._run(seq, body, deadline, trace))
+
+    async def _run(self, seq: int, body: bytes, deadline: float, trace: Trace) -> None:
+        try:
             reply = await self.server.handler(body, deadline, trace)
             frame = HEADER.pack(len(reply), REPLY, seq) + reply
-        except (ServingError, DecodeError) as exc:
-            frame = error_frame(seq, as_serving_error(exc))
         except asyncio.CancelledError:
             return  # the caller gave up or the connection went: nobody to answer
         except Exception as exc:
-            log.exception("lane: unexpected error running a request")
-            frame = error_frame(seq, as_serving_error(exc))
+            frame = self._error(seq, exc)
         finally:
             self.running.pop(seq, None)
             self.server.settle()
         self._send(frame)
+
+    @staticmethod
+    def _error(seq: int, exc: Exception) -> bytes:
+        if not isinstance(exc, (ServingError, DecodeError)):
+            log.exception("lane: unexpected error running a request")
+        return error_frame(seq, as_serving_error(exc))
 
     def _send(self, frame: bytes) -> None:
         if self.batcher is not None and not self.batcher.transport.is_closing():
@@ -357,10 +372,16 @@ class LaneServer:
     """The pool's lane: every request runs as a task of the pool's task group."""
 
     def __init__(
-        self, path: Path, handler: Handler, where: str, max_frame: int = MAX_FRAME
+        self,
+        path: Path,
+        handler: Handler,
+        where: str,
+        max_frame: int = MAX_FRAME,
+        immediate: Immediate | None = None,
     ) -> None:
         self.path = path
         self.handler = handler
+        self.immediate = immediate
         self.where = where
         self.max_frame = max_frame
         self.connections: set[_ServerProtocol] = set()

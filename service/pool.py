@@ -37,7 +37,7 @@ from poolserve.service.errors import (
 )
 from poolserve.service.health import Health
 from poolserve.service.inline import InlineRunner, is_inline
-from poolserve.service.lane import LANE_OVERHEAD, LaneServer, lane_path
+from poolserve.service.lane import LANE_OVERHEAD, LaneServer, Trace, lane_path
 from poolserve.service.procutil import pss_bytes
 from poolserve.service.repository import ModelSettings, TensorSpec, scan
 from poolserve.service.respawn import Respawner
@@ -45,7 +45,7 @@ from poolserve.service.rundir import bind_private_unix
 from poolserve.service.servicer import InferenceServicer, Observer, guarded
 from poolserve.service.settings import ServerSettings
 from poolserve.service.tracing import Tracing
-from poolserve.service.wire import Routing
+from poolserve.service.wire import Routing, peek_routing
 from poolserve.service.zygote import ZygoteEvents, ZygoteLink
 
 log = logging.getLogger(__name__)
@@ -122,6 +122,16 @@ class PoolBackend:
             observe(result)
         return result.body
 
+    def infer_now(
+        self, entry: ModelEntry, request: bytes, deadline: float, routing: Routing
+    ) -> bytes | None:
+        """The answer on the spot for an inline model declared fast; None for the rest."""
+        if not self.inline.runs_on_loop(entry.name):
+            return None
+        if self.reject_hopeless:
+            self._reject_if_hopeless(entry, deadline)
+        return self.inline.infer_now(entry, request, deadline)
+
     @staticmethod
     def _reject_if_hopeless(entry: ModelEntry, deadline: float) -> None:
         """Refuses at once a request that cannot finish in time (setting reject_hopeless)."""
@@ -170,15 +180,16 @@ class PoolServer:
             clock=time.monotonic,
         )
         self.inline = InlineRunner(self.catalog)
+        self.backend = PoolBackend(
+            self.dispatcher,
+            self.inline,
+            bool(self.worker_models),
+            settings.reject_hopeless,
+            settings.max_message_size,
+        )
         self.servicer = InferenceServicer(
             self.catalog,
-            PoolBackend(
-                self.dispatcher,
-                self.inline,
-                bool(self.worker_models),
-                settings.reject_hopeless,
-                settings.max_message_size,
-            ),
+            self.backend,
             server_name=settings.server_name,
             default_timeout_s=settings.default_timeout_s,
             control=self,
@@ -189,6 +200,7 @@ class PoolServer:
             self.servicer.infer_lane,
             f"pool '{gid}'",
             max_frame=settings.max_message_size + LANE_OVERHEAD,
+            immediate=self._lane_now,
         )
         self._stop = asyncio.Event()
         self.exit_code = 0
@@ -198,6 +210,15 @@ class PoolServer:
         self._model_replies: dict[str, asyncio.Future[ModelReply]] = {}
         self._arrival: asyncio.Future[int] | None = None
         self._tasks: asyncio.TaskGroup | None = None
+
+    def _lane_now(self, request: bytes, deadline: float, trace: Trace) -> bytes | None:
+        """A lane call answered without a task: an inline model declared fast, untraced."""
+        if self.servicer.tracing is not None or not self.inline.has_fast():
+            return None
+        routing = peek_routing(request)
+        entry = self.catalog.lookup_ready(routing.name, routing.version)
+        deadline -= self.servicer.margin_s
+        return self.backend.infer_now(entry, request, deadline, routing)
 
     def fork_zygote(self, close_in_child: Sequence[int] = ()) -> None:
         self.zygote.start(close_in_child)

@@ -375,3 +375,31 @@ def test_frames_of_one_loop_turn_leave_in_one_write_in_order() -> None:
         assert transport.writes == [b"abbccc", b"alone"]
 
     asyncio.run(main())
+
+
+def test_immediate_answers_on_the_spot_and_falls_back_to_the_handler(sock: Path) -> None:
+    handled: list[bytes] = []
+
+    def immediate(body: bytes, deadline: float, trace: Trace) -> bytes | None:
+        if body == b"bad":
+            raise InvalidInput("bad input, said on the spot")
+        return b"now:" + body if body.startswith(b"fast") else None
+
+    async def handler(body: bytes, deadline: float, trace: Trace) -> bytes:
+        handled.append(body)
+        return b"later:" + body
+
+    async def main() -> None:
+        async with asyncio.TaskGroup() as tasks:
+            server = LaneServer(sock, handler, "pool 'x'", immediate=immediate)
+            await server.start(tasks)
+            client = LaneClient(sock, "pool 'x'")
+            assert await client.call(b"fast1", soon(), []) == b"now:fast1"
+            assert await client.call(b"slow1", soon(), []) == b"later:slow1"
+            with pytest.raises(InvalidInput, match="said on the spot"):
+                await client.call(b"bad", soon(), [])
+            assert handled == [b"slow1"]
+            client.close()
+            await server.stop(5.0)
+
+    asyncio.run(main())
