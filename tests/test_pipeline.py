@@ -99,7 +99,11 @@ def echo_request(payload: np.ndarray, raw: bool = True) -> pb.ModelInferRequest:
 def full_tree(serving: Serving, expected: int) -> bool:
     """Workers fork after models load; /proc offers no event, so this is polled."""
     tree = serving.tree()
-    return len(tree) == expected and all(comm(p) != "python" for p in tree)
+    if len(tree) != expected or any(comm(p) == "python" for p in tree):
+        return False
+    # a worker is counted from its fork, but named only once it runs its own code
+    zygotes = [p for p in tree if comm(p) == "poolserve-zyg"]
+    return all(comm(w) == "poolserve-wrk" for z in zygotes for w in children_of(z))
 
 
 def test_exact_process_tree(served: Serving) -> None:
