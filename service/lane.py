@@ -35,7 +35,6 @@ import struct
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Generic, NamedTuple, TypeVar
 
 from google.protobuf.message import DecodeError
 
@@ -59,7 +58,6 @@ CANCEL = 2
 REPLY = 3
 ERROR = 4
 
-T = TypeVar("T")
 MAX_FRAME = (1 << 32) - 1
 LANE_OVERHEAD = 64 * 1024  # an INFER frame's head and trace context, beyond the request
 Trace = Sequence[tuple[str, str]]
@@ -80,33 +78,15 @@ def infer_frame(seq: int, deadline: float, trace: Trace, body: bytes) -> bytes:
     return HEADER.pack(len(head) + len(text) + len(body), INFER, seq) + head + text + body
 
 
-class Infer(NamedTuple):
-    deadline: float
-    trace: list[tuple[str, str]]
-    body: bytes
-
-
-def cut_bytes(kind: int, buf: bytearray, start: int, stop: int) -> bytes:
-    return bytes(buf[start:stop])
-
-
-def cut_infer(kind: int, buf: bytearray, start: int, stop: int) -> Infer | bytes | None:
-    """An INFER frame's parts, read in place: the request body is copied once, straight
-    out of the receive buffer. None for a malformed INFER; other kinds as bytes."""
-    if kind != INFER:
-        return cut_bytes(kind, buf, start, stop)
-    if stop - start < INFER_HEAD.size:
-        return None
-    deadline, size = INFER_HEAD.unpack_from(buf, start)
-    start += INFER_HEAD.size
-    if start + size > stop:
-        return None
+def parse_infer(payload: bytes) -> tuple[float, list[tuple[str, str]], bytes]:
+    deadline, size = INFER_HEAD.unpack_from(payload)
+    start = INFER_HEAD.size
     trace: list[tuple[str, str]] = []
     if size:
-        for line in buf[start : start + size].decode("utf-8", "replace").split("\n"):
+        for line in payload[start : start + size].decode("utf-8", "replace").split("\n"):
             key, _, value = line.partition("=")
             trace.append((key, value))
-    return Infer(deadline, trace, bytes(buf[start + size : stop]))
+    return deadline, trace, payload[start + size :]
 
 
 def error_frame(seq: int, error: ServingError) -> bytes:
@@ -127,25 +107,21 @@ def parse_error(payload: bytes) -> ServingError:
     return error
 
 
-class FrameBuffer(Generic[T]):
+class FrameBuffer:
     """Cuts a byte stream into frames; keeps an incomplete tail for the next read.
 
-    ``cut`` makes each frame's payload out of the receive buffer (in place, so
-    that nothing is copied twice). A frame announcing more than ``max_frame``
-    bytes is refused (ValueError) before any of it is buffered.
+    A frame announcing more than ``max_frame`` bytes is refused (ValueError)
+    before any of it is buffered.
     """
 
-    def __init__(
-        self, cut: Callable[[int, bytearray, int, int], T], max_frame: int = MAX_FRAME
-    ) -> None:
+    def __init__(self, max_frame: int = MAX_FRAME) -> None:
         self._buf = bytearray()
-        self.cut = cut
         self.max_frame = max_frame
 
-    def feed(self, data: bytes) -> list[tuple[int, int, T]]:
+    def feed(self, data: bytes) -> list[tuple[int, int, bytes]]:
         buf = self._buf
         buf += data
-        frames: list[tuple[int, int, T]] = []
+        frames: list[tuple[int, int, bytes]] = []
         pos, end = 0, len(buf)
         while end - pos >= HEADER.size:
             length, kind, seq = HEADER.unpack_from(buf, pos)
@@ -154,7 +130,7 @@ class FrameBuffer(Generic[T]):
             stop = pos + HEADER.size + length
             if stop > end:
                 break
-            frames.append((kind, seq, self.cut(kind, buf, pos + HEADER.size, stop)))
+            frames.append((kind, seq, bytes(buf[pos + HEADER.size : stop])))
             pos = stop
         if pos:
             del buf[:pos]
@@ -192,7 +168,7 @@ class Batcher:
 class _ClientProtocol(asyncio.Protocol):
     def __init__(self, lane: LaneClient) -> None:
         self.lane = lane
-        self.frames = FrameBuffer(cut_bytes)
+        self.frames = FrameBuffer()
 
     def data_received(self, data: bytes) -> None:
         pending = self.lane.pending
@@ -307,7 +283,7 @@ def _time_out(future: asyncio.Future[bytes]) -> None:
 class _ServerProtocol(asyncio.Protocol):
     def __init__(self, server: LaneServer) -> None:
         self.server = server
-        self.frames = FrameBuffer(cut_infer, server.max_frame)
+        self.frames = FrameBuffer(server.max_frame)
         self.running: dict[int, asyncio.Task[None]] = {}
         self.transport: asyncio.Transport | None = None
         self.batcher: Batcher | None = None
@@ -325,7 +301,7 @@ class _ServerProtocol(asyncio.Protocol):
             return self._refuse(str(exc))
         for kind, seq, payload in frames:
             if kind == INFER:
-                self._start(seq, payload if isinstance(payload, Infer) else None)
+                self._start(seq, payload)
             elif kind == CANCEL:
                 task = self.running.pop(seq, None)
                 if task is not None:
@@ -339,15 +315,16 @@ class _ServerProtocol(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
-    def _start(self, seq: int, call: Infer | None) -> None:
+    def _start(self, seq: int, payload: bytes) -> None:
         server = self.server
         if server.draining:
             self._send(error_frame(seq, Unavailable(f"{server.where} is stopping")))
             return
-        if call is None:
+        try:
+            deadline, trace, body = parse_infer(payload)
+        except (struct.error, ValueError):
             self._send(error_frame(seq, ServingError("lane: malformed INFER frame")))
             return
-        deadline, trace, body = call
         if server.immediate is not None:
             try:
                 reply = server.immediate(body, deadline, trace)
