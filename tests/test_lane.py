@@ -24,6 +24,7 @@ from poolserve.service.errors import (
 )
 from poolserve.service.lane import (
     CANCEL,
+    ERROR,
     HEADER,
     INFER,
     Batcher,
@@ -316,6 +317,13 @@ def test_a_cancel_for_an_unknown_sequence_and_garbage_kinds_do_not_hurt_the_pool
         writer.write(infer_frame(1, soon(), [], b"raw"))
         length, _, seq = HEADER.unpack(await reader.readexactly(HEADER.size))
         assert seq == 1 and await reader.readexactly(length) == b"raw"
+        writer.write(HEADER.pack(3, INFER, 5) + b"abc")  # too short for an INFER head
+        length, kind, seq = HEADER.unpack(await reader.readexactly(HEADER.size))
+        assert (kind, seq) == (ERROR, 5)
+        assert b"malformed INFER frame" in await reader.readexactly(length)
+        writer.write(infer_frame(6, soon(), [], b"still served"))
+        length, _, seq = HEADER.unpack(await reader.readexactly(HEADER.size))
+        assert seq == 6 and await reader.readexactly(length) == b"still served"
         writer.write(HEADER.pack(0, 77, 2))  # not a lane frame: that connection ends
         assert await reader.read() == b""
         writer.close()
