@@ -32,7 +32,6 @@ import itertools
 import logging
 import os
 import struct
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
@@ -175,8 +174,7 @@ class _ClientProtocol(asyncio.Protocol):
         for kind, seq, payload in self.frames.feed(data):
             future = pending.pop(seq, None)
             if future is None or future.done():
-                self.lane.late_replies += 1  # its caller gave up: nobody to tell
-                continue
+                continue  # its caller gave up: nobody to tell
             if kind == REPLY:
                 future.set_result(payload)
             else:
@@ -193,7 +191,6 @@ class LaneClient:
         self.path = path
         self.where = where
         self.pending: dict[int, asyncio.Future[bytes]] = {}
-        self.late_replies = 0
         self._seq = itertools.count(1)
         self._transport: Batcher | None = None
         self._protocol: _ClientProtocol | None = None
@@ -233,7 +230,7 @@ class LaneClient:
         future: asyncio.Future[bytes] = loop.create_future()
         self.pending[seq] = future
         transport.write(infer_frame(seq, deadline, trace, body))
-        timer = loop.call_at(deadline - time.monotonic() + loop.time(), _time_out, future)
+        timer = loop.call_at(deadline, _time_out, future)  # asyncio's clock is time.monotonic
         try:
             return await future
         except asyncio.CancelledError:
