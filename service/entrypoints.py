@@ -3,20 +3,42 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from pathlib import Path
+from typing import TypeVar
 
 from poolserve.service.procutil import set_process_name
 from poolserve.service.repository import scan
 from poolserve.service.rundir import ensure_private_dir, pool_socket_path, setup_logging
 from poolserve.service.settings import ConfigError, ServerSettings, load_server_settings
-from poolserve.supervisor.child import READY_FD_ENV, die_with_parent, notify_ready
+from poolserve.supervisor.child import ReadyPipe, die_with_parent, take_ready_pipe
 from poolserve.supervisor.exitcodes import EXIT_CONFIG, EXIT_OK
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+async def _beating(main: Awaitable[T], pipe: ReadyPipe | None, interval_s: float) -> T:
+    """Runs ``main`` while a heartbeat goes to the supervisor from this event loop
+    (its watchdog kills a process whose loop stops turning)."""
+    if pipe is None:
+        return await main
+    # Not a TaskGroup: it would wrap a ConfigError from main in an ExceptionGroup.
+    beat = asyncio.create_task(pipe.keep_beating(interval_s), name="heartbeat")
+    try:
+        return await main
+    finally:
+        beat.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await beat
+
+
+def _ready(pipe: ReadyPipe | None, status: str) -> None:
+    if pipe is not None:
+        pipe.ready(status)
 
 
 def run_pool(repo: Path, gid: str, flags: Mapping[str, object]) -> int:
@@ -24,8 +46,7 @@ def run_pool(repo: Path, gid: str, flags: Mapping[str, object]) -> int:
 
     die_with_parent()
     set_process_name("poolserve-pool")
-    raw_fd = os.environ.get(READY_FD_ENV, "")
-    ready_fd = int(raw_fd) if raw_fd.isdigit() else None
+    pipe = take_ready_pipe()
     try:
         settings = load_server_settings(repo, flags=flags)
         setup_logging(f"pool:{gid}", settings.log_format)
@@ -39,12 +60,9 @@ def run_pool(repo: Path, gid: str, flags: Mapping[str, object]) -> int:
         print(f"poolserve pool: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     # Fork the zygote now: no gRPC object, thread or exporter exists yet.
-    server.fork_zygote(close_in_child=[ready_fd] if ready_fd is not None else [])
-    return asyncio.run(server.serve(lambda: _ready(f"pool {gid} serving")))
-
-
-def _ready(status: str) -> None:
-    notify_ready(status)
+    server.fork_zygote(close_in_child=[pipe.fd] if pipe is not None else [])
+    serving = server.serve(lambda: _ready(pipe, f"pool {gid} serving"))
+    return asyncio.run(_beating(serving, pipe, settings.heartbeat_interval_s))
 
 
 def run_router(repo: Path, flags: Mapping[str, object]) -> int:
@@ -52,6 +70,7 @@ def run_router(repo: Path, flags: Mapping[str, object]) -> int:
 
     die_with_parent()
     set_process_name("poolserve-rtr")
+    pipe = take_ready_pipe()
     try:
         settings: ServerSettings = load_server_settings(repo, flags=flags)
         setup_logging("router", settings.log_format)
@@ -60,7 +79,8 @@ def run_router(repo: Path, flags: Mapping[str, object]) -> int:
         print(f"poolserve router: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     try:
-        asyncio.run(router.serve(lambda: _ready(f"router listening on port {router.port}")))
+        serving = router.serve(lambda: _ready(pipe, f"router listening on port {router.port}"))
+        asyncio.run(_beating(serving, pipe, settings.heartbeat_interval_s))
     except ConfigError as exc:  # e.g. the port is taken: restarting cannot help
         print(f"poolserve router: {exc}", file=sys.stderr)
         return EXIT_CONFIG

@@ -13,6 +13,8 @@ sequence u64, little-endian) and a payload:
   (``traceparent`` and ``tracestate`` as ``key=value`` lines), then the
   serialized ModelInferRequest, untouched.
 - CANCEL (router -> pool): no payload; the caller gave up on that sequence.
+- PING (router -> pool): no payload; the pool's event loop answers it at once
+  with an empty REPLY of the same sequence (the router's liveness check).
 - REPLY (pool -> router): the serialized ModelInferResponse.
 - ERROR (pool -> router): the :class:`Failure` (u8), the stage length (u8)
   and text, then the message.
@@ -56,6 +58,7 @@ INFER = 1
 CANCEL = 2
 REPLY = 3
 ERROR = 4
+PING = 5
 
 MAX_FRAME = (1 << 32) - 1
 LANE_OVERHEAD = 64 * 1024  # an INFER frame's head and trace context, beyond the request
@@ -244,6 +247,19 @@ class LaneClient:
         finally:
             timer.cancel()
 
+    async def ping(self) -> None:
+        """Returns once the pool's event loop has answered a PING (no timeout here:
+        the caller bounds it). Raises Unavailable when the lane is down."""
+        transport = self._transport or await self._connect()
+        seq = next(self._seq)
+        future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self.pending[seq] = future
+        transport.write(HEADER.pack(0, PING, seq))
+        try:
+            await future
+        finally:
+            self.pending.pop(seq, None)
+
     def _cancel(self, seq: int) -> None:
         if self.pending.pop(seq, None) is not None and self._transport is not None:
             self._transport.write(HEADER.pack(0, CANCEL, seq))
@@ -303,6 +319,8 @@ class _ServerProtocol(asyncio.Protocol):
                 task = self.running.pop(seq, None)
                 if task is not None:
                     task.cancel()
+            elif kind == PING:
+                self._send(HEADER.pack(0, REPLY, seq))
             else:
                 return self._refuse(f"unexpected frame kind {kind}")
 

@@ -75,6 +75,7 @@ class PoolRoute:
     lane: LaneClient | None = None
     calls: dict[str, grpc.aio.UnaryUnaryMultiCallable[bytes, bytes]] = field(default_factory=dict)
     serving: bool = False
+    responsive: bool = True  # answered a lane PING within heartbeat_timeout_s
     model_serving: dict[str, bool] = field(default_factory=dict)
     watchers: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -142,14 +143,15 @@ class Router:
         return (
             not self.invalid
             and bool(self.pools)
-            and all(route.serving for route in self.pools.values())
+            and all(route.serving and route.responsive for route in self.pools.values())
         )
 
     def _sync_health(self) -> None:
         ready = self.ready()
         self.health.set_many({"": ready, SERVICE: ready})
         for name, route in self.routes.items():
-            self.health.set(f"model:{name}", route.model_serving.get(name, False))
+            serving = route.model_serving.get(name, False) and route.responsive
+            self.health.set(f"model:{name}", serving)
         for name in self.invalid:
             if name not in self.routes:  # a broken duplicate must not shadow a good model
                 self.health.set(f"model:{name}", False)
@@ -172,6 +174,51 @@ class Router:
             apply(False)  # the stream broke: the pool is down until it says otherwise
             await asyncio.sleep(delay)  # back-off between reconnects, not a readiness wait
             delay = min(delay * 2, RETRY_WATCH_S[1])
+
+    async def _heartbeat(self, route: PoolRoute) -> None:
+        """Pings the pool's lane every heartbeat_interval_s for the router's whole life.
+
+        A Watch stream only breaks when the pool's socket does: a pool that is
+        stopped (SIGSTOP) or whose event loop is blocked keeps it open and
+        silent. A pool that has not answered for heartbeat_timeout_s is
+        NOT_SERVING, with its models, until it answers again. The ping is
+        answered by the pool's event loop itself, so it proves what a call needs.
+        """
+        assert route.lane is not None
+        loop = asyncio.get_running_loop()
+        interval = self.settings.heartbeat_interval_s
+        limit = self.settings.heartbeat_timeout_s
+        answered = loop.time()
+        while True:
+            try:
+                if route.responsive:
+                    async with asyncio.timeout_at(answered + limit):
+                        await route.lane.ping()
+                else:
+                    await route.lane.ping()  # silent already: wait for any answer
+            except TimeoutError:
+                self._set_responsive(route, False, loop.time() - answered)
+                continue
+            except Unavailable:
+                pass  # down, not silent: its Watch streams say so, and reconnect
+            answered = loop.time()
+            self._set_responsive(route, True, 0.0)
+            await asyncio.sleep(interval)
+
+    def _set_responsive(self, route: PoolRoute, responsive: bool, silent_s: float) -> None:
+        if route.responsive == responsive:
+            return
+        route.responsive = responsive
+        if responsive:
+            log.warning("router: %s answers its heartbeat again", route.where)
+        else:
+            log.warning(
+                "router: %s has not answered its heartbeat for %.1f s "
+                "(stopped, or its event loop is blocked): NOT_SERVING",
+                route.where,
+                silent_s,
+            )
+        self._sync_health()
 
     def _pool_applier(self, route: PoolRoute) -> Callable[[bool], None]:
         def apply(serving: bool) -> None:
@@ -628,6 +675,7 @@ class Router:
         route.watchers.append(
             self._tasks.create_task(self._watch(route, "", self._pool_applier(route)))
         )
+        route.watchers.append(self._tasks.create_task(self._heartbeat(route)))
 
     def _watch_model(self, route: PoolRoute, name: str) -> None:
         if self._tasks is None:

@@ -7,6 +7,10 @@ calls a supervised process makes.
   with a parent that died before the prctl).
 - :func:`notify_ready` once the child can do its job: writes ``READY=1`` on
   the readiness pipe (the same line format as systemd's notify protocol).
+- Or :func:`take_ready_pipe` and :meth:`ReadyPipe.keep_beating` for a child
+  whose supervisor watches it: ``READY=1``, then ``WATCHDOG=1`` from its event
+  loop every interval, so a process that is stopped or whose loop is blocked
+  is noticed (systemd's watchdog protocol, over the same pipe).
 
 Both are no-ops, or nearly, when the process was not started by a supervisor.
 Importing this module is cheap (no asyncio), for processes that fork early.
@@ -14,6 +18,7 @@ Importing this module is cheap (no asyncio), for processes that fork early.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import stat
@@ -45,26 +50,73 @@ def die_with_parent(parent_pid: int | None = None, signal_number: int = signal.S
         os._exit(EXIT_PARENT_GONE)
 
 
-def notify_ready(status: str | None = None) -> bool:
-    """Tells the supervisor this process is ready; returns whether it was told.
+class ReadyPipe:
+    """The write end of the readiness pipe, kept open for heartbeats."""
 
-    One-shot: takes ``$POOLSERVE_READY_FD`` out of the environment (so the
-    processes we start never write to a stale fd number) and closes the pipe.
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def ready(self, status: str | None = None) -> bool:
+        message = (f"STATUS={_one_line(status)}\n" if status else "") + "READY=1\n"
+        return self._write(message)
+
+    def beat(self) -> bool:
+        return self._write("WATCHDOG=1\n")
+
+    async def keep_beating(self, interval_s: float) -> None:
+        """Beats every ``interval_s`` from this event loop, until cancelled: a
+        beat that does not come means the loop did not turn."""
+        import asyncio  # here: importing this module stays cheap for early forks
+
+        while True:
+            self.beat()
+            await asyncio.sleep(interval_s)
+
+    def _write(self, message: str) -> bool:
+        # One write below PIPE_BUF is atomic: the supervisor never sees half. The
+        # pipe is non-blocking: a beat the supervisor has not read yet is dropped
+        # rather than stall our event loop.
+        try:
+            os.write(self.fd, message.encode())
+        except OSError:
+            return False  # full, or the supervisor is gone (PDEATHSIG ends us)
+        return True
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+def take_ready_pipe() -> ReadyPipe | None:
+    """The readiness pipe our supervisor passed, or None.
+
+    Takes ``$POOLSERVE_READY_FD`` out of the environment, so the processes we
+    start never write to a stale fd number.
     """
     raw = os.environ.pop(READY_FD_ENV, "")
     if not raw.isdigit():
-        return False
+        return None
     fd = int(raw)
     try:
         if not stat.S_ISFIFO(os.fstat(fd).st_mode):
-            return False  # not our pipe: never write into someone else's fd
-        message = (f"STATUS={_one_line(status)}\n" if status else "") + "READY=1\n"
-        # One write below PIPE_BUF is atomic: the supervisor never sees half.
-        os.write(fd, message.encode())
-        os.close(fd)
+            return None  # not our pipe: never write into someone else's fd
+        os.set_blocking(fd, False)
     except OSError:
-        return False  # the supervisor is gone; PDEATHSIG ends us
-    return True
+        return None
+    return ReadyPipe(fd)
+
+
+def notify_ready(status: str | None = None) -> bool:
+    """Tells the supervisor this process is ready; returns whether it was told.
+
+    One-shot: takes the pipe (:func:`take_ready_pipe`) and closes it.
+    """
+    pipe = take_ready_pipe()
+    if pipe is None:
+        return False
+    told = pipe.ready(status)
+    pipe.close()
+    return told
 
 
 def _one_line(text: str) -> str:

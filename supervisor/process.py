@@ -18,6 +18,9 @@ reap, and the exit code turned into the supervisor's next move.
   spawning *thread* exits.
 - Readiness: a pipe whose write end is ``$POOLSERVE_READY_FD`` in the child;
   the child writes ``READY=1\\n`` (and may write ``STATUS=...\\n`` lines).
+- Watchdog (``watchdog_timeout``): once ready, the child writes ``WATCHDOG=1\\n``
+  on the same pipe from its event loop; a child silent for that long (stopped,
+  or its loop blocked) is killed (SIGKILL to the group) and ends as a failure.
 - Watch: a pidfd in the event loop; then ``waitpid(pid, 0)`` reaps exactly
   our child. Before that reap, SIGKILL goes to the rest of the process group:
   the unreaped leader still holds the group id, so it cannot name anyone else.
@@ -32,6 +35,7 @@ import asyncio
 import contextlib
 import errno
 import functools
+import logging
 import os
 import shutil
 import signal
@@ -57,6 +61,8 @@ from poolserve.supervisor.spec import (
     Unrecoverable,
 )
 from poolserve.supervisor.tree import KILL_GRACE
+
+log = logging.getLogger(__name__)
 
 
 class ChildFailed(Exception):
@@ -108,6 +114,7 @@ class ProcessService:
         stop_signal: int = signal.SIGTERM,
         clock: Clock | None = None,
         owned: OwnedPids = OWNED_PIDS,
+        watchdog_timeout: float | None = None,
     ) -> None:
         if not argv:
             raise ValueError("argv must not be empty")
@@ -124,6 +131,9 @@ class ProcessService:
         self._pid: int | None = None
         self.status_text: str | None = None  # the child's latest STATUS= line
         self.last_exit: ExitStatus | None = None
+        self.watchdog_timeout = watchdog_timeout
+        self._last_beat = 0.0  # clock reading of the latest READY=1 or WATCHDOG=1
+        self._hung_for: float | None = None  # set when the watchdog killed it
 
     @property
     def pid(self) -> int | None:
@@ -182,7 +192,7 @@ class ProcessService:
         stops it first and re-raises."""
         pidfd = os.pidfd_open(pid)
         exited: asyncio.Future[None] = loop.create_future()
-        reader = _NotifyReader(read_fd, ready, self._on_status)
+        reader = _NotifyReader(read_fd, ready, self._on_status, self._on_beat)
 
         def on_exit() -> None:
             # A pidfd stays readable after the exit: unregister at once.
@@ -195,7 +205,7 @@ class ProcessService:
             if isinstance(ready, SpawnReporter):
                 ready.spawned(pid)
             try:
-                await asyncio.wait({exited})
+                await self._wait_exit(pid, exited, reader)
             except asyncio.CancelledError:
                 await self._stop(pid, exited)
                 raise
@@ -204,6 +214,37 @@ class ProcessService:
             loop.remove_reader(pidfd)
             loop.remove_reader(read_fd)
             os.close(pidfd)
+
+    def _on_beat(self) -> None:
+        self._last_beat = self._clock.monotonic()
+
+    async def _wait_exit(
+        self, pid: int, exited: asyncio.Future[None], reader: _NotifyReader
+    ) -> None:
+        """Until the child exits; with a watchdog, kills it once it has been
+        silent for ``watchdog_timeout`` after it was ready."""
+        limit = self.watchdog_timeout
+        if limit is None:
+            await asyncio.wait({exited})
+            return
+        while not exited.done():
+            if not reader.ready:  # not armed before READY=1: loading may take long
+                await wait_done(self._clock, exited, limit)
+                continue
+            silent = self._clock.monotonic() - self._last_beat
+            if silent >= limit:
+                self._hung_for = silent
+                log.error(
+                    "%s (pid %d) sent no heartbeat for %.1f s (stopped, or its event "
+                    "loop is blocked): killing it",
+                    self.name,
+                    pid,
+                    silent,
+                )
+                _kill_group(pid, signal.SIGKILL)
+                await asyncio.wait({exited})
+                return
+            await wait_done(self._clock, exited, limit - silent)
 
     async def _stop(self, pid: int, exited: asyncio.Future[None]) -> None:
         """Stop signal, grace, SIGKILL; returns once the child has exited."""
@@ -224,6 +265,8 @@ class ProcessService:
     def _conclude(self, status: ExitStatus) -> None:
         """Returns or raises as the exit-code protocol says."""
         description = f"{self.name} ({status})"
+        if self._hung_for is not None:
+            description += f" after {self._hung_for:.1f} s without a heartbeat"
         if status.code is not None and status.code in self._exit_codes:
             action = self._exit_codes[status.code]
             if action is None:
@@ -244,6 +287,7 @@ def process_child(
     env: Mapping[str, str] | None = None,
     cwd: str | os.PathLike[str] | None = None,
     exit_codes: Mapping[int, ExitAction] = DEFAULT_EXIT_CODES,
+    watchdog_timeout: float | None = None,
 ) -> ChildSpec:
     """A ChildSpec for a process, with the two stop bounds in the right order.
 
@@ -254,7 +298,13 @@ def process_child(
 
     def start() -> ProcessService:
         return ProcessService(
-            argv, env=env, cwd=cwd, stop_timeout=stop_timeout, exit_codes=exit_codes, name=id
+            argv,
+            env=env,
+            cwd=cwd,
+            stop_timeout=stop_timeout,
+            exit_codes=exit_codes,
+            name=id,
+            watchdog_timeout=watchdog_timeout,
         )
 
     return ChildSpec(id, start, restart=restart, stop_timeout=stop_timeout + KILL_GRACE)
@@ -264,14 +314,19 @@ class _NotifyReader:
     """Reads ``KEY=value`` lines from the readiness pipe (non-blocking)."""
 
     def __init__(
-        self, fd: int, on_ready: Callable[[], None], on_status: Callable[[str], None]
+        self,
+        fd: int,
+        on_ready: Callable[[], None],
+        on_status: Callable[[str], None],
+        on_beat: Callable[[], None] | None = None,
     ) -> None:
         os.set_blocking(fd, False)
         self._fd = fd
         self._on_ready = on_ready
         self._on_status = on_status
+        self._on_beat = on_beat
         self._buffer = bytearray()
-        self._ready = False
+        self.ready = False
         self._eof = False
 
     def on_readable(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -297,11 +352,15 @@ class _NotifyReader:
 
     def _handle(self, line: str) -> None:
         key, _, value = line.partition("=")
-        if key == "READY" and value == "1" and not self._ready:
-            self._ready = True
+        if key == "READY" and value == "1" and not self.ready:
+            self.ready = True
+            if self._on_beat is not None:
+                self._on_beat()
             self._on_ready()
         elif key == "STATUS":
             self._on_status(value)
+        elif key == "WATCHDOG" and value == "1" and self._on_beat is not None:
+            self._on_beat()
 
 
 # The exec trampoline: argv[1] is the parent's pid, argv[2] the program's

@@ -87,6 +87,13 @@ def child_argv(command: str, repo: Path, flags: Mapping[str, object]) -> list[st
     return argv
 
 
+def watchdog_timeout(settings: ServerSettings) -> float:
+    """How long a pool or the router may send no heartbeat before it is killed:
+    the router calls a pool NOT_SERVING after heartbeat_timeout_s; the
+    supervisor gives it watchdog_grace_s more to come back by itself."""
+    return settings.heartbeat_timeout_s + settings.watchdog_grace_s
+
+
 def _pools_budget(count: int, grace: float) -> float:
     # Pools stop one after another: the budget covers each one's drain.
     return count * (grace + KILL_GRACE) + 5
@@ -149,7 +156,12 @@ class ServeTree:
 
     def router_spec(self, settings: ServerSettings) -> ChildSpec:
         argv = child_argv(ROUTER, self.repo, self.flags)
-        return process_child(ROUTER, argv, stop_timeout=settings.stop_grace_s)
+        return process_child(
+            ROUTER,
+            argv,
+            stop_timeout=settings.stop_grace_s,
+            watchdog_timeout=watchdog_timeout(settings),
+        )
 
     def use(self, desired: Desired) -> None:
         self._desired = desired
@@ -161,9 +173,18 @@ class ServeTree:
     ) -> ChildSpec:
         argv = [*child_argv("pool", self.repo, self.flags), "--gid", gid]
         grace = settings.stop_grace_s
+        watchdog = watchdog_timeout(settings)
         if exit_codes is None:
-            return process_child(pool_child_id(gid), argv, stop_timeout=grace)
-        return process_child(pool_child_id(gid), argv, stop_timeout=grace, exit_codes=exit_codes)
+            return process_child(
+                pool_child_id(gid), argv, stop_timeout=grace, watchdog_timeout=watchdog
+            )
+        return process_child(
+            pool_child_id(gid),
+            argv,
+            stop_timeout=grace,
+            exit_codes=exit_codes,
+            watchdog_timeout=watchdog,
+        )
 
     def _build_pools(self) -> Service:
         settings = self._desired.settings

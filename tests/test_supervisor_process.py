@@ -595,3 +595,79 @@ def test_a_second_sigterm_kills_the_whole_tree_at_once(started_pids: list[int]) 
             root.stdout.close()
     assert wait_exit(child)
     assert not is_alive(child)
+
+
+# -- the watchdog --------------------------------------------------------------
+
+# Ready after a slow start, beats from its event loop for 2 s, then blocks its
+# loop (a GIL-holding call, a hung model) and beats no more.
+BEATS_THEN_BLOCKS = script(
+    """
+    import asyncio, os, time
+    from poolserve.supervisor.child import die_with_parent, take_ready_pipe
+    die_with_parent()
+    pipe = take_ready_pipe()
+    time.sleep(1.5)  # loading: the watchdog is not armed before READY=1
+
+    async def main():
+        pipe.ready("beating")
+        beat = asyncio.create_task(pipe.keep_beating(0.1))
+        await asyncio.sleep(2.0)
+        os.write(pipe.fd, b"STATUS=blocking\\n")
+        time.sleep(600)  # the loop stops turning; the beat task never runs again
+        beat.cancel()
+
+    asyncio.run(main())
+    """
+)
+
+
+def test_the_watchdog_kills_a_child_whose_loop_stops_beating(started_pids: list[int]) -> None:
+    async def main() -> None:
+        service = ProcessService(BEATS_THEN_BLOCKS, name="pool:a", watchdog_timeout=0.8)
+        ready = Readiness()
+        task = asyncio.create_task(service.serve(ready))
+        await ready.wait()
+        assert service.pid is not None
+        started_pids.append(service.pid)
+        with pytest.raises(ChildFailed, match="without a heartbeat") as caught:
+            await asyncio.wait_for(task, WAIT)
+        # It lived through its slow start and 2 s of beats (both longer than the
+        # timeout) and was killed only once its loop blocked.
+        assert service.status_text == "blocking"
+        assert "SIGKILL" in str(caught.value)
+        assert service.last_exit is not None and service.last_exit.signal == signal.SIGKILL
+
+    run(main)
+
+
+def test_the_watchdog_kills_a_stopped_child(started_pids: list[int]) -> None:
+    source = """
+        import asyncio
+        from poolserve.supervisor.child import die_with_parent, take_ready_pipe
+        die_with_parent()
+        pipe = take_ready_pipe()
+
+        async def main():
+            pipe.ready()
+            await pipe.keep_beating(0.1)
+
+        asyncio.run(main())
+        """
+
+    async def main() -> None:
+        service = ProcessService(script(source), name="router", watchdog_timeout=0.8)
+        ready = Readiness()
+        task = asyncio.create_task(service.serve(ready))
+        await ready.wait()
+        pid = service.pid
+        assert pid is not None
+        started_pids.append(pid)
+        done, _ = await asyncio.wait({task}, timeout=2.0)  # beating: left alone
+        assert not done
+        os.kill(pid, signal.SIGSTOP)
+        with pytest.raises(ChildFailed, match="without a heartbeat"):
+            await asyncio.wait_for(task, WAIT)
+        assert not is_our_zombie(pid)
+
+    run(main)
