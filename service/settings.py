@@ -58,6 +58,19 @@ class ServerSettings:
     tls_key_file: str = ""
     tls_client_ca_file: str = ""  # set: clients must present a certificate it signed
     server_name: str = "poolserve"
+    # A pool or router whose event loop has not turned for heartbeat_timeout_s
+    # plus this long is killed (SIGKILL to its process group) and restarted.
+    watchdog_grace_s: float = 10.0
+    # Connections to the router's port (gRPC server channel options).
+    handshake_timeout_s: float = 10.0  # until the client's HTTP/2 SETTINGS (and TLS)
+    max_connection_idle_s: float = 300.0  # no call in flight: GOAWAY; 0 = never
+    keepalive_time_s: float = 60.0  # ping a connection with calls but no traffic
+    keepalive_timeout_s: float = 20.0  # no ping ack within this: the connection is closed
+    max_connection_age_s: float = 0.0  # 0 = no limit
+    max_connection_age_grace_s: float = 30.0  # calls in flight may finish within this
+    # Reply bytes held for clients that do not read them (RESOURCE_EXHAUSTED beyond).
+    max_unread_reply_bytes: int = 64 * MIB  # per client connection
+    max_unread_reply_bytes_total: int = 256 * MIB  # all connections together
 
     def workers_for(self, gid: str) -> int:
         override = self.pools.get(gid)
@@ -78,6 +91,8 @@ _INT_FIELDS = {
     "max_queue",
     "max_message_size",
     "max_concurrent_streams",
+    "max_unread_reply_bytes",
+    "max_unread_reply_bytes_total",
 }
 _FLOAT_FIELDS = {
     "default_timeout_s",
@@ -85,6 +100,13 @@ _FLOAT_FIELDS = {
     "stop_grace_s",
     "heartbeat_interval_s",
     "heartbeat_timeout_s",
+    "watchdog_grace_s",
+    "handshake_timeout_s",
+    "max_connection_idle_s",
+    "keepalive_time_s",
+    "keepalive_timeout_s",
+    "max_connection_age_s",
+    "max_connection_age_grace_s",
 }
 _BOOL_FIELDS = {"reject_hopeless", "model_control"}
 _STR_FIELDS = {

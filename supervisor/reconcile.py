@@ -63,6 +63,7 @@ POOL_SETTINGS = (
     "heartbeat_timeout_s",
     "reject_hopeless",
     "server_name",
+    "watchdog_grace_s",
 )
 ROUTER_SETTINGS = (
     "host",
@@ -78,6 +79,17 @@ ROUTER_SETTINGS = (
     "tls_key_file",
     "tls_client_ca_file",
     "max_concurrent_streams",
+    "heartbeat_interval_s",
+    "heartbeat_timeout_s",
+    "watchdog_grace_s",
+    "handshake_timeout_s",
+    "max_connection_idle_s",
+    "keepalive_time_s",
+    "keepalive_timeout_s",
+    "max_connection_age_s",
+    "max_connection_age_grace_s",
+    "max_unread_reply_bytes",
+    "max_unread_reply_bytes_total",
 )
 PER_POOL_SETTINGS = ("parallel_workers", "pools")  # compared through workers_for(gid)
 FIXED_SETTINGS = ("run_dir",)  # given to every child on its command line: never reloaded
