@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Mapping
 from pathlib import Path
 from typing import TypeVar
 
+from poolserve.service.limits import raise_open_file_limit
 from poolserve.service.procutil import set_process_name
 from poolserve.service.repository import scan
 from poolserve.service.rundir import ensure_private_dir, pool_socket_path, setup_logging
@@ -46,6 +47,7 @@ def run_pool(repo: Path, gid: str, flags: Mapping[str, object]) -> int:
 
     die_with_parent()
     set_process_name("poolserve-pool")
+    raise_open_file_limit()  # done by the supervisor already; this is for a flat layout
     pipe = take_ready_pipe()
     try:
         settings = load_server_settings(repo, flags=flags)
@@ -70,6 +72,7 @@ def run_router(repo: Path, flags: Mapping[str, object]) -> int:
 
     die_with_parent()
     set_process_name("poolserve-rtr")
+    raise_open_file_limit()  # done by the supervisor already; this is for a flat layout
     pipe = take_ready_pipe()
     try:
         settings: ServerSettings = load_server_settings(repo, flags=flags)

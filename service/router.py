@@ -41,6 +41,8 @@ from poolserve.service.errors import (
 )
 from poolserve.service.health import SERVING, Health
 from poolserve.service.lane import LaneClient, lane_path
+from poolserve.service.limits import return_large_frees, trim_freed_memory, watch_descriptors
+from poolserve.service.replybudget import TRACKED_REPLY, ReplyBudget
 from poolserve.service.repository import Repository, scan
 from poolserve.service.rundir import (
     ADDRESS_FILE,
@@ -58,6 +60,7 @@ log = logging.getLogger(__name__)
 _DROP_METADATA = frozenset({"user-agent", "content-type", "te", "host"})
 ROUTED = ("ModelInfer", "ModelReady", "ModelMetadata", "ModelConfig", "ModelStatistics")
 RETRY_WATCH_S = (0.05, 1.0)
+DESCRIPTOR_CHECK_S = 1.0
 ROUTER_CONTROL_SERVICE = "poolserve.control.v1.RouterControl"
 Handler = Callable[[bytes, Any], Awaitable[bytes]]
 # The router's span of the call being handled (each RPC runs in its own task).
@@ -110,6 +113,39 @@ def server_credentials(settings: ServerSettings) -> grpc.ServerCredentials | Non
     )
 
 
+def server_options(settings: ServerSettings) -> list[tuple[str, int]]:
+    """The router port's channel options: message sizes, and how long a
+    connection may sit in its handshake, idle, or silent under a call."""
+    limit = settings.max_message_size
+    options = [
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_send_message_length", limit),
+        ("grpc.max_concurrent_streams", settings.max_concurrent_streams),
+        ("grpc.so_reuseport", 0),
+        # The client's HTTP/2 SETTINGS (and the TLS handshake) must come within
+        # this, or the connection is closed: a connection that only sent the
+        # preface no longer holds a descriptor for gRPC's default 120 s.
+        ("grpc.server_handshake_timeout_ms", _ms(settings.handshake_timeout_s)),
+        # Pings on connections with calls in flight find peers that vanished;
+        # idle connections are closed by max_connection_idle_ms instead.
+        ("grpc.keepalive_time_ms", _ms(settings.keepalive_time_s)),
+        ("grpc.keepalive_timeout_ms", _ms(settings.keepalive_timeout_s)),
+        ("grpc.keepalive_permit_without_calls", 0),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+    if settings.max_connection_idle_s > 0:
+        options.append(("grpc.max_connection_idle_ms", _ms(settings.max_connection_idle_s)))
+    if settings.max_connection_age_s > 0:
+        options.append(("grpc.max_connection_age_ms", _ms(settings.max_connection_age_s)))
+        grace = _ms(settings.max_connection_age_grace_s)
+        options.append(("grpc.max_connection_age_grace_ms", grace))
+    return options
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
+
+
 class Router:
     def __init__(
         self,
@@ -130,6 +166,11 @@ class Router:
             for name in route.models:
                 self.routes[name] = route
         self.health = Health()
+        self.replies = ReplyBudget(
+            settings.max_unread_reply_bytes,
+            settings.max_unread_reply_bytes_total,
+            on_drained=trim_freed_memory,
+        )
         self._stop = asyncio.Event()
         self._tasks: asyncio.TaskGroup | None = None
         self._generation = 0
@@ -326,7 +367,12 @@ class Router:
             if method == "ModelReady" and name in self.invalid and name not in self.routes:
                 return pb.ModelReadyResponse(ready=False).SerializeToString()
             if method == "ModelInfer":
-                return await self._infer(self._route(name), body, context)
+                if self.replies.total:  # someone is not reading: is it this connection?
+                    self.replies.admit(context.peer())
+                reply = await self._infer(self._route(name), body, context)
+                if len(reply) >= TRACKED_REPLY:
+                    self.replies.track(context, len(reply))
+                return reply
             return await self._forward(self._route(name), method, body, context)
 
         handler.__name__ = method
@@ -608,15 +654,8 @@ class Router:
             loop.add_signal_handler(sig, self.request_stop)
         self._open_channels()
         self._sync_health()
-        limit = self.settings.max_message_size
-        server = grpc.aio.server(
-            options=[
-                ("grpc.max_receive_message_length", limit),
-                ("grpc.max_send_message_length", limit),
-                ("grpc.max_concurrent_streams", self.settings.max_concurrent_streams),
-                ("grpc.so_reuseport", 0),
-            ]
-        )
+        return_large_frees()
+        server = grpc.aio.server(options=server_options(self.settings))
         server.add_generic_rpc_handlers((self.generic_handler(), self.health.generic_handler()))
         address = bind or f"{self.settings.host}:{self.settings.grpc_port}"
         credentials = server_credentials(self.settings)
@@ -635,6 +674,7 @@ class Router:
         control = self._control_server()
         async with asyncio.TaskGroup() as tasks:
             self._tasks = tasks
+            fds = tasks.create_task(watch_descriptors("router", DESCRIPTOR_CHECK_S))
             for route in self.pools.values():
                 self._watch_pool(route)
                 for name in route.models:
@@ -652,6 +692,7 @@ class Router:
             for route in self.pools.values():
                 for task in route.watchers:
                     task.cancel()
+            fds.cancel()
         self._tasks = None
         self.control_path.unlink(missing_ok=True)
         self.address_file.unlink(missing_ok=True)

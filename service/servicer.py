@@ -116,7 +116,13 @@ async def abort(
         raise asyncio.CancelledError
     try:
         await context.abort(code, message)
-    except grpc.aio.AbortError:
+    except grpc.aio.AbortError as exc:
+        # grpc.aio keeps this exception on the call, and its traceback keeps every
+        # frame it passes with their locals (the request's bytes, a reply): a
+        # reference cycle that holds them until the garbage collector happens to
+        # run. Once the call has ended, the traceback goes.
+        error = exc  # the name ``exc`` is deleted at the end of this block
+        context.add_done_callback(lambda _: error.with_traceback(None))  # type: ignore[arg-type]
         raise
     except Exception:
         raise asyncio.CancelledError from None

@@ -69,7 +69,7 @@ class ServerSettings:
     max_connection_age_s: float = 0.0  # 0 = no limit
     max_connection_age_grace_s: float = 30.0  # calls in flight may finish within this
     # Reply bytes held for clients that do not read them (RESOURCE_EXHAUSTED beyond).
-    max_unread_reply_bytes: int = 64 * MIB  # per client connection
+    max_unread_reply_bytes: int = 32 * MIB  # per client connection
     max_unread_reply_bytes_total: int = 256 * MIB  # all connections together
 
     def workers_for(self, gid: str) -> int:

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from poolserve.service.limits import raise_open_file_limit
 from poolserve.service.repository import scan
 from poolserve.service.rundir import ADDRESS_FILE, ensure_private_dir, setup_logging
 from poolserve.service.settings import ConfigError, ServerSettings, load_server_settings
@@ -230,6 +231,9 @@ def run_serve(repo: Path, flags: Mapping[str, object]) -> int:
         print(f"poolserve: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     setup_logging("supervisor", settings.log_format)
+    before, after = raise_open_file_limit()  # the children inherit it
+    if after != before:
+        log.info("open file limit raised from %d to %d (the hard limit)", before, after)
     resolved = dict(flags)
     resolved["run_dir"] = str(run_dir)
     desired = Desired.from_repository(settings, repository)

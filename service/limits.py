@@ -1,0 +1,125 @@
+"""What a process may hold: file descriptors and freed memory (Linux, glibc).
+
+- :func:`raise_open_file_limit`: every connection to the router is a
+  descriptor, and the usual soft limit (1,024) is far below what a server
+  needs; the hard limit is what the administrator allows. The supervisor
+  raises the soft limit to the hard one at start, and its children inherit it.
+- :func:`watch_descriptors`: a warning in the log when descriptors run short
+  (at 80% of the limit), since grpc then only retries its accept quietly and
+  new connections, health checks included, wait in the kernel's backlog.
+- :func:`return_large_frees`: large message buffers go to their own mappings,
+  so their memory goes back to the system when they are freed instead of
+  staying in the heap (glibc's adaptive threshold would otherwise move 30 MiB
+  buffers into the heap after the first one is freed);
+  :func:`trim_freed_memory` returns what many small freed buffers leave.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import errno
+import logging
+import os
+import resource
+
+log = logging.getLogger(__name__)
+
+SHORT_RATIO = 0.8  # warn above this share of the soft limit
+WARN_EVERY_S = 60.0  # while it stays short, repeat the warning this often
+M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
+LARGE_ALLOCATION = 1024 * 1024  # from this size, a malloc gets its own mapping
+
+
+def raise_open_file_limit() -> tuple[int, int]:
+    """Raises the soft RLIMIT_NOFILE to the hard limit; returns (before, after)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard
+    if target == resource.RLIM_INFINITY:
+        try:
+            with open("/proc/sys/fs/nr_open", encoding="ascii") as f:
+                target = int(f.read())
+        except (OSError, ValueError):
+            target = 1024 * 1024
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (OSError, ValueError):
+            return soft, soft
+        return soft, target
+    return soft, soft
+
+
+def open_file_limit() -> int:
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def open_descriptors() -> int | None:
+    """How many descriptors this process holds; None when it cannot open one more
+    (listing /proc/self/fd takes a descriptor itself)."""
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1  # the listing's own descriptor
+    except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            return None
+        raise
+
+
+class DescriptorWatch:
+    """Says in the log when descriptors run short, and when they no longer do."""
+
+    def __init__(self, where: str, now: float = 0.0) -> None:
+        self.where = where
+        self.short = False
+        self._warned_at = now - WARN_EVERY_S
+
+    def check(self, used: int | None, limit: int, now: float) -> None:
+        short = used is None or used >= SHORT_RATIO * limit
+        if short and now - self._warned_at >= WARN_EVERY_S:
+            self._warned_at = now
+            held = "all" if used is None else f"{used}"
+            log.warning(
+                "%s: file descriptors are running short: %s of %d in use (soft "
+                "RLIMIT_NOFILE); new connections wait until some close. Raise the "
+                "limit (LimitNOFILE= under systemd, ulimit -n) or lower "
+                "max_connection_idle_s and handshake_timeout_s",
+                self.where,
+                held,
+                limit,
+            )
+        elif not short and self.short:
+            percent = int(SHORT_RATIO * 100)
+            log.info("%s: file descriptors back under %d%% of %d", self.where, percent, limit)
+        self.short = short
+
+
+async def watch_descriptors(where: str, interval_s: float) -> None:
+    """Checks this process's descriptors every ``interval_s``, for good."""
+    loop = asyncio.get_running_loop()
+    watch = DescriptorWatch(where, loop.time())
+    while True:
+        watch.check(open_descriptors(), open_file_limit(), loop.time())
+        await asyncio.sleep(interval_s)
+
+
+def trim_freed_memory() -> bool:
+    """Gives free heap memory back to the system (glibc's malloc_trim)."""
+    try:
+        malloc_trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    malloc_trim.argtypes = [ctypes.c_size_t]
+    malloc_trim.restype = ctypes.c_int
+    return bool(malloc_trim(0))
+
+
+def return_large_frees() -> bool:
+    """Gives every allocation of LARGE_ALLOCATION or more its own mapping
+    (returned to the system at free); False where malloc is not glibc's."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    return bool(mallopt(M_MMAP_THRESHOLD, LARGE_ALLOCATION))

@@ -1,0 +1,104 @@
+"""Reply bytes the router holds for clients that have not read them.
+
+A unary call in grpc.aio ends (its done callbacks run) only once the client
+has taken the whole reply through HTTP/2 flow control, or has gone. Until
+then the router holds the reply twice (grpc core's copy and grpc.aio's) and
+the call's request too. A client that sends large calls and never reads the
+answers would make the router hold memory without bound.
+
+So the router counts the bytes of each large reply from the moment it has
+it until the call ends, per client connection (grpc's peer string: address
+and port) and in total. A reply that would take its connection past
+``max_unread_reply_bytes`` (or all of them past
+``max_unread_reply_bytes_total``) is not sent: its call ends with
+RESOURCE_EXHAUSTED; and from then on, while that connection still holds
+replies, its new calls end so at once, before any work. The total bound
+refuses large replies only, so that clients who read keep their small
+calls. One reply is always let through when nothing is held, so a reply of
+up to max_message_size can always be sent.
+
+When a reply was refused, or a connection held a bound's worth, and then
+everything held is released, the router asks malloc to give freed memory
+back (``on_drained``): what grpc core's many small buffers leave behind
+stays in malloc's arenas otherwise.
+
+Replies under :data:`TRACKED_REPLY` are not counted: they cost the hot path
+nothing, and a connection can hold at most max_concurrent_streams of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from poolserve.service.errors import QueueFull
+
+TRACKED_REPLY = 64 * 1024
+
+
+class RepliesUnread(QueueFull):
+    """RESOURCE_EXHAUSTED: a client is not reading the replies it asked for."""
+
+
+class ReplyBudget:
+    def __init__(
+        self, per_connection: int, total: int, on_drained: Callable[[], object] | None = None
+    ) -> None:
+        self.per_connection = per_connection
+        self.total_limit = total
+        self.on_drained = on_drained
+        self.held: dict[str, int] = {}
+        self.total = 0
+        self.pressed = False  # a bound was reached since everything was last released
+        self.full: set[str] = set()  # peers with a reply refused, still holding others
+
+    def admit(self, peer: str) -> None:
+        """Refuses a new call while its connection is at its bound. (The total
+        bound is applied to replies only: calls with small answers still pass.)"""
+        held = self.held.get(peer, 0)
+        if held >= self.per_connection or peer in self.full:
+            raise self._refusal(held, "this connection", "max_unread_reply_bytes")
+
+    def hold(self, peer: str, size: int) -> None:
+        """Counts ``size`` bytes for ``peer`` until :meth:`release`; raises, counting
+        nothing, when that would pass a bound."""
+        held = self.held.get(peer, 0)
+        if held and held + size > self.per_connection:
+            self.full.add(peer)
+            self.pressed = True
+            raise self._refusal(held, "this connection", "max_unread_reply_bytes")
+        if self.total and self.total + size > self.total_limit:
+            self.pressed = True
+            raise self._refusal(self.total, "all connections", "max_unread_reply_bytes_total")
+        self.held[peer] = held + size
+        self.total += size
+        self.pressed = self.pressed or held + size >= self.per_connection
+
+    def release(self, peer: str, size: int) -> None:
+        left = self.held.get(peer, 0) - size
+        self.full.discard(peer)  # it read (or left): let it try again
+        if left > 0:
+            self.held[peer] = left
+        else:
+            self.held.pop(peer, None)
+        self.total -= size
+        if self.total == 0 and self.pressed:
+            self.pressed = False
+            if self.on_drained is not None:
+                self.on_drained()
+
+    def track(self, context: grpc.aio.ServicerContext[Any, Any], size: int) -> None:
+        """Holds a reply of ``size`` bytes for this call until the call ends."""
+        peer = context.peer()
+        self.hold(peer, size)
+        # (the stubs type the callback as a private class no function can match)
+        context.add_done_callback(lambda _: self.release(peer, size))  # type: ignore[arg-type]
+
+    def _refusal(self, held: int, whose: str, setting: str) -> RepliesUnread:
+        limit = self.per_connection if setting == "max_unread_reply_bytes" else self.total_limit
+        return RepliesUnread(
+            f"the router holds {held} bytes of replies that {whose} has not read yet "
+            f"({setting} is {limit}): read the replies before sending more calls"
+        )
