@@ -17,10 +17,10 @@ refuses large replies only, so that clients who read keep their small
 calls. One reply is always let through when nothing is held, so a reply of
 up to max_message_size can always be sent.
 
-When a reply was refused, or a connection held a bound's worth, and then
-everything held is released, the router asks malloc to give freed memory
-back (``on_drained``): what grpc core's many small buffers leave behind
-stays in malloc's arenas otherwise.
+Once a refused call has ended (at most once a second), and when everything
+held is released after a bound was reached, the router asks malloc to give
+freed memory back (``give_back``): what grpc core's many small buffers leave
+behind would stay in malloc's arenas otherwise.
 
 Replies under :data:`TRACKED_REPLY` are not counted: they cost the hot path
 nothing, and a connection can hold at most max_concurrent_streams of them.
@@ -28,6 +28,7 @@ nothing, and a connection can hold at most max_concurrent_streams of them.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +37,7 @@ import grpc
 from poolserve.service.errors import QueueFull
 
 TRACKED_REPLY = 64 * 1024
+GIVE_BACK_EVERY_S = 1.0
 
 
 class RepliesUnread(QueueFull):
@@ -44,11 +46,17 @@ class RepliesUnread(QueueFull):
 
 class ReplyBudget:
     def __init__(
-        self, per_connection: int, total: int, on_drained: Callable[[], object] | None = None
+        self,
+        per_connection: int,
+        total: int,
+        give_back: Callable[[], object] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.per_connection = per_connection
         self.total_limit = total
-        self.on_drained = on_drained
+        self.give_back = give_back
+        self.clock = clock
+        self._gave_back_at = -GIVE_BACK_EVERY_S
         self.held: dict[str, int] = {}
         self.total = 0
         self.pressed = False  # a bound was reached since everything was last released
@@ -86,15 +94,36 @@ class ReplyBudget:
         self.total -= size
         if self.total == 0 and self.pressed:
             self.pressed = False
-            if self.on_drained is not None:
-                self.on_drained()
+            self._give_back(force=True)
+
+    def _give_back(self, force: bool = False) -> None:
+        now = self.clock()
+        if self.give_back is not None and (force or now - self._gave_back_at >= GIVE_BACK_EVERY_S):
+            self._gave_back_at = now
+            self.give_back()
+
+    def check(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        """:meth:`admit` for this call's connection."""
+        try:
+            self.admit(context.peer())
+        except RepliesUnread:
+            self._after(context, self._give_back)
+            raise
 
     def track(self, context: grpc.aio.ServicerContext[Any, Any], size: int) -> None:
         """Holds a reply of ``size`` bytes for this call until the call ends."""
         peer = context.peer()
-        self.hold(peer, size)
+        try:
+            self.hold(peer, size)
+        except RepliesUnread:
+            self._after(context, self._give_back)
+            raise
+        self._after(context, lambda: self.release(peer, size))
+
+    @staticmethod
+    def _after(context: grpc.aio.ServicerContext[Any, Any], action: Callable[[], None]) -> None:
         # (the stubs type the callback as a private class no function can match)
-        context.add_done_callback(lambda _: self.release(peer, size))  # type: ignore[arg-type]
+        context.add_done_callback(lambda _: action())  # type: ignore[arg-type]
 
     def _refusal(self, held: int, whose: str, setting: str) -> RepliesUnread:
         limit = self.per_connection if setting == "max_unread_reply_bytes" else self.total_limit

@@ -169,7 +169,7 @@ class Router:
         self.replies = ReplyBudget(
             settings.max_unread_reply_bytes,
             settings.max_unread_reply_bytes_total,
-            on_drained=trim_freed_memory,
+            give_back=trim_freed_memory,
         )
         self._stop = asyncio.Event()
         self._tasks: asyncio.TaskGroup | None = None
@@ -368,7 +368,7 @@ class Router:
                 return pb.ModelReadyResponse(ready=False).SerializeToString()
             if method == "ModelInfer":
                 if self.replies.total:  # someone is not reading: is it this connection?
-                    self.replies.admit(context.peer())
+                    self.replies.check(context)
                 reply = await self._infer(self._route(name), body, context)
                 if len(reply) >= TRACKED_REPLY:
                     self.replies.track(context, len(reply))

@@ -1,0 +1,369 @@
+"""Clients cannot hold the router's descriptors or memory without bound.
+
+- Connections that never finish their HTTP/2 handshake are closed after
+  handshake_timeout_s, idle ones after max_connection_idle_s, so health
+  checks answer even while more connections come than descriptors allow, and
+  the router says in its log that descriptors run short.
+- Replies a client does not read are bounded per connection and in total
+  (RESOURCE_EXHAUSTED beyond), and their memory comes back when it goes.
+
+The e2e tests start real trees over loopback; the raw HTTP/2 client that
+never reads its replies runs in its own process (tests/clients/unread_replies.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import resource
+import selectors
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from poolserve.protos import inference_pb2 as pb
+from poolserve.protos import inference_pb2_grpc as pbg
+from poolserve.service.errors import grpc_status
+from poolserve.service.limits import SHORT_RATIO, WARN_EVERY_S, DescriptorWatch
+from poolserve.service.replybudget import RepliesUnread, ReplyBudget
+from poolserve.service.router import server_options
+from poolserve.service.settings import ServerSettings
+
+from serving import Serving, wait_serving
+from support import CLIENTS, copy_example, infer_request, kill_all, wait_until
+
+WAIT = 60.0  # generous: CI is a loaded two-core machine
+MIB = 1024 * 1024
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+EMPTY_SETTINGS = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
+BIG = [("grpc.max_receive_message_length", 64 * MIB), ("grpc.max_send_message_length", 64 * MIB)]
+
+
+# -- units ---------------------------------------------------------------------
+
+
+def test_a_connection_at_its_bound_gets_resource_exhausted() -> None:
+    budget = ReplyBudget(per_connection=100, total=1000)
+    budget.admit("a")
+    budget.hold("a", 150)  # nothing held yet: one reply always passes
+    with pytest.raises(RepliesUnread, match="this connection has not read") as refused:
+        budget.admit("a")
+    assert grpc_status(refused.value)[0] is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "max_unread_reply_bytes is 100" in refused.value.message
+    budget.admit("b")  # another connection is not held back
+    budget.hold("b", 60)
+    with pytest.raises(RepliesUnread):
+        budget.hold("b", 60)  # 120 > 100: refused, nothing counted
+    assert budget.held == {"a": 150, "b": 60} and budget.total == 210
+    with pytest.raises(RepliesUnread):
+        budget.admit("b")  # refused once: its next calls end at once, before any work
+    budget.release("b", 60)
+    budget.admit("b")  # it read (or left): it may try again
+    budget.release("a", 150)
+    assert budget.held == {} and budget.total == 0
+
+
+def test_the_total_bound_refuses_large_replies_only_and_drains_trim() -> None:
+    drained: list[int] = []
+    budget = ReplyBudget(per_connection=100, total=150, give_back=lambda: drained.append(1))
+    budget.hold("a", 100)
+    budget.hold("b", 40)
+    with pytest.raises(RepliesUnread, match="max_unread_reply_bytes_total is 150"):
+        budget.hold("c", 20)
+    budget.admit("c")  # a call of c with a small answer still passes
+    budget.release("a", 100)
+    assert drained == []  # b still holds
+    budget.release("b", 40)
+    assert drained == [1]
+    budget.hold("a", 10)
+    budget.release("a", 10)
+    assert drained == [1]  # no bound was reached since: nothing to give back
+
+
+def test_descriptor_warning_when_short_and_once_a_minute(caplog: pytest.LogCaptureFixture) -> None:
+    watch = DescriptorWatch("router", now=0.0)
+    with caplog.at_level(logging.INFO, logger="poolserve.service.limits"):
+        watch.check(int(SHORT_RATIO * 1000) - 1, 1000, now=1.0)
+        assert caplog.records == []
+        watch.check(int(SHORT_RATIO * 1000), 1000, now=2.0)
+        watch.check(999, 1000, now=3.0)  # still short: not repeated at once
+        watch.check(None, 1000, now=2.0 + WARN_EVERY_S)  # cannot even list them
+        watch.check(10, 1000, now=3.0 + WARN_EVERY_S)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2, warnings
+    assert "800 of 1000 in use" in warnings[0] and "running short" in warnings[0]
+    assert "all of 1000 in use" in warnings[1]
+    assert "back under 80% of 1000" in caplog.records[-1].getMessage()
+
+
+def test_the_soft_descriptor_limit_is_raised_to_the_hard_one() -> None:
+    source = (
+        "import resource; from poolserve.service.limits import raise_open_file_limit; "
+        "print(raise_open_file_limit(), resource.getrlimit(resource.RLIMIT_NOFILE))"
+    )
+    out = subprocess.run(
+        ["prlimit", "--nofile=100:200", sys.executable, "-P", "-c", source],
+        capture_output=True,
+        text=True,
+        timeout=WAIT,
+        check=True,
+    ).stdout
+    assert out.strip() == "(100, 200) (200, 200)"
+
+
+def test_server_options_carry_the_connection_settings() -> None:
+    settings = ServerSettings(
+        handshake_timeout_s=3.0,
+        max_connection_idle_s=4.5,
+        keepalive_time_s=6.0,
+        keepalive_timeout_s=7.0,
+        max_connection_age_s=8.0,
+        max_connection_age_grace_s=9.0,
+    )
+    options = dict(server_options(settings))
+    assert options["grpc.server_handshake_timeout_ms"] == 3000
+    assert options["grpc.max_connection_idle_ms"] == 4500
+    assert options["grpc.keepalive_time_ms"] == 6000
+    assert options["grpc.keepalive_timeout_ms"] == 7000
+    assert options["grpc.max_connection_age_ms"] == 8000
+    assert options["grpc.max_connection_age_grace_ms"] == 9000
+    unlimited = dict(server_options(ServerSettings(max_connection_idle_s=0)))
+    assert "grpc.max_connection_idle_ms" not in unlimited
+    assert "grpc.max_connection_age_ms" not in unlimited  # no age limit by default
+
+
+# -- descriptors and idle connections, e2e ------------------------------------------
+
+
+def host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def read_until_closed(sock: socket.socket, timeout: float) -> tuple[bytes, float]:
+    """Everything the server sends until it closes the connection, and when."""
+    began = time.monotonic()
+    sock.settimeout(timeout)
+    received = b""
+    while chunk := sock.recv(65536):
+        received += chunk
+    return received, time.monotonic() - began
+
+
+@pytest.mark.e2e
+def test_preface_only_connections_cannot_starve_health_checks(tmp_path: Path) -> None:
+    """More connections than the router has descriptors (soft and hard limit 256
+    for the whole tree, so the supervisor cannot raise it), each sending only
+    the HTTP/2 preface: health checks still answer, the router warns, and an
+    idle connection that completed its handshake is closed after the idle limit."""
+    repo = tmp_path / "repo"
+    copy_example(repo, "echo")
+    (repo / "settings.json").write_text(
+        json.dumps({"handshake_timeout_s": 2.0, "max_connection_idle_s": 2.0})
+    )
+    serving = Serving(repo, tmp_path / "run", workers=1)
+    serving.argv = ["prlimit", "--nofile=256:256", *serving.argv]
+    attackers: list[socket.socket] = []
+    assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= 1024, "300 sockets of our own"
+
+    async def check(address: str) -> float:
+        began = time.monotonic()
+        async with grpc.aio.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=WAIT)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        return time.monotonic() - began
+
+    with serving:
+        host, port = host_port(serving.address)
+        asyncio.run(warm_up(serving.address))
+        for _ in range(300):
+            sock = socket.create_connection((host, port), timeout=WAIT)
+            sock.sendall(PREFACE)
+            attackers.append(sock)
+        try:
+            took = asyncio.run(check(serving.address))
+            print(f"health answered in {took:.2f} s with 300 preface-only connections open")
+            warned = "file descriptors are running short"
+            assert wait_until(lambda: warned in serving.log(), WAIT), serving.log()[-3000:]
+            # The server closed the preface-only connections (the client did not).
+            closed, _ = read_until_closed(attackers[0], WAIT)
+            assert b"Did not receive HTTP/2 settings" in closed
+
+            idle = socket.create_connection((host, port), timeout=WAIT)
+            idle.sendall(PREFACE + EMPTY_SETTINGS)
+            received, after = read_until_closed(idle, WAIT)
+            idle.close()
+            print(f"an idle connection was closed after {after:.2f} s (max_connection_idle_s 2)")
+            assert b"idle" in received  # GOAWAY's debug data: not the handshake timeout
+            assert after >= 1.5
+        finally:
+            for sock in attackers:
+                sock.close()
+
+
+# -- unread replies, e2e ----------------------------------------------------------------
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def router_pid(serving: Serving) -> int:
+    for pid in serving.tree():
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().strip() == "poolserve-rtr":
+                return pid
+        except OSError:
+            continue
+    raise AssertionError("no router process")
+
+
+class UnreadClient:
+    """tests/clients/unread_replies.py in its own process, read line by line."""
+
+    def __init__(self, address: str, request: Path, count: int) -> None:
+        argv = [sys.executable, "-P", str(CLIENTS / "unread_replies.py")]
+        argv += [address, MODEL_INFER, str(request), str(count)]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+        self.selector = selectors.DefaultSelector()
+        assert self.proc.stdout is not None
+        self.selector.register(self.proc.stdout, selectors.EVENT_READ)
+
+    def line(self, timeout: float = WAIT) -> dict[str, int]:
+        assert self.proc.stdout is not None
+        assert self.selector.select(timeout), "the client said nothing"
+        text = self.proc.stdout.readline()
+        assert text, f"the client exited with {self.proc.wait()}"
+        value: dict[str, int] = json.loads(text)
+        return value
+
+    def kill(self) -> None:
+        kill_all([self.proc.pid])
+        self.proc.wait(timeout=WAIT)
+        self.selector.close()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+def echo_request_file(tmp_path: Path, mib: int) -> Path:
+    path = tmp_path / f"echo-{mib}mib.bin"
+    path.write_bytes(infer_request("echo", np.ones((1, mib * MIB // 4), np.float32)))
+    return path
+
+
+async def warm_up(address: str) -> None:
+    async with grpc.aio.insecure_channel(address, options=BIG) as channel:
+        await wait_serving(channel)
+        stub = pbg.GRPCInferenceServiceStub(channel)
+        body = pb.ModelInferRequest.FromString(infer_request("echo", np.ones((1, 16), np.float32)))
+        for _ in range(20):
+            await stub.ModelInfer(body, timeout=WAIT)
+
+
+@pytest.mark.e2e
+def test_eight_unread_30mib_replies_hold_bounded_memory(tmp_path: Path) -> None:
+    """The issue's scenario with the default settings: 8 echo calls of 30 MiB
+    on one connection that never reads. One reply is held (the per-connection
+    bound is 32 MiB), the other 7 calls end with an error at once; the router's
+    RSS stays within 300 MiB of its start while the reply is held, and within
+    300 MiB of it after the client is killed."""
+    repo = tmp_path / "repo"
+    copy_example(repo, "echo")
+    request = echo_request_file(tmp_path, 30)
+    with Serving(repo, tmp_path / "run", workers=1) as serving:
+        asyncio.run(warm_up(serving.address))
+        router = router_pid(serving)
+        start = rss_mib(router)
+        client = UnreadClient(serving.address, request, 8)
+        try:
+            assert client.line() == {"sent": 8}
+            ended = [client.line() for _ in range(7)]  # refused: ended with no data
+            assert all(each["data"] == 0 for each in ended), ended
+            assert {each["ended"] for each in ended} <= {1 + 2 * k for k in range(8)}
+            held = []
+            for _ in range(10):  # while the last reply is held, unread
+                held.append(rss_mib(router))
+                time.sleep(0.1)
+            assert client.proc.poll() is None
+        finally:
+            client.kill()
+        assert wait_until(lambda: rss_mib(router) - start < 300, WAIT)
+        after = rss_mib(router)
+        print(
+            f"router RSS: start {start:.0f} MiB, held {max(held):.0f} MiB "
+            f"(+{max(held) - start:.0f}), after the client was killed {after:.0f} MiB "
+            f"(+{after - start:.0f})"
+        )
+        assert max(held) - start < 300
+        assert "Traceback" not in serving.log()
+
+
+@pytest.mark.e2e
+def test_the_total_bound_refuses_large_replies_and_frees_when_the_client_goes(
+    tmp_path: Path,
+) -> None:
+    repo = tmp_path / "repo"
+    copy_example(repo, "echo")
+    (repo / "settings.json").write_text(json.dumps({"max_unread_reply_bytes_total": 16 * MIB}))
+    request = echo_request_file(tmp_path, 20)
+
+    async def calls(address: str) -> tuple[grpc.StatusCode, str]:
+        async with grpc.aio.insecure_channel(address, options=BIG) as channel:
+            stub = pbg.GRPCInferenceServiceStub(channel)
+            small = pb.ModelInferRequest.FromString(
+                infer_request("echo", np.ones((1, 16), np.float32))
+            )
+            await stub.ModelInfer(small, timeout=WAIT)  # small replies still pass
+            large = pb.ModelInferRequest.FromString(
+                infer_request("echo", np.ones((1, MIB // 4), np.float32))
+            )
+            try:
+                await stub.ModelInfer(large, timeout=WAIT)
+            except grpc.aio.AioRpcError as error:
+                refused, details = error.code(), error.details() or ""
+            else:
+                refused, details = grpc.StatusCode.OK, ""
+            await stub.ModelInfer(small, timeout=WAIT)  # and after the refusal
+            return refused, details
+
+    async def large_call(address: str) -> grpc.StatusCode:
+        async with grpc.aio.insecure_channel(address, options=BIG) as channel:
+            stub = pbg.GRPCInferenceServiceStub(channel)
+            large = pb.ModelInferRequest.FromString(
+                infer_request("echo", np.ones((1, MIB // 4), np.float32))
+            )
+            try:
+                await stub.ModelInfer(large, timeout=WAIT)
+            except grpc.aio.AioRpcError as error:
+                return error.code()
+            return grpc.StatusCode.OK
+
+    with Serving(repo, tmp_path / "run", workers=1) as serving:
+        asyncio.run(warm_up(serving.address))
+        client = UnreadClient(serving.address, request, 1)
+        try:
+            assert client.line() == {"sent": 1}
+            # Its one 20 MiB reply is held (one always passes), past the 16 MiB total.
+            refused, details = asyncio.run(calls(serving.address))
+            assert refused is grpc.StatusCode.RESOURCE_EXHAUSTED, details
+            assert "max_unread_reply_bytes_total" in details
+        finally:
+            client.kill()
+        # The client went: its reply is released, large replies pass again.
+        end = time.monotonic() + WAIT
+        while (code := asyncio.run(large_call(serving.address))) is not grpc.StatusCode.OK:
+            assert code is grpc.StatusCode.RESOURCE_EXHAUSTED, code
+            assert time.monotonic() < end, "the held reply was never released"
