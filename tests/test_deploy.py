@@ -677,6 +677,7 @@ def test_unit_directives() -> None:
     assert int(one("StartLimitBurst", start)) >= 1
     assert systemd_seconds(one("StartLimitIntervalSec", start)) > 0
     assert one("RestartPreventExitStatus") == "2", "exit 2 is an invalid configuration"
+    assert int(one("LimitNOFILE")) >= 65536, "every client connection is a descriptor"
     assert one("KillMode") in ("mixed", "control-group")
     grace = float(env_file().get("POOLSERVE_STOP_GRACE_S", DEFAULT_GRACE))
     assert systemd_seconds(one("TimeoutStopSec")) > stop_bound(grace)
