@@ -251,7 +251,7 @@ class Router:
             return
         route.responsive = responsive
         if responsive:
-            log.warning("router: %s answers its heartbeat again", route.where)
+            log.info("router: %s answers its heartbeat again", route.where)
         else:
             log.warning(
                 "router: %s has not answered its heartbeat for %.1f s "

@@ -168,7 +168,7 @@ def test_preface_only_connections_cannot_starve_health_checks(tmp_path: Path) ->
     repo = tmp_path / "repo"
     copy_example(repo, "echo")
     (repo / "settings.json").write_text(
-        json.dumps({"handshake_timeout_s": 2.0, "max_connection_idle_s": 2.0})
+        json.dumps({"handshake_timeout_s": 2.0, "max_connection_idle_s": 5.0})
     )
     serving = Serving(repo, tmp_path / "run", workers=1)
     serving.argv = ["prlimit", "--nofile=256:256", *serving.argv]
@@ -195,7 +195,8 @@ def test_preface_only_connections_cannot_starve_health_checks(tmp_path: Path) ->
             print(f"health answered in {took:.2f} s with 300 preface-only connections open")
             warned = "file descriptors are running short"
             assert wait_until(lambda: warned in serving.log(), WAIT), serving.log()[-3000:]
-            # The server closed the preface-only connections (the client did not).
+            # The server closed the preface-only connections (the client did not),
+            # at the handshake timeout (2 s), before the idle one (5 s).
             closed, _ = read_until_closed(attackers[0], WAIT)
             assert b"Did not receive HTTP/2 settings" in closed
 
@@ -203,9 +204,9 @@ def test_preface_only_connections_cannot_starve_health_checks(tmp_path: Path) ->
             idle.sendall(PREFACE + EMPTY_SETTINGS)
             received, after = read_until_closed(idle, WAIT)
             idle.close()
-            print(f"an idle connection was closed after {after:.2f} s (max_connection_idle_s 2)")
+            print(f"an idle connection was closed after {after:.2f} s (max_connection_idle_s 5)")
             assert b"idle" in received  # GOAWAY's debug data: not the handshake timeout
-            assert after >= 1.5
+            assert after >= 4.0
         finally:
             for sock in attackers:
                 sock.close()
