@@ -36,6 +36,7 @@ from poolserve.service.errors import (
     ModelNotReady,
     ServingError,
     Unavailable,
+    clip,
     from_upstream,
     grpc_status,
 )
@@ -197,7 +198,7 @@ class Router:
             return route
         if name in self.invalid:
             raise ModelNotReady(f"model '{name}' is unavailable: {self.invalid[name]}")
-        raise ModelNotFound(f"model '{name}' is not in this repository")
+        raise ModelNotFound(f"model '{clip(name)}' is not in this repository")
 
     def _timeout(self, context: grpc.aio.ServicerContext[Any, Any]) -> float:
         remaining = context.time_remaining()
@@ -276,7 +277,8 @@ class Router:
                 span.set_attribute("poolserve.model.version", version)
             if method == "ModelStatistics" and not name:
                 return await self._all_statistics(context)
-            if method == "ModelReady" and name in self.invalid and name not in self.routes:
+            if method == "ModelReady" and name not in self.routes:
+                # As Triton: a model that does not exist is not ready; no NOT_FOUND.
                 return pb.ModelReadyResponse(ready=False).SerializeToString()
             if method == "ModelInfer":
                 return await self._infer(self._route(name), body, context)

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, BinaryIO, NoReturn
 
-from poolserve.service.errors import Failure, ModelNotFound, ServingError
+from poolserve.service.errors import Failure, ModelNotFound, ServingError, clip
 from poolserve.service.frames import HEADER, REQUEST, error_frame, heartbeat_frame, reply_frame
 from poolserve.service.stats import Timings
 
@@ -51,7 +51,7 @@ def handle(models: Mapping[str, Model], body: bytes, seq: int) -> bytes:
         name, version = peek_model(body)
         model = models.get(name)
         if model is None or (version and version != model.settings.version):
-            raise ModelNotFound(f"model '{name}' is not loaded in this worker")
+            raise ModelNotFound(f"model '{clip(name)}' is not loaded in this worker")
         response, timings = infer(model, body)
         return reply_frame(seq, timings, response)
     except ServingError as exc:
