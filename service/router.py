@@ -39,9 +39,11 @@ from poolserve.service.errors import (
     clip,
     from_upstream,
     grpc_status,
+    load_failed,
 )
 from poolserve.service.health import SERVING, Health
 from poolserve.service.lane import LaneClient, lane_path
+from poolserve.service.pacing import Rescanner
 from poolserve.service.repository import Repository, scan
 from poolserve.service.rundir import (
     ADDRESS_FILE,
@@ -135,6 +137,11 @@ class Router:
         self._generation = 0
         self.control_path = run_dir / ROUTER_CONTROL_SOCKET
         self.tracing: Tracing | None = None  # set in serve(): never before a fork
+        self.rescanner = Rescanner(
+            lambda: scan(repo) if repo is not None else repository,
+            settings.repository_rescan_s,
+            initial=repository,
+        )
         self.port = 0
 
     # -- readiness -------------------------------------------------------------
@@ -289,27 +296,46 @@ class Router:
 
     def _routed_by_field2(self, method: str) -> Callable[[bytes, Any], Awaitable[bytes]]:
         async def handler(body: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
-            if not self.settings.model_control:
-                # Checked here, at the public door: the pools' private sockets always
-                # accept loads, so that `poolserve reload` can use them.
-                raise FailedPrecondition(
-                    "loading and unloading models through the API is disabled (model_control)"
-                )
             name = _peek_model_name_field2(body)
-            if method == "RepositoryModelLoad" and name not in self.routes:
-                self._learn_route(name)
-            return await self._forward(self._route(name), method, body, context)
+            try:
+                return await self._control(method, name, body, context)
+            except ServingError as exc:
+                if method == "RepositoryModelLoad":
+                    raise load_failed(name, exc) from None
+                raise
 
         handler.__name__ = method
         return handler
 
-    def _learn_route(self, name: str) -> None:
-        """A model added to the repository after start: route it to its pool."""
-        if self.repo is None or not self.settings.model_control:
+    async def _control(
+        self, method: str, name: str, body: bytes, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> bytes:
+        if not self.settings.model_control:
+            # Checked here, at the public door: the pools' private sockets always
+            # accept loads, so that `poolserve reload` can use them.
+            raise FailedPrecondition(
+                "loading and unloading models through the API is disabled (model_control)"
+            )
+        if method == "RepositoryModelLoad" and name not in self.routes:
+            await self._learn_route(name)
+        return await self._forward(self._route(name), method, body, context)
+
+    async def _learn_route(self, name: str) -> None:
+        """A model added to the repository after start: route it to its pool.
+
+        The repository is scanned on a thread, at most once per
+        repository_rescan_s, and every load waiting for a name shares the scan:
+        a flood of loads for names that do not exist costs one scan per interval.
+        """
+        if self.repo is None:
             return
-        settings = scan(self.repo).model(name)
-        if settings is None:
-            return  # _route answers NOT_FOUND
+        try:
+            repository = await self.rescanner.fresh()
+        except ConfigError as exc:
+            raise FailedPrecondition(f"the repository cannot be scanned: {exc}") from None
+        settings = repository.model(name)
+        if settings is None or name in self.routes:
+            return  # not there: _route answers NOT_FOUND; or a concurrent load routed it
         route = self.pools.get(settings.gid)
         if route is None:
             raise FailedPrecondition(
@@ -590,6 +616,7 @@ class Router:
         control = self._control_server()
         async with asyncio.TaskGroup() as tasks:
             self._tasks = tasks
+            rescanner = tasks.create_task(self.rescanner.serve(), name="rescanner")
             for route in self.pools.values():
                 self._watch_pool(route)
                 for name in route.models:
@@ -604,6 +631,7 @@ class Router:
             await control.stop(0)
             await server.stop(self.settings.stop_grace_s)
             log.info("router: drained in %.3f s", time.monotonic() - began)
+            rescanner.cancel()
             for route in self.pools.values():
                 for task in route.watchers:
                     task.cancel()

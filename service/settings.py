@@ -54,6 +54,9 @@ class ServerSettings:
     heartbeat_timeout_s: float = 30.0
     reject_hopeless: bool = False
     model_control: bool = True
+    # Model control touches the repository at most once per this many seconds:
+    # one scan for every load of a name not yet routed, one real reload per model.
+    repository_rescan_s: float = 2.0
     tls_cert_file: str = ""
     tls_key_file: str = ""
     tls_client_ca_file: str = ""  # set: clients must present a certificate it signed
@@ -85,6 +88,7 @@ _FLOAT_FIELDS = {
     "stop_grace_s",
     "heartbeat_interval_s",
     "heartbeat_timeout_s",
+    "repository_rescan_s",
 }
 _BOOL_FIELDS = {"reject_hopeless", "model_control"}
 _STR_FIELDS = {

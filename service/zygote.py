@@ -145,13 +145,17 @@ class InferenceCargo:
     def apply(self, message: Mapping[str, Any], emit: Emit) -> None:
         op = message.get("op")
         if op == "load":
-            self.live_load(str(message["path"]), emit)
+            self.live_load(str(message["path"]), emit, message.get("overrides") or {})
         elif op == "unload":
             name = str(message["name"])
             self.models.pop(name, None)
             emit({"event": "unloaded", "name": name})
 
-    def live_load(self, path: str, emit: Emit) -> None:
+    def live_load(self, path: str, emit: Emit, overrides: Mapping[str, Any]) -> None:
+        """Loads the model of a settings file, with the fields a load's config
+        overrode (``max_batch_size``, ``extra``) set over the file's."""
+        from dataclasses import replace
+
         from poolserve.service.repository import parse_model_settings
         from poolserve.service.settings import ConfigError
 
@@ -161,6 +165,8 @@ class InferenceCargo:
             name = Path(path).parent.name
             emit({"event": "model", "name": name, "ok": False, "reason": str(exc)})
             return
+        if overrides:
+            settings = replace(settings, **overrides)
         self.load_one(settings, emit)
 
     def handler(self) -> worker.Handler:
@@ -440,9 +446,13 @@ class ZygoteLink(ZygoteControl):
         self.pid = pid
         self._sock = ours
 
-    def load(self, settings_path: Path) -> None:
-        """Asks the zygote to (re)load the model of this settings file."""
-        self.command({"op": "load", "path": str(settings_path)})
+    def load(self, settings_path: Path, overrides: Mapping[str, Any] | None = None) -> None:
+        """Asks the zygote to (re)load the model of this settings file, with
+        ``overrides`` (JSON values) set over the file's fields."""
+        message: dict[str, Any] = {"op": "load", "path": str(settings_path)}
+        if overrides:
+            message["overrides"] = dict(overrides)
+        self.command(message)
 
     async def wait(self, timeout: float) -> str:
         """Reaps the zygote, killing it after ``timeout``; returns its decoded status."""

@@ -63,6 +63,7 @@ POOL_SETTINGS = (
     "heartbeat_timeout_s",
     "reject_hopeless",
     "server_name",
+    "repository_rescan_s",
 )
 ROUTER_SETTINGS = (
     "host",
@@ -78,6 +79,7 @@ ROUTER_SETTINGS = (
     "tls_key_file",
     "tls_client_ca_file",
     "max_concurrent_streams",
+    "repository_rescan_s",
 )
 PER_POOL_SETTINGS = ("parallel_workers", "pools")  # compared through workers_for(gid)
 FIXED_SETTINGS = ("run_dir",)  # given to every child on its command line: never reloaded
