@@ -41,7 +41,7 @@ from poolserve.service.lane import LANE_OVERHEAD, LaneServer, Trace, lane_path
 from poolserve.service.procutil import pss_bytes
 from poolserve.service.repository import ModelSettings, TensorSpec, scan
 from poolserve.service.respawn import Respawner
-from poolserve.service.rundir import bind_private_unix
+from poolserve.service.rundir import bind_private_unix, claim_socket, remove_own
 from poolserve.service.servicer import InferenceServicer, Observer, guarded
 from poolserve.service.settings import ServerSettings
 from poolserve.service.tracing import Tracing
@@ -486,7 +486,8 @@ class PoolServer:
                 self._control_handler(),
             )
         )
-        bind_private_unix(server, self.socket_path)
+        claim_socket(self.lane.path)  # both paths checked before either is bound
+        bound = bind_private_unix(server, self.socket_path)
         async with asyncio.TaskGroup() as tasks:
             self._tasks = tasks
             dispatcher_started = asyncio.Event()
@@ -510,6 +511,7 @@ class PoolServer:
                 tasks.create_task(self.inline.load(self.inline_models), name="inline-load")
             await self._stop.wait()
             await self._shutdown(server)
+        remove_own(self.socket_path, bound)
         log.info("pool %s: zygote %s", self.gid, await self.zygote.wait(timeout=5.0))
         if self.servicer.tracing is not None:
             await asyncio.to_thread(self.servicer.tracing.shutdown)
@@ -526,4 +528,3 @@ class PoolServer:
             flight.cancel()
         self.dispatcher.close()
         self.zygote.close()
-        self.socket_path.unlink(missing_ok=True)

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "reliability"))
 
 from harness import (
     BIN,
-    READY_PREFIX,
+    LISTENING_PREFIX,
     Tree,
     infer_bytes,
     kill_pids,
@@ -113,7 +113,7 @@ def test_bad_server_settings_exit_2_naming_file_and_field(tmp_path: Path, case: 
     assert str(source) in done.stderr, done.stderr
     for word in words:
         assert word in done.stderr, (word, done.stderr)
-    assert READY_PREFIX not in done.stdout
+    assert LISTENING_PREFIX not in done.stdout
     assert "Traceback" not in done.stderr
     assert not run_dir.exists() or not any(run_dir.iterdir())  # no socket, no half tree
 
@@ -169,7 +169,7 @@ def test_router_port_in_use_exits_2_with_nothing_left(tmp_path: Path) -> None:
             wait_gone(stray, 10)
     assert proc.returncode == 2, err
     assert str(port) in err and "Traceback" not in err, err
-    assert READY_PREFIX not in out
+    assert LISTENING_PREFIX not in out
     assert stray == []
 
 
