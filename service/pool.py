@@ -161,8 +161,8 @@ class PoolServer:
         self.settings = settings
         self.socket_path = socket_path
         self.workers = settings.workers_for(gid)
-        self.inline_models = [m for m in self.models if is_inline(m)]
-        self.worker_models = [m for m in self.models if not is_inline(m)]
+        self.inline_models = [m for m in self.models if self._runs_inline(m)]
+        self.worker_models = [m for m in self.models if not self._runs_inline(m)]
         self.zygote = ZygoteLink(self.worker_models, settings.heartbeat_interval_s)
         self.catalog = Catalog.from_settings(self.models)
         self.health = Health()
@@ -219,6 +219,10 @@ class PoolServer:
         entry = self.catalog.lookup_ready(routing.name, routing.version)
         deadline -= self.servicer.margin_s
         return self.backend.infer_now(entry, request, deadline, routing)
+
+    def _runs_inline(self, settings: ModelSettings) -> bool:
+        # A pool of 0 workers runs its models inline, as MLServer's parallel_workers 0.
+        return self.workers == 0 or is_inline(settings)
 
     def fork_zygote(self, close_in_child: Sequence[int] = ()) -> None:
         self.zygote.start(close_in_child)
@@ -364,7 +368,7 @@ class PoolServer:
         async with self._model_ops:
             settings = self._find_settings(name)
             entry = self.catalog.upsert(settings)
-            if is_inline(settings):
+            if self._runs_inline(settings):
                 failures = await self.inline.load([settings])  # sets the catalog state
                 if name in failures:
                     kept = "; the previous version keeps serving" if name in self.inline else ""

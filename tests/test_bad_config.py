@@ -87,6 +87,25 @@ SERVER_CASES: dict[str, tuple[Callable[[Path], Path], list[str]]] = {
         lambda repo: _settings(repo, json.dumps({"pools": {"../x": {"workers": 1}}})),
         ["pools.../x", "unsafe pool id"],
     ),
+    # Issue 21, section 5: accepted once, and then every call or worker failed.
+    "default_timeout_s is NaN": (
+        lambda repo: _settings(repo, '{"default_timeout_s": NaN}'),
+        ["default_timeout_s", "finite"],
+    ),
+    "default_timeout_s is infinite": (
+        lambda repo: _settings(repo, '{"default_timeout_s": Infinity}'),
+        ["default_timeout_s", "finite"],
+    ),
+    "heartbeat_timeout_s is 0": (
+        lambda repo: _settings(repo, json.dumps({"heartbeat_timeout_s": 0})),
+        ["heartbeat_timeout_s", "above 0"],
+    ),
+    "heartbeat_timeout_s is below the interval": (
+        lambda repo: _settings(
+            repo, json.dumps({"heartbeat_timeout_s": 1, "heartbeat_interval_s": 2})
+        ),
+        ["heartbeat_timeout_s", "heartbeat_interval_s"],
+    ),
     "a TLS file that does not exist": (
         lambda repo: _settings(
             repo,

@@ -352,3 +352,19 @@ def test_another_user_cannot_capture_the_default_run_dir(tmp_path: Path) -> None
     info = trap.stat()
     assert (info.st_uid, stat.S_IMODE(info.st_mode)) == (OTHER_UID, 0o777)
     assert list(trap.iterdir()) == []
+
+
+def test_zero_workers_serves_the_pool_inline(tmp_path: Path) -> None:
+    """``--workers 0`` for a pool of worker models: its models run inline, as with
+    MLServer's parallel_workers 0 (it used to never turn ready)."""
+    repo = echo_repo(tmp_path / "repo")
+    with Serving(repo, tmp_path / "run", workers=0) as serving:
+
+        async def check() -> None:
+            async with grpc.aio.insecure_channel(serving.address) as channel:
+                await wait_serving(channel, timeout=WAIT)
+
+        asyncio.run(check())
+        assert np.array_equal(asyncio.run(echo_of(serving.address, 7.0)), np.full(16, 7.0))
+        comms = sorted(Path(f"/proc/{pid}/comm").read_text().strip() for pid in serving.tree())
+        assert "poolserve-wrk" not in comms and "poolserve-pool" in comms, comms
