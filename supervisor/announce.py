@@ -15,6 +15,7 @@ Two lines on stdout, in this order:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -67,7 +68,8 @@ async def announce_serving(
                 async for reply in stream:
                     if reply.status == health_pb2.HealthCheckResponse.SERVING:
                         line = ready_line(address(), count())
-                        print(line, flush=True)
+                        with contextlib.suppress(OSError):  # nobody reads stdout any more
+                            print(line, flush=True)
                         notifier.status(line.removeprefix("poolserve: "))
                         return
         except grpc.aio.AioRpcError as error:
