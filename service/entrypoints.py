@@ -9,12 +9,23 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from poolserve.service.lane import lane_path
 from poolserve.service.procutil import set_process_name
 from poolserve.service.repository import scan
-from poolserve.service.rundir import ensure_private_dir, pool_socket_path, setup_logging
+from poolserve.service.rundir import (
+    CLAIM_WAIT_S,
+    ROUTER_CONTROL_SOCKET,
+    RunDirLock,
+    SocketInUse,
+    claim_socket,
+    ensure_private_dir,
+    pool_socket_path,
+    setup_logging,
+    socket_path,
+)
 from poolserve.service.settings import ConfigError, ServerSettings, load_server_settings
 from poolserve.supervisor.child import READY_FD_ENV, die_with_parent, notify_ready
-from poolserve.supervisor.exitcodes import EXIT_CONFIG, EXIT_OK
+from poolserve.supervisor.exitcodes import EXIT_CONFIG, EXIT_OK, EXIT_UNRECOVERABLE
 
 log = logging.getLogger(__name__)
 
@@ -33,14 +44,32 @@ def run_pool(repo: Path, gid: str, flags: Mapping[str, object]) -> int:
         if not models:
             raise ConfigError(str(repo), "inference_pool_gid", f"no model uses pool '{gid}'")
         run_dir = settings.resolved_run_dir()
+        path = pool_socket_path(run_dir, gid)
         ensure_private_dir(run_dir)
-        server = PoolServer(gid, models, settings, pool_socket_path(run_dir, gid), repo)
+        lock = RunDirLock.share(run_dir)
     except ConfigError as exc:
         print(f"poolserve pool: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    try:
+        # Before the zygote exists: a pool that cannot have its sockets has nothing to stop.
+        claim_socket(path, CLAIM_WAIT_S)
+        claim_socket(lane_path(path), CLAIM_WAIT_S)
+    except SocketInUse as exc:
+        print(f"poolserve pool: pool '{gid}' cannot work here: {exc}", file=sys.stderr)
+        return EXIT_UNRECOVERABLE
+    server = PoolServer(gid, models, settings, path, repo)
     # Fork the zygote now: no gRPC object, thread or exporter exists yet.
-    server.fork_zygote(close_in_child=[ready_fd] if ready_fd is not None else [])
-    return asyncio.run(server.serve(lambda: _ready(f"pool {gid} serving")))
+    # The zygote and its workers must not keep the run_dir's lock.
+    close = [fd for fd in (ready_fd, lock.fd if lock else None) if fd is not None]
+    server.fork_zygote(close_in_child=close)
+    try:
+        return asyncio.run(server.serve(lambda: _ready(f"pool {gid} serving")))
+    except SocketInUse as exc:  # taken between the check and the bind
+        print(f"poolserve pool: pool '{gid}' cannot work here: {exc}", file=sys.stderr)
+        return EXIT_UNRECOVERABLE
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def _ready(status: str) -> None:
@@ -55,13 +84,23 @@ def run_router(repo: Path, flags: Mapping[str, object]) -> int:
     try:
         settings: ServerSettings = load_server_settings(repo, flags=flags)
         setup_logging("router", settings.log_format)
-        router = Router(scan(repo), settings, settings.resolved_run_dir(), repo)
+        run_dir = settings.resolved_run_dir()
+        router = Router(scan(repo), settings, run_dir, repo)
+        ensure_private_dir(run_dir)
+        lock = RunDirLock.share(run_dir)
     except ConfigError as exc:
         print(f"poolserve router: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     try:
+        claim_socket(socket_path(run_dir, ROUTER_CONTROL_SOCKET), CLAIM_WAIT_S)
         asyncio.run(router.serve(lambda: _ready(f"router listening on port {router.port}")))
     except ConfigError as exc:  # e.g. the port is taken: restarting cannot help
         print(f"poolserve router: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    except SocketInUse as exc:  # another router serves this run_dir
+        print(f"poolserve router: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    finally:
+        if lock is not None:
+            lock.release()
     return EXIT_OK

@@ -51,7 +51,7 @@ from poolserve.service.repository import (
     scan,
 )
 from poolserve.service.respawn import Respawner
-from poolserve.service.rundir import bind_private_unix
+from poolserve.service.rundir import bind_private_unix, claim_socket, remove_own
 from poolserve.service.servicer import InferenceServicer, Observer, guarded
 from poolserve.service.settings import ConfigError, ServerSettings
 from poolserve.service.tracing import Tracing
@@ -171,8 +171,8 @@ class PoolServer:
         self.settings = settings
         self.socket_path = socket_path
         self.workers = settings.workers_for(gid)
-        self.inline_models = [m for m in self.models if is_inline(m)]
-        self.worker_models = [m for m in self.models if not is_inline(m)]
+        self.inline_models = [m for m in self.models if self._runs_inline(m)]
+        self.worker_models = [m for m in self.models if not self._runs_inline(m)]
         self.zygote = ZygoteLink(self.worker_models, settings.heartbeat_interval_s)
         self.catalog = Catalog.from_settings(self.models)
         self.health = Health()
@@ -234,6 +234,10 @@ class PoolServer:
         entry = self.catalog.lookup_ready(routing.name, routing.version)
         deadline -= self.servicer.margin_s
         return self.backend.infer_now(entry, request, deadline, routing)
+
+    def _runs_inline(self, settings: ModelSettings) -> bool:
+        # A pool of 0 workers runs its models inline, as MLServer's parallel_workers 0.
+        return self.workers == 0 or is_inline(settings)
 
     def fork_zygote(self, close_in_child: Sequence[int] = ()) -> None:
         # Before the zygote reads them: a file changed after this is seen as changed.
@@ -430,7 +434,7 @@ class PoolServer:
                 return
         async with self._model_ops:
             entry = self.catalog.upsert(settings)
-            if is_inline(settings):
+            if self._runs_inline(settings):
                 failures = await self.inline.load([settings])  # sets the catalog state
                 if name in failures:
                     kept = "; the previous version keeps serving" if name in self.inline else ""
@@ -554,7 +558,8 @@ class PoolServer:
                 self._control_handler(),
             )
         )
-        bind_private_unix(server, self.socket_path)
+        claim_socket(self.lane.path)  # both paths checked before either is bound
+        bound = bind_private_unix(server, self.socket_path)
         async with asyncio.TaskGroup() as tasks:
             self._tasks = tasks
             dispatcher_started = asyncio.Event()
@@ -582,6 +587,7 @@ class PoolServer:
                 tasks.create_task(self.inline.load(self.inline_models), name="inline-load")
             await self._stop.wait()
             await self._shutdown(server)
+        remove_own(self.socket_path, bound)
         log.info("pool %s: zygote %s", self.gid, await self.zygote.wait(timeout=5.0))
         if self.servicer.tracing is not None:
             await asyncio.to_thread(self.servicer.tracing.shutdown)
@@ -600,7 +606,6 @@ class PoolServer:
             self._rescan_task.cancel()
         self.dispatcher.close()
         self.zygote.close()
-        self.socket_path.unlink(missing_ok=True)
 
 
 def _reread(source: Path, name: str) -> ModelSettings | None:

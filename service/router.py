@@ -48,8 +48,11 @@ from poolserve.service.repository import Repository, scan
 from poolserve.service.rundir import (
     ADDRESS_FILE,
     ROUTER_CONTROL_SOCKET,
+    FileId,
     bind_private_unix,
+    file_id,
     pool_socket_path,
+    remove_own,
 )
 from poolserve.service.servicer import EXTENSIONS, NO_DEADLINE_S, SERVICE, guarded
 from poolserve.service.settings import ConfigError, ServerSettings
@@ -136,6 +139,8 @@ class Router:
         self._tasks: asyncio.TaskGroup | None = None
         self._generation = 0
         self.control_path = run_dir / ROUTER_CONTROL_SOCKET
+        self._control_bound: FileId | None = None  # what we bound and wrote, we remove
+        self._address_written: FileId | None = None
         self.tracing: Tracing | None = None  # set in serve(): never before a fork
         self.rescanner = Rescanner(
             lambda: scan(repo) if repo is not None else repository,
@@ -574,8 +579,9 @@ class Router:
                 )
             },
         )
-        server.add_generic_rpc_handlers((handler,))
-        bind_private_unix(server, self.control_path)
+        # Health here too: the supervisor follows it to say when the server is ready.
+        server.add_generic_rpc_handlers((handler, self.health.generic_handler()))
+        self._control_bound = bind_private_unix(server, self.control_path)
         return server
 
     def request_stop(self) -> None:
@@ -636,8 +642,8 @@ class Router:
                 for task in route.watchers:
                     task.cancel()
         self._tasks = None
-        self.control_path.unlink(missing_ok=True)
-        self.address_file.unlink(missing_ok=True)
+        remove_own(self.control_path, self._control_bound)
+        remove_own(self.address_file, self._address_written)
         if self.tracing is not None:
             await asyncio.to_thread(self.tracing.shutdown)  # flushes, off the loop
         for route in self.pools.values():
@@ -652,6 +658,7 @@ class Router:
         partial = self.address_file.with_suffix(".tmp")
         partial.write_text(text + "\n")
         partial.replace(self.address_file)
+        self._address_written = file_id(self.address_file)
 
     def _watch_pool(self, route: PoolRoute) -> None:
         assert self._tasks is not None

@@ -9,6 +9,7 @@ Every problem is a :class:`ConfigError` that names the file and the field.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -90,6 +91,10 @@ _FLOAT_FIELDS = {
     "heartbeat_timeout_s",
     "repository_rescan_s",
 }
+# Float fields that must be above zero (the others may be 0): a default
+# deadline of 0 fails every call, a heartbeat of 0 kills every worker.
+_POSITIVE_FIELDS = {"default_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s"}
+HEARTBEAT_MISSES = 2  # heartbeat_timeout_s spans at least this many intervals
 _BOOL_FIELDS = {"reject_hopeless", "model_control"}
 _STR_FIELDS = {
     "host",
@@ -113,6 +118,10 @@ def _check_value(source: str, name: str, value: object) -> object:
     if name in _FLOAT_FIELDS:
         if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
             raise ConfigError(source, name, f"expected a non-negative number, got {value!r}")
+        if not math.isfinite(value):  # JSON's NaN and Infinity, or "inf" in a variable
+            raise ConfigError(source, name, f"expected a finite number, got {value!r}")
+        if name in _POSITIVE_FIELDS and value == 0:
+            raise ConfigError(source, name, "must be above 0")
         return float(value)
     if name in _STR_FIELDS:
         if not isinstance(value, str):
@@ -139,8 +148,10 @@ def _parse_pools(source: str, value: object) -> dict[str, PoolOverride]:
         if not isinstance(raw, dict) or set(raw) - {"workers"}:
             raise ConfigError(source, f"pools.{gid}", 'expected {"workers": N}')
         workers = raw.get("workers")
-        if workers is not None and (not isinstance(workers, int) or workers < 1):
-            raise ConfigError(source, f"pools.{gid}.workers", "expected a positive integer")
+        if workers is not None and (
+            isinstance(workers, bool) or not isinstance(workers, int) or workers < 0
+        ):  # 0, as parallel_workers 0: the pool runs its models inline
+            raise ConfigError(source, f"pools.{gid}.workers", "expected an integer >= 0")
         pools[gid] = PoolOverride(workers=workers)
     return pools
 
@@ -216,12 +227,43 @@ def load_server_settings(
     if not repository.is_dir():
         raise ConfigError(str(repository), "(repository)", "not a directory")
     settings = ServerSettings()
+    sources: dict[str, str] = {}  # field -> the layer that set it last
     path = repository / "settings.json"
     if path.exists():
-        settings = apply_overrides(settings, read_json_object(path), str(path))
+        values = read_json_object(path)
+        settings = apply_overrides(settings, values, str(path))
+        sources |= dict.fromkeys(values, str(path))
     env = os.environ if environ is None else environ
-    settings = apply_overrides(settings, _env_values(env), "environment")
+    env_values = _env_values(env)
+    settings = apply_overrides(settings, env_values, "environment")
+    sources |= {name: "POOLSERVE_" + name.upper() for name in env_values}
     cli = {k: v for k, v in (flags or {}).items() if v is not None}
     settings = apply_overrides(settings, cli, "command line")
+    sources |= dict.fromkeys(cli, "command line")
     check_tls(settings, str(path) if path.exists() else "environment")
+    check_together(settings, sources)
     return settings
+
+
+def check_together(settings: ServerSettings, sources: Mapping[str, str]) -> None:
+    """Fields that are valid alone but break serving together; the error names
+    the layer that set the field last."""
+
+    def source(*names: str) -> str:
+        return next((sources[n] for n in names if n in sources), "defaults")
+
+    interval, timeout = settings.heartbeat_interval_s, settings.heartbeat_timeout_s
+    if timeout < HEARTBEAT_MISSES * interval:
+        raise ConfigError(
+            source("heartbeat_timeout_s", "heartbeat_interval_s"),
+            "heartbeat_timeout_s",
+            f"{timeout:g} s is below {HEARTBEAT_MISSES} x heartbeat_interval_s ({interval:g} s): "
+            "healthy workers would be killed for a late heartbeat",
+        )
+    if settings.deadline_margin_ms >= settings.default_timeout_s * 1000:
+        raise ConfigError(
+            source("deadline_margin_ms", "default_timeout_s"),
+            "deadline_margin_ms",
+            f"{settings.deadline_margin_ms:g} ms leaves nothing of default_timeout_s "
+            f"({settings.default_timeout_s:g} s): every call without a deadline would fail",
+        )

@@ -17,7 +17,8 @@ from poolserve.protos import control_pb2 as cpb
 
 from support import BIN, descendants, kill_all, pid_alive, wait_until
 
-READY_PREFIX = "poolserve: ready, serving on "
+# The line `poolserve serve` prints once its router listens (models may still load).
+LISTENING_PREFIX = "poolserve: listening on "
 
 
 class Serving:
@@ -49,6 +50,7 @@ class Serving:
         ]
         self.proc: subprocess.Popen[str] | None = None
         self.address = ""
+        self.listening_line = ""
         self.seen: set[int] = set()
 
     def start(self, timeout: float = 60.0) -> Serving:
@@ -72,8 +74,9 @@ class Serving:
                 line = self.proc.stdout.readline()
                 if not line:
                     break
-                if line.startswith(READY_PREFIX):
-                    return line[len(READY_PREFIX) :].strip()
+                if line.startswith(LISTENING_PREFIX):
+                    self.listening_line = line.strip()
+                    return line[len(LISTENING_PREFIX) :].split(" (")[0].strip()
         raise AssertionError(f"poolserve serve did not become ready:\n{self.log()}")
 
     @property
