@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from poolserve.service import worker
 from poolserve.service.procutil import describe_status, set_process_name, wait_child, wait_exit
+from poolserve.service.threads import sync_loaded_runtimes
 from poolserve.supervisor.child import die_with_parent
 
 if TYPE_CHECKING:
@@ -291,7 +292,8 @@ def _zygote_main(
         # zygote ends when the pool closes its socket, or dies with the pool.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        _Zygote(ctrl, InferenceCargo(settings), heartbeat_s).loop()
+        sync_loaded_runtimes("zygote")  # the pool set the thread variables; a no-op unless
+        _Zygote(ctrl, InferenceCargo(settings), heartbeat_s).loop()  # numpy came in first
     except BaseException:
         code = 1
     os._exit(code)
