@@ -8,22 +8,36 @@ server) or the WorkerPool's pickled ``score`` calls
 (:mod:`poolserve.service.scoring`). A model exception becomes an error frame,
 never a dead worker. It exits when the pool closes the socket, and dies with
 the zygote (PR_SET_PDEATHSIG plus a parent check).
+
+Before its first request it runs its self-test: one warm-up prediction per
+model (:data:`Warmup`), each announced by a WARMUP frame, then one READY
+frame. A model that cannot survive the fork hangs or crashes here, where the
+pool can name it, instead of in a caller's request.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, BinaryIO, NoReturn
 
 from poolserve.service.errors import Failure, ModelNotFound, ServingError
-from poolserve.service.frames import HEADER, REQUEST, error_frame, heartbeat_frame, reply_frame
+from poolserve.service.frames import (
+    HEADER,
+    REQUEST,
+    error_frame,
+    heartbeat_frame,
+    ready_frame,
+    reply_frame,
+    warmup_frame,
+)
 from poolserve.service.stats import Timings
 
 if TYPE_CHECKING:
@@ -31,6 +45,9 @@ if TYPE_CHECKING:
 
 Handler = Callable[[bytes, int], bytes]
 """A request handler: (request body, sequence number) -> one REPLY or ERROR frame."""
+
+Warmup = tuple[str, Callable[[], object]]
+"""A model's warm-up: (model name, one prediction on an example input)."""
 
 
 def _read_exact(stream: BinaryIO, size: int) -> bytes | None:
@@ -80,6 +97,24 @@ def serve(sock: socket.socket, handler: Handler, send_lock: threading.Lock) -> N
             sock.sendall(frame)
 
 
+def self_test(sock: socket.socket, warmups: Sequence[Warmup], send_lock: threading.Lock) -> None:
+    """One warm-up prediction per model, then READY.
+
+    A warm-up that raises is no failure: the model answered (zeros may well be
+    invalid input for it). Only a hang (the pool's limit) or a death counts.
+    """
+    raised: dict[str, str] = {}
+    for name, predict in warmups:
+        with send_lock:
+            sock.sendall(warmup_frame(name))
+        try:
+            predict()
+        except Exception as exc:
+            raised[name] = f"{type(exc).__name__}: {exc}"[:500]
+    with send_lock:
+        sock.sendall(ready_frame(json.dumps({"raised": raised}).encode()))
+
+
 def heartbeat(sock: socket.socket, send_lock: threading.Lock, interval: float) -> None:
     """Runs in its own thread: a worker whose main thread hangs (or holds the GIL
     in C code) stops these, and the pool kills it."""
@@ -93,7 +128,9 @@ def heartbeat(sock: socket.socket, send_lock: threading.Lock, interval: float) -
             return
 
 
-def run(sock: socket.socket, handler: Handler, heartbeat_s: float) -> NoReturn:
+def run(
+    sock: socket.socket, handler: Handler, heartbeat_s: float, warmups: Sequence[Warmup] = ()
+) -> NoReturn:
     """The worker's whole life, called in the child right after fork."""
     # The pool owns shutdown: a terminal's Ctrl-C or a SIGTERM to the process group
     # is not for us. A worker ends when its socket closes, or dies with the zygote.
@@ -105,5 +142,6 @@ def run(sock: socket.socket, handler: Handler, heartbeat_s: float) -> NoReturn:
     )
     beat.start()
     with contextlib.suppress(OSError):  # the pool went away: nothing left to answer
+        self_test(sock, warmups, send_lock)
         serve(sock, handler, send_lock)
     os._exit(0)

@@ -18,10 +18,12 @@ What the zygote loads, and what its workers run, is its :class:`Cargo`:
   application that may have threads, an event loop or gRPC objects.
 
 Control messages are JSON over a SOCK_SEQPACKET pair (one message each):
-pool -> zygote ``{"op": "spawn"}``, and any other op for the cargo (the
-inference cargo knows ``{"op": "load", "path": settings}`` and ``{"op":
-"unload", "name": N}``); zygote -> pool ``{"event": "model", ...}`` (one per
-load, ok or not), ``{"event": "loaded"}`` (the initial cargo is in),
+pool -> zygote ``{"op": "spawn", "skip": [names]}`` (a worker whose
+self-test leaves out the models named: their warm-up failed in earlier
+workers), and any other op for the cargo (the inference cargo knows
+``{"op": "load", "path": settings}`` and ``{"op": "unload", "name": N}``);
+zygote -> pool ``{"event": "model", ...}`` (one per load, ok or not),
+``{"event": "loaded"}`` (the initial cargo is in),
 ``{"event": "worker", "pid": N}`` (with the worker's socket attached),
 ``{"event": "exit", "pid": N, "status": "..."}`` and ``{"event":
 "unloaded", "name": N}``. The zygote handles them in order, so every worker
@@ -34,15 +36,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import gc
 import json
+import logging
 import os
 import select
 import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
@@ -53,8 +57,10 @@ from poolserve.service.threads import sync_loaded_runtimes
 from poolserve.supervisor.child import die_with_parent
 
 if TYPE_CHECKING:
-    from poolserve.service.model import Model
+    from poolserve.service.model import Array, Model
     from poolserve.service.repository import ModelSettings, TensorSpec
+
+log = logging.getLogger(__name__)
 
 MAX_MESSAGE = 64 * 1024
 MAX_REASON = 16 * 1024  # a load failure's text, traceback included, fits one message
@@ -73,6 +79,9 @@ class Cargo(Protocol):
 
     def handler(self) -> worker.Handler:
         """The request handler of a worker forked now."""
+
+    def warmups(self, skip: Collection[str]) -> list[worker.Warmup]:
+        """The self-test of a worker forked now: a warm-up per model, but those in ``skip``."""
 
     def close(self) -> None:
         """The zygote stops: release what outlives processes (files, ...)."""
@@ -108,6 +117,7 @@ class InferenceCargo:
     def __init__(self, settings: Sequence[ModelSettings]) -> None:
         self.settings = settings
         self.models: dict[str, Model] = {}
+        self.examples: dict[str, dict[str, Array] | None] = {}
 
     def load_initial(self, emit: Emit) -> None:
         # The request path's modules (protobuf, codec, numpy), imported here once
@@ -121,6 +131,7 @@ class InferenceCargo:
     def load_one(self, settings: ModelSettings, emit: Emit) -> None:
         """Loads (or reloads) one model; a failure leaves the previous one in place."""
         from poolserve.service.model import instantiate, tensor_specs
+        from poolserve.service.warmup import warmup_inputs
 
         try:
             model = instantiate(settings)
@@ -133,6 +144,12 @@ class InferenceCargo:
             return
         self.models[settings.name] = model
         inputs, outputs = tensor_specs(model)
+        try:
+            example, source = warmup_inputs(model, inputs)
+        except Exception as exc:  # a model's example() or settings example is broken
+            example, source = None, f"no warm-up: its example failed: {type(exc).__name__}: {exc}"
+        self.examples[settings.name] = example
+        log.info("model %s: self-test in each fresh worker: %s", settings.name, source)
         emit(
             {
                 "event": "model",
@@ -150,6 +167,7 @@ class InferenceCargo:
         elif op == "unload":
             name = str(message["name"])
             self.models.pop(name, None)
+            self.examples.pop(name, None)
             emit({"event": "unloaded", "name": name})
 
     def live_load(self, path: str, emit: Emit) -> None:
@@ -167,8 +185,22 @@ class InferenceCargo:
     def handler(self) -> worker.Handler:
         return worker.inference_handler(self.models)
 
+    def warmups(self, skip: Collection[str]) -> list[worker.Warmup]:
+        found: list[worker.Warmup] = []
+        for name, model in self.models.items():
+            example = self.examples.get(name)
+            if name not in skip and example is not None:
+                found.append((name, functools.partial(_warm_up, model, example)))
+        return found
+
     def close(self) -> None:
         pass
+
+
+def _warm_up(model: Model, example: Mapping[str, Array]) -> None:
+    from poolserve.service.model import check_outputs
+
+    check_outputs(model.settings.name, model.predict(dict(example), {}))
 
 
 class _Zygote:
@@ -202,7 +234,7 @@ class _Zygote:
         finally:
             self.freeze()
 
-    def spawn(self) -> None:
+    def spawn(self, skip: Collection[str] = ()) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         zygote_pid = os.getpid()
         pid = os.fork()
@@ -215,7 +247,8 @@ class _Zygote:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             die_with_parent(zygote_pid)
             set_process_name("poolserve-wrk")
-            worker.run(theirs, self.cargo.handler(), self.heartbeat_s)
+            warmups = self.cargo.warmups(skip)
+            worker.run(theirs, self.cargo.handler(), self.heartbeat_s, warmups)
         theirs.close()
         self.workers.add(pid)
         try:
@@ -275,7 +308,7 @@ class _Zygote:
 
     def handle(self, message: dict[str, Any]) -> None:
         if message.get("op") == "spawn":
-            self.spawn()
+            self.spawn([str(name) for name in message.get("skip", [])])
         else:
             self.apply(message)
 
@@ -400,8 +433,9 @@ class ZygoteControl:
             with contextlib.suppress(Exception):
                 asyncio.get_running_loop().remove_reader(self._sock.fileno())
 
-    def spawn(self) -> None:
-        self.command({"op": "spawn"})
+    def spawn(self, skip: Collection[str] = ()) -> None:
+        """Forks a worker; its self-test leaves out the models in ``skip``."""
+        self.command({"op": "spawn", "skip": sorted(skip)})
 
     def unload(self, name: str) -> None:
         self.command({"op": "unload", "name": name})
@@ -474,12 +508,14 @@ class ExecZygote(ZygoteControl):
         args: Sequence[str] = (),
         heartbeat_s: float = 1.0,
         python: str | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__()
         self._module = module
         self._args = list(args)
         self._heartbeat_s = heartbeat_s
         self._python = python or sys.executable
+        self._env = env
         self._proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -503,7 +539,9 @@ class ExecZygote(ZygoteControl):
             ]
             # Popen's fork and exec run no Python code in the child: safe in a
             # host with threads. pass_fds makes only this one fd inheritable.
-            self._proc = subprocess.Popen(argv, pass_fds=(fd,), stdin=subprocess.DEVNULL)
+            self._proc = subprocess.Popen(
+                argv, pass_fds=(fd,), stdin=subprocess.DEVNULL, env=self._env
+            )
         except BaseException:
             ours.close()
             raise
