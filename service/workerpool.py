@@ -546,7 +546,8 @@ class WorkerPool:
             for model in self._models.values():
                 if model.pending == 0 and model.load_error and not model.loaded:
                     raise ModelLoadError(model.name, model.load_error)
-            models_in = all(m.serving for m in self._models.values())
+            # a model disabled by the self-test does not hold up the others
+            models_in = all(m.serving or m.disabled for m in self._models.values())
             if models_in and self._dispatcher.live_workers() >= self.size:
                 return
             await self._changes()
