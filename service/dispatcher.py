@@ -45,7 +45,7 @@ from poolserve.service.errors import (
     Unavailable,
     error_for,
 )
-from poolserve.service.frames import READY, WARMUP, Reply, ReplyBuffer, request_frame
+from poolserve.service.frames import LOADING, SELF_TEST, WARMUP, Reply, ReplyBuffer, request_frame
 from poolserve.service.stats import Timings
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,8 @@ class Worker:
     lost_tag: str = ""
     generation: int = 0
     retiring: bool = False
-    warming: str = ""  # the model whose warm-up prediction runs now
+    warming: str = ""  # the model whose warm-up prediction (or load, if spawned) runs now
+    loading: bool = False
     warmup_timer: asyncio.TimerHandle | None = None
     died_warming: bool = False
 
@@ -148,14 +149,17 @@ class Dispatcher:
         heartbeat_timeout: float = 30.0,
         *,
         warmup_timeout: float = 10.0,
+        load_timeout: float = 300.0,
         abandon_grace: float = 0.0,
         on_worker_ready: Callable[[int], None] = lambda pid: None,
     ) -> None:
-        """``abandon_grace`` 0 never kills a worker for a job its caller left."""
+        """``abandon_grace`` 0 never kills a worker for a job its caller left;
+        ``load_timeout`` bounds each model's load in a spawned worker."""
         self.name = name
         self.max_queue = max_queue
         self.heartbeat_timeout = heartbeat_timeout
         self.warmup_timeout = warmup_timeout
+        self.load_timeout = load_timeout
         self.abandon_grace = abandon_grace
         self._on_change = on_change
         self._on_worker_gone = on_worker_gone
@@ -469,15 +473,17 @@ class Dispatcher:
     def _warmup_deadline(self, worker: Worker) -> None:
         if worker.warmup_timer is not None:
             worker.warmup_timer.cancel()
+        limit = self.load_timeout if worker.loading else self.warmup_timeout
         loop = asyncio.get_running_loop()
-        worker.warmup_timer = loop.call_later(self.warmup_timeout, self._warmup_overdue, worker)
+        worker.warmup_timer = loop.call_later(limit, self._warmup_overdue, worker)
 
     def _warmup_notice(self, worker: Worker, notice: Reply) -> None:
         """A WARMUP (the next model's warm-up starts) or READY frame from a fresh worker."""
         if worker.state is not WorkerState.WARMING:
             raise ValueError(f"self-test frame of kind {notice.kind} after the self-test")
-        if notice.kind == WARMUP:
+        if notice.kind in (WARMUP, LOADING):
             worker.warming = notice.body.decode("utf-8", "replace")
+            worker.loading = notice.kind == LOADING
             self._warmup_deadline(worker)  # each model gets the whole limit
             return
         if worker.warmup_timer is not None:
@@ -509,6 +515,13 @@ class Dispatcher:
     def _warmup_overdue(self, worker: Worker) -> None:
         worker.warmup_timer = None
         if worker.state is not WorkerState.WARMING:
+            return
+        if worker.loading:
+            self._kill(
+                worker,
+                f"self-test: loading model '{worker.warming}' in a fresh worker did not finish "
+                f"within {self.load_timeout:g} s",
+            )
             return
         what = f"of model '{worker.warming}' " if worker.warming else ""
         self._kill(
@@ -688,7 +701,7 @@ class _WorkerLink(asyncio.Protocol):
         worker.last_seen = time.monotonic()
         try:
             for reply in self.replies.feed(data):
-                if reply.kind in (WARMUP, READY):
+                if reply.kind in SELF_TEST:
                     self.dispatcher._warmup_notice(worker, reply)
                 else:
                     self.dispatcher._deliver(worker, reply)

@@ -10,6 +10,8 @@ has already given up on.
 Before its first request, a fresh worker runs its self-test: a WARMUP frame
 names each model as its warm-up prediction starts, and one READY frame (JSON:
 the models whose warm-up raised, which is no failure) says it takes requests.
+A spawned worker (start_method spawn) first loads its models, each announced
+by a LOADING frame.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ ERROR = 3
 HEARTBEAT = 4  # worker -> pool, from the worker's heartbeat thread; seq 0, no payload
 WARMUP = 5  # worker -> pool: the warm-up of this model (payload: its name) starts now
 READY = 6  # worker -> pool: self-test done, requests welcome (payload: JSON report)
+LOADING = 7  # worker -> pool: a spawned worker loads this model (payload: its name) now
+SELF_TEST = (WARMUP, READY, LOADING)
 
 
 @dataclass(slots=True)
@@ -67,6 +71,11 @@ def warmup_frame(model: str) -> bytes:
     return HEADER.pack(len(name), WARMUP, 0) + name
 
 
+def loading_frame(model: str) -> bytes:
+    name = model.encode()
+    return HEADER.pack(len(name), LOADING, 0) + name
+
+
 def ready_frame(report: bytes) -> bytes:
     return HEADER.pack(len(report), READY, 0) + report
 
@@ -96,7 +105,7 @@ class ReplyBuffer:
             if kind == REPLY and length >= TIMINGS.size:
                 timings = Timings(*TIMINGS.unpack_from(buf, start))
                 replies.append(Reply(seq, timings, bytes(buf[start + TIMINGS.size : stop])))
-            elif kind in (WARMUP, READY):
+            elif kind in SELF_TEST:
                 replies.append(Reply(seq, Timings(), bytes(buf[start:stop]), kind=kind))
             elif kind != HEARTBEAT:
                 replies.append(parse_reply(kind, seq, bytes(buf[start:stop])))

@@ -54,6 +54,13 @@ CONTROL_SERVICE = "poolserve.control.v1.PoolControl"
 ROLL_TIMEOUT_S = 60.0
 
 
+def start_method(settings: ServerSettings, gid: str, models: Sequence[ModelSettings]) -> str:
+    """How the pool starts workers: its setting, or "spawn" if one of its models asks."""
+    if any(m.extra.get("start_method") == "spawn" for m in models):
+        return "spawn"
+    return settings.start_method_for(gid)
+
+
 @dataclass(frozen=True)
 class ModelReply:
     """The zygote's answer to a live load or unload."""
@@ -163,7 +170,10 @@ class PoolServer:
         self.workers = settings.workers_for(gid)
         self.inline_models = [m for m in self.models if is_inline(m)]
         self.worker_models = [m for m in self.models if not is_inline(m)]
-        self.zygote = ZygoteLink(self.worker_models, settings.heartbeat_interval_s)
+        self.start_method = start_method(settings, gid, self.worker_models)
+        self.zygote = ZygoteLink(
+            self.worker_models, settings.heartbeat_interval_s, self.start_method
+        )
         self.catalog = Catalog.from_settings(self.models)
         self.health = Health()
         self.dispatcher = Dispatcher(
@@ -181,6 +191,7 @@ class PoolServer:
             self._mark_failed,
             retry_model=self._retry_model,
             clock=time.monotonic,
+            spawned=self.start_method == "spawn",
         )
         self.inline = InlineRunner(self.catalog)
         self.backend = PoolBackend(
@@ -521,6 +532,8 @@ class PoolServer:
             await server.start()
             await self.lane.start(tasks)
             log.info("pool %s: serving on %s (pid %d)", self.gid, self.socket_path, os.getpid())
+            if self.start_method == "spawn":
+                log.info("pool %s: workers start by spawn: each loads the models itself", self.gid)
             ready()
             if self.inline_models:
                 tasks.create_task(self.inline.load(self.inline_models), name="inline-load")

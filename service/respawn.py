@@ -33,6 +33,8 @@ CRASHES_AFTER_FORK = (
     "model crashes after fork: a native runtime that does not survive fork? "
     "see threads_per_worker / start_method"
 )
+HANGS_IN_SPAWNED = "model hangs in a fresh (spawned) worker: its load or warm-up did not finish"
+CRASHES_IN_SPAWNED = "model fails in a fresh (spawned) worker: its load or warm-up ended it"
 BACKOFF_BASE_S = 0.05
 BACKOFF_CAP_S = 5.0
 JITTER = 0.5
@@ -48,7 +50,10 @@ class Respawner:
         clock: Callable[[], float],
         rng: random.Random | None = None,
         threshold: float = MODEL_CRASH_THRESHOLD,
+        spawned: bool = False,
     ) -> None:
+        """``spawned``: workers are fresh interpreters (start_method spawn), not forks."""
+        self._spawned = spawned
         self._spawn = spawn
         self._mark_failed = mark_failed
         self._retry_model = retry_model
@@ -105,10 +110,11 @@ class Respawner:
         if count < WARMUP_FAILURE_THRESHOLD:
             return
         what = "did not finish" if hung else "killed its worker"
-        reason = (
-            f"{HANGS_AFTER_FORK if hung else CRASHES_AFTER_FORK} (its warm-up prediction "
-            f"{what} in {round(count)} fresh workers; last: {why})"
-        )
+        if self._spawned:
+            cause = HANGS_IN_SPAWNED if hung else CRASHES_IN_SPAWNED
+        else:
+            cause = HANGS_AFTER_FORK if hung else CRASHES_AFTER_FORK
+        reason = f"{cause} (its self-test {what} in {round(count)} fresh workers; last: {why})"
         self.failed_warmup[model] = reason
         self._mark_failed(model, reason)
 

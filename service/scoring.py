@@ -31,6 +31,7 @@ import functools
 import os
 import pickle
 import runpy
+import socket
 import struct
 import sys
 import time
@@ -324,6 +325,9 @@ class ScoreCargo:
 
     def handler(self) -> Handler:
         return ScoreHandler(self.models, self.segments)
+
+    def start_fresh(self, sock: socket.socket, skip: Collection[str], heartbeat_s: float) -> int:
+        return 0  # WorkerPool workers are always forked from this zygote
 
     def warmups(self, skip: Collection[str]) -> list[Warmup]:
         found: list[Warmup] = []

@@ -34,6 +34,7 @@ from poolserve.service.frames import (
     REQUEST,
     error_frame,
     heartbeat_frame,
+    loading_frame,
     ready_frame,
     reply_frame,
     warmup_frame,
@@ -132,6 +133,15 @@ def run(
     sock: socket.socket, handler: Handler, heartbeat_s: float, warmups: Sequence[Warmup] = ()
 ) -> NoReturn:
     """The worker's whole life, called in the child right after fork."""
+    run_prepared(sock, heartbeat_s, lambda announce: (handler, warmups))
+
+
+Prepare = Callable[[Callable[[str], None]], tuple[Handler, Sequence[Warmup]]]
+"""Loads what a spawned worker serves, announcing each model: (handler, warm-ups)."""
+
+
+def run_prepared(sock: socket.socket, heartbeat_s: float, prepare: Prepare) -> NoReturn:
+    """A worker's life: heartbeat, ``prepare`` (a spawned worker's loads), self-test, serve."""
     # The pool owns shutdown: a terminal's Ctrl-C or a SIGTERM to the process group
     # is not for us. A worker ends when its socket closes, or dies with the zygote.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -141,7 +151,13 @@ def run(
         target=heartbeat, args=(sock, send_lock, heartbeat_s), name="heartbeat", daemon=True
     )
     beat.start()
+
+    def announce(model: str) -> None:
+        with send_lock:
+            sock.sendall(loading_frame(model))
+
     with contextlib.suppress(OSError):  # the pool went away: nothing left to answer
+        handler, warmups = prepare(announce)
         self_test(sock, warmups, send_lock)
         serve(sock, handler, send_lock)
     os._exit(0)

@@ -83,6 +83,9 @@ class Cargo(Protocol):
     def warmups(self, skip: Collection[str]) -> list[worker.Warmup]:
         """The self-test of a worker forked now: a warm-up per model, but those in ``skip``."""
 
+    def start_fresh(self, sock: socket.socket, skip: Collection[str], heartbeat_s: float) -> int:
+        """Starts a worker by exec on ``sock`` (start_method spawn): its pid; 0: fork one."""
+
     def close(self) -> None:
         """The zygote stops: release what outlives processes (files, ...)."""
 
@@ -112,12 +115,20 @@ def truncate_reason(reason: str) -> str:
 
 
 class InferenceCargo:
-    """The pool server's cargo: runtime models from their settings."""
+    """The pool server's cargo: runtime models from their settings.
 
-    def __init__(self, settings: Sequence[ModelSettings]) -> None:
+    With ``start_method`` "spawn", workers are fresh interpreters that load
+    the models themselves (:mod:`poolserve.service.spawned`): the zygote loads
+    each model once to check it and learn its metadata, then lets it go, and
+    keeps only where its settings are.
+    """
+
+    def __init__(self, settings: Sequence[ModelSettings], start_method: str = "fork") -> None:
         self.settings = settings
+        self.start_method = start_method
         self.models: dict[str, Model] = {}
         self.examples: dict[str, dict[str, Array] | None] = {}
+        self.sources: dict[str, Path] = {}  # spawn: what a fresh worker loads
 
     def load_initial(self, emit: Emit) -> None:
         # The request path's modules (protobuf, codec, numpy), imported here once
@@ -149,6 +160,11 @@ class InferenceCargo:
         except Exception as exc:  # a model's example() or settings example is broken
             example, source = None, f"no warm-up: its example failed: {type(exc).__name__}: {exc}"
         self.examples[settings.name] = example
+        if self.start_method == "spawn":  # each worker loads its own copy
+            self.sources[settings.name] = settings.source
+            del self.models[settings.name], model
+            self.examples.pop(settings.name, None)
+            source = "loaded by each spawned worker; its self-test: " + source
         log.info("model %s: self-test in each fresh worker: %s", settings.name, source)
         emit(
             {
@@ -168,6 +184,7 @@ class InferenceCargo:
             name = str(message["name"])
             self.models.pop(name, None)
             self.examples.pop(name, None)
+            self.sources.pop(name, None)
             emit({"event": "unloaded", "name": name})
 
     def live_load(self, path: str, emit: Emit) -> None:
@@ -192,6 +209,31 @@ class InferenceCargo:
             if name not in skip and example is not None:
                 found.append((name, functools.partial(_warm_up, model, example)))
         return found
+
+    def start_fresh(self, sock: socket.socket, skip: Collection[str], heartbeat_s: float) -> int:
+        if self.start_method != "spawn":
+            return 0
+        argv = [
+            sys.executable,
+            *_interpreter_flags(),
+            "-m",
+            "poolserve.service.spawned",
+            "--sock-fd",
+            str(sock.fileno()),
+            "--zygote-pid",
+            str(os.getpid()),
+            "--heartbeat",
+            str(heartbeat_s),
+        ]
+        for path in self.sources.values():
+            argv += ["--model", str(path)]
+        for name in skip:
+            argv += ["--skip", name]
+        sock.set_inheritable(True)  # the one descriptor the new process gets
+        try:
+            return os.posix_spawn(sys.executable, argv, os.environ)
+        finally:
+            sock.set_inheritable(False)
 
     def close(self) -> None:
         pass
@@ -237,7 +279,12 @@ class _Zygote:
     def spawn(self, skip: Collection[str] = ()) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         zygote_pid = os.getpid()
-        pid = os.fork()
+        try:
+            pid = self.cargo.start_fresh(theirs, skip, self.heartbeat_s) or os.fork()
+        except OSError:
+            ours.close()
+            theirs.close()
+            raise
         if pid == 0:
             ours.close()
             self.ctrl.close()
@@ -314,7 +361,11 @@ class _Zygote:
 
 
 def _zygote_main(
-    ctrl: socket.socket, settings: Sequence[ModelSettings], pool_pid: int, heartbeat_s: float
+    ctrl: socket.socket,
+    settings: Sequence[ModelSettings],
+    pool_pid: int,
+    heartbeat_s: float,
+    start_method: str,
 ) -> NoReturn:
     code = 0
     try:
@@ -325,8 +376,10 @@ def _zygote_main(
         # zygote ends when the pool closes its socket, or dies with the pool.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        sync_loaded_runtimes("zygote")  # the pool set the thread variables; a no-op unless
-        _Zygote(ctrl, InferenceCargo(settings), heartbeat_s).loop()  # numpy came in first
+        # The pool set the thread variables; a no-op unless numpy came in first.
+        sync_loaded_runtimes("zygote")
+        cargo = InferenceCargo(settings, start_method)
+        _Zygote(ctrl, cargo, heartbeat_s).loop()
     except BaseException:
         code = 1
     os._exit(code)
@@ -456,10 +509,16 @@ class ZygoteControl:
 class ZygoteLink(ZygoteControl):
     """The pool server's zygote: forked, with the inference cargo."""
 
-    def __init__(self, settings: Sequence[ModelSettings], heartbeat_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        settings: Sequence[ModelSettings],
+        heartbeat_s: float = 1.0,
+        start_method: str = "fork",
+    ) -> None:
         super().__init__()
         self._settings = settings
         self._heartbeat_s = heartbeat_s
+        self._start_method = start_method
 
     def start(self, close_in_child: Sequence[int] = ()) -> None:
         """Forks the zygote. Call before any gRPC object or thread exists."""
@@ -471,7 +530,7 @@ class ZygoteLink(ZygoteControl):
             for fd in close_in_child:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-            _zygote_main(theirs, self._settings, pool_pid, self._heartbeat_s)
+            _zygote_main(theirs, self._settings, pool_pid, self._heartbeat_s, self._start_method)
         theirs.close()
         self.pid = pid
         self._sock = ours
