@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
 import subprocess
 import sys
+from pathlib import Path
 
+import grpc
 import pytest
 
+from poolserve.protos import inference_pb2 as pb
+from poolserve.protos import inference_pb2_grpc as pbg
+from poolserve.service.codec import decode_outputs
 from poolserve.service.settings import ConfigError, ServerSettings, apply_overrides
 from poolserve.service.threads import THREAD_VARIABLES, limit_native_threads, thread_environment
+
+from serving import Serving, wait_serving
+from support import write_model
 
 
 def test_thread_environment_sets_every_variable_but_keeps_the_users() -> None:
@@ -80,3 +89,47 @@ def test_threads_per_worker_settings_are_checked() -> None:
         apply_overrides(ServerSettings(), {"pools": {"x": {"threads_per_worker": "2"}}}, "s")
     with pytest.raises(ConfigError, match="start_method"):
         apply_overrides(ServerSettings(), {"start_method": "forkserver"}, "settings.json")
+
+
+THREADS_MODEL = """
+import os
+
+import numpy as np
+from threadpoolctl import threadpool_info
+
+from poolserve.service import Model
+
+
+class Threads(Model):
+    def predict(self, inputs, parameters):
+        blas = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+        return {"OUTPUT0": np.array([int(os.environ["OMP_NUM_THREADS"]), *blas], np.int64)}
+"""
+
+
+@pytest.mark.e2e
+def test_workers_and_inline_models_run_with_the_pools_thread_count(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    (repo).mkdir()
+    (repo / "settings.json").write_text(json.dumps({"pools": {"p": {"threads_per_worker": 2}}}))
+    for name, extra in (("forked", {}), ("inline", {"parallel_workers": 0})):
+        params = {"inference_pool_gid": "p"}
+        write_model(repo, name, {"implementation": "model.Threads", "parameters": params, **extra},
+                    THREADS_MODEL)  # fmt: skip
+    write_model(repo, "other", {"implementation": "model.Threads"}, THREADS_MODEL)
+    env = {k: v for k, v in os.environ.items() if k not in THREAD_VARIABLES}
+
+    async def main() -> dict[str, list[int]]:
+        async with grpc.aio.insecure_channel(serving.address) as channel:
+            await wait_serving(channel)
+            stub = pbg.GRPCInferenceServiceStub(channel)
+            seen = {}
+            for name in ("forked", "inline", "other"):
+                reply = await stub.ModelInfer(pb.ModelInferRequest(model_name=name), timeout=30)
+                seen[name] = decode_outputs(reply)["OUTPUT0"].tolist()
+            return seen
+
+    with Serving(repo, tmp_path / "run", workers=1, env_replace=env) as serving:
+        seen = asyncio.run(main())
+    # OMP_NUM_THREADS, then numpy's OpenBLAS threads: the pool's setting, the default elsewhere
+    assert seen == {"forked": [2, 2], "inline": [2, 2], "other": [1, 1]}
