@@ -64,16 +64,19 @@ def project_xgboost() -> str:
 def mlserver_venv() -> VenvSpec:
     """MLServer 1.7.1 and its XGBoost runtime, mlserver-xgboost 1.7.1.
 
-    mlserver-xgboost asks for ``xgboost``, whose Linux wheel is the GPU build
-    (with NCCL, hundreds of MB): it is installed without dependencies, beside
-    the CPU build of the project's XGBoost release (``xgboost-cpu``, the same
-    library and ``xgboost`` module), so every server runs the same XGBoost.
+    mlserver-xgboost asks for ``xgboost[scikit-learn]``, whose Linux wheel is
+    the GPU build (with NCCL, hundreds of MB): it is installed without
+    dependencies, beside the CPU build of the project's XGBoost release
+    (``xgboost-cpu``, the same library and ``xgboost`` module) and the
+    project's scikit-learn, so every server runs the same XGBoost.
     """
+    sklearn = f"scikit-learn=={metadata.version('scikit-learn')}"  # xgboost[scikit-learn]
     return VenvSpec(
         "mlserver",
-        ("mlserver==1.7.1", "uvloop==0.21.0", f"grpcio=={project_grpcio()}", project_xgboost()),
+        ("mlserver==1.7.1", "uvloop==0.21.0", f"grpcio=={project_grpcio()}", project_xgboost(),
+         sklearn),
         no_deps=("mlserver-xgboost==1.7.1",),
-    )
+    )  # fmt: skip
 
 
 def kserve_venv() -> VenvSpec:
