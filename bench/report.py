@@ -574,8 +574,9 @@ def xgb_note(results: Results) -> str:
     return (
         "One XGBoost model file, trained once per run (`XGBRegressor`, 200 trees of depth 6, 20 "
         "features; bench/peers/workload.py), loaded by every server from the same xgboost-cpu "
-        "release. poolserve: a model class that loads it with the scikit-learn interface and "
-        "warms it up in `load()`, 2 forked workers, default settings (threads_per_worker 1). "
+        "release. poolserve: a model class that loads it into a `Booster`, warms it up in "
+        "`load()` and predicts with `inplace_predict` (XGBoost's advice for one row at a time), 2 "
+        "forked workers, default settings (threads_per_worker 1). "
         "MLServer: its own XGBoost runtime (mlserver-xgboost 1.7.1, `mlserver_xgboost."
         "XGBoostModel`, `parameters.uri`), parallel_workers 2 (mlserver-xgboost installed "
         "without its `xgboost` dependency, the GPU build, beside xgboost-cpu). KServe: the "

@@ -45,16 +45,15 @@ class BigModel(Model):
 
 
 class XGBoostModel(Model):
-    """Written the way a user writes it (and MLServer's XGBoost runtime loads it): the
-    scikit-learn interface's load_model and predict; one warm-up prediction in load()."""
+    """Written the way XGBoost's docs advise for one row at a time: a Booster and
+    inplace_predict (no DMatrix per request); one warm-up prediction in load()."""
 
     def load(self) -> None:
         import xgboost
 
-        self.model = xgboost.XGBRegressor()
-        self.model.load_model(str(self.settings.extra["model_file"]))
-        self.model.predict(np.zeros((1, workload.XGB_FEATURES), np.float32))
+        self.booster = xgboost.Booster(model_file=str(self.settings.extra["model_file"]))
+        self.booster.inplace_predict(np.zeros((1, workload.XGB_FEATURES), np.float32))
 
     def predict(self, inputs: dict[str, Array], parameters: dict[str, object]) -> dict[str, Array]:
-        y = self.model.predict(inputs["INPUT0"])
+        y = self.booster.inplace_predict(inputs["INPUT0"])
         return {workload.XGB_OUTPUT: np.asarray(y, np.float32)}
