@@ -24,6 +24,7 @@ from poolserve.service.rundir import (
     socket_path,
 )
 from poolserve.service.settings import ConfigError, ServerSettings, load_server_settings
+from poolserve.service.threads import limit_native_threads
 from poolserve.supervisor.child import READY_FD_ENV, die_with_parent, notify_ready
 from poolserve.supervisor.exitcodes import EXIT_CONFIG, EXIT_OK, EXIT_UNRECOVERABLE
 
@@ -40,6 +41,8 @@ def run_pool(repo: Path, gid: str, flags: Mapping[str, object]) -> int:
     try:
         settings = load_server_settings(repo, flags=flags)
         setup_logging(f"pool:{gid}", settings.log_format)
+        # Before any model code loads, here (inline models) or in the zygote and workers.
+        limit_native_threads(settings.threads_for(gid), f"pool {gid}")
         models = scan(repo).pools().get(gid)
         if not models:
             raise ConfigError(str(repo), "inference_pool_gid", f"no model uses pool '{gid}'")

@@ -64,6 +64,13 @@ CONTROL_SERVICE = "poolserve.control.v1.PoolControl"
 ROLL_TIMEOUT_S = 60.0
 
 
+def start_method(settings: ServerSettings, gid: str, models: Sequence[ModelSettings]) -> str:
+    """How the pool starts workers: its setting, or "spawn" if one of its models asks."""
+    if any(m.extra.get("start_method") == "spawn" for m in models):
+        return "spawn"
+    return settings.start_method_for(gid)
+
+
 @dataclass(frozen=True)
 class ModelReply:
     """The zygote's answer to a live load or unload."""
@@ -173,7 +180,10 @@ class PoolServer:
         self.workers = settings.workers_for(gid)
         self.inline_models = [m for m in self.models if self._runs_inline(m)]
         self.worker_models = [m for m in self.models if not self._runs_inline(m)]
-        self.zygote = ZygoteLink(self.worker_models, settings.heartbeat_interval_s)
+        self.start_method = start_method(settings, gid, self.worker_models)
+        self.zygote = ZygoteLink(
+            self.worker_models, settings.heartbeat_interval_s, self.start_method
+        )
         self.catalog = Catalog.from_settings(self.models)
         self.health = Health()
         self.dispatcher = Dispatcher(
@@ -182,12 +192,16 @@ class PoolServer:
             on_change=self._sync_health,
             on_worker_gone=self._on_worker_gone,
             heartbeat_timeout=settings.heartbeat_timeout_s,
+            warmup_timeout=settings.warmup_timeout_s,
+            abandon_grace=settings.abandon_grace_s,
+            on_worker_ready=self._on_worker_ready,
         )
         self.respawner = Respawner(
-            self.zygote.spawn,
+            self._spawn,
             self._mark_failed,
             retry_model=self._retry_model,
             clock=time.monotonic,
+            spawned=self.start_method == "spawn",
         )
         self.inline = InlineRunner(self.catalog)
         self.backend = PoolBackend(
@@ -266,15 +280,22 @@ class PoolServer:
             log.error("pool %s: model %s: %s", self.gid, name, reason)
             self.catalog.set_state(name, ModelState.UNAVAILABLE, reason)
 
+    def _spawn(self) -> None:
+        """Forks a worker whose self-test leaves out models that failed it before."""
+        self.zygote.spawn(self.respawner.failed_warmup)
+
     def _on_loaded(self) -> None:
         if not self.worker_models:
             return  # only inline models: no worker to fork
         for _ in range(self.workers):
-            self.zygote.spawn()
+            self._spawn()
 
     def _on_worker(self, pid: int, sock: socket.socket) -> None:
         log.info("pool %s: worker %d started", self.gid, pid)
         self.dispatcher.add_worker(pid, sock, self.generation)
+
+    def _on_worker_ready(self, pid: int) -> None:
+        """A fresh worker passed its self-test and takes requests."""
         if self._arrival is not None and not self._arrival.done():
             self._arrival.set_result(pid)
         elif self._arrival is None and not self._model_ops.locked():
@@ -304,7 +325,9 @@ class PoolServer:
         running = f" while running model '{gone.tag}'" if gone.tag else ""
         killed = f" (killed: {gone.reason})" if gone.reason else ""
         log.warning("pool %s: worker %d %s%s%s", self.gid, gone.pid, gone.status, running, killed)
-        delay = self.respawner.worker_lost(gone.tag, gone.reason or gone.status)
+        delay = self.respawner.worker_lost(
+            gone.tag, gone.reason or gone.status, warmup=gone.warmup, hung=bool(gone.reason)
+        )
         if delay:
             log.info("pool %s: next worker in %.2f s (crash back-off)", self.gid, delay)
 
@@ -451,10 +474,14 @@ class PoolServer:
                     self.catalog.set_state(name, ModelState.UNAVAILABLE, outcome.reason)
                 kept = "; the previous version keeps serving" if was_ready else ""
                 raise FailedPrecondition(f"model '{name}' {outcome.reason}{kept}")
+            self.respawner.forgive(name)  # a new version: its own self-test and crash record
             await self._roll_workers()
             entry.settings, entry.version = settings, settings.version
+            failed = self.respawner.failed_warmup.get(name)
+            if failed is not None:  # the fresh workers of the roll could not warm it up
+                self.catalog.set_state(name, ModelState.UNAVAILABLE, failed)
+                raise FailedPrecondition(f"model '{name}' {failed}")
             self._loaded_from[name] = files
-            self.respawner.forgive(name)
             self.catalog.set_state(name, ModelState.READY, "", outcome.specs)
             log.info("pool %s: model %s loaded live", self.gid, name)
 
@@ -470,7 +497,7 @@ class PoolServer:
         loop = asyncio.get_running_loop()
         for pid in old:
             self._arrival = loop.create_future()
-            self.zygote.spawn()
+            self._spawn()
             try:
                 await asyncio.wait_for(self._arrival, ROLL_TIMEOUT_S)
             except TimeoutError:
@@ -582,6 +609,8 @@ class PoolServer:
             await server.start()
             await self.lane.start(tasks)
             log.info("pool %s: serving on %s (pid %d)", self.gid, self.socket_path, os.getpid())
+            if self.start_method == "spawn":
+                log.info("pool %s: workers start by spawn: each loads the models itself", self.gid)
             ready()
             if self.inline_models:
                 tasks.create_task(self.inline.load(self.inline_models), name="inline-load")

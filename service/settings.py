@@ -32,9 +32,14 @@ class ConfigError(Exception):
         self.problem = problem
 
 
+START_METHODS = ("fork", "spawn")
+
+
 @dataclass(frozen=True)
 class PoolOverride:
     workers: int | None = None
+    threads_per_worker: int | None = None
+    start_method: str | None = None
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,23 @@ class ServerSettings:
     tls_key_file: str = ""
     tls_client_ca_file: str = ""  # set: clients must present a certificate it signed
     server_name: str = "poolserve"
+    # Native runtimes and fork (README "Native runtimes and fork"):
+    threads_per_worker: int = 1  # OMP/MKL/OpenBLAS/... threads in each pool process
+    warmup_timeout_s: float = 10.0  # a fresh worker's warm-up prediction of each model
+    abandon_grace_s: float = 5.0  # a worker still on a job its caller left is killed (0: never)
+    start_method: str = "fork"  # "spawn": each worker a fresh interpreter that loads the models
+
+    def threads_for(self, gid: str) -> int:
+        override = self.pools.get(gid)
+        if override is not None and override.threads_per_worker is not None:
+            return override.threads_per_worker
+        return self.threads_per_worker
+
+    def start_method_for(self, gid: str) -> str:
+        override = self.pools.get(gid)
+        if override is not None and override.start_method is not None:
+            return override.start_method
+        return self.start_method
 
     def workers_for(self, gid: str) -> int:
         override = self.pools.get(gid)
@@ -82,6 +104,7 @@ _INT_FIELDS = {
     "max_queue",
     "max_message_size",
     "max_concurrent_streams",
+    "threads_per_worker",
 }
 _FLOAT_FIELDS = {
     "default_timeout_s",
@@ -90,6 +113,8 @@ _FLOAT_FIELDS = {
     "heartbeat_interval_s",
     "heartbeat_timeout_s",
     "repository_rescan_s",
+    "warmup_timeout_s",
+    "abandon_grace_s",
 }
 # Float fields that must be above zero (the others may be 0): a default
 # deadline of 0 fails every call, a heartbeat of 0 kills every worker.
@@ -104,6 +129,7 @@ _STR_FIELDS = {
     "tls_cert_file",
     "tls_key_file",
     "tls_client_ca_file",
+    "start_method",
 }
 
 
@@ -128,6 +154,8 @@ def _check_value(source: str, name: str, value: object) -> object:
             raise ConfigError(source, name, f"expected a string, got {value!r}")
         if name == "log_format" and value not in ("text", "json"):
             raise ConfigError(source, name, "expected 'text' or 'json'")
+        if name == "start_method" and value not in START_METHODS:
+            raise ConfigError(source, name, "expected 'fork' or 'spawn'")
         return value
     if name in _BOOL_FIELDS:
         if not isinstance(value, bool):
@@ -145,15 +173,27 @@ def _parse_pools(source: str, value: object) -> dict[str, PoolOverride]:
     for gid, raw in value.items():
         if not SAFE_ID.match(gid):
             raise ConfigError(source, f"pools.{gid}", "unsafe pool id")
-        if not isinstance(raw, dict) or set(raw) - {"workers"}:
-            raise ConfigError(source, f"pools.{gid}", 'expected {"workers": N}')
-        workers = raw.get("workers")
-        if workers is not None and (
-            isinstance(workers, bool) or not isinstance(workers, int) or workers < 0
-        ):  # 0, as parallel_workers 0: the pool runs its models inline
-            raise ConfigError(source, f"pools.{gid}.workers", "expected an integer >= 0")
-        pools[gid] = PoolOverride(workers=workers)
+        if not isinstance(raw, dict) or set(raw) - _POOL_FIELDS:
+            raise ConfigError(
+                source,
+                f"pools.{gid}",
+                'expected {"workers": N, "threads_per_worker": N, "start_method": "fork"|"spawn"}',
+            )
+        for key, least in (("workers", 0), ("threads_per_worker", 1)):
+            # workers 0, as parallel_workers 0: the pool runs its models inline
+            count = raw.get(key)
+            if count is not None and (
+                isinstance(count, bool) or not isinstance(count, int) or count < least
+            ):
+                raise ConfigError(source, f"pools.{gid}.{key}", f"expected an integer >= {least}")
+        method = raw.get("start_method")
+        if method is not None and method not in START_METHODS:
+            raise ConfigError(source, f"pools.{gid}.start_method", "expected 'fork' or 'spawn'")
+        pools[gid] = PoolOverride(raw.get("workers"), raw.get("threads_per_worker"), method)
     return pools
+
+
+_POOL_FIELDS = {"workers", "threads_per_worker", "start_method"}
 
 
 def apply_overrides(

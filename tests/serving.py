@@ -31,9 +31,12 @@ class Serving:
         *extra: str,
         workers: int = 2,
         env: dict[str, str] | None = None,
+        env_replace: dict[str, str] | None = None,
     ) -> None:
+        """``env``: added to this process's environment; ``env_replace``: the whole of it."""
         self.repo = repo
         self.env = env
+        self.env_replace = env_replace
         self.run_dir = run_dir
         self.log_path = run_dir.parent / f"{run_dir.name}.log"
         self.argv = [
@@ -56,6 +59,8 @@ class Serving:
     def start(self, timeout: float = 60.0) -> Serving:
         log = open(self.log_path, "w")  # noqa: SIM115 (closed with the process)
         env = None if self.env is None else {**os.environ, **self.env}
+        if self.env_replace is not None:
+            env = {**self.env_replace, **(self.env or {})}
         self.proc = subprocess.Popen(
             self.argv, stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1, env=env
         )
