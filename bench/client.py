@@ -27,12 +27,14 @@ import pbwire
 
 METHOD = "/" + pbwire.SERVICE + "/"
 PAYLOAD_SHAPE = (1, 16)
+PAYLOAD_SHAPES = {"xgb": (1, 20)}  # the XGBoost model's 20 features
 
 
 def payload(model: str) -> bytes:
-    """The one request body every server gets: FP32 [1,16] as raw_input_contents."""
-    raw = struct.pack("<16f", *(float(i) for i in range(16)))
-    return pbwire.infer_request(model, "INPUT0", "FP32", PAYLOAD_SHAPE, raw)
+    """The one request body every server gets: FP32 [1,16] (xgb: [1,20]) as raw_input_contents."""
+    shape = PAYLOAD_SHAPES.get(model, PAYLOAD_SHAPE)
+    raw = struct.pack(f"<{shape[1]}f", *(float(i) for i in range(shape[1])))
+    return pbwire.infer_request(model, "INPUT0", "FP32", shape, raw)
 
 
 class Stub:

@@ -42,6 +42,10 @@ def project_protobuf() -> str:
 class VenvSpec:
     name: str
     packages: tuple[str, ...]
+    no_deps: tuple[str, ...] = ()  # installed after, without their dependencies
+
+    def wanted(self) -> str:
+        return "\n".join(self.packages + tuple(f"--no-deps {p}" for p in self.no_deps))
 
     @property
     def path(self) -> Path:
@@ -52,10 +56,27 @@ class VenvSpec:
         return self.path / "bin" / "python"
 
 
+def project_xgboost() -> str:
+    """The project's xgboost-cpu (test extra): every server runs the same XGBoost."""
+    return f"xgboost-cpu=={metadata.version('xgboost-cpu')}"
+
+
 def mlserver_venv() -> VenvSpec:
+    """MLServer 1.7.1 and its XGBoost runtime, mlserver-xgboost 1.7.1.
+
+    mlserver-xgboost asks for ``xgboost[scikit-learn]``, whose Linux wheel is
+    the GPU build (with NCCL, hundreds of MB): it is installed without
+    dependencies, beside the CPU build of the project's XGBoost release
+    (``xgboost-cpu``, the same library and ``xgboost`` module) and the
+    project's scikit-learn, so every server runs the same XGBoost.
+    """
+    sklearn = f"scikit-learn=={metadata.version('scikit-learn')}"  # xgboost[scikit-learn]
     return VenvSpec(
-        "mlserver", ("mlserver==1.7.1", "uvloop==0.21.0", f"grpcio=={project_grpcio()}")
-    )
+        "mlserver",
+        ("mlserver==1.7.1", "uvloop==0.21.0", f"grpcio=={project_grpcio()}", project_xgboost(),
+         sklearn),
+        no_deps=("mlserver-xgboost==1.7.1",),
+    )  # fmt: skip
 
 
 def kserve_venv() -> VenvSpec:
@@ -71,7 +92,7 @@ def kserve_venv() -> VenvSpec:
     return VenvSpec(
         "kserve",
         ("kserve==0.21.0", f"grpcio=={grpc}", f"grpcio-tools=={grpc}",
-         f"protobuf=={project_protobuf()}"),
+         f"protobuf=={project_protobuf()}", project_xgboost()),
     )  # fmt: skip
 
 
@@ -89,7 +110,7 @@ def log(message: str) -> None:
 
 def ensure_venv(spec: VenvSpec) -> Path:
     stamp = spec.path / ".bench-installed"
-    wanted = "\n".join(spec.packages)
+    wanted = spec.wanted()
     if stamp.exists() and stamp.read_text() == wanted and spec.python.exists():
         return spec.python
     log(f"installing {', '.join(spec.packages)} into {spec.path} (once)")
@@ -97,6 +118,8 @@ def ensure_venv(spec: VenvSpec) -> Path:
     pip = [str(spec.python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
     subprocess.run([*pip, "--upgrade", "pip"], check=True)
     subprocess.run([*pip, *spec.packages], check=True)
+    if spec.no_deps:
+        subprocess.run([*pip, "--no-deps", *spec.no_deps], check=True)
     stamp.write_text(wanted)
     return spec.python
 

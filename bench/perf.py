@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 SHAPE = "INPUT0:1,16"
+SHAPES = {"xgb": "INPUT0:1,20"}  # the XGBoost model's 20 features
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ def command(
         "-u",
         address,
         "--shape",
-        SHAPE,
+        SHAPES.get(model, SHAPE),
         "--concurrency-range",
         str(concurrency),
         "--measurement-interval",

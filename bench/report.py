@@ -14,6 +14,8 @@ from typing import Any
 README_START = "<!-- bench:start -->"
 README_END = "<!-- bench:end -->"
 MODELS = ("echo", "burn")
+XGB = "xgb"  # the XGBoost model (FP32 [1,20], 200 trees), issue 22
+ROUND_MODELS = (*MODELS, XGB)  # what the perf_analyzer rounds measure
 CONCURRENCIES = (1, 4, 16)
 MIB = 1024 * 1024
 
@@ -184,6 +186,14 @@ def targets(
         _versus("burn_c16_vs_kserve", f"burn c16 throughput vs {ks_label}",
                 c16(subject, "burn", "throughput"), c16(kserve, "burn", "throughput"),
                 ">=", 1.9, "infer/s", "10"),
+        _versus("xgb_c16_vs_kserve", f"XGBoost c16 throughput vs {ks_label}",
+                c16(subject, XGB, "throughput"), c16(kserve, XGB, "throughput"),
+                ">=", 1.5, "infer/s", "22"),
+        _versus("xgb_c16_vs_mlserver", f"XGBoost c16 throughput vs {peer_label}",
+                c16(subject, XGB, "throughput"), c16(peer, XGB, "throughput"),
+                ">=", 1.0, "infer/s", "22"),
+        _versus("memory_xgb", "memory (x) the XGBoost model, 2 workers: PSS vs MLServer",
+                mib("x", subject), mib("x", peer), "<=", 0.5, "MiB", "22"),
     ]  # fmt: skip
 
 
@@ -319,6 +329,28 @@ def perf_tables(results: Results) -> str:
     )
 
 
+def xgb_tables(results: Results) -> str:
+    """Throughput and p99 of the XGBoost model, for the servers that serve it."""
+    labels = _labels(results)
+    header = ["server"] + [f"{XGB} c{c} infer/s" for c in CONCURRENCIES]
+    header += [f"{XGB} c{c} p99 ms" for c in CONCURRENCIES]
+    rows = []
+    for key, label in labels.items():
+        if not serves(results, key, XGB):
+            continue
+        rows.append(
+            [label]
+            + [fmt(cell(results, key, XGB, c, "throughput")) for c in CONCURRENCIES]
+            + [fmt(cell(results, key, XGB, c, "p99_ms")) for c in CONCURRENCIES]
+        )
+    if not rows:
+        return ""
+    return (
+        "XGBoost (a 200-tree regressor, FP32 [1,20] per request, each server's own way to serve "
+        "it; median of the runs per cell)\n\n" + table(header, rows)
+    )
+
+
 def memory_table(results: Results) -> str:
     memory = results.get("memory", {})
     labels = _labels(results)
@@ -326,6 +358,7 @@ def memory_table(results: Results) -> str:
         "a": "(a) echo + burn in one pool, 2 workers",
         "b": "(b) echo and burn each in its own gid, 2 workers each",
         "c": "(c) one model holding a 400 MiB array, 4 workers",
+        "x": "(x) the XGBoost model alone, 2 workers",
     }
     servers = sorted({k for config in memory.values() for k in config if k in labels})
     rows = []
@@ -518,6 +551,11 @@ def markdown(results: Results) -> str:
         "\n".join(header_lines(results)),
         "## Targets\n\n" + targets_table(results),
         "## Throughput and latency\n\n" + perf_tables(results),
+        *(
+            ["## XGBoost\n\n" + xgb_note(results) + "\n\n" + xgb_tables(results)]
+            if xgb_tables(results)
+            else []
+        ),
         "## Memory (PSS of the whole process tree, after warm-up)\n\n"
         + memory_table(results)
         + memory_note(results)
@@ -530,6 +568,22 @@ def markdown(results: Results) -> str:
         "## Overload\n\n" + overload_note(results) + "\n\n" + overload_table(results),
     ]
     return "\n\n".join(parts) + "\n"
+
+
+def xgb_note(results: Results) -> str:
+    return (
+        "One XGBoost model file, trained once per run (`XGBRegressor`, 200 trees of depth 6, 20 "
+        "features; bench/peers/workload.py), loaded by every server from the same xgboost-cpu "
+        "release. poolserve: a model class that loads it into a `Booster`, warms it up in "
+        "`load()` and predicts with `inplace_predict` (XGBoost's advice for one row at a time), 2 "
+        "forked workers, default settings (threads_per_worker 1). "
+        "MLServer: its own XGBoost runtime (mlserver-xgboost 1.7.1, `mlserver_xgboost."
+        "XGBoostModel`, `parameters.uri`), parallel_workers 2 (mlserver-xgboost installed "
+        "without its `xgboost` dependency, the GPU build, beside xgboost-cpu). KServe: the "
+        "model code of KServe's XGBoost server (kserve/python/xgbserver, not on PyPI: a "
+        "`Booster` with nthread 1, its default, and a `DMatrix` per request) as a kserve.Model "
+        "on kserve.ModelServer, one process. perf_analyzer sends FP32 [1,20] per request."
+    )
 
 
 def overload_note(results: Results) -> str:
@@ -548,7 +602,8 @@ def overload_note(results: Results) -> str:
 
 def readme_section(results: Results, chart: str = "bench/results/latest.png") -> str:
     return "\n\n".join(
-        [
+        part
+        for part in [
             README_START,
             "## Benchmark",
             "`make bench` (about 16 minutes on 2 cores; `make bench-quick` about 3) installs "
@@ -558,9 +613,11 @@ def readme_section(results: Results, chart: str = "bench/results/latest.png") ->
             "\n".join(header_lines(results)),
             targets_table(results),
             perf_tables(results),
+            xgb_tables(results),
             f"![throughput and p99 per concurrency]({chart})",
             README_END,
         ]
+        if part
     )
 
 
@@ -574,13 +631,16 @@ def update_readme(text: str, section: str) -> str:
 
 def console(results: Results) -> str:
     return "\n\n".join(
-        [
+        part
+        for part in [
             "\n".join(header_lines(results)),
             targets_table(results),
             perf_tables(results),
+            xgb_tables(results),
             memory_table(results) + memory_note(results),
             memory_breakdown(results),
             cpu_table(results),
             overload_table(results),
         ]
+        if part
     )

@@ -171,6 +171,15 @@ def wait_for_quiet(limit_s: float) -> float:
 # -- calibration -------------------------------------------------------------------------
 
 
+def train_xgb(path: Path) -> Path:
+    """The run's XGBoost model file, trained in a process of its own (the project's venv)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    code = f"import workload; workload.train_xgb({str(path)!r})"
+    env = {**os.environ, "PYTHONPATH": str(BENCH / "peers")}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=600)
+    return path
+
+
 def calibrate() -> dict[str, float]:
     """Iterations for ~20 ms of CPU, and the CPU of one burn alone and with every core busy."""
     iterations = workload.calibrate()
@@ -287,12 +296,12 @@ def perf_rounds(
     runs: list[dict[str, Any]] = []
     env = {**os.environ, **pa.env}
     timeout = 10 * mode.window_ms / 1000 + 30
-    served = sum(1 for s in running for m in report.MODELS if m in s.layout.models)
+    served = sum(1 for s in running for m in report.ROUND_MODELS if m in s.layout.models)
     total = mode.runs * len(report.CONCURRENCIES) * served
     retries_left = mode.retries
     for r in range(mode.runs):
         order = list(running[r % len(running) :]) + list(running[: r % len(running)])
-        for model in report.MODELS:
+        for model in report.ROUND_MODELS:
             for c in report.CONCURRENCIES:
                 for server in order:  # innermost: the servers meet the same drift
                     if model not in server.layout.models:
@@ -384,6 +393,7 @@ def memory_configs(mode: Mode, chosen: Sequence[str]) -> list[tuple[str, str, se
     """KServe in (a) only: one process holds every model, with no pools, gids or workers, so
     (b) and (c) would measure the same process again."""
     both = servers.BOTH
+    xgb = servers.Layout((report.XGB,))
     configs = [
         ("a", servers.SUBJECT, servers.Layout(both)),
         ("a", servers.REFERENCE, servers.Layout(both)),
@@ -391,6 +401,8 @@ def memory_configs(mode: Mode, chosen: Sequence[str]) -> list[tuple[str, str, se
         ("b", servers.SUBJECT, servers.Layout(both, separate_gids=True)),
         ("b", servers.REFERENCE, servers.Layout(both, separate_gids=True)),
         ("c", servers.SUBJECT, servers.Layout(("big",), workers=4)),
+        ("x", servers.SUBJECT, xgb),
+        ("x", servers.REFERENCE, xgb),
     ]
     if mode.memory_c_peer:
         configs.append(("c", servers.REFERENCE, servers.Layout(("big",), workers=4)))
@@ -482,7 +494,11 @@ def run(mode: Mode, only: Sequence[str], publish_results: bool) -> dict[str, Any
     log(f"burn: {calibration['iterations']:.0f} iterations, "
         f"{calibration['burn_cpu_ms']:.2f} ms CPU; physical limit "
         f"{calibration['physical_limit']:.1f}/s")  # fmt: skip
-    load = servers.Workload(int(calibration["iterations"]), run_dir / "burn.count")
+    with phase("train the XGBoost model", timings):
+        xgb_model = train_xgb(run_dir / "xgb" / "model.json")
+    load = servers.Workload(
+        int(calibration["iterations"]), run_dir / "burn.count", xgb_model=xgb_model
+    )
     fleet = Fleet(run_dir, installed.venvs, load)
     results: dict[str, Any] = {
         "meta": {

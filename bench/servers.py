@@ -37,6 +37,9 @@ POOLSERVE = ROOT / ".venv" / "bin" / "poolserve"
 
 TENSOR = {"name": "INPUT0", "datatype": "FP32", "shape": [1, 16]}
 OUTPUT = {"name": "OUTPUT0", "datatype": "FP32", "shape": [1, 16]}
+# The XGBoost model (issue 22): 20 features in, MLServer's runtime's output name out.
+XGB_TENSOR = {"name": "INPUT0", "datatype": "FP32", "shape": [1, 20]}
+XGB_OUTPUT = {"name": "predict", "datatype": "FP32", "shape": [1]}
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,7 @@ class Workload:
     iterations: int
     counter: Path  # burn appends one byte here per execution
     array_mib: int = 400
+    xgb_model: Path | None = None  # the XGBoost model file, trained once per run
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,8 @@ class Layout:
             return {"iterations": workload.iterations, "counter": str(workload.counter)}
         if model == "big":
             return {"array_mib": workload.array_mib}
+        if model == "xgb":
+            return {"model_file": str(workload.xgb_model)}
         return {}
 
 
@@ -88,6 +94,7 @@ Builder = Callable[["ServerSpec", Context], Launch]
 
 
 BOTH = ("echo", "burn")
+WITH_XGB = (*BOTH, "xgb")  # the servers in the XGBoost comparison (issue 22)
 
 
 @dataclass(frozen=True)
@@ -107,7 +114,12 @@ class ServerSpec:
 
 # -- poolserve ------------------------------------------------------------------
 
-POOLSERVE_CLASSES = {"echo": "EchoModel", "burn": "BurnModel", "big": "BigModel"}
+POOLSERVE_CLASSES = {
+    "echo": "EchoModel",
+    "burn": "BurnModel",
+    "big": "BigModel",
+    "xgb": "XGBoostModel",
+}
 
 
 def write_model_settings(
@@ -116,6 +128,7 @@ def write_model_settings(
     implementation: str,
     ctx: Context,
     extra: Mapping[str, object] | None = None,
+    uri: str | None = None,
     **more: object,
 ) -> None:
     """The model-settings.json every repository-based server gets (same fields, same extra)."""
@@ -124,12 +137,15 @@ def write_model_settings(
     gid = ctx.layout.gid(model)
     if gid:
         parameters["inference_pool_gid"] = gid
+    if uri is not None:
+        parameters["uri"] = uri
+    xgb = model == "xgb"
     settings: dict[str, object] = {
         "name": model,
         "implementation": implementation,
         "parameters": parameters,
-        "inputs": [TENSOR],
-        "outputs": [OUTPUT],
+        "inputs": [XGB_TENSOR if xgb else TENSOR],
+        "outputs": [XGB_OUTPUT if xgb else OUTPUT],
         **more,
     }
     folder.mkdir(parents=True, exist_ok=True)
@@ -158,6 +174,7 @@ def build_poolserve(spec: ServerSpec, ctx: Context) -> Launch:
 # -- MLServer ---------------------------------------------------------------------
 
 MLSERVER_CLASSES = {"echo": "EchoRuntime", "burn": "BurnRuntime", "big": "BigRuntime"}
+MLSERVER_XGBOOST = "mlserver_xgboost.XGBoostModel"  # MLServer's own XGBoost runtime
 
 
 def build_mlserver(spec: ServerSpec, ctx: Context) -> Launch:
@@ -175,6 +192,10 @@ def build_mlserver(spec: ServerSpec, ctx: Context) -> Launch:
         },
     )
     for model in ctx.layout.models:
+        if model == "xgb":  # MLServer's runtime, loading the model file from parameters.uri
+            uri = str(ctx.workload.xgb_model)
+            write_model_settings(repo / model, model, MLSERVER_XGBOOST, ctx, uri=uri)
+            continue
         write_model_settings(repo / model, model, f"mlserver_models.{MLSERVER_CLASSES[model]}", ctx)
     python = ctx.venvs[spec.venv]
     argv = [str(python), str(PEER_CODE / "mlserver_addon.py"), "start", str(repo)]
@@ -183,7 +204,12 @@ def build_mlserver(spec: ServerSpec, ctx: Context) -> Launch:
 
 # -- KServe ------------------------------------------------------------------------
 
-KSERVE_CLASSES = {"echo": "EchoModel", "burn": "BurnModel", "big": "BigModel"}
+KSERVE_CLASSES = {
+    "echo": "EchoModel",
+    "burn": "BurnModel",
+    "big": "BigModel",
+    "xgb": "XGBoostModel",
+}
 KSERVE_ENV = {"KSERVE_LOGLEVEL": "WARNING"}  # KServe's own setting; INFO logs every request
 
 
@@ -231,15 +257,18 @@ INLINE_NOTE = (
 )
 
 SERVERS: tuple[ServerSpec, ...] = (
-    ServerSpec("poolserve", "poolserve (2 workers)", 2, build_poolserve),
+    ServerSpec("poolserve", "poolserve (2 workers)", 2, build_poolserve, models=WITH_XGB),
     ServerSpec(
         "poolserve-inline", "poolserve (echo inline, fast)", 0, build_poolserve, "",
         INLINE_NOTE, models=("echo",), inline=True,
     ),
-    ServerSpec("kserve", "KServe 0.21.0 (1 process)", 0, build_kserve, "kserve", KSERVE_NOTE),
+    ServerSpec(
+        "kserve", "KServe 0.21.0 (1 process)", 0, build_kserve, "kserve", KSERVE_NOTE,
+        models=WITH_XGB,
+    ),
     ServerSpec(
         "mlserver-2", "MLServer 1.7.1 (parallel_workers 2)", 2, build_mlserver, "mlserver",
-        MLSERVER_NOTE,
+        MLSERVER_NOTE, models=WITH_XGB,
     ),
     ServerSpec(
         "mlserver-0", "MLServer 1.7.1 (parallel_workers 0)", 0, build_mlserver, "mlserver",

@@ -38,7 +38,8 @@ from poolserve.service.codec import encode_inputs
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "models"
 BIN = Path(sys.executable).parent
-READY_PREFIX = "poolserve: ready, serving on "
+# The line `poolserve serve` prints once its router listens (models may still load).
+LISTENING_PREFIX = "poolserve: listening on "
 INFER = "/inference.GRPCInferenceService/ModelInfer"
 
 # Process names (comm) that poolserve sets for each role.
@@ -329,8 +330,8 @@ class Tree:
                 line = self.proc.stdout.readline()
                 if not line:
                     break
-                if line.startswith(READY_PREFIX):
-                    return line[len(READY_PREFIX) :].strip()
+                if line.startswith(LISTENING_PREFIX):
+                    return line[len(LISTENING_PREFIX) :].split(" (")[0].strip()
         raise RuntimeError(f"poolserve serve did not become ready:\n{self.log()[-4000:]}")
 
     @property

@@ -12,7 +12,7 @@ import enum
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from poolserve.service.errors import ModelNotFound, ModelNotReady
+from poolserve.service.errors import ModelNotFound, ModelNotReady, clip
 from poolserve.service.repository import InvalidModel, ModelSettings, TensorSpec
 from poolserve.service.stats import ModelStats
 
@@ -90,9 +90,9 @@ class Catalog:
         """The entry for a request; NOT_FOUND for unknown names or versions."""
         entry = self._entries.get(name)
         if entry is None:
-            raise ModelNotFound(f"model '{name}' is not in this repository")
+            raise ModelNotFound(f"model '{clip(name)}' is not in this repository")
         if version and version != entry.version:
-            raise ModelNotFound(f"model '{name}' has no version '{version}'")
+            raise ModelNotFound(f"model '{name}' has no version '{clip(version)}'")
         return entry
 
     def lookup_ready(self, name: str, version: str = "") -> ModelEntry:

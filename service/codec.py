@@ -5,6 +5,8 @@ validation of every tensor a client sends (a malformed tensor is an
 :class:`InvalidInput` naming the tensor, never a numpy or protobuf exception),
 and both wire forms: typed ``contents`` and ``raw_*_contents`` (little-endian,
 row-major; a BYTES element is a 4-byte little-endian length and its bytes).
+Requests may use either form; responses are always raw, as Triton's are
+(tritonclient's ``as_numpy`` reads only ``raw_output_contents``).
 
 It runs on the hot path of every worker, so fixed-size tensors are never
 touched element by element in Python: raw inputs become read-only
@@ -25,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from poolserve.protos import inference_pb2
-from poolserve.service.errors import InvalidInput
+from poolserve.service.errors import InvalidInput, clip
 
 _Tensor: TypeAlias = (
     inference_pb2.ModelInferRequest.InferInputTensor
@@ -70,6 +72,10 @@ _BY_NUMPY: dict[tuple[str, int], str] = {
     (kind.dtype.kind, kind.dtype.itemsize): name for name, kind in _KINDS.items() if name != "BYTES"
 }
 
+# An input parameter of Triton's shared-memory extension: the tensor's bytes are
+# in that region, so the tensor has no raw_input_contents entry of its own.
+SHARED_MEMORY_REGION = "shared_memory_region"
+
 _LENGTH = struct.Struct("<I")
 # numpy refuses any shape whose byte size (zero dims aside) exceeds intp.
 _MAX_BYTES = int(np.iinfo(np.intp).max)
@@ -95,7 +101,7 @@ def datatype_for(array: npt.NDArray[Any]) -> str:
 
 
 def uses_raw(request: inference_pb2.ModelInferRequest) -> bool:
-    """Whether the request sent raw_input_contents (so the response answers in raw too)."""
+    """Whether the request sent raw_input_contents."""
     return len(request.raw_input_contents) > 0
 
 
@@ -119,16 +125,13 @@ def encode_outputs(
 ) -> None:
     """Fills response.outputs with the requested outputs, in the requested order.
 
-    The response is raw when the request was, and also when an FP16 output must
-    be sent, because FP16 has no typed field and the two forms cannot be mixed.
+    Always in ``raw_output_contents``, whatever form the request used: Triton
+    answers raw, and tritonclient reads nothing else.
     """
-    selected = [
-        (name, arr, _datatype(name, arr, "output")) for name, arr in _select(request, outputs)
-    ]
-    raw = uses_raw(request) or any(datatype == "FP16" for _, _, datatype in selected)
-    for name, arr, datatype in selected:
+    for name, arr in _select(request, outputs):
+        datatype = _datatype(name, arr, "output")
         tensor = response.outputs.add(name=name, datatype=datatype, shape=arr.shape)
-        _put(tensor, arr, response.raw_output_contents if raw else None, "output")
+        _put(tensor, arr, response.raw_output_contents, "output")
 
 
 def encode_inputs(
@@ -142,7 +145,7 @@ def encode_inputs(
         arr = np.asarray(value)
         datatype = _datatype(name, arr, "input")
         if not raw and datatype == "FP16":
-            raise InvalidInput(f"input '{name}': FP16 has no typed contents field; use raw")
+            raise InvalidInput(f"input '{clip(name)}': FP16 has no typed contents field; use raw")
         tensor = request.inputs.add(name=name, datatype=datatype, shape=arr.shape)
         _put(tensor, arr, request.raw_input_contents if raw else None, "input")
 
@@ -162,43 +165,78 @@ def _parameter_value(param: inference_pb2.InferParameter) -> object:
 # --- decoding ---------------------------------------------------------------
 
 
+def _where(role: str, tensor: _Tensor) -> str:
+    return f"{role} '{clip(tensor.name)}'"
+
+
 def _decode(tensors: Sequence[_Tensor], raw: list[bytes], role: str) -> dict[str, npt.NDArray[Any]]:
     # `raw` is a list because every index into a upb repeated bytes field copies.
-    if raw:
-        _check_raw_layout(tensors, len(raw), role)
+    # Inputs in shared memory have no raw entry: the others take the entries in order.
+    in_memory = [_in_shared_memory(t) for t in tensors] if role == "input" else []
+    slots = _raw_slots(tensors, in_memory, len(raw), role) if raw else []
     arrays: dict[str, npt.NDArray[Any]] = {}
     for index, tensor in enumerate(tensors):
         if tensor.name in arrays:
-            raise InvalidInput(f"{role} '{tensor.name}' appears more than once")
-        array = _decode_raw(tensor, raw[index], role) if raw else _decode_typed(tensor, role)
-        arrays[tensor.name] = array
+            raise InvalidInput(f"{_where(role, tensor)} appears more than once")
+        if in_memory and in_memory[index]:
+            _refuse_shared_memory(tensor)
+        if raw:
+            arrays[tensor.name] = _decode_raw(tensor, raw[slots[index]], role)
+        else:
+            arrays[tensor.name] = _decode_typed(tensor, role)
     return arrays
 
 
-def _check_raw_layout(tensors: Sequence[_Tensor], entries: int, role: str) -> None:
-    if entries < len(tensors):
+def _in_shared_memory(tensor: _Tensor) -> bool:
+    return bool(tensor.parameters) and SHARED_MEMORY_REGION in tensor.parameters
+
+
+def _refuse_shared_memory(tensor: _Tensor) -> None:
+    region = tensor.parameters[SHARED_MEMORY_REGION].string_param
+    raise InvalidInput(
+        f"{_where('input', tensor)} names shared-memory region '{clip(region)}' "
+        "(parameter shared_memory_region), but system shared memory is not supported yet: "
+        "send this input's bytes in raw_input_contents or contents"
+    )
+
+
+def _raw_slots(
+    tensors: Sequence[_Tensor], in_memory: Sequence[bool], entries: int, role: str
+) -> list[int]:
+    """Each tensor's index into the raw contents (-1 for an input in shared memory)."""
+    slots: list[int] = []
+    carried = 0
+    for index in range(len(tensors)):
+        if in_memory and in_memory[index]:
+            slots.append(-1)
+        else:
+            slots.append(carried)
+            carried += 1
+    if entries < carried:
+        missing = tensors[slots.index(entries)]
+        in_regions = len(tensors) - carried
+        shared = f" (and {in_regions} in shared memory)" if in_regions else ""
         raise InvalidInput(
-            f"{role} '{tensors[entries].name}' has no raw contents entry: "
-            f"{len(tensors)} {role}s but {entries} raw contents entries"
+            f"{_where(role, missing)} has no raw contents entry: "
+            f"{carried} {role}s{shared} but {entries} raw contents entries"
         )
-    if entries > len(tensors):
-        names = ", ".join(f"'{tensor.name}'" for tensor in tensors)
-        raise InvalidInput(
-            f"{entries} raw contents entries but only {len(tensors)} {role}s ({names})"
-        )
+    if entries > carried:
+        names = ", ".join(f"'{clip(tensor.name)}'" for tensor in tensors)
+        raise InvalidInput(f"{entries} raw contents entries but only {carried} {role}s ({names})")
     for tensor in tensors:
         if tensor.contents.ListFields():
             raise InvalidInput(
-                f"{role} '{tensor.name}' has typed contents while raw contents are in use; "
+                f"{_where(role, tensor)} has typed contents while raw contents are in use; "
                 f"all {role}s must use one form"
             )
+    return slots
 
 
 def _kind_of(tensor: _Tensor, role: str) -> _Kind:
     kind = _KINDS.get(tensor.datatype)
     if kind is None:
         raise InvalidInput(
-            f"{role} '{tensor.name}': unknown datatype {tensor.datatype!r}; "
+            f"{_where(role, tensor)}: unknown datatype {clip(tensor.datatype)!r}; "
             f"expected one of {', '.join(DATATYPES)}"
         )
     return kind
@@ -208,11 +246,11 @@ def _element_count(tensor: _Tensor, kind: _Kind, role: str) -> int:
     """Checks the shape itself; allocates nothing, so huge shapes fail here or on size."""
     shape = list(tensor.shape)
     if any(dim < 0 for dim in shape):
-        raise InvalidInput(f"{role} '{tensor.name}': negative dimension in shape {shape}")
+        raise InvalidInput(f"{_where(role, tensor)}: negative dimension in shape {shape}")
     nonzero = math.prod(dim for dim in shape if dim)
     if nonzero * kind.dtype.itemsize > _MAX_BYTES:
         raise InvalidInput(
-            f"{role} '{tensor.name}': shape {shape} is too large ({nonzero} elements overflow)"
+            f"{_where(role, tensor)}: shape {shape} is too large ({nonzero} elements overflow)"
         )
     return 0 if 0 in shape else nonzero
 
@@ -222,7 +260,7 @@ def _reshape(flat: npt.NDArray[Any], tensor: _Tensor, role: str) -> npt.NDArray[
         return flat.reshape(tuple(tensor.shape))
     except ValueError as exc:  # e.g. more dimensions than numpy supports
         raise InvalidInput(
-            f"{role} '{tensor.name}': unusable shape {list(tensor.shape)}: {exc}"
+            f"{_where(role, tensor)}: unusable shape {list(tensor.shape)}: {exc}"
         ) from None
 
 
@@ -234,23 +272,23 @@ def _decode_raw(tensor: _Tensor, data: bytes, role: str) -> npt.NDArray[Any]:
     size = kind.dtype.itemsize
     if len(data) % size:
         raise InvalidInput(
-            f"{role} '{tensor.name}': raw contents hold {len(data)} bytes, "
+            f"{_where(role, tensor)}: raw contents hold {len(data)} bytes, "
             f"not a multiple of the {tensor.datatype} element size {size}"
         )
     if len(data) != count * size:
         raise InvalidInput(
-            f"{role} '{tensor.name}': raw contents hold {len(data) // size} {tensor.datatype} "
+            f"{_where(role, tensor)}: raw contents hold {len(data) // size} {tensor.datatype} "
             f"elements, shape {list(tensor.shape)} needs {count}"
         )
     flat = np.frombuffer(data, dtype=kind.dtype)
     # Any byte but 0 and 1 would make a numpy bool that compares unequal to True.
     if tensor.datatype == "BOOL" and count and np.frombuffer(data, dtype=np.uint8).max() > 1:
-        raise InvalidInput(f"{role} '{tensor.name}': raw BOOL bytes must be 0 or 1")
+        raise InvalidInput(f"{_where(role, tensor)}: raw BOOL bytes must be 0 or 1")
     return _reshape(flat, tensor, role)
 
 
 def _split_bytes(tensor: _Tensor, data: bytes, count: int, role: str) -> npt.NDArray[Any]:
-    where = f"{role} '{tensor.name}'"
+    where = _where(role, tensor)
     # Every element has a 4-byte prefix: reject impossible counts before allocating.
     if count * _LENGTH.size > len(data):
         raise InvalidInput(
@@ -280,7 +318,7 @@ def _split_bytes(tensor: _Tensor, data: bytes, count: int, role: str) -> npt.NDA
 
 
 def _decode_typed(tensor: _Tensor, role: str) -> npt.NDArray[Any]:
-    where = f"{role} '{tensor.name}'"
+    where = _where(role, tensor)
     kind = _kind_of(tensor, role)
     if kind.field is None:
         raise InvalidInput(f"{where}: {tensor.datatype} has no typed contents field; use raw")
@@ -325,10 +363,12 @@ def _select(
     for requested in request.outputs:
         name = requested.name
         if name in selected:
-            raise InvalidInput(f"output '{name}' is requested more than once")
+            raise InvalidInput(f"output '{clip(name)}' is requested more than once")
         if name not in outputs:
             available = ", ".join(f"'{known}'" for known in outputs) or "none"
-            raise InvalidInput(f"output '{name}' was requested but the model produced {available}")
+            raise InvalidInput(
+                f"output '{clip(name)}' was requested but the model produced {available}"
+            )
         selected[name] = np.asarray(outputs[name])
     return list(selected.items())
 
@@ -337,13 +377,13 @@ def _datatype(name: str, arr: npt.NDArray[Any], role: str) -> str:
     try:
         return datatype_for(arr)
     except InvalidInput as exc:
-        raise InvalidInput(f"{role} '{name}': {exc.message}") from None
+        raise InvalidInput(f"{role} '{clip(name)}': {exc.message}") from None
 
 
 def _put(
     tensor: _Tensor, arr: npt.NDArray[Any], raw: MutableSequence[bytes] | None, role: str
 ) -> None:
-    where = f"{role} '{tensor.name}'"
+    where = _where(role, tensor)
     if raw is not None:
         raw.append(_to_raw(arr, tensor.datatype, where))
         return

@@ -8,10 +8,17 @@ when its caller gave up through a deadline or a cancel); a reply for an
 abandoned job is counted and dropped. A job whose deadline passes while it is
 queued is answered at that moment and never reaches a worker.
 
-Workers are watched three ways: their socket closing (death, noticed at
+Workers are watched four ways: their socket closing (death, noticed at
 once), a heartbeat they send from a thread (a worker that stops is hung),
-and the job's own time limit (a model that runs too long). A worker found
-hung or overtime is killed (SIGABRT, then SIGKILL) and handled like a death.
+the job's own time limit (a model that runs too long), and the abandon grace:
+a worker still in the same job ``abandon_grace`` seconds after its caller
+left (deadline or cancel) is stuck, most likely in native code, where the
+heartbeat thread cannot see it. A worker found hung, overtime or stuck is
+killed (SIGABRT, then SIGKILL) and handled like a death.
+
+A fresh worker takes no job before its self-test is done (the READY frame):
+one warm-up prediction per model, each within ``warmup_timeout``. A worker
+that hangs in it is killed; its death names the model it was warming up.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import contextlib
 import enum
 import heapq
 import itertools
+import json
 import logging
 import os
 import signal
@@ -37,7 +45,7 @@ from poolserve.service.errors import (
     Unavailable,
     error_for,
 )
-from poolserve.service.frames import Reply, ReplyBuffer, request_frame
+from poolserve.service.frames import LOADING, SELF_TEST, WARMUP, Reply, ReplyBuffer, request_frame
 from poolserve.service.stats import Timings
 
 log = logging.getLogger(__name__)
@@ -49,6 +57,7 @@ ABORT_GRACE_S = 1.0  # SIGABRT (core dump, traceback) before SIGKILL
 SERVICE_EWMA = 0.2  # weight of the newest sample in a model's service-time average
 SERVICE_SLACK = 1.25  # a job starts only with this much more time left than it needs...
 RETURN_TRIP_S = 0.002  # ...plus the way back through the pool and the router
+STUCK_AFTER_S = 1.0  # a worker this long in a job its caller left counts as stuck (health)
 
 
 class JobState(enum.Enum):
@@ -73,6 +82,7 @@ class Job:
     started: float = 0.0
     retried: bool = False
     overtime: asyncio.TimerHandle | None = None
+    worker: Worker | None = None  # the worker it runs on (RUNNING, ABANDONED)
 
 
 @dataclass(slots=True)
@@ -87,8 +97,10 @@ class Result:
 
 class WorkerState(enum.StrEnum):
     STARTING = "starting"
+    WARMING = "warming"  # in its self-test: no job yet
     IDLE = "idle"
     BUSY = "busy"
+    STUCK = "stuck"  # still in a job whose caller left (killed after the abandon grace)
     DEAD = "dead"
 
 
@@ -109,6 +121,10 @@ class Worker:
     lost_tag: str = ""
     generation: int = 0
     retiring: bool = False
+    warming: str = ""  # the model whose warm-up prediction (or load, if spawned) runs now
+    loading: bool = False
+    warmup_timer: asyncio.TimerHandle | None = None
+    died_warming: bool = False
 
 
 @dataclass(frozen=True)
@@ -120,6 +136,7 @@ class WorkerGone:
     tag: str  # the model it was running when it died, "" if idle
     reason: str  # why we killed it, "" if it died on its own
     retired: bool = False  # we retired it on purpose (rolling replacement)
+    warmup: bool = False  # it died (or was killed) in its self-test, warming up ``tag``
 
 
 class Dispatcher:
@@ -130,12 +147,24 @@ class Dispatcher:
         on_change: Callable[[], None] = lambda: None,
         on_worker_gone: Callable[[WorkerGone], None] = lambda gone: None,
         heartbeat_timeout: float = 30.0,
+        *,
+        warmup_timeout: float = 10.0,
+        load_timeout: float = 300.0,
+        abandon_grace: float = 0.0,
+        on_worker_ready: Callable[[int], None] = lambda pid: None,
     ) -> None:
+        """``abandon_grace`` 0 never kills a worker for a job its caller left;
+        ``load_timeout`` bounds each model's load in a spawned worker."""
         self.name = name
         self.max_queue = max_queue
         self.heartbeat_timeout = heartbeat_timeout
+        self.warmup_timeout = warmup_timeout
+        self.load_timeout = load_timeout
+        self.abandon_grace = abandon_grace
         self._on_change = on_change
         self._on_worker_gone = on_worker_gone
+        self._on_worker_ready = on_worker_ready
+        self._warmup_noted: set[str] = set()  # models whose warm-up raised, logged once
         self._heap: list[tuple[int, float, int, Job]] = []
         self._queued = 0
         self._idle: deque[Worker] = deque()
@@ -209,10 +238,11 @@ class Dispatcher:
     # -- status ----------------------------------------------------------
 
     def live_workers(self) -> int:
+        """Workers that take jobs now: self-tested, not stuck, not retiring."""
         return sum(
             1
             for w in self._workers.values()
-            if w.state is not WorkerState.STARTING and not w.retiring
+            if (w.state is WorkerState.IDLE or w.state is WorkerState.BUSY) and not w.retiring
         )
 
     def queue_depth(self) -> int:
@@ -263,7 +293,7 @@ class Dispatcher:
             return await job.future
         finally:
             timer.cancel()
-            self._abandon(job)
+            self._abandon(job, "it was cancelled")
 
     def _enqueue(self, job: Job) -> None:
         if self._queued >= self.max_queue:
@@ -277,13 +307,17 @@ class Dispatcher:
         self._heap = [e for e in self._heap if e[3].state is JobState.QUEUED]
         heapq.heapify(self._heap)
 
-    def _abandon(self, job: Job) -> None:
+    def _abandon(self, job: Job, why: str) -> None:
         """The caller is gone (result, deadline or cancel): no one will read a reply."""
         if job.state is JobState.QUEUED:
             self._queued -= 1
             job.state = JobState.ABANDONED
         elif job.state is JobState.RUNNING:
             job.state = JobState.ABANDONED
+            if self.abandon_grace > 0:
+                stuck_after = min(STUCK_AFTER_S, self.abandon_grace)
+                loop = asyncio.get_running_loop()
+                loop.call_later(stuck_after, self._stuck, job, why)
 
     def _expire(self, job: Job) -> None:
         if job.future.done():
@@ -296,7 +330,7 @@ class Dispatcher:
             where = f"while running on a worker of pool '{self.name}'"
             stage = "worker"
         self._finish(job, DeadlineExceeded(f"deadline exceeded {where}", stage=stage))
-        self._abandon(job)
+        self._abandon(job, "its deadline passed")
 
     def _finish(self, job: Job, outcome: Result | ServingError) -> None:
         if job.overtime is not None:
@@ -313,6 +347,7 @@ class Dispatcher:
         loop = asyncio.get_running_loop()
         job.state = JobState.RUNNING
         job.started = loop.time()
+        job.worker = worker
         worker.current = job
         worker.state = WorkerState.BUSY
         if job.timeout is not None:
@@ -385,7 +420,7 @@ class Dispatcher:
             )
             assert isinstance(transport, asyncio.Transport)
             worker.transport = transport
-            self._worker_free(worker)
+            self._begin_warmup(worker)
             self._on_change()
             await closed  # the worker died or closed, or we closed it
         except (ConnectionError, OSError):
@@ -421,7 +456,79 @@ class Dispatcher:
             if job.overtime is not None:
                 job.overtime.cancel()
             self.late_replies += 1
+        was_stuck = worker.state is WorkerState.STUCK
         self._worker_free(worker)
+        if was_stuck:
+            self._on_change()
+
+    # -- the self-test of a fresh worker ---------------------------------
+
+    def _begin_warmup(self, worker: Worker) -> None:
+        if worker.retiring:  # closed (or retired) while it connected
+            self._close_worker(worker)
+            return
+        worker.state = WorkerState.WARMING
+        self._warmup_deadline(worker)
+
+    def _warmup_deadline(self, worker: Worker) -> None:
+        if worker.warmup_timer is not None:
+            worker.warmup_timer.cancel()
+        limit = self.load_timeout if worker.loading else self.warmup_timeout
+        loop = asyncio.get_running_loop()
+        worker.warmup_timer = loop.call_later(limit, self._warmup_overdue, worker)
+
+    def _warmup_notice(self, worker: Worker, notice: Reply) -> None:
+        """A WARMUP (the next model's warm-up starts) or READY frame from a fresh worker."""
+        if worker.state is not WorkerState.WARMING:
+            raise ValueError(f"self-test frame of kind {notice.kind} after the self-test")
+        if notice.kind in (WARMUP, LOADING):
+            worker.warming = notice.body.decode("utf-8", "replace")
+            worker.loading = notice.kind == LOADING
+            self._warmup_deadline(worker)  # each model gets the whole limit
+            return
+        if worker.warmup_timer is not None:
+            worker.warmup_timer.cancel()
+            worker.warmup_timer = None
+        worker.warming = ""
+        self._note_warmup_report(worker, notice.body)
+        self._worker_free(worker)
+        self._on_worker_ready(worker.pid)
+        self._on_change()
+
+    def _note_warmup_report(self, worker: Worker, body: bytes) -> None:
+        try:
+            raised = json.loads(body).get("raised", {})
+        except (ValueError, AttributeError):
+            raised = {}
+        for model, error in raised.items():
+            if model not in self._warmup_noted:  # the same in every worker: said once
+                self._warmup_noted.add(model)
+                log.info(
+                    "pool %s: worker %d: the warm-up prediction of model '%s' raised %s; "
+                    "the model answered, so its self-test passed",
+                    self.name,
+                    worker.pid,
+                    model,
+                    error,
+                )
+
+    def _warmup_overdue(self, worker: Worker) -> None:
+        worker.warmup_timer = None
+        if worker.state is not WorkerState.WARMING:
+            return
+        if worker.loading:
+            self._kill(
+                worker,
+                f"self-test: loading model '{worker.warming}' in a fresh worker did not finish "
+                f"within {self.load_timeout:g} s",
+            )
+            return
+        what = f"of model '{worker.warming}' " if worker.warming else ""
+        self._kill(
+            worker,
+            f"self-test: the warm-up prediction {what}did not finish within "
+            f"{self.warmup_timeout:g} s after the fork",
+        )
 
     # -- hung and overtime workers ---------------------------------------
 
@@ -435,6 +542,25 @@ class Dispatcher:
                 silent = now - worker.last_seen
                 if worker.state is not WorkerState.STARTING and silent > self.heartbeat_timeout:
                     self._kill(worker, f"stopped heartbeating for {silent:.1f} s")
+
+    def _stuck(self, job: Job, why: str) -> None:
+        """The job's caller left a while ago and its worker is still in it."""
+        worker = job.worker
+        if worker is None or worker.current is not job or job.state is not JobState.ABANDONED:
+            return
+        worker.state = WorkerState.STUCK
+        self._on_change()
+        left = self.abandon_grace - min(STUCK_AFTER_S, self.abandon_grace)
+        asyncio.get_running_loop().call_later(left, self._abandon_overdue, job, why)
+
+    def _abandon_overdue(self, job: Job, why: str) -> None:
+        worker = job.worker
+        if worker is not None and worker.current is job:
+            self._kill(
+                worker,
+                f"model '{job.tag}' was still running {self.abandon_grace:g} s after its "
+                f"caller left ({why}): stuck, most likely in native code",
+            )
 
     def _overtime(self, worker: Worker, job: Job) -> None:
         job.overtime = None
@@ -460,6 +586,10 @@ class Dispatcher:
     def _lost(self, worker: Worker) -> None:
         if worker.state is WorkerState.DEAD:
             return
+        worker.died_warming = worker.state is WorkerState.WARMING
+        if worker.warmup_timer is not None:
+            worker.warmup_timer.cancel()
+            worker.warmup_timer = None
         worker.state = WorkerState.DEAD
         self._workers.pop(worker.pid, None)
         with contextlib.suppress(ValueError):
@@ -469,7 +599,7 @@ class Dispatcher:
         else:
             worker.sock.close()
         job, worker.current = worker.current, None
-        worker.lost_tag = job.tag if job is not None else ""
+        worker.lost_tag = job.tag if job is not None else worker.warming
         if (
             job is not None
             and job.state is JobState.RUNNING
@@ -505,6 +635,7 @@ class Dispatcher:
                     worker.lost_tag,
                     worker.kill_reason,
                     retired=worker.retiring and not worker.lost_tag,
+                    warmup=worker.died_warming,
                 )
             )
 
@@ -570,7 +701,10 @@ class _WorkerLink(asyncio.Protocol):
         worker.last_seen = time.monotonic()
         try:
             for reply in self.replies.feed(data):
-                self.dispatcher._deliver(worker, reply)
+                if reply.kind in SELF_TEST:
+                    self.dispatcher._warmup_notice(worker, reply)
+                else:
+                    self.dispatcher._deliver(worker, reply)
         except ValueError as exc:
             self.dispatcher._protocol_error(worker, exc)
 

@@ -10,13 +10,25 @@ from collections.abc import Awaitable, Mapping
 from pathlib import Path
 from typing import TypeVar
 
+from poolserve.service.lane import lane_path
 from poolserve.service.limits import raise_open_file_limit
 from poolserve.service.procutil import set_process_name
 from poolserve.service.repository import scan
-from poolserve.service.rundir import ensure_private_dir, pool_socket_path, setup_logging
+from poolserve.service.rundir import (
+    CLAIM_WAIT_S,
+    ROUTER_CONTROL_SOCKET,
+    RunDirLock,
+    SocketInUse,
+    claim_socket,
+    ensure_private_dir,
+    pool_socket_path,
+    setup_logging,
+    socket_path,
+)
 from poolserve.service.settings import ConfigError, ServerSettings, load_server_settings
+from poolserve.service.threads import limit_native_threads
 from poolserve.supervisor.child import ReadyPipe, die_with_parent, take_ready_pipe
-from poolserve.supervisor.exitcodes import EXIT_CONFIG, EXIT_OK
+from poolserve.supervisor.exitcodes import EXIT_CONFIG, EXIT_OK, EXIT_UNRECOVERABLE
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -52,19 +64,39 @@ def run_pool(repo: Path, gid: str, flags: Mapping[str, object]) -> int:
     try:
         settings = load_server_settings(repo, flags=flags)
         setup_logging(f"pool:{gid}", settings.log_format)
+        # Before any model code loads, here (inline models) or in the zygote and workers.
+        limit_native_threads(settings.threads_for(gid), f"pool {gid}")
         models = scan(repo).pools().get(gid)
         if not models:
             raise ConfigError(str(repo), "inference_pool_gid", f"no model uses pool '{gid}'")
         run_dir = settings.resolved_run_dir()
+        path = pool_socket_path(run_dir, gid)
         ensure_private_dir(run_dir)
-        server = PoolServer(gid, models, settings, pool_socket_path(run_dir, gid), repo)
+        lock = RunDirLock.share(run_dir)
     except ConfigError as exc:
         print(f"poolserve pool: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    try:
+        # Before the zygote exists: a pool that cannot have its sockets has nothing to stop.
+        claim_socket(path, CLAIM_WAIT_S)
+        claim_socket(lane_path(path), CLAIM_WAIT_S)
+    except SocketInUse as exc:
+        print(f"poolserve pool: pool '{gid}' cannot work here: {exc}", file=sys.stderr)
+        return EXIT_UNRECOVERABLE
+    server = PoolServer(gid, models, settings, path, repo)
     # Fork the zygote now: no gRPC object, thread or exporter exists yet.
-    server.fork_zygote(close_in_child=[pipe.fd] if pipe is not None else [])
-    serving = server.serve(lambda: _ready(pipe, f"pool {gid} serving"))
-    return asyncio.run(_beating(serving, pipe, settings.heartbeat_interval_s))
+    # The zygote and its workers must not keep the run_dir's lock or the ready pipe.
+    close = [fd for fd in (pipe.fd if pipe else None, lock.fd if lock else None) if fd is not None]
+    server.fork_zygote(close_in_child=close)
+    try:
+        serving = server.serve(lambda: _ready(pipe, f"pool {gid} serving"))
+        return asyncio.run(_beating(serving, pipe, settings.heartbeat_interval_s))
+    except SocketInUse as exc:  # taken between the check and the bind
+        print(f"poolserve pool: pool '{gid}' cannot work here: {exc}", file=sys.stderr)
+        return EXIT_UNRECOVERABLE
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def run_router(repo: Path, flags: Mapping[str, object]) -> int:
@@ -77,14 +109,24 @@ def run_router(repo: Path, flags: Mapping[str, object]) -> int:
     try:
         settings: ServerSettings = load_server_settings(repo, flags=flags)
         setup_logging("router", settings.log_format)
-        router = Router(scan(repo), settings, settings.resolved_run_dir(), repo)
+        run_dir = settings.resolved_run_dir()
+        router = Router(scan(repo), settings, run_dir, repo)
+        ensure_private_dir(run_dir)
+        lock = RunDirLock.share(run_dir)
     except ConfigError as exc:
         print(f"poolserve router: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     try:
+        claim_socket(socket_path(run_dir, ROUTER_CONTROL_SOCKET), CLAIM_WAIT_S)
         serving = router.serve(lambda: _ready(pipe, f"router listening on port {router.port}"))
         asyncio.run(_beating(serving, pipe, settings.heartbeat_interval_s))
     except ConfigError as exc:  # e.g. the port is taken: restarting cannot help
         print(f"poolserve router: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    except SocketInUse as exc:  # another router serves this run_dir
+        print(f"poolserve router: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    finally:
+        if lock is not None:
+            lock.release()
     return EXIT_OK

@@ -14,6 +14,21 @@ import enum
 import grpc
 from google.protobuf.message import DecodeError
 
+MAX_SHOWN = 200  # characters of a client-given name that an error message repeats
+MAX_MESSAGE = 2000  # characters of a status message; grpc's default metadata limit is 8 KiB
+
+
+def clip(text: str, limit: int = MAX_SHOWN) -> str:
+    """``text`` as an error message may repeat it: at most ``limit`` characters.
+
+    Every name, version or datatype that a client sent goes through this
+    before it appears in a message, so that a 1 MiB model name gets its
+    NOT_FOUND, not a metadata-size error.
+    """
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}...[{len(text)} characters]"
+
 
 class Failure(enum.IntEnum):
     """What went wrong, independent of the transport."""
@@ -112,6 +127,20 @@ class FailedPrecondition(ServingError):
     failure = Failure.FAILED_PRECONDITION
 
 
+LOAD_FAILED = "failed to load '{}'"
+
+
+def load_failed(name: str, exc: ServingError) -> ServingError:
+    """``exc`` as a RepositoryModelLoad answers it: the message starts with
+    ``failed to load '<name>'``, as Triton's do (clients and scripts match on it)."""
+    prefix = LOAD_FAILED.format(clip(name))
+    if exc.message.startswith(prefix):
+        return exc
+    error = error_for(exc.failure, f"{prefix}: {exc.message}")
+    error.stage = exc.stage
+    return error
+
+
 def error_for(failure: Failure, message: str) -> ServingError:
     """Rebuilds a typed error from a failure code (for errors sent across frames)."""
     for cls in _BY_FAILURE:
@@ -145,9 +174,14 @@ def as_serving_error(exc: BaseException) -> ServingError:
 
 
 def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The status code and message a client sees for ``exc``."""
+    """The status code and message a client sees for ``exc``.
+
+    The message is cut to MAX_MESSAGE characters: a status message travels in
+    a trailer, and one over the client's metadata limit would reach it as a
+    metadata-size error instead of this status.
+    """
     error = as_serving_error(exc)
-    return _STATUS[error.failure], error.message
+    return _STATUS[error.failure], clip(error.message, MAX_MESSAGE)
 
 
 _FAILURE_FOR_STATUS: dict[grpc.StatusCode, Failure] = {

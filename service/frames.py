@@ -6,6 +6,12 @@ serialized ModelInferRequest; the worker answers with exactly one REPLY or
 ERROR frame carrying the same sequence number, and its timings. The
 sequence number lets the pool recognise a reply that belongs to a request it
 has already given up on.
+
+Before its first request, a fresh worker runs its self-test: a WARMUP frame
+names each model as its warm-up prediction starts, and one READY frame (JSON:
+the models whose warm-up raised, which is no failure) says it takes requests.
+A spawned worker (start_method spawn) first loads its models, each announced
+by a LOADING frame.
 """
 
 from __future__ import annotations
@@ -24,6 +30,10 @@ REQUEST = 1
 REPLY = 2
 ERROR = 3
 HEARTBEAT = 4  # worker -> pool, from the worker's heartbeat thread; seq 0, no payload
+WARMUP = 5  # worker -> pool: the warm-up of this model (payload: its name) starts now
+READY = 6  # worker -> pool: self-test done, requests welcome (payload: JSON report)
+LOADING = 7  # worker -> pool: a spawned worker loads this model (payload: its name) now
+SELF_TEST = (WARMUP, READY, LOADING)
 
 
 @dataclass(slots=True)
@@ -33,6 +43,7 @@ class Reply:
     body: bytes = b""
     failure: Failure | None = None
     message: str = ""
+    kind: int = REPLY
 
 
 def request_frame(seq: int, body: bytes) -> bytes:
@@ -53,6 +64,20 @@ def error_frame(seq: int, timings: Timings, failure: Failure, message: str) -> b
 
 def heartbeat_frame() -> bytes:
     return HEADER.pack(0, HEARTBEAT, 0)
+
+
+def warmup_frame(model: str) -> bytes:
+    name = model.encode()
+    return HEADER.pack(len(name), WARMUP, 0) + name
+
+
+def loading_frame(model: str) -> bytes:
+    name = model.encode()
+    return HEADER.pack(len(name), LOADING, 0) + name
+
+
+def ready_frame(report: bytes) -> bytes:
+    return HEADER.pack(len(report), READY, 0) + report
 
 
 class ReplyBuffer:
@@ -80,6 +105,8 @@ class ReplyBuffer:
             if kind == REPLY and length >= TIMINGS.size:
                 timings = Timings(*TIMINGS.unpack_from(buf, start))
                 replies.append(Reply(seq, timings, bytes(buf[start + TIMINGS.size : stop])))
+            elif kind in SELF_TEST:
+                replies.append(Reply(seq, Timings(), bytes(buf[start:stop]), kind=kind))
             elif kind != HEARTBEAT:
                 replies.append(parse_reply(kind, seq, bytes(buf[start:stop])))
             pos = stop
@@ -100,4 +127,4 @@ def parse_reply(kind: int, seq: int, payload: bytes) -> Reply:
         failure = Failure(code)
     except ValueError:
         failure = Failure.INTERNAL
-    return Reply(seq, timings, failure=failure, message=message)
+    return Reply(seq, timings, failure=failure, message=message, kind=ERROR)

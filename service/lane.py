@@ -47,6 +47,7 @@ from poolserve.service.errors import (
     as_serving_error,
     error_for,
 )
+from poolserve.service.rundir import FileId, claim_socket, file_id, remove_own
 
 log = logging.getLogger(__name__)
 
@@ -404,6 +405,7 @@ class LaneServer:
         self._server: asyncio.base_events.Server | None = None
         self._tasks: asyncio.TaskGroup | None = None
         self._idle: asyncio.Event | None = None
+        self._bound: FileId | None = None  # the socket we bound, the one we remove
 
     @property
     def tasks(self) -> asyncio.TaskGroup:
@@ -412,7 +414,7 @@ class LaneServer:
 
     async def start(self, tasks: asyncio.TaskGroup) -> None:
         self._tasks = tasks
-        self.path.unlink(missing_ok=True)
+        claim_socket(self.path)  # a live lane of another process: SocketInUse
         old = os.umask(0o177)  # 0600 from its first instant, as the gRPC socket
         try:
             self._server = await asyncio.get_running_loop().create_unix_server(
@@ -420,6 +422,7 @@ class LaneServer:
             )
         finally:
             os.umask(old)
+        self._bound = file_id(self.path)
 
     def in_flight(self) -> int:
         return sum(len(c.running) for c in self.connections)
@@ -442,4 +445,4 @@ class LaneServer:
         for connection in list(self.connections):
             if connection.transport is not None:
                 connection.transport.close()
-        self.path.unlink(missing_ok=True)
+        remove_own(self.path, self._bound)

@@ -44,6 +44,11 @@ class Model:
         """Optional (inputs, outputs); by default they come from model-settings.json."""
         return None
 
+    def example(self) -> Mapping[str, Array] | None:
+        """Optional inputs for the warm-up prediction each fresh worker runs before
+        it takes requests; by default zeros of the declared inputs."""
+        return None
+
 
 class ImplementationError(Exception):
     """The implementation cannot be imported or is not a Model subclass."""

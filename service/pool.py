@@ -34,16 +34,26 @@ from poolserve.service.errors import (
     ModelNotFound,
     ServingError,
     Unavailable,
+    clip,
+    load_failed,
 )
 from poolserve.service.health import Health
 from poolserve.service.inline import InlineRunner, is_inline
 from poolserve.service.lane import LANE_OVERHEAD, LaneServer, Trace, lane_path
+from poolserve.service.load_request import LoadRequest, parse_load_request
+from poolserve.service.pacing import Fingerprint, Pacer, Rescanner, fingerprint
 from poolserve.service.procutil import pss_bytes
-from poolserve.service.repository import ModelSettings, TensorSpec, scan
+from poolserve.service.repository import (
+    ModelSettings,
+    Repository,
+    TensorSpec,
+    parse_model_settings,
+    scan,
+)
 from poolserve.service.respawn import Respawner
-from poolserve.service.rundir import bind_private_unix
+from poolserve.service.rundir import bind_private_unix, claim_socket, remove_own
 from poolserve.service.servicer import InferenceServicer, Observer, guarded
-from poolserve.service.settings import ServerSettings
+from poolserve.service.settings import ConfigError, ServerSettings
 from poolserve.service.tracing import Tracing
 from poolserve.service.wire import Routing, peek_routing
 from poolserve.service.zygote import ZygoteEvents, ZygoteLink
@@ -52,6 +62,13 @@ log = logging.getLogger(__name__)
 
 CONTROL_SERVICE = "poolserve.control.v1.PoolControl"
 ROLL_TIMEOUT_S = 60.0
+
+
+def start_method(settings: ServerSettings, gid: str, models: Sequence[ModelSettings]) -> str:
+    """How the pool starts workers: its setting, or "spawn" if one of its models asks."""
+    if any(m.extra.get("start_method") == "spawn" for m in models):
+        return "spawn"
+    return settings.start_method_for(gid)
 
 
 @dataclass(frozen=True)
@@ -161,9 +178,12 @@ class PoolServer:
         self.settings = settings
         self.socket_path = socket_path
         self.workers = settings.workers_for(gid)
-        self.inline_models = [m for m in self.models if is_inline(m)]
-        self.worker_models = [m for m in self.models if not is_inline(m)]
-        self.zygote = ZygoteLink(self.worker_models, settings.heartbeat_interval_s)
+        self.inline_models = [m for m in self.models if self._runs_inline(m)]
+        self.worker_models = [m for m in self.models if not self._runs_inline(m)]
+        self.start_method = start_method(settings, gid, self.worker_models)
+        self.zygote = ZygoteLink(
+            self.worker_models, settings.heartbeat_interval_s, self.start_method
+        )
         self.catalog = Catalog.from_settings(self.models)
         self.health = Health()
         self.dispatcher = Dispatcher(
@@ -172,12 +192,16 @@ class PoolServer:
             on_change=self._sync_health,
             on_worker_gone=self._on_worker_gone,
             heartbeat_timeout=settings.heartbeat_timeout_s,
+            warmup_timeout=settings.warmup_timeout_s,
+            abandon_grace=settings.abandon_grace_s,
+            on_worker_ready=self._on_worker_ready,
         )
         self.respawner = Respawner(
-            self.zygote.spawn,
+            self._spawn,
             self._mark_failed,
             retry_model=self._retry_model,
             clock=time.monotonic,
+            spawned=self.start_method == "spawn",
         )
         self.inline = InlineRunner(self.catalog)
         self.backend = PoolBackend(
@@ -206,8 +230,13 @@ class PoolServer:
         self.exit_code = 0
         self.generation = 0  # bumped by every live load or unload; workers carry theirs
         self._model_ops = asyncio.Lock()  # one rolling replacement at a time
-        self._flights: dict[str, asyncio.Task[ServingError | None]] = {}  # one load per name
+        # One load per (name, config override): concurrent ones share it.
+        self._flights: dict[tuple[str, str], asyncio.Task[ServingError | None]] = {}
         self._model_replies: dict[str, asyncio.Future[ModelReply]] = {}
+        self._rescanner: Rescanner[Repository] | None = None
+        self._rescan_task: asyncio.Task[None] | None = None
+        self._reloads = Pacer(settings.repository_rescan_s)
+        self._loaded_from: dict[str, Fingerprint | None] = {}  # the files each model came from
         self._arrival: asyncio.Future[int] | None = None
         self._tasks: asyncio.TaskGroup | None = None
 
@@ -220,7 +249,13 @@ class PoolServer:
         deadline -= self.servicer.margin_s
         return self.backend.infer_now(entry, request, deadline, routing)
 
+    def _runs_inline(self, settings: ModelSettings) -> bool:
+        # A pool of 0 workers runs its models inline, as MLServer's parallel_workers 0.
+        return self.workers == 0 or is_inline(settings)
+
     def fork_zygote(self, close_in_child: Sequence[int] = ()) -> None:
+        # Before the zygote reads them: a file changed after this is seen as changed.
+        self._loaded_from = {m.name: fingerprint(m) for m in self.models}
         self.zygote.start(close_in_child)
 
     # -- zygote events -----------------------------------------------------
@@ -245,15 +280,22 @@ class PoolServer:
             log.error("pool %s: model %s: %s", self.gid, name, reason)
             self.catalog.set_state(name, ModelState.UNAVAILABLE, reason)
 
+    def _spawn(self) -> None:
+        """Forks a worker whose self-test leaves out models that failed it before."""
+        self.zygote.spawn(self.respawner.failed_warmup)
+
     def _on_loaded(self) -> None:
         if not self.worker_models:
             return  # only inline models: no worker to fork
         for _ in range(self.workers):
-            self.zygote.spawn()
+            self._spawn()
 
     def _on_worker(self, pid: int, sock: socket.socket) -> None:
         log.info("pool %s: worker %d started", self.gid, pid)
         self.dispatcher.add_worker(pid, sock, self.generation)
+
+    def _on_worker_ready(self, pid: int) -> None:
+        """A fresh worker passed its self-test and takes requests."""
         if self._arrival is not None and not self._arrival.done():
             self._arrival.set_result(pid)
         elif self._arrival is None and not self._model_ops.locked():
@@ -283,7 +325,9 @@ class PoolServer:
         running = f" while running model '{gone.tag}'" if gone.tag else ""
         killed = f" (killed: {gone.reason})" if gone.reason else ""
         log.warning("pool %s: worker %d %s%s%s", self.gid, gone.pid, gone.status, running, killed)
-        delay = self.respawner.worker_lost(gone.tag, gone.reason or gone.status)
+        delay = self.respawner.worker_lost(
+            gone.tag, gone.reason or gone.status, warmup=gone.warmup, hung=bool(gone.reason)
+        )
         if delay:
             log.info("pool %s: next worker in %.2f s (crash back-off)", self.gid, delay)
 
@@ -302,21 +346,27 @@ class PoolServer:
     async def repository_model_load(
         self, req: pb.RepositoryModelLoadRequest, _: Any
     ) -> pb.RepositoryModelLoadResponse:
-        flight = self._flights.get(req.model_name)
-        if flight is None:  # concurrent loads of one model share one load
+        try:
+            request = parse_load_request(req)
+        except ServingError as exc:
+            raise load_failed(req.model_name, exc) from None
+        key = (request.name, request.key)
+        flight = self._flights.get(key)
+        if flight is None:  # concurrent loads of one model (and override) share one load
             assert self._tasks is not None
-            flight = self._tasks.create_task(self._load_outcome(req.model_name))
-            self._flights[req.model_name] = flight
-            flight.add_done_callback(lambda _: self._flights.pop(req.model_name, None))
+            flight = self._tasks.create_task(self._load_outcome(request))
+            self._flights[key] = flight
+            flight.add_done_callback(lambda _: self._flights.pop(key, None))
         error = await asyncio.shield(flight)
         if error is not None:
-            raise error
+            raise load_failed(request.name, error)
         return pb.RepositoryModelLoadResponse()
 
-    async def _load_outcome(self, name: str) -> ServingError | None:
+    async def _load_outcome(self, request: LoadRequest) -> ServingError | None:
         """The load as a value: a failed load must not take the pool's task group down."""
+        name = request.name
         try:
-            await self._load(name)
+            await self._load(request)
         except ServingError as exc:
             return exc
         except Exception as exc:  # a bug of ours: report it, keep the pool up
@@ -330,6 +380,7 @@ class PoolServer:
         self.catalog.lookup(req.model_name)
         async with self._model_ops:
             self.catalog.set_state(req.model_name, ModelState.UNLOADED, "unloaded on request")
+            self._loaded_from.pop(req.model_name, None)
             if self.inline.unload(req.model_name):
                 return pb.RepositoryModelUnloadResponse()
             reply = self._expect_reply(f"unload:{req.model_name}")
@@ -339,50 +390,98 @@ class PoolServer:
         log.info("pool %s: model %s unloaded", self.gid, req.model_name)
         return pb.RepositoryModelUnloadResponse()
 
-    def _find_settings(self, name: str) -> ModelSettings:
+    async def _find_settings(self, name: str) -> ModelSettings:
+        """The model's settings as its files say now, read on a thread: a model
+        this pool knows re-reads its own file; any other name waits for the
+        next repository scan (at most one per repository_rescan_s)."""
         if self.repo is None:
             raise FailedPrecondition(f"pool '{self.gid}' has no repository to load from")
-        repository = scan(self.repo)
-        for bad in repository.invalid:
-            if bad.name == name:
-                raise FailedPrecondition(f"model '{name}' has invalid settings: {bad.reason}")
-        settings = repository.model(name)
+        entry = self.catalog.find(name)
+        settings = None
+        if entry is not None and entry.settings is not None:
+            settings = await asyncio.to_thread(_reread, entry.settings.source, name)
         if settings is None:
-            raise ModelNotFound(f"model '{name}' is not in the repository {self.repo}")
+            repository = await self._repository()
+            for bad in repository.invalid:
+                if bad.name == name:
+                    raise FailedPrecondition(f"model '{name}' has invalid settings: {bad.reason}")
+            settings = repository.model(name)
+        if settings is None:
+            raise ModelNotFound(f"model '{clip(name)}' is not in the repository {self.repo}")
         if settings.gid != self.gid:
             raise FailedPrecondition(
                 f"model '{name}' belongs to pool '{settings.gid}', not '{self.gid}'"
             )
         return settings
 
+    async def _repository(self) -> Repository:
+        assert self._rescanner is not None, "serve() starts the rescanner"
+        try:
+            return await self._rescanner.fresh()
+        except ConfigError as exc:
+            raise FailedPrecondition(f"the repository cannot be scanned: {exc}") from None
+
+    async def _wanted(self, request: LoadRequest) -> tuple[ModelSettings, Fingerprint | None]:
+        """The settings a load means (the files' plus its config) and the files' fingerprint."""
+        settings = await self._find_settings(request.name)
+        entry = self.catalog.find(request.name)
+        known = (entry.inputs, entry.outputs) if entry is not None and entry.inputs else None
+        settings = request.apply(settings, known or (settings.inputs, settings.outputs))
+        return settings, await asyncio.to_thread(fingerprint, settings)
+
+    def _unchanged(self, settings: ModelSettings, files: Fingerprint | None) -> bool:
+        """Loaded already, from these very settings and files: the load has nothing to do."""
+        entry = self.catalog.find(settings.name)
+        return (
+            entry is not None
+            and entry.ready
+            and entry.settings == settings
+            and files is not None
+            and self._loaded_from.get(settings.name) == files
+        )
+
     def _expect_reply(self, key: str) -> asyncio.Future[ModelReply]:
         reply: asyncio.Future[ModelReply] = asyncio.get_running_loop().create_future()
         self._model_replies[key] = reply
         return reply
 
-    async def _load(self, name: str) -> None:
+    async def _load(self, request: LoadRequest) -> None:
+        name = request.name
+        settings, files = await self._wanted(request)
+        if self._unchanged(settings, files):
+            log.info("pool %s: model %s is loaded from these files already", self.gid, name)
+            return
+        if await self._reloads.turn(name):  # it waited: the files may have changed again
+            settings, files = await self._wanted(request)
+            if self._unchanged(settings, files):
+                return
         async with self._model_ops:
-            settings = self._find_settings(name)
             entry = self.catalog.upsert(settings)
-            if is_inline(settings):
+            if self._runs_inline(settings):
                 failures = await self.inline.load([settings])  # sets the catalog state
                 if name in failures:
                     kept = "; the previous version keeps serving" if name in self.inline else ""
                     raise FailedPrecondition(f"inline model '{name}' {failures[name]}{kept}")
                 entry.settings, entry.version = settings, settings.version
+                self._loaded_from[name] = files
                 return
             was_ready = entry.ready
             reply = self._expect_reply(name)
-            self.zygote.load(settings.source)
+            self.zygote.load(settings.source, request.overrides(settings))
             outcome = await reply
             if not outcome.ok:
                 if not was_ready:
                     self.catalog.set_state(name, ModelState.UNAVAILABLE, outcome.reason)
                 kept = "; the previous version keeps serving" if was_ready else ""
                 raise FailedPrecondition(f"model '{name}' {outcome.reason}{kept}")
+            self.respawner.forgive(name)  # a new version: its own self-test and crash record
             await self._roll_workers()
             entry.settings, entry.version = settings, settings.version
-            self.respawner.forgive(name)
+            failed = self.respawner.failed_warmup.get(name)
+            if failed is not None:  # the fresh workers of the roll could not warm it up
+                self.catalog.set_state(name, ModelState.UNAVAILABLE, failed)
+                raise FailedPrecondition(f"model '{name}' {failed}")
+            self._loaded_from[name] = files
             self.catalog.set_state(name, ModelState.READY, "", outcome.specs)
             log.info("pool %s: model %s loaded live", self.gid, name)
 
@@ -398,7 +497,7 @@ class PoolServer:
         loop = asyncio.get_running_loop()
         for pid in old:
             self._arrival = loop.create_future()
-            self.zygote.spawn()
+            self._spawn()
             try:
                 await asyncio.wait_for(self._arrival, ROLL_TIMEOUT_S)
             except TimeoutError:
@@ -486,12 +585,17 @@ class PoolServer:
                 self._control_handler(),
             )
         )
-        bind_private_unix(server, self.socket_path)
+        claim_socket(self.lane.path)  # both paths checked before either is bound
+        bound = bind_private_unix(server, self.socket_path)
         async with asyncio.TaskGroup() as tasks:
             self._tasks = tasks
             dispatcher_started = asyncio.Event()
             tasks.create_task(self.dispatcher.run(dispatcher_started.set), name="dispatcher")
             await dispatcher_started.wait()
+            if self.repo is not None:
+                repo = self.repo
+                self._rescanner = Rescanner(lambda: scan(repo), self.settings.repository_rescan_s)
+                self._rescan_task = tasks.create_task(self._rescanner.serve(), name="rescanner")
             self.zygote.attach(
                 ZygoteEvents(
                     self._on_model,
@@ -505,11 +609,14 @@ class PoolServer:
             await server.start()
             await self.lane.start(tasks)
             log.info("pool %s: serving on %s (pid %d)", self.gid, self.socket_path, os.getpid())
+            if self.start_method == "spawn":
+                log.info("pool %s: workers start by spawn: each loads the models itself", self.gid)
             ready()
             if self.inline_models:
                 tasks.create_task(self.inline.load(self.inline_models), name="inline-load")
             await self._stop.wait()
             await self._shutdown(server)
+        remove_own(self.socket_path, bound)
         log.info("pool %s: zygote %s", self.gid, await self.zygote.wait(timeout=5.0))
         if self.servicer.tracing is not None:
             await asyncio.to_thread(self.servicer.tracing.shutdown)
@@ -524,6 +631,19 @@ class PoolServer:
         self.inline.close()
         for flight in list(self._flights.values()):
             flight.cancel()
+        if self._rescan_task is not None:
+            self._rescan_task.cancel()
         self.dispatcher.close()
         self.zygote.close()
-        self.socket_path.unlink(missing_ok=True)
+
+
+def _reread(source: Path, name: str) -> ModelSettings | None:
+    """A known model's settings file, read again; None when it no longer holds
+    that model (moved, renamed, removed): the caller then scans the repository."""
+    if not source.is_file():
+        return None
+    try:
+        settings = parse_model_settings(source)
+    except ConfigError as exc:
+        raise FailedPrecondition(f"model '{name}' has invalid settings: {exc}") from None
+    return settings if settings.name == name else None

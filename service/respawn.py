@@ -5,6 +5,12 @@ off with jitter (capped), so a model that kills its worker on every request
 cannot fork-bomb the machine. Deaths are also counted against the model the
 worker was running: past a threshold the model is marked failed, and the
 rest of the pool keeps serving. Both counts decay, as in the supervisor.
+
+A fresh worker that hangs or dies in its self-test (the warm-up prediction
+of a model, before any request) is stronger evidence: the model does not
+survive the fork. After ``WARMUP_FAILURE_THRESHOLD`` such workers the model is
+marked failed for good (until it is loaded again), and later workers leave
+its warm-up out (:attr:`Respawner.failed_warmup`), so the others serve.
 """
 
 from __future__ import annotations
@@ -18,6 +24,17 @@ from poolserve.supervisor.policy import DecayingCounter, backoff_delay
 CRASH_HALF_LIFE_S = 60.0
 COOLDOWN_S = (30.0, 600.0)  # a failed model is tried again after this, doubling each time
 MODEL_CRASH_THRESHOLD = 4.0
+WARMUP_FAILURE_THRESHOLD = 2.0
+HANGS_AFTER_FORK = (
+    "model hangs after fork: a native thread pool started in load()? "
+    "see threads_per_worker / start_method"
+)
+CRASHES_AFTER_FORK = (
+    "model crashes after fork: a native runtime that does not survive fork? "
+    "see threads_per_worker / start_method"
+)
+HANGS_IN_SPAWNED = "model hangs in a fresh (spawned) worker: its load or warm-up did not finish"
+CRASHES_IN_SPAWNED = "model fails in a fresh (spawned) worker: its load or warm-up ended it"
 BACKOFF_BASE_S = 0.05
 BACKOFF_CAP_S = 5.0
 JITTER = 0.5
@@ -33,7 +50,10 @@ class Respawner:
         clock: Callable[[], float],
         rng: random.Random | None = None,
         threshold: float = MODEL_CRASH_THRESHOLD,
+        spawned: bool = False,
     ) -> None:
+        """``spawned``: workers are fresh interpreters (start_method spawn), not forks."""
+        self._spawned = spawned
         self._spawn = spawn
         self._mark_failed = mark_failed
         self._retry_model = retry_model
@@ -44,14 +64,24 @@ class Respawner:
         self._pool = DecayingCounter(CRASH_HALF_LIFE_S)
         self._models: dict[str, DecayingCounter] = {}
         self._failed: set[str] = set()
+        self._warmups: dict[str, DecayingCounter] = {}
+        self.failed_warmup: dict[str, str] = {}  # model -> why (its warm-up is left out)
         self._timers: set[asyncio.TimerHandle] = set()
         self.respawns = 0
 
-    def worker_lost(self, model: str, why: str) -> float:
-        """Records a death; schedules the replacement; returns its delay in seconds."""
+    def worker_lost(
+        self, model: str, why: str, *, warmup: bool = False, hung: bool = False
+    ) -> float:
+        """Records a death; schedules the replacement; returns its delay in seconds.
+
+        ``warmup``: the worker died in its self-test, warming up ``model``;
+        ``hung``: we killed it there (time limit or heartbeat).
+        """
         now = self._clock()
         failures = self._pool.add(now)
-        if model and model not in self._failed:
+        if model and warmup:
+            self._warmup_failed(model, why, hung, now)
+        elif model and model not in self._failed:
             count = self._models.setdefault(model, DecayingCounter(CRASH_HALF_LIFE_S)).add(now)
             if count >= self._threshold:
                 self._failed.add(model)
@@ -72,6 +102,21 @@ class Respawner:
             )
         self._schedule(delay)
         return delay
+
+    def _warmup_failed(self, model: str, why: str, hung: bool, now: float) -> None:
+        if model in self.failed_warmup:
+            return
+        count = self._warmups.setdefault(model, DecayingCounter(CRASH_HALF_LIFE_S)).add(now)
+        if count < WARMUP_FAILURE_THRESHOLD:
+            return
+        what = "did not finish" if hung else "killed its worker"
+        if self._spawned:
+            cause = HANGS_IN_SPAWNED if hung else CRASHES_IN_SPAWNED
+        else:
+            cause = HANGS_AFTER_FORK if hung else CRASHES_AFTER_FORK
+        reason = f"{cause} (its self-test {what} in {round(count)} fresh workers; last: {why})"
+        self.failed_warmup[model] = reason
+        self._mark_failed(model, reason)
 
     def _schedule(self, delay: float) -> None:
         def fire() -> None:
@@ -103,6 +148,8 @@ class Respawner:
         self._failed.discard(model)
         self._models.pop(model, None)
         self._cooldowns.pop(model, None)
+        self._warmups.pop(model, None)
+        self.failed_warmup.pop(model, None)
 
     def close(self) -> None:
         for handle in self._timers:

@@ -36,19 +36,25 @@ from poolserve.service.errors import (
     ModelNotReady,
     ServingError,
     Unavailable,
+    clip,
     from_upstream,
     grpc_status,
+    load_failed,
 )
 from poolserve.service.health import SERVING, Health
 from poolserve.service.lane import LaneClient, lane_path
 from poolserve.service.limits import return_large_frees, trim_freed_memory, watch_descriptors
+from poolserve.service.pacing import Rescanner
 from poolserve.service.replybudget import TRACKED_REPLY, ReplyBudget
 from poolserve.service.repository import Repository, scan
 from poolserve.service.rundir import (
     ADDRESS_FILE,
     ROUTER_CONTROL_SOCKET,
+    FileId,
     bind_private_unix,
+    file_id,
     pool_socket_path,
+    remove_own,
 )
 from poolserve.service.servicer import EXTENSIONS, NO_DEADLINE_S, SERVICE, guarded
 from poolserve.service.settings import ConfigError, ServerSettings
@@ -175,7 +181,14 @@ class Router:
         self._tasks: asyncio.TaskGroup | None = None
         self._generation = 0
         self.control_path = run_dir / ROUTER_CONTROL_SOCKET
+        self._control_bound: FileId | None = None  # what we bound and wrote, we remove
+        self._address_written: FileId | None = None
         self.tracing: Tracing | None = None  # set in serve(): never before a fork
+        self.rescanner = Rescanner(
+            lambda: scan(repo) if repo is not None else repository,
+            settings.repository_rescan_s,
+            initial=repository,
+        )
         self.port = 0
 
     # -- readiness -------------------------------------------------------------
@@ -285,7 +298,7 @@ class Router:
             return route
         if name in self.invalid:
             raise ModelNotReady(f"model '{name}' is unavailable: {self.invalid[name]}")
-        raise ModelNotFound(f"model '{name}' is not in this repository")
+        raise ModelNotFound(f"model '{clip(name)}' is not in this repository")
 
     def _timeout(self, context: grpc.aio.ServicerContext[Any, Any]) -> float:
         remaining = context.time_remaining()
@@ -364,7 +377,8 @@ class Router:
                 span.set_attribute("poolserve.model.version", version)
             if method == "ModelStatistics" and not name:
                 return await self._all_statistics(context)
-            if method == "ModelReady" and name in self.invalid and name not in self.routes:
+            if method == "ModelReady" and name not in self.routes:
+                # As Triton: a model that does not exist is not ready; no NOT_FOUND.
                 return pb.ModelReadyResponse(ready=False).SerializeToString()
             if method == "ModelInfer":
                 if self.replies.total:  # someone is not reading: is it this connection?
@@ -380,27 +394,46 @@ class Router:
 
     def _routed_by_field2(self, method: str) -> Callable[[bytes, Any], Awaitable[bytes]]:
         async def handler(body: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
-            if not self.settings.model_control:
-                # Checked here, at the public door: the pools' private sockets always
-                # accept loads, so that `poolserve reload` can use them.
-                raise FailedPrecondition(
-                    "loading and unloading models through the API is disabled (model_control)"
-                )
             name = _peek_model_name_field2(body)
-            if method == "RepositoryModelLoad" and name not in self.routes:
-                self._learn_route(name)
-            return await self._forward(self._route(name), method, body, context)
+            try:
+                return await self._control(method, name, body, context)
+            except ServingError as exc:
+                if method == "RepositoryModelLoad":
+                    raise load_failed(name, exc) from None
+                raise
 
         handler.__name__ = method
         return handler
 
-    def _learn_route(self, name: str) -> None:
-        """A model added to the repository after start: route it to its pool."""
-        if self.repo is None or not self.settings.model_control:
+    async def _control(
+        self, method: str, name: str, body: bytes, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> bytes:
+        if not self.settings.model_control:
+            # Checked here, at the public door: the pools' private sockets always
+            # accept loads, so that `poolserve reload` can use them.
+            raise FailedPrecondition(
+                "loading and unloading models through the API is disabled (model_control)"
+            )
+        if method == "RepositoryModelLoad" and name not in self.routes:
+            await self._learn_route(name)
+        return await self._forward(self._route(name), method, body, context)
+
+    async def _learn_route(self, name: str) -> None:
+        """A model added to the repository after start: route it to its pool.
+
+        The repository is scanned on a thread, at most once per
+        repository_rescan_s, and every load waiting for a name shares the scan:
+        a flood of loads for names that do not exist costs one scan per interval.
+        """
+        if self.repo is None:
             return
-        settings = scan(self.repo).model(name)
-        if settings is None:
-            return  # _route answers NOT_FOUND
+        try:
+            repository = await self.rescanner.fresh()
+        except ConfigError as exc:
+            raise FailedPrecondition(f"the repository cannot be scanned: {exc}") from None
+        settings = repository.model(name)
+        if settings is None or name in self.routes:
+            return  # not there: _route answers NOT_FOUND; or a concurrent load routed it
         route = self.pools.get(settings.gid)
         if route is None:
             raise FailedPrecondition(
@@ -639,8 +672,9 @@ class Router:
                 )
             },
         )
-        server.add_generic_rpc_handlers((handler,))
-        bind_private_unix(server, self.control_path)
+        # Health here too: the supervisor follows it to say when the server is ready.
+        server.add_generic_rpc_handlers((handler, self.health.generic_handler()))
+        self._control_bound = bind_private_unix(server, self.control_path)
         return server
 
     def request_stop(self) -> None:
@@ -675,6 +709,7 @@ class Router:
         async with asyncio.TaskGroup() as tasks:
             self._tasks = tasks
             fds = tasks.create_task(watch_descriptors("router", DESCRIPTOR_CHECK_S))
+            rescanner = tasks.create_task(self.rescanner.serve(), name="rescanner")
             for route in self.pools.values():
                 self._watch_pool(route)
                 for name in route.models:
@@ -689,13 +724,14 @@ class Router:
             await control.stop(0)
             await server.stop(self.settings.stop_grace_s)
             log.info("router: drained in %.3f s", time.monotonic() - began)
+            rescanner.cancel()
             for route in self.pools.values():
                 for task in route.watchers:
                     task.cancel()
             fds.cancel()
         self._tasks = None
-        self.control_path.unlink(missing_ok=True)
-        self.address_file.unlink(missing_ok=True)
+        remove_own(self.control_path, self._control_bound)
+        remove_own(self.address_file, self._address_written)
         if self.tracing is not None:
             await asyncio.to_thread(self.tracing.shutdown)  # flushes, off the loop
         for route in self.pools.values():
@@ -710,6 +746,7 @@ class Router:
         partial = self.address_file.with_suffix(".tmp")
         partial.write_text(text + "\n")
         partial.replace(self.address_file)
+        self._address_written = file_id(self.address_file)
 
     def _watch_pool(self, route: PoolRoute) -> None:
         assert self._tasks is not None

@@ -27,15 +27,17 @@ from __future__ import annotations
 
 import argparse
 import base64
+import functools
 import os
 import pickle
 import runpy
+import socket
 import struct
 import sys
 import time
 import traceback
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -44,7 +46,7 @@ from poolserve.service.errors import Failure, ModelError, ModelNotReady
 from poolserve.service.frames import error_frame, reply_frame
 from poolserve.service.payload import Encoded, PayloadError, SegmentDir, dumps, loads
 from poolserve.service.stats import Timings
-from poolserve.service.worker import Handler
+from poolserve.service.worker import Handler, Warmup
 from poolserve.service.zygote import Emit, exec_arguments, exec_main, truncate_reason
 
 _CALL = struct.Struct("<QH")
@@ -237,6 +239,7 @@ class ScoreCargo:
     def __init__(self, segments: SegmentDir | None) -> None:
         self.segments = segments
         self.models: dict[str, Loaded] = {}
+        self.examples: dict[str, tuple[Any, ...]] = {}
         self.main_path: str | None = None
         self.main_name: str | None = None
         self.main_imported = False
@@ -249,10 +252,17 @@ class ScoreCargo:
         if op == "prepare":
             self.prepare(message)
         elif op == "load":
-            self.load(str(message["name"]), base64.b64decode(message["code"]), emit)
+            example = message.get("example")
+            self.load(
+                str(message["name"]),
+                base64.b64decode(message["code"]),
+                emit,
+                base64.b64decode(example) if example else None,
+            )
         elif op == "unload":
             name = str(message["name"])
             self.models.pop(name, None)
+            self.examples.pop(name, None)
             emit({"event": "unloaded", "name": name})
 
     def prepare(self, message: Mapping[str, Any]) -> None:
@@ -276,11 +286,12 @@ class ScoreCargo:
         module.__dict__.update(namespace)
         sys.modules["__main__"] = sys.modules["__mp_main__"] = module
 
-    def load(self, name: str, code: bytes, emit: Emit) -> None:
+    def load(self, name: str, code: bytes, emit: Emit, example: bytes | None = None) -> None:
         try:
-            if b"__main__" in code:
+            if b"__main__" in code or (example is not None and b"__main__" in example):
                 self.import_main()
             load, score = pickle.loads(code)
+            args = pickle.loads(example) if example is not None else None
         except BaseException as exc:
             reason = (
                 "its load/score callables cannot be imported in the pool's zygote (a fresh "
@@ -299,6 +310,10 @@ class ScoreCargo:
             emit({"event": "model", "name": name, "ok": False, "reason": truncate_reason(reason)})
             return
         self.models[name] = Loaded(model, score)
+        if args is not None:
+            self.examples[name] = tuple(args)
+        else:
+            self.examples.pop(name, None)
         warning = ""
         extra = _threads() - threads
         if extra > 0:
@@ -310,6 +325,17 @@ class ScoreCargo:
 
     def handler(self) -> Handler:
         return ScoreHandler(self.models, self.segments)
+
+    def start_fresh(self, sock: socket.socket, skip: Collection[str], heartbeat_s: float) -> int:
+        return 0  # WorkerPool workers are always forked from this zygote
+
+    def warmups(self, skip: Collection[str]) -> list[Warmup]:
+        found: list[Warmup] = []
+        for name, args in self.examples.items():
+            loaded = self.models.get(name)
+            if loaded is not None and name not in skip:
+                found.append((name, functools.partial(loaded.score, loaded.model, *args)))
+        return found
 
     def close(self) -> None:
         if self.segments is not None:

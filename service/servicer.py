@@ -169,7 +169,10 @@ class InferenceServicer:
         return pb.ServerReadyResponse(ready=self.ready())
 
     async def model_ready(self, req: pb.ModelReadyRequest, _: Any) -> pb.ModelReadyResponse:
-        entry = self.catalog.lookup(req.name, req.version)
+        # As Triton: a model (or version) that does not exist is simply not ready.
+        entry = self.catalog.find(req.name)
+        if entry is None or (req.version and req.version != entry.version):
+            return pb.ModelReadyResponse(ready=False)
         return pb.ModelReadyResponse(ready=entry.ready and self.backend.serving())
 
     async def server_metadata(

@@ -9,6 +9,7 @@ Every problem is a :class:`ConfigError` that names the file and the field.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -31,9 +32,14 @@ class ConfigError(Exception):
         self.problem = problem
 
 
+START_METHODS = ("fork", "spawn")
+
+
 @dataclass(frozen=True)
 class PoolOverride:
     workers: int | None = None
+    threads_per_worker: int | None = None
+    start_method: str | None = None
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,9 @@ class ServerSettings:
     heartbeat_timeout_s: float = 30.0
     reject_hopeless: bool = False
     model_control: bool = True
+    # Model control touches the repository at most once per this many seconds:
+    # one scan for every load of a name not yet routed, one real reload per model.
+    repository_rescan_s: float = 2.0
     tls_cert_file: str = ""
     tls_key_file: str = ""
     tls_client_ca_file: str = ""  # set: clients must present a certificate it signed
@@ -71,6 +80,24 @@ class ServerSettings:
     # Reply bytes held for clients that do not read them (RESOURCE_EXHAUSTED beyond).
     max_unread_reply_bytes: int = 32 * MIB  # per client connection
     max_unread_reply_bytes_total: int = 256 * MIB  # all connections together
+
+    # Native runtimes and fork (README "Native runtimes and fork"):
+    threads_per_worker: int = 1  # OMP/MKL/OpenBLAS/... threads in each pool process
+    warmup_timeout_s: float = 10.0  # a fresh worker's warm-up prediction of each model
+    abandon_grace_s: float = 5.0  # a worker still on a job its caller left is killed (0: never)
+    start_method: str = "fork"  # "spawn": each worker a fresh interpreter that loads the models
+
+    def threads_for(self, gid: str) -> int:
+        override = self.pools.get(gid)
+        if override is not None and override.threads_per_worker is not None:
+            return override.threads_per_worker
+        return self.threads_per_worker
+
+    def start_method_for(self, gid: str) -> str:
+        override = self.pools.get(gid)
+        if override is not None and override.start_method is not None:
+            return override.start_method
+        return self.start_method
 
     def workers_for(self, gid: str) -> int:
         override = self.pools.get(gid)
@@ -93,6 +120,7 @@ _INT_FIELDS = {
     "max_concurrent_streams",
     "max_unread_reply_bytes",
     "max_unread_reply_bytes_total",
+    "threads_per_worker",
 }
 _FLOAT_FIELDS = {
     "default_timeout_s",
@@ -107,7 +135,14 @@ _FLOAT_FIELDS = {
     "keepalive_timeout_s",
     "max_connection_age_s",
     "max_connection_age_grace_s",
+    "repository_rescan_s",
+    "warmup_timeout_s",
+    "abandon_grace_s",
 }
+# Float fields that must be above zero (the others may be 0): a default
+# deadline of 0 fails every call, a heartbeat of 0 kills every worker.
+_POSITIVE_FIELDS = {"default_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s"}
+HEARTBEAT_MISSES = 2  # heartbeat_timeout_s spans at least this many intervals
 _BOOL_FIELDS = {"reject_hopeless", "model_control"}
 _STR_FIELDS = {
     "host",
@@ -117,6 +152,7 @@ _STR_FIELDS = {
     "tls_cert_file",
     "tls_key_file",
     "tls_client_ca_file",
+    "start_method",
 }
 
 
@@ -131,12 +167,18 @@ def _check_value(source: str, name: str, value: object) -> object:
     if name in _FLOAT_FIELDS:
         if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
             raise ConfigError(source, name, f"expected a non-negative number, got {value!r}")
+        if not math.isfinite(value):  # JSON's NaN and Infinity, or "inf" in a variable
+            raise ConfigError(source, name, f"expected a finite number, got {value!r}")
+        if name in _POSITIVE_FIELDS and value == 0:
+            raise ConfigError(source, name, "must be above 0")
         return float(value)
     if name in _STR_FIELDS:
         if not isinstance(value, str):
             raise ConfigError(source, name, f"expected a string, got {value!r}")
         if name == "log_format" and value not in ("text", "json"):
             raise ConfigError(source, name, "expected 'text' or 'json'")
+        if name == "start_method" and value not in START_METHODS:
+            raise ConfigError(source, name, "expected 'fork' or 'spawn'")
         return value
     if name in _BOOL_FIELDS:
         if not isinstance(value, bool):
@@ -154,13 +196,27 @@ def _parse_pools(source: str, value: object) -> dict[str, PoolOverride]:
     for gid, raw in value.items():
         if not SAFE_ID.match(gid):
             raise ConfigError(source, f"pools.{gid}", "unsafe pool id")
-        if not isinstance(raw, dict) or set(raw) - {"workers"}:
-            raise ConfigError(source, f"pools.{gid}", 'expected {"workers": N}')
-        workers = raw.get("workers")
-        if workers is not None and (not isinstance(workers, int) or workers < 1):
-            raise ConfigError(source, f"pools.{gid}.workers", "expected a positive integer")
-        pools[gid] = PoolOverride(workers=workers)
+        if not isinstance(raw, dict) or set(raw) - _POOL_FIELDS:
+            raise ConfigError(
+                source,
+                f"pools.{gid}",
+                'expected {"workers": N, "threads_per_worker": N, "start_method": "fork"|"spawn"}',
+            )
+        for key, least in (("workers", 0), ("threads_per_worker", 1)):
+            # workers 0, as parallel_workers 0: the pool runs its models inline
+            count = raw.get(key)
+            if count is not None and (
+                isinstance(count, bool) or not isinstance(count, int) or count < least
+            ):
+                raise ConfigError(source, f"pools.{gid}.{key}", f"expected an integer >= {least}")
+        method = raw.get("start_method")
+        if method is not None and method not in START_METHODS:
+            raise ConfigError(source, f"pools.{gid}.start_method", "expected 'fork' or 'spawn'")
+        pools[gid] = PoolOverride(raw.get("workers"), raw.get("threads_per_worker"), method)
     return pools
+
+
+_POOL_FIELDS = {"workers", "threads_per_worker", "start_method"}
 
 
 def apply_overrides(
@@ -234,12 +290,43 @@ def load_server_settings(
     if not repository.is_dir():
         raise ConfigError(str(repository), "(repository)", "not a directory")
     settings = ServerSettings()
+    sources: dict[str, str] = {}  # field -> the layer that set it last
     path = repository / "settings.json"
     if path.exists():
-        settings = apply_overrides(settings, read_json_object(path), str(path))
+        values = read_json_object(path)
+        settings = apply_overrides(settings, values, str(path))
+        sources |= dict.fromkeys(values, str(path))
     env = os.environ if environ is None else environ
-    settings = apply_overrides(settings, _env_values(env), "environment")
+    env_values = _env_values(env)
+    settings = apply_overrides(settings, env_values, "environment")
+    sources |= {name: "POOLSERVE_" + name.upper() for name in env_values}
     cli = {k: v for k, v in (flags or {}).items() if v is not None}
     settings = apply_overrides(settings, cli, "command line")
+    sources |= dict.fromkeys(cli, "command line")
     check_tls(settings, str(path) if path.exists() else "environment")
+    check_together(settings, sources)
     return settings
+
+
+def check_together(settings: ServerSettings, sources: Mapping[str, str]) -> None:
+    """Fields that are valid alone but break serving together; the error names
+    the layer that set the field last."""
+
+    def source(*names: str) -> str:
+        return next((sources[n] for n in names if n in sources), "defaults")
+
+    interval, timeout = settings.heartbeat_interval_s, settings.heartbeat_timeout_s
+    if timeout < HEARTBEAT_MISSES * interval:
+        raise ConfigError(
+            source("heartbeat_timeout_s", "heartbeat_interval_s"),
+            "heartbeat_timeout_s",
+            f"{timeout:g} s is below {HEARTBEAT_MISSES} x heartbeat_interval_s ({interval:g} s): "
+            "healthy workers would be killed for a late heartbeat",
+        )
+    if settings.deadline_margin_ms >= settings.default_timeout_s * 1000:
+        raise ConfigError(
+            source("deadline_margin_ms", "default_timeout_s"),
+            "deadline_margin_ms",
+            f"{settings.deadline_margin_ms:g} ms leaves nothing of default_timeout_s "
+            f"({settings.default_timeout_s:g} s): every call without a deadline would fail",
+        )

@@ -8,22 +8,37 @@ server) or the WorkerPool's pickled ``score`` calls
 (:mod:`poolserve.service.scoring`). A model exception becomes an error frame,
 never a dead worker. It exits when the pool closes the socket, and dies with
 the zygote (PR_SET_PDEATHSIG plus a parent check).
+
+Before its first request it runs its self-test: one warm-up prediction per
+model (:data:`Warmup`), each announced by a WARMUP frame, then one READY
+frame. A model that cannot survive the fork hangs or crashes here, where the
+pool can name it, instead of in a caller's request.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, BinaryIO, NoReturn
 
-from poolserve.service.errors import Failure, ModelNotFound, ServingError
-from poolserve.service.frames import HEADER, REQUEST, error_frame, heartbeat_frame, reply_frame
+from poolserve.service.errors import Failure, ModelNotFound, ServingError, clip
+from poolserve.service.frames import (
+    HEADER,
+    REQUEST,
+    error_frame,
+    heartbeat_frame,
+    loading_frame,
+    ready_frame,
+    reply_frame,
+    warmup_frame,
+)
 from poolserve.service.stats import Timings
 
 if TYPE_CHECKING:
@@ -31,6 +46,9 @@ if TYPE_CHECKING:
 
 Handler = Callable[[bytes, int], bytes]
 """A request handler: (request body, sequence number) -> one REPLY or ERROR frame."""
+
+Warmup = tuple[str, Callable[[], object]]
+"""A model's warm-up: (model name, one prediction on an example input)."""
 
 
 def _read_exact(stream: BinaryIO, size: int) -> bytes | None:
@@ -51,7 +69,7 @@ def handle(models: Mapping[str, Model], body: bytes, seq: int) -> bytes:
         name, version = peek_model(body)
         model = models.get(name)
         if model is None or (version and version != model.settings.version):
-            raise ModelNotFound(f"model '{name}' is not loaded in this worker")
+            raise ModelNotFound(f"model '{clip(name)}' is not loaded in this worker")
         response, timings = infer(model, body)
         return reply_frame(seq, timings, response)
     except ServingError as exc:
@@ -80,6 +98,24 @@ def serve(sock: socket.socket, handler: Handler, send_lock: threading.Lock) -> N
             sock.sendall(frame)
 
 
+def self_test(sock: socket.socket, warmups: Sequence[Warmup], send_lock: threading.Lock) -> None:
+    """One warm-up prediction per model, then READY.
+
+    A warm-up that raises is no failure: the model answered (zeros may well be
+    invalid input for it). Only a hang (the pool's limit) or a death counts.
+    """
+    raised: dict[str, str] = {}
+    for name, predict in warmups:
+        with send_lock:
+            sock.sendall(warmup_frame(name))
+        try:
+            predict()
+        except Exception as exc:
+            raised[name] = f"{type(exc).__name__}: {exc}"[:500]
+    with send_lock:
+        sock.sendall(ready_frame(json.dumps({"raised": raised}).encode()))
+
+
 def heartbeat(sock: socket.socket, send_lock: threading.Lock, interval: float) -> None:
     """Runs in its own thread: a worker whose main thread hangs (or holds the GIL
     in C code) stops these, and the pool kills it."""
@@ -93,8 +129,19 @@ def heartbeat(sock: socket.socket, send_lock: threading.Lock, interval: float) -
             return
 
 
-def run(sock: socket.socket, handler: Handler, heartbeat_s: float) -> NoReturn:
+def run(
+    sock: socket.socket, handler: Handler, heartbeat_s: float, warmups: Sequence[Warmup] = ()
+) -> NoReturn:
     """The worker's whole life, called in the child right after fork."""
+    run_prepared(sock, heartbeat_s, lambda announce: (handler, warmups))
+
+
+Prepare = Callable[[Callable[[str], None]], tuple[Handler, Sequence[Warmup]]]
+"""Loads what a spawned worker serves, announcing each model: (handler, warm-ups)."""
+
+
+def run_prepared(sock: socket.socket, heartbeat_s: float, prepare: Prepare) -> NoReturn:
+    """A worker's life: heartbeat, ``prepare`` (a spawned worker's loads), self-test, serve."""
     # The pool owns shutdown: a terminal's Ctrl-C or a SIGTERM to the process group
     # is not for us. A worker ends when its socket closes, or dies with the zygote.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -104,6 +151,13 @@ def run(sock: socket.socket, handler: Handler, heartbeat_s: float) -> NoReturn:
         target=heartbeat, args=(sock, send_lock, heartbeat_s), name="heartbeat", daemon=True
     )
     beat.start()
+
+    def announce(model: str) -> None:
+        with send_lock:
+            sock.sendall(loading_frame(model))
+
     with contextlib.suppress(OSError):  # the pool went away: nothing left to answer
+        handler, warmups = prepare(announce)
+        self_test(sock, warmups, send_lock)
         serve(sock, handler, send_lock)
     os._exit(0)

@@ -26,6 +26,12 @@ idempotent (the default) or fails with :class:`Unavailable`; replacements are
 forked from the zygote with crash back-off, and a model that keeps killing
 its workers is disabled; a reply whose caller has gone is dropped (and its
 shared-memory segments swept); close drains, then cancels, within a bound.
+Native runtimes get ``threads_per_worker`` threads (the zygote's environment
+sets OMP_NUM_THREADS and the like, a variable the host set wins); a fresh
+worker runs each model's ``example`` (if given) once before it takes calls,
+and a model whose warm-up hangs or crashes in fresh workers is disabled; a
+worker still in a call ``abandon_grace`` seconds after its caller left
+(timeout or cancel) is killed and replaced.
 What ``score`` raises reaches the caller as :class:`ScoreError` with the
 original type name, message and traceback text.
 
@@ -82,6 +88,7 @@ from poolserve.service.scoring import (
     in_zygote,
     job_of_segment,
 )
+from poolserve.service.threads import thread_environment
 from poolserve.service.zygote import ExecZygote, ZygoteEvents
 
 __all__ = [
@@ -166,6 +173,7 @@ class _Model:
     code: bytes  # pickle of (load, score)
     idempotent: bool
     max_compute_s: float | None
+    example: bytes | None = None  # pickle of score's arguments for the warm-up
     stats: ScoreStats = field(default_factory=ScoreStats)
     pending: int = 0  # loads sent to the zygote, reply not in yet
     loaded: bool = False  # a version of it is in the zygote
@@ -217,6 +225,9 @@ class WorkerPool:
         start_timeout: float = 60.0,
         close_timeout: float = 10.0,
         python: str | None = None,
+        threads_per_worker: int = 1,
+        warmup_timeout: float = 10.0,
+        abandon_grace: float = 5.0,
     ) -> None:
         """
         ``max_queue``: calls waiting for a worker beyond this raise QueueFull.
@@ -227,9 +238,17 @@ class WorkerPool:
         $POOLSERVE_SHM_DIR). A worker silent for ``heartbeat_timeout`` s is
         killed. ``close_timeout``: how long close drains before cancelling.
         ``python``: the interpreter for the zygote (default sys.executable).
+        ``threads_per_worker``: OMP_NUM_THREADS, MKL_NUM_THREADS... in the
+        zygote and workers (a variable set in the environment wins).
+        ``warmup_timeout``: a fresh worker's warm-up of each model (see
+        :meth:`add_model`'s ``example``) must finish within it.
+        ``abandon_grace``: a worker still running a call this long after its
+        caller left (timeout, cancel) is killed and replaced (0: never).
         """
         if workers < 1:
             raise ValueError("a WorkerPool needs at least one worker")
+        if threads_per_worker < 1:
+            raise ValueError("threads_per_worker must be >= 1")
         if max_queue < 0:
             raise ValueError("max_queue must be >= 0")
         self.name = name
@@ -243,6 +262,9 @@ class WorkerPool:
         self._heartbeat_interval = heartbeat_interval
         self._heartbeat_timeout = heartbeat_timeout
         self._python = python
+        self._threads = threads_per_worker
+        self._warmup_timeout = warmup_timeout
+        self._abandon_grace = abandon_grace
         self._state = _State.NEW
         self._models: dict[str, _Model] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -278,6 +300,7 @@ class WorkerPool:
         score: Callable[..., Any],
         idempotent: bool = True,
         max_compute_s: float | None = None,
+        example: tuple[Any, ...] | None = None,
     ) -> None:
         """Registers a model: ``load()`` runs once in the zygote, ``score(model, ...)`` in workers.
 
@@ -288,7 +311,10 @@ class WorkerPool:
         version serves until the new one is in. ``idempotent=False``: a call
         whose worker dies is failed rather than retried. ``max_compute_s``:
         a worker still computing after that long is killed (the call fails
-        with DeadlineExceeded).
+        with DeadlineExceeded). ``example``: arguments for ``score`` (after the
+        model) that each fresh worker runs once before it takes calls, to
+        find a model that hangs or crashes after the fork (a native thread
+        pool started in ``load``) before a caller does; small and picklable.
 
         Raises TypeError at once when ``load`` or ``score`` cannot be pickled
         by reference (lambdas, nested functions).
@@ -296,7 +322,7 @@ class WorkerPool:
         if not callable(load) or not callable(score):
             raise TypeError(f"add_model('{name}'): load and score must be callables")
         code = self._pickle_callables(name, load, score)
-        model = _Model(name, code, idempotent, max_compute_s)
+        model = _Model(name, code, idempotent, max_compute_s, self._pickle_example(name, example))
         self._in_loop_soon(self._add_in_loop, model)
 
     def remove_model(self, name: str) -> None:
@@ -330,6 +356,22 @@ class WorkerPool:
                 )
         return code
 
+    @staticmethod
+    def _pickle_example(name: str, example: tuple[Any, ...] | None) -> bytes | None:
+        if example is None:
+            return None
+        if not isinstance(example, tuple):
+            raise TypeError(f"add_model('{name}'): example must be a tuple of score's arguments")
+        try:
+            data = pickle.dumps(example, protocol=5)
+        except Exception as exc:
+            raise TypeError(f"add_model('{name}'): example cannot be pickled: {exc}") from exc
+        if len(data) > MAX_CODE:
+            raise TypeError(
+                f"add_model('{name}'): example pickles to {len(data)} bytes, more than {MAX_CODE}"
+            )
+        return data
+
     def _add_in_loop(self, model: _Model) -> None:
         if self._state in (_State.CLOSING, _State.CLOSED):
             log.warning("workerpool %s: add_model(%r) after close ignored", self.name, model.name)
@@ -339,6 +381,7 @@ class WorkerPool:
             existing.code = model.code
             existing.idempotent = model.idempotent
             existing.max_compute_s = model.max_compute_s
+            existing.example = model.example
             existing.load_error = ""
             model = existing
         else:
@@ -360,8 +403,10 @@ class WorkerPool:
     def _send_load(self, model: _Model) -> None:
         assert self._zygote is not None
         model.pending += 1
-        code = base64.b64encode(model.code).decode()
-        self._zygote.command({"op": "load", "name": model.name, "code": code})
+        message = {"op": "load", "name": model.name, "code": base64.b64encode(model.code).decode()}
+        if model.example is not None:
+            message["example"] = base64.b64encode(model.example).decode()
+        self._zygote.command(message)
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -433,7 +478,16 @@ class WorkerPool:
         if self._segments is not None:
             args = ["--shm-dir", str(self._segments.path), "--shm-threshold"]
             args.append(str(self._segments.threshold))
-        zygote = ExecZygote(ZYGOTE_MODULE, args, self._heartbeat_interval, self._python)
+        env = dict(os.environ)
+        for variable, value in thread_environment(self._threads, env).items():
+            log.info(
+                "workerpool %s: %s=%s from the environment wins over threads_per_worker=%d",
+                self.name,
+                variable,
+                value,
+                self._threads,
+            )
+        zygote = ExecZygote(ZYGOTE_MODULE, args, self._heartbeat_interval, self._python, env)
         self._zygote = zygote
         self._dispatcher = Dispatcher(
             self.name,
@@ -441,8 +495,10 @@ class WorkerPool:
             on_change=self._reconcile,
             on_worker_gone=self._on_worker_gone,
             heartbeat_timeout=self._heartbeat_timeout,
+            warmup_timeout=self._warmup_timeout,
+            abandon_grace=self._abandon_grace,
         )
-        self._respawner = Respawner(zygote.spawn, self._disable, clock=time.monotonic)
+        self._respawner = Respawner(self._spawn_worker, self._disable, clock=time.monotonic)
         started = asyncio.Event()
         self._main = asyncio.create_task(self._run(started.set), name=f"workerpool-{self.name}")
         self._main.add_done_callback(self._main_done)
@@ -463,7 +519,13 @@ class WorkerPool:
         for model in self._models.values():
             self._send_load(model)
         for _ in range(self.size):
-            zygote.spawn()
+            self._spawn_worker()
+
+    def _spawn_worker(self) -> None:
+        """Forks a worker whose self-test leaves out models that failed it before."""
+        if self._zygote is not None:
+            skip = self._respawner.failed_warmup if self._respawner is not None else {}
+            self._zygote.spawn(skip)
 
     @staticmethod
     def _prepare_message() -> dict[str, Any]:
@@ -484,7 +546,8 @@ class WorkerPool:
             for model in self._models.values():
                 if model.pending == 0 and model.load_error and not model.loaded:
                     raise ModelLoadError(model.name, model.load_error)
-            models_in = all(m.serving for m in self._models.values())
+            # a model disabled by the self-test does not hold up the others
+            models_in = all(m.serving or m.disabled for m in self._models.values())
             if models_in and self._dispatcher.live_workers() >= self.size:
                 return
             await self._changes()
@@ -879,7 +942,9 @@ class WorkerPool:
         log.warning(
             "workerpool %s: worker %d %s%s%s", self.name, gone.pid, gone.status, running, killed
         )
-        delay = self._respawner.worker_lost(gone.tag, gone.reason or gone.status)
+        delay = self._respawner.worker_lost(
+            gone.tag, gone.reason or gone.status, warmup=gone.warmup, hung=bool(gone.reason)
+        )
         if delay:
             log.info("workerpool %s: next worker in %.2f s (crash back-off)", self.name, delay)
 
@@ -931,7 +996,7 @@ class WorkerPool:
             stale = [w for w in stale if not w.retiring]
         if stale and self._roll_inflight == 0 and not self._broken:
             self._roll_inflight = 1
-            zygote.spawn()
+            self._spawn_worker()
         self._settle()
 
     def _has_stale(self, generation: int) -> bool:

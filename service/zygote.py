@@ -18,10 +18,12 @@ What the zygote loads, and what its workers run, is its :class:`Cargo`:
   application that may have threads, an event loop or gRPC objects.
 
 Control messages are JSON over a SOCK_SEQPACKET pair (one message each):
-pool -> zygote ``{"op": "spawn"}``, and any other op for the cargo (the
-inference cargo knows ``{"op": "load", "path": settings}`` and ``{"op":
-"unload", "name": N}``); zygote -> pool ``{"event": "model", ...}`` (one per
-load, ok or not), ``{"event": "loaded"}`` (the initial cargo is in),
+pool -> zygote ``{"op": "spawn", "skip": [names]}`` (a worker whose
+self-test leaves out the models named: their warm-up failed in earlier
+workers), and any other op for the cargo (the inference cargo knows
+``{"op": "load", "path": settings}`` and ``{"op": "unload", "name": N}``);
+zygote -> pool ``{"event": "model", ...}`` (one per load, ok or not),
+``{"event": "loaded"}`` (the initial cargo is in),
 ``{"event": "worker", "pid": N}`` (with the worker's socket attached),
 ``{"event": "exit", "pid": N, "status": "..."}`` and ``{"event":
 "unloaded", "name": N}``. The zygote handles them in order, so every worker
@@ -34,26 +36,31 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import gc
 import json
+import logging
 import os
 import select
 import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from poolserve.service import worker
 from poolserve.service.procutil import describe_status, set_process_name, wait_child, wait_exit
+from poolserve.service.threads import sync_loaded_runtimes
 from poolserve.supervisor.child import die_with_parent
 
 if TYPE_CHECKING:
-    from poolserve.service.model import Model
+    from poolserve.service.model import Array, Model
     from poolserve.service.repository import ModelSettings, TensorSpec
+
+log = logging.getLogger(__name__)
 
 MAX_MESSAGE = 64 * 1024
 MAX_REASON = 16 * 1024  # a load failure's text, traceback included, fits one message
@@ -72,6 +79,12 @@ class Cargo(Protocol):
 
     def handler(self) -> worker.Handler:
         """The request handler of a worker forked now."""
+
+    def warmups(self, skip: Collection[str]) -> list[worker.Warmup]:
+        """The self-test of a worker forked now: a warm-up per model, but those in ``skip``."""
+
+    def start_fresh(self, sock: socket.socket, skip: Collection[str], heartbeat_s: float) -> int:
+        """Starts a worker by exec on ``sock`` (start_method spawn): its pid; 0: fork one."""
 
     def close(self) -> None:
         """The zygote stops: release what outlives processes (files, ...)."""
@@ -102,11 +115,20 @@ def truncate_reason(reason: str) -> str:
 
 
 class InferenceCargo:
-    """The pool server's cargo: runtime models from their settings."""
+    """The pool server's cargo: runtime models from their settings.
 
-    def __init__(self, settings: Sequence[ModelSettings]) -> None:
+    With ``start_method`` "spawn", workers are fresh interpreters that load
+    the models themselves (:mod:`poolserve.service.spawned`): the zygote loads
+    each model once to check it and learn its metadata, then lets it go, and
+    keeps only where its settings are.
+    """
+
+    def __init__(self, settings: Sequence[ModelSettings], start_method: str = "fork") -> None:
         self.settings = settings
+        self.start_method = start_method
         self.models: dict[str, Model] = {}
+        self.examples: dict[str, dict[str, Array] | None] = {}
+        self.sources: dict[str, Path] = {}  # spawn: what a fresh worker loads
 
     def load_initial(self, emit: Emit) -> None:
         # The request path's modules (protobuf, codec, numpy), imported here once
@@ -120,6 +142,7 @@ class InferenceCargo:
     def load_one(self, settings: ModelSettings, emit: Emit) -> None:
         """Loads (or reloads) one model; a failure leaves the previous one in place."""
         from poolserve.service.model import instantiate, tensor_specs
+        from poolserve.service.warmup import warmup_inputs
 
         try:
             model = instantiate(settings)
@@ -132,6 +155,17 @@ class InferenceCargo:
             return
         self.models[settings.name] = model
         inputs, outputs = tensor_specs(model)
+        try:
+            example, source = warmup_inputs(model, inputs)
+        except Exception as exc:  # a model's example() or settings example is broken
+            example, source = None, f"no warm-up: its example failed: {type(exc).__name__}: {exc}"
+        self.examples[settings.name] = example
+        if self.start_method == "spawn":  # each worker loads its own copy
+            self.sources[settings.name] = settings.source
+            del self.models[settings.name], model
+            self.examples.pop(settings.name, None)
+            source = "loaded by each spawned worker; its self-test: " + source
+        log.info("model %s: self-test in each fresh worker: %s", settings.name, source)
         emit(
             {
                 "event": "model",
@@ -145,13 +179,19 @@ class InferenceCargo:
     def apply(self, message: Mapping[str, Any], emit: Emit) -> None:
         op = message.get("op")
         if op == "load":
-            self.live_load(str(message["path"]), emit)
+            self.live_load(str(message["path"]), emit, message.get("overrides") or {})
         elif op == "unload":
             name = str(message["name"])
             self.models.pop(name, None)
+            self.examples.pop(name, None)
+            self.sources.pop(name, None)
             emit({"event": "unloaded", "name": name})
 
-    def live_load(self, path: str, emit: Emit) -> None:
+    def live_load(self, path: str, emit: Emit, overrides: Mapping[str, Any]) -> None:
+        """Loads the model of a settings file, with the fields a load's config
+        overrode (``max_batch_size``, ``extra``) set over the file's."""
+        from dataclasses import replace
+
         from poolserve.service.repository import parse_model_settings
         from poolserve.service.settings import ConfigError
 
@@ -161,13 +201,54 @@ class InferenceCargo:
             name = Path(path).parent.name
             emit({"event": "model", "name": name, "ok": False, "reason": str(exc)})
             return
+        if overrides:
+            settings = replace(settings, **overrides)
         self.load_one(settings, emit)
 
     def handler(self) -> worker.Handler:
         return worker.inference_handler(self.models)
 
+    def warmups(self, skip: Collection[str]) -> list[worker.Warmup]:
+        found: list[worker.Warmup] = []
+        for name, model in self.models.items():
+            example = self.examples.get(name)
+            if name not in skip and example is not None:
+                found.append((name, functools.partial(_warm_up, model, example)))
+        return found
+
+    def start_fresh(self, sock: socket.socket, skip: Collection[str], heartbeat_s: float) -> int:
+        if self.start_method != "spawn":
+            return 0
+        argv = [
+            sys.executable,
+            *_interpreter_flags(),
+            "-m",
+            "poolserve.service.spawned",
+            "--sock-fd",
+            str(sock.fileno()),
+            "--zygote-pid",
+            str(os.getpid()),
+            "--heartbeat",
+            str(heartbeat_s),
+        ]
+        for path in self.sources.values():
+            argv += ["--model", str(path)]
+        for name in skip:
+            argv += ["--skip", name]
+        sock.set_inheritable(True)  # the one descriptor the new process gets
+        try:
+            return os.posix_spawn(sys.executable, argv, os.environ)
+        finally:
+            sock.set_inheritable(False)
+
     def close(self) -> None:
         pass
+
+
+def _warm_up(model: Model, example: Mapping[str, Array]) -> None:
+    from poolserve.service.model import check_outputs
+
+    check_outputs(model.settings.name, model.predict(dict(example), {}))
 
 
 class _Zygote:
@@ -201,10 +282,15 @@ class _Zygote:
         finally:
             self.freeze()
 
-    def spawn(self) -> None:
+    def spawn(self, skip: Collection[str] = ()) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         zygote_pid = os.getpid()
-        pid = os.fork()
+        try:
+            pid = self.cargo.start_fresh(theirs, skip, self.heartbeat_s) or os.fork()
+        except OSError:
+            ours.close()
+            theirs.close()
+            raise
         if pid == 0:
             ours.close()
             self.ctrl.close()
@@ -214,7 +300,8 @@ class _Zygote:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             die_with_parent(zygote_pid)
             set_process_name("poolserve-wrk")
-            worker.run(theirs, self.cargo.handler(), self.heartbeat_s)
+            warmups = self.cargo.warmups(skip)
+            worker.run(theirs, self.cargo.handler(), self.heartbeat_s, warmups)
         theirs.close()
         self.workers.add(pid)
         try:
@@ -274,13 +361,17 @@ class _Zygote:
 
     def handle(self, message: dict[str, Any]) -> None:
         if message.get("op") == "spawn":
-            self.spawn()
+            self.spawn([str(name) for name in message.get("skip", [])])
         else:
             self.apply(message)
 
 
 def _zygote_main(
-    ctrl: socket.socket, settings: Sequence[ModelSettings], pool_pid: int, heartbeat_s: float
+    ctrl: socket.socket,
+    settings: Sequence[ModelSettings],
+    pool_pid: int,
+    heartbeat_s: float,
+    start_method: str,
 ) -> NoReturn:
     code = 0
     try:
@@ -291,7 +382,10 @@ def _zygote_main(
         # zygote ends when the pool closes its socket, or dies with the pool.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        _Zygote(ctrl, InferenceCargo(settings), heartbeat_s).loop()
+        # The pool set the thread variables; a no-op unless numpy came in first.
+        sync_loaded_runtimes("zygote")
+        cargo = InferenceCargo(settings, start_method)
+        _Zygote(ctrl, cargo, heartbeat_s).loop()
     except BaseException:
         code = 1
     os._exit(code)
@@ -398,8 +492,9 @@ class ZygoteControl:
             with contextlib.suppress(Exception):
                 asyncio.get_running_loop().remove_reader(self._sock.fileno())
 
-    def spawn(self) -> None:
-        self.command({"op": "spawn"})
+    def spawn(self, skip: Collection[str] = ()) -> None:
+        """Forks a worker; its self-test leaves out the models in ``skip``."""
+        self.command({"op": "spawn", "skip": sorted(skip)})
 
     def unload(self, name: str) -> None:
         self.command({"op": "unload", "name": name})
@@ -420,10 +515,16 @@ class ZygoteControl:
 class ZygoteLink(ZygoteControl):
     """The pool server's zygote: forked, with the inference cargo."""
 
-    def __init__(self, settings: Sequence[ModelSettings], heartbeat_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        settings: Sequence[ModelSettings],
+        heartbeat_s: float = 1.0,
+        start_method: str = "fork",
+    ) -> None:
         super().__init__()
         self._settings = settings
         self._heartbeat_s = heartbeat_s
+        self._start_method = start_method
 
     def start(self, close_in_child: Sequence[int] = ()) -> None:
         """Forks the zygote. Call before any gRPC object or thread exists."""
@@ -435,14 +536,18 @@ class ZygoteLink(ZygoteControl):
             for fd in close_in_child:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-            _zygote_main(theirs, self._settings, pool_pid, self._heartbeat_s)
+            _zygote_main(theirs, self._settings, pool_pid, self._heartbeat_s, self._start_method)
         theirs.close()
         self.pid = pid
         self._sock = ours
 
-    def load(self, settings_path: Path) -> None:
-        """Asks the zygote to (re)load the model of this settings file."""
-        self.command({"op": "load", "path": str(settings_path)})
+    def load(self, settings_path: Path, overrides: Mapping[str, Any] | None = None) -> None:
+        """Asks the zygote to (re)load the model of this settings file, with
+        ``overrides`` (JSON values) set over the file's fields."""
+        message: dict[str, Any] = {"op": "load", "path": str(settings_path)}
+        if overrides:
+            message["overrides"] = dict(overrides)
+        self.command(message)
 
     async def wait(self, timeout: float) -> str:
         """Reaps the zygote, killing it after ``timeout``; returns its decoded status."""
@@ -472,12 +577,14 @@ class ExecZygote(ZygoteControl):
         args: Sequence[str] = (),
         heartbeat_s: float = 1.0,
         python: str | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__()
         self._module = module
         self._args = list(args)
         self._heartbeat_s = heartbeat_s
         self._python = python or sys.executable
+        self._env = env
         self._proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -501,7 +608,9 @@ class ExecZygote(ZygoteControl):
             ]
             # Popen's fork and exec run no Python code in the child: safe in a
             # host with threads. pass_fds makes only this one fd inheritable.
-            self._proc = subprocess.Popen(argv, pass_fds=(fd,), stdin=subprocess.DEVNULL)
+            self._proc = subprocess.Popen(
+                argv, pass_fds=(fd,), stdin=subprocess.DEVNULL, env=self._env
+            )
         except BaseException:
             ours.close()
             raise

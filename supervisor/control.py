@@ -28,7 +28,13 @@ import grpc
 
 from poolserve.protos import control_pb2 as cpb
 from poolserve.service.errors import FailedPrecondition, InvalidInput, ModelNotFound, Unavailable
-from poolserve.service.rundir import bind_private_unix, pool_socket_path
+from poolserve.service.rundir import (
+    CONTROL_SOCKET,
+    ROUTER_CONTROL_SOCKET,
+    bind_private_unix,
+    pool_socket_path,
+    remove_own,
+)
 from poolserve.service.servicer import guarded
 from poolserve.service.settings import ConfigError
 from poolserve.supervisor.reconcile import Reconciler, ReloadReport, Routes
@@ -37,8 +43,6 @@ from poolserve.supervisor.tree import Supervisor
 
 log = logging.getLogger(__name__)
 
-CONTROL_SOCKET = "supervisor.sock"
-ROUTER_CONTROL_SOCKET = "router-control.sock"
 SUPERVISOR_SERVICE = "poolserve.control.v1.SupervisorControl"
 POOL_SERVICE = "poolserve.control.v1.PoolControl"
 ROUTER_SERVICE = "poolserve.control.v1.RouterControl"
@@ -138,7 +142,7 @@ class ControlService:
     async def serve(self, ready: Callable[[], None]) -> None:
         server = grpc.aio.server()
         server.add_generic_rpc_handlers((self._handler(),))
-        bind_private_unix(server, self.socket_path)
+        bound = bind_private_unix(server, self.socket_path)
         await server.start()
         try:
             log.info("control socket: %s", self.socket_path)
@@ -146,7 +150,7 @@ class ControlService:
             await self._reconciler.run()
         finally:
             await server.stop(1.0)
-            self.socket_path.unlink(missing_ok=True)
+            remove_own(self.socket_path, bound)
 
     # -- RPCs: thin; the work is in plain functions and the reconciler -----
 

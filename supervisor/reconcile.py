@@ -64,6 +64,9 @@ POOL_SETTINGS = (
     "reject_hopeless",
     "server_name",
     "watchdog_grace_s",
+    "repository_rescan_s",
+    "warmup_timeout_s",
+    "abandon_grace_s",
 )
 ROUTER_SETTINGS = (
     "host",
@@ -90,8 +93,10 @@ ROUTER_SETTINGS = (
     "max_connection_age_grace_s",
     "max_unread_reply_bytes",
     "max_unread_reply_bytes_total",
+    "repository_rescan_s",
 )
-PER_POOL_SETTINGS = ("parallel_workers", "pools")  # compared through workers_for(gid)
+# compared through workers_for(gid), threads_for(gid) and start_method_for(gid)
+PER_POOL_SETTINGS = ("parallel_workers", "pools", "threads_per_worker", "start_method")
 FIXED_SETTINGS = ("run_dir",)  # given to every child on its command line: never reloaded
 
 
@@ -207,7 +212,8 @@ def _view(settings: ServerSettings, names: Sequence[str]) -> tuple[object, ...]:
 
 
 def _pool_view(settings: ServerSettings, gid: str) -> tuple[object, ...]:
-    return (settings.workers_for(gid), *_view(settings, POOL_SETTINGS))
+    workers, threads = settings.workers_for(gid), settings.threads_for(gid)
+    return (workers, threads, settings.start_method_for(gid), *_view(settings, POOL_SETTINGS))
 
 
 def _model_change(

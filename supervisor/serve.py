@@ -27,8 +27,16 @@ from pathlib import Path
 
 from poolserve.service.limits import raise_open_file_limit
 from poolserve.service.repository import scan
-from poolserve.service.rundir import ADDRESS_FILE, ensure_private_dir, setup_logging
+from poolserve.service.rundir import (
+    ADDRESS_FILE,
+    RunDirLock,
+    check_socket_paths,
+    ensure_private_dir,
+    setup_logging,
+    sweep_stale_sockets,
+)
 from poolserve.service.settings import ConfigError, ServerSettings, load_server_settings
+from poolserve.supervisor.announce import announce_serving, listening_line
 from poolserve.supervisor.control import ControlService, push_routes
 from poolserve.supervisor.events import (
     ChildExited,
@@ -226,18 +234,25 @@ def run_serve(repo: Path, flags: Mapping[str, object]) -> int:
             reasons = "; ".join(bad.reason for bad in repository.invalid)
             raise ConfigError(str(repo), "(repository)", f"no valid model: {reasons}")
         run_dir = settings.resolved_run_dir()
+        check_socket_paths(run_dir, repository.pools())
         ensure_private_dir(run_dir)
+        # Before anything in run_dir is touched: it belongs to one live tree.
+        lock = RunDirLock.take(run_dir)
     except ConfigError as exc:
         print(f"poolserve: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    setup_logging("supervisor", settings.log_format)
-    before, after = raise_open_file_limit()  # the children inherit it
-    if after != before:
-        log.info("open file limit raised from %d to %d (the hard limit)", before, after)
-    resolved = dict(flags)
-    resolved["run_dir"] = str(run_dir)
-    desired = Desired.from_repository(settings, repository)
-    return asyncio.run(_serve(repo, desired, resolved, run_dir))
+    with lock:
+        setup_logging("supervisor", settings.log_format)
+        before, after = raise_open_file_limit()  # the children inherit it
+        if after != before:
+            log.info("open file limit raised from %d to %d (the hard limit)", before, after)
+        removed = sweep_stale_sockets(run_dir)
+        if removed:
+            log.info("removed stale sockets of a tree gone: %s", ", ".join(removed))
+        resolved = dict(flags)
+        resolved["run_dir"] = str(run_dir)
+        desired = Desired.from_repository(settings, repository)
+        return asyncio.run(_serve(repo, desired, resolved, run_dir))
 
 
 async def _serve(repo: Path, desired: Desired, flags: Mapping[str, object], run_dir: Path) -> int:
@@ -269,18 +284,30 @@ async def _serve(repo: Path, desired: Desired, flags: Mapping[str, object], run_
         update_router=update_router,
     )
 
+    address = ""
+    listening = asyncio.Event()
+
+    def model_count() -> int:
+        return sum(len(models) for models in reconciler.current.pools.values())
+
     def ready() -> None:
-        nonlocal ready_seen
+        nonlocal ready_seen, address
         ready_seen = True
         address = (run_dir / ADDRESS_FILE).read_text().strip()
-        print(f"poolserve: ready, serving on {address}", flush=True)
+        print(listening_line(address, model_count()), flush=True)
+        listening.set()
 
     loop = asyncio.get_running_loop()
     # The future is for RPC callers; a signal only asks.
     loop.add_signal_handler(signal.SIGHUP, functools.partial(_request_reload, reconciler))
     try:
-        async with OrphanReaper(events=events):
+        async with OrphanReaper(events=events), asyncio.TaskGroup() as tasks:
+            announcer = tasks.create_task(
+                announce_serving(run_dir, listening, lambda: address, model_count, notifier),
+                name="announce",
+            )
             code = await run_root(tree.root(), ready=ready)
+            announcer.cancel()
     finally:
         loop.remove_signal_handler(signal.SIGHUP)
     log.info("stopped with exit code %d", code)

@@ -20,7 +20,8 @@ supervisord:
   The router has no children: its group is itself;
 - bounds: ``stopwaitsecs`` above ``stop_grace_s`` (the drain), ``startsecs``
   and ``autorestart=unexpected`` with the exit codes that must not loop
-  (2: invalid configuration);
+  (2: invalid configuration; for a pool also 3: it cannot work, e.g. another
+  live process serves its socket);
 - one run directory, resolved now and passed to every program, so that the
   router finds the pools' sockets whatever environment supervisord has.
 
@@ -40,7 +41,7 @@ from pathlib import Path
 
 from poolserve.service.repository import scan
 from poolserve.service.settings import ConfigError, ServerSettings, load_server_settings
-from poolserve.supervisor.exitcodes import EXIT_CONFIG, EXIT_OK
+from poolserve.supervisor.exitcodes import EXIT_CONFIG, EXIT_OK, EXIT_UNRECOVERABLE
 
 POOL_PRIORITY = 100
 ROUTER_PRIORITY = 200
@@ -102,13 +103,14 @@ def _common_options(
     stop_as_group: bool,
     user: str | None,
     log_stdout: bool,
+    final_codes: Sequence[int] = (EXIT_OK, EXIT_CONFIG),
 ) -> list[tuple[str, str]]:
     stopwait = math.ceil(settings.stop_grace_s) + STOP_MARGIN_S
     options = [
         ("priority", str(priority)),
         ("autostart", "true"),
         ("autorestart", "unexpected"),
-        ("exitcodes", f"{EXIT_OK},{EXIT_CONFIG}"),
+        ("exitcodes", ",".join(str(code) for code in final_codes)),
         ("startsecs", str(START_SECS)),
         ("startretries", str(START_RETRIES)),
         ("stopsignal", "TERM"),
@@ -155,7 +157,12 @@ def build_programs(
         argv = [*exe, "pool", str(repo), "--gid", gid, *shared]
         options = [("command", _quote(argv))]
         options += _common_options(
-            settings, priority=POOL_PRIORITY, stop_as_group=False, user=user, log_stdout=log_stdout
+            settings,
+            priority=POOL_PRIORITY,
+            stop_as_group=False,
+            user=user,
+            log_stdout=log_stdout,
+            final_codes=(EXIT_OK, EXIT_CONFIG, EXIT_UNRECOVERABLE),
         )
         programs.append(Program(pool_program_name(gid), tuple(options)))
     router = [("command", _quote([*exe, "router", str(repo), *shared]))]

@@ -17,7 +17,8 @@ from poolserve.protos import control_pb2 as cpb
 
 from support import BIN, descendants, kill_all, pid_alive, wait_until
 
-READY_PREFIX = "poolserve: ready, serving on "
+# The line `poolserve serve` prints once its router listens (models may still load).
+LISTENING_PREFIX = "poolserve: listening on "
 
 
 class Serving:
@@ -30,9 +31,12 @@ class Serving:
         *extra: str,
         workers: int = 2,
         env: dict[str, str] | None = None,
+        env_replace: dict[str, str] | None = None,
     ) -> None:
+        """``env``: added to this process's environment; ``env_replace``: the whole of it."""
         self.repo = repo
         self.env = env
+        self.env_replace = env_replace
         self.run_dir = run_dir
         self.log_path = run_dir.parent / f"{run_dir.name}.log"
         self.argv = [
@@ -49,11 +53,14 @@ class Serving:
         ]
         self.proc: subprocess.Popen[str] | None = None
         self.address = ""
+        self.listening_line = ""
         self.seen: set[int] = set()
 
     def start(self, timeout: float = 60.0) -> Serving:
         log = open(self.log_path, "w")  # noqa: SIM115 (closed with the process)
         env = None if self.env is None else {**os.environ, **self.env}
+        if self.env_replace is not None:
+            env = {**self.env_replace, **(self.env or {})}
         self.proc = subprocess.Popen(
             self.argv, stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1, env=env
         )
@@ -72,8 +79,9 @@ class Serving:
                 line = self.proc.stdout.readline()
                 if not line:
                     break
-                if line.startswith(READY_PREFIX):
-                    return line[len(READY_PREFIX) :].strip()
+                if line.startswith(LISTENING_PREFIX):
+                    self.listening_line = line.strip()
+                    return line[len(LISTENING_PREFIX) :].split(" (")[0].strip()
         raise AssertionError(f"poolserve serve did not become ready:\n{self.log()}")
 
     @property

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "reliability"))
 
 from harness import (
     BIN,
-    READY_PREFIX,
+    LISTENING_PREFIX,
     Tree,
     infer_bytes,
     kill_pids,
@@ -87,6 +87,25 @@ SERVER_CASES: dict[str, tuple[Callable[[Path], Path], list[str]]] = {
         lambda repo: _settings(repo, json.dumps({"pools": {"../x": {"workers": 1}}})),
         ["pools.../x", "unsafe pool id"],
     ),
+    # Issue 21, section 5: accepted once, and then every call or worker failed.
+    "default_timeout_s is NaN": (
+        lambda repo: _settings(repo, '{"default_timeout_s": NaN}'),
+        ["default_timeout_s", "finite"],
+    ),
+    "default_timeout_s is infinite": (
+        lambda repo: _settings(repo, '{"default_timeout_s": Infinity}'),
+        ["default_timeout_s", "finite"],
+    ),
+    "heartbeat_timeout_s is 0": (
+        lambda repo: _settings(repo, json.dumps({"heartbeat_timeout_s": 0})),
+        ["heartbeat_timeout_s", "above 0"],
+    ),
+    "heartbeat_timeout_s is below the interval": (
+        lambda repo: _settings(
+            repo, json.dumps({"heartbeat_timeout_s": 1, "heartbeat_interval_s": 2})
+        ),
+        ["heartbeat_timeout_s", "heartbeat_interval_s"],
+    ),
     "a TLS file that does not exist": (
         lambda repo: _settings(
             repo,
@@ -113,7 +132,7 @@ def test_bad_server_settings_exit_2_naming_file_and_field(tmp_path: Path, case: 
     assert str(source) in done.stderr, done.stderr
     for word in words:
         assert word in done.stderr, (word, done.stderr)
-    assert READY_PREFIX not in done.stdout
+    assert LISTENING_PREFIX not in done.stdout
     assert "Traceback" not in done.stderr
     assert not run_dir.exists() or not any(run_dir.iterdir())  # no socket, no half tree
 
@@ -169,7 +188,7 @@ def test_router_port_in_use_exits_2_with_nothing_left(tmp_path: Path) -> None:
             wait_gone(stray, 10)
     assert proc.returncode == 2, err
     assert str(port) in err and "Traceback" not in err, err
-    assert READY_PREFIX not in out
+    assert LISTENING_PREFIX not in out
     assert stray == []
 
 

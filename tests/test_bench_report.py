@@ -427,3 +427,100 @@ def test_results_survive_a_json_round_trip() -> None:
     results = report.summarize(sample_results())
     again = report.summarize(json.loads(json.dumps(copy.deepcopy(results))))
     assert again["targets"] == results["targets"]
+
+
+# -- the XGBoost comparison (issue 22) ----------------------------------------------------
+
+
+def xgb_results() -> dict[str, Any]:
+    results = sample_results()
+    for s in results["servers"]:
+        if s["key"] in {"poolserve", "kserve", "mlserver-2"}:
+            s["models"] = ["echo", "burn", "xgb"]
+    for r, (ps, ks, ml) in enumerate([(900, 500, 700), (1000, 520, 650), (950, 480, 720)]):
+        results["runs"].append(run("poolserve", "xgb", 16, ps, 20.0, r))
+        results["runs"].append(run("kserve", "xgb", 16, ks, 40.0, r))
+        results["runs"].append(run("mlserver-2", "xgb", 16, ml, 30.0, r))
+    results["memory"]["x"] = {
+        "poolserve": {"pss_bytes": 150 * report.MIB, "processes": 6},
+        "mlserver-2": {"pss_bytes": 420 * report.MIB, "processes": 4},
+    }
+    return results
+
+
+def test_xgboost_targets_compare_with_kserve_and_mlserver_in_the_same_run() -> None:
+    results = report.summarize(xgb_results())
+    found = {t["key"]: t for t in results["targets"]}
+    assert found["xgb_c16_vs_kserve"]["value"] == pytest.approx(950 / 500)
+    assert found["xgb_c16_vs_kserve"]["passed"]  # 1.9 >= 1.5
+    assert found["xgb_c16_vs_mlserver"]["value"] == pytest.approx(950 / 700)
+    assert found["xgb_c16_vs_mlserver"]["passed"]
+    assert found["memory_xgb"]["value"] == pytest.approx(150 / 420)
+    assert found["memory_xgb"]["passed"]
+    issue_22 = sorted(t["key"] for t in results["targets"] if t["issue"] == "22")
+    assert issue_22 == ["memory_xgb", "xgb_c16_vs_kserve", "xgb_c16_vs_mlserver"]
+    text = report.markdown(results)
+    assert (
+        "| 22 | XGBoost c16 throughput vs KServe (1 process) (950.0 vs 500.0 infer/s) | 1.90 "
+        "| >= 1.5 | PASS |"
+    ) in text
+    assert "## XGBoost" in text and "mlserver-xgboost 1.7.1" in text
+    rows = [line for line in report.xgb_tables(results).splitlines() if line.startswith("| ")]
+    assert rows[0].startswith("| server | xgb c1 infer/s |")
+    assert [row.split(" | ")[0] for row in rows[1:]] == [
+        "| poolserve (2 workers)",
+        "| KServe 0.21.0 (1 process)",
+        "| MLServer (parallel_workers 2)",
+    ]  # the inline server does not serve it: no row
+    assert "| n/a | n/a | 950.0 | n/a | n/a | 20.0 |" in rows[1]
+    assert "(x) the XGBoost model alone, 2 workers" in report.memory_table(results)
+    assert "xgb c16 infer/s" in report.readme_section(results)
+
+
+def test_results_without_xgboost_have_no_xgboost_section_and_miss_its_targets() -> None:
+    results = report.summarize(sample_results())
+    found = {t["key"]: t for t in results["targets"]}
+    for key in ("xgb_c16_vs_kserve", "xgb_c16_vs_mlserver", "memory_xgb"):
+        assert found[key]["value"] is None and not found[key]["passed"]
+    assert report.xgb_tables(results) == ""
+    assert "## XGBoost" not in report.markdown(results)
+
+
+def test_every_server_gets_the_same_xgboost_model_file_its_own_way(tmp_path: Path) -> None:
+    import json
+
+    model_file = tmp_path / "xgb" / "model.json"
+    load_ = servers.Workload(1000, tmp_path / "burn.count", xgb_model=model_file)
+    seen = {}
+    for key in ("poolserve", "kserve", "mlserver-2"):
+        spec = servers.spec(key)
+        assert report.XGB in spec.models
+        venvs = {spec.venv: tmp_path / "python"} if spec.venv else {}
+        ctx = servers.Context(tmp_path / key, 50051, load_, servers.Layout(spec.models), venvs)
+        spec.build(spec, ctx)
+        seen[key] = json.loads(
+            (tmp_path / key / "repo" / "xgb" / "model-settings.json").read_text()
+        )
+    for settings in seen.values():
+        assert settings["inputs"] == [servers.XGB_TENSOR] and servers.XGB_TENSOR["shape"] == [1, 20]
+        assert settings["outputs"] == [servers.XGB_OUTPUT]
+    assert seen["poolserve"]["implementation"] == "model.XGBoostModel"
+    assert seen["poolserve"]["parameters"]["extra"] == {"model_file": str(model_file)}
+    assert seen["kserve"]["implementation"] == "kserve_server.XGBoostModel"
+    assert seen["mlserver-2"]["implementation"] == "mlserver_xgboost.XGBoostModel"
+    assert seen["mlserver-2"]["parameters"]["uri"] == str(model_file)
+    assert "xgb" not in servers.spec("mlserver-0").models
+    argv = perf.command(Path("/pa"), "127.0.0.1:1", "xgb", 16, 2000, Path("/tmp/x.csv"))
+    assert argv[argv.index("--shape") + 1] == "INPUT0:1,20"
+
+
+def test_peers_run_the_projects_xgboost_release() -> None:
+    from importlib import metadata
+
+    install = load("_bench_install", ROOT / "bench" / "install.py")
+    xgboost = f"xgboost-cpu=={metadata.version('xgboost-cpu')}"
+    mlserver = install.PEER_VENVS["mlserver"]()
+    assert xgboost in mlserver.packages
+    assert mlserver.no_deps == ("mlserver-xgboost==1.7.1",)  # not the GPU build of xgboost
+    assert "--no-deps mlserver-xgboost==1.7.1" in mlserver.wanted()
+    assert xgboost in install.PEER_VENVS["kserve"]().packages

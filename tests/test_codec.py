@@ -144,10 +144,24 @@ def test_inputs_round_trip_typed(datatype: str) -> None:
 def test_outputs_round_trip(datatype: str, raw: bool) -> None:
     sample = _sample(datatype)
     response = _respond({"out": sample}, raw=raw)
-    # FP16 has no typed field, so it is answered raw whatever the request used.
-    assert bool(response.raw_output_contents) == (raw or datatype == "FP16")
+    # Raw whatever form the request used: tritonclient reads raw_output_contents only.
+    assert len(response.raw_output_contents) == 1
+    assert not response.outputs[0].HasField("contents")
     assert response.outputs[0].datatype == datatype
     _assert_same(codec.decode_outputs(response)["out"], sample)
+
+
+@pytest.mark.parametrize("datatype", codec.DATATYPES)
+def test_outputs_follow_the_spec_layout_for_typed_requests(datatype: str) -> None:
+    """Checked against the spec, not against our own decoder: little-endian
+    row-major bytes; BYTES elements each behind a 4-byte little-endian length."""
+    sample = _sample(datatype)
+    [raw] = _respond({"out": sample}, raw=False).raw_output_contents
+    if datatype == "BYTES":
+        expected = b"".join(struct.pack("<I", len(item)) + item for item in sample.ravel())
+    else:
+        expected = sample.astype(sample.dtype.newbyteorder("<")).tobytes(order="C")
+    assert raw == expected
 
 
 def test_typed_fp16_input_is_refused_client_side() -> None:
@@ -155,7 +169,7 @@ def test_typed_fp16_input_is_refused_client_side() -> None:
         _request({"h": np.zeros(2, dtype=np.float16)}, raw=False)
 
 
-def test_typed_response_with_fp16_is_raw_for_every_output() -> None:
+def test_typed_request_gets_every_output_raw() -> None:
     outputs: dict[str, npt.NDArray[Any]] = {
         "a": np.arange(3, dtype=np.int32),
         "h": np.ones(2, dtype=np.float16),
@@ -231,7 +245,7 @@ def test_all_outputs_in_model_order_when_none_requested(raw: bool) -> None:
 def test_requested_outputs_filter_and_order(raw: bool) -> None:
     response = _respond(_outputs(), raw=raw, requested=("c", "a"))
     assert [output.name for output in response.outputs] == ["c", "a"]
-    assert len(response.raw_output_contents) == (2 if raw else 0)
+    assert len(response.raw_output_contents) == 2
     decoded = codec.decode_outputs(response)
     assert list(decoded) == ["c", "a"]
     assert decoded["c"].tolist() == [2, 2]
@@ -490,3 +504,60 @@ def test_property_raw_size_mismatch_is_invalid(array: npt.NDArray[Any], extra: b
             codec.decode_inputs(request)
     else:
         _assert_same(codec.decode_inputs(request)["t"], array)
+
+
+# --- shared memory and long names ---------------------------------------------
+
+
+def _in_region(tensor: pb.ModelInferRequest.InferInputTensor, region: str = "r0") -> Any:
+    tensor.parameters["shared_memory_region"].string_param = region
+    tensor.parameters["shared_memory_byte_size"].int64_param = 8
+    return tensor
+
+
+@pytest.mark.parametrize("order", ["region first", "region last", "region between"])
+def test_an_input_in_shared_memory_takes_no_raw_entry_and_is_named(order: str) -> None:
+    """Raw entries belong to the inputs that carry bytes, in order: the input that
+    names a region is the one refused, never a neighbour blamed for its entry."""
+    shm = _in_region(_tensor(name="in_shm", shape=(3,)))
+    a, b = _tensor(name="a"), _tensor(name="b", datatype="INT32")
+    inputs = {
+        "region first": [shm, a, b],
+        "region last": [a, b, shm],
+        "region between": [a, shm, b],
+    }[order]
+    request = pb.ModelInferRequest(
+        inputs=inputs, raw_input_contents=[struct.pack("<2f", 1, 2), struct.pack("<2i", 3, 4)]
+    )
+    with pytest.raises(InvalidInput) as caught:
+        codec.decode_inputs(_wire(request))
+    message = caught.value.message
+    assert message.startswith("input 'in_shm' names shared-memory region 'r0'"), message
+    assert "not supported yet" in message
+    assert "'a'" not in message and "'b'" not in message
+
+
+def test_an_input_in_shared_memory_is_named_in_a_typed_request() -> None:
+    typed = _tensor(name="a", fp32_contents=[1, 2])
+    request = pb.ModelInferRequest(inputs=[typed, _in_region(_tensor(name="in_shm"))])
+    with pytest.raises(InvalidInput, match=r"^input 'in_shm' names shared-memory region"):
+        codec.decode_inputs(_wire(request))
+
+
+def test_raw_entries_are_counted_without_the_inputs_in_shared_memory() -> None:
+    request = pb.ModelInferRequest(
+        inputs=[_in_region(_tensor(name="in_shm")), _tensor(name="a"), _tensor(name="b")],
+        raw_input_contents=[b"\0" * 8],
+    )
+    with pytest.raises(InvalidInput, match=r"^input 'b' has no raw contents entry: 2 inputs"):
+        codec.decode_inputs(_wire(request))
+
+
+def test_long_client_names_are_cut_in_messages() -> None:
+    name = "n" * (1 << 20)
+    request = pb.ModelInferRequest(inputs=[_tensor(name=name, datatype="X" * (1 << 20))])
+    with pytest.raises(InvalidInput) as caught:
+        codec.decode_inputs(_wire(request))
+    message = caught.value.message
+    assert len(message) < 1000
+    assert f"input '{'n' * 200}...[{1 << 20} characters]'" in message

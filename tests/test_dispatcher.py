@@ -18,6 +18,7 @@ from poolserve.service.frames import (
     ReplyBuffer,
     error_frame,
     heartbeat_frame,
+    ready_frame,
     reply_frame,
 )
 from poolserve.service.stats import Timings
@@ -35,8 +36,11 @@ class FakeWorker:
         self.writer: asyncio.StreamWriter | None = None
         FAKES.append(self)
 
-    async def connect(self) -> None:
+    async def connect(self, ready: bool = True) -> None:
+        """Connects; ``ready``: passes its self-test at once (the READY frame)."""
         self.reader, self.writer = await asyncio.open_connection(sock=self.sock)
+        if ready:
+            self.writer.write(ready_frame(b'{"raised": {}}'))
 
     async def receive(self) -> tuple[int, bytes]:
         assert self.reader is not None

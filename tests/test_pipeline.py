@@ -134,10 +134,12 @@ def test_tritonclient_infers_every_model(served: Serving) -> None:
         result = report["models"][model]["infer"]
         assert result["raw_outputs"] == ["OUTPUT0"]
         assert result["typed_outputs"] == ["OUTPUT0"]
-        assert result["typed_is_typed"]
+        assert result["typed_reads_as_raw"], model
     iris = report["models"]["iris"]["infer"]
     assert "predict" in iris["raw_outputs"]
     assert "predict" in iris["typed_outputs"]
+    assert iris["typed_reads_as_raw"]
+    assert report["model_ready"] == {"echo": True, "no-such-model": False}
 
 
 def test_many_channels_each_call_gets_its_own_answer(served: Serving) -> None:

@@ -193,14 +193,18 @@ def test_pool_socket_directly(ready_server: Serving) -> None:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize(
-    "check",
-    [["--service", "no-such-service"], ["--model", "no-such-model"]],
-)
-def test_unknown_names_are_rpc_failures(ready_server: Serving, check: list[str]) -> None:
-    proc = run_probe("--addr", ready_server.address, *check, *SLOW_OK)
+def test_an_unknown_service_is_an_rpc_failure(ready_server: Serving) -> None:
+    proc = run_probe("--addr", ready_server.address, "--service", "no-such-service", *SLOW_OK)
     assert_code(proc, EXIT_RPC_FAILURE)
     assert "NOT_FOUND" in proc.stderr
+
+
+@pytest.mark.e2e
+def test_an_unknown_model_is_not_ready(ready_server: Serving) -> None:
+    """ModelReady answers ready=false for a model that does not exist, as Triton does."""
+    proc = run_probe("--addr", ready_server.address, "--model", "no-such-model", *SLOW_OK)
+    assert_code(proc, EXIT_UNHEALTHY)
+    assert "NOT_READY" in proc.stderr
 
 
 # -- a tree with a model whose load() raises: 4 ----------------------------------

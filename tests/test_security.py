@@ -253,13 +253,32 @@ def test_model_control_false_refuses_load_and_unload(tmp_path: Path) -> None:
     assert not (markers / "late").exists()
 
 
-def test_a_loose_run_dir_is_made_private(tmp_path: Path) -> None:
+def test_a_loose_run_dir_is_refused_not_chmod_ed(tmp_path: Path) -> None:
+    """Others could have prepared what is in it: refused like ssh-agent does,
+    rather than made private (issue 21, section 5)."""
     run_dir = tmp_path / "run"
     run_dir.mkdir(mode=0o755)
     run_dir.chmod(0o777)
     repo = make_repo(tmp_path / "repo", {"echo": None})
-    with Tree(repo, run_dir, workers=1) as tree:
-        assert stat.S_IMODE(tree.run_dir.stat().st_mode) == 0o700
+    argv = [
+        str(BIN / "poolserve"),
+        "serve",
+        str(repo),
+        "--grpc-port",
+        "0",
+        "--run-dir",
+        str(run_dir),
+    ]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    finally:
+        stray = pids_with_arg(str(run_dir))
+        kill_pids(stray)
+        wait_gone(stray, 10)
+    assert done.returncode == 2, done.stderr
+    assert str(run_dir) in done.stderr and "0777" in done.stderr
+    assert stat.S_IMODE(run_dir.stat().st_mode) == 0o777
+    assert list(run_dir.iterdir()) == []
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to make a directory someone else's")

@@ -43,7 +43,20 @@ def test_layering_file_then_env_then_flags(tmp_path: Path) -> None:
         ('{"grpc_port": 70000}', "grpc_port"),
         ('{"no_such_field": 1}', "no_such_field"),
         ('{"pools": {"a/b": {"workers": 1}}}', "pools.a/b"),
-        ('{"pools": {"x": {"workers": 0}}}', "pools.x.workers"),
+        ('{"pools": {"x": {"workers": -1}}}', "pools.x.workers"),
+        ('{"pools": {"x": {"workers": true}}}', "pools.x.workers"),
+        # Values each valid in form that break serving (issue 21, section 5).
+        ('{"default_timeout_s": NaN}', "default_timeout_s"),
+        ('{"default_timeout_s": Infinity}', "default_timeout_s"),
+        ('{"default_timeout_s": -1}', "default_timeout_s"),
+        ('{"default_timeout_s": 0}', "default_timeout_s"),
+        ('{"stop_grace_s": Infinity}', "stop_grace_s"),
+        ('{"deadline_margin_ms": NaN}', "deadline_margin_ms"),
+        ('{"heartbeat_timeout_s": 0}', "heartbeat_timeout_s"),
+        ('{"heartbeat_interval_s": 0}', "heartbeat_interval_s"),
+        ('{"heartbeat_timeout_s": 1, "heartbeat_interval_s": 1}', "heartbeat_timeout_s"),
+        ('{"heartbeat_timeout_s": 0.5}', "heartbeat_timeout_s"),
+        ('{"deadline_margin_ms": 2000, "default_timeout_s": 2}', "deadline_margin_ms"),
         ("[]", "(file)"),
     ],
 )
@@ -53,6 +66,35 @@ def test_invalid_settings_name_file_and_field(tmp_path: Path, content: str, fiel
         load_server_settings(tmp_path, environ={})
     assert info.value.field_name == field
     assert str(tmp_path / "settings.json") in str(info.value)
+
+
+@pytest.mark.parametrize("raw", ["nan", "inf", "-inf", "-1", "0"])
+def test_a_default_timeout_that_fails_every_call_is_refused_from_the_environment(
+    tmp_path: Path, raw: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_server_settings(tmp_path, environ={"POOLSERVE_DEFAULT_TIMEOUT_S": raw})
+    assert info.value.field_name == "default_timeout_s"
+
+
+def test_a_heartbeat_pair_names_the_layer_that_broke_it(tmp_path: Path) -> None:
+    (tmp_path / "settings.json").write_text(json.dumps({"heartbeat_interval_s": 1}))
+    with pytest.raises(ConfigError) as info:
+        load_server_settings(tmp_path, environ={"POOLSERVE_HEARTBEAT_TIMEOUT_S": "1.5"})
+    assert (info.value.source, info.value.field_name) == (
+        "POOLSERVE_HEARTBEAT_TIMEOUT_S",
+        "heartbeat_timeout_s",
+    )
+    assert "2 x heartbeat_interval_s" in info.value.problem
+    ok = load_server_settings(tmp_path, environ={"POOLSERVE_HEARTBEAT_TIMEOUT_S": "2"})
+    assert (ok.heartbeat_interval_s, ok.heartbeat_timeout_s) == (1.0, 2.0)
+
+
+def test_zero_workers_is_accepted_for_the_server_and_for_one_pool(tmp_path: Path) -> None:
+    # 0 workers: the pool runs its models inline (tests/test_run_dir_e2e.py serves with it).
+    (tmp_path / "settings.json").write_text(json.dumps({"pools": {"light": {"workers": 0}}}))
+    s = load_server_settings(tmp_path, environ={}, flags={"parallel_workers": 0})
+    assert (s.workers_for("light"), s.workers_for("other")) == (0, 0)
 
 
 def test_invalid_env_value(tmp_path: Path) -> None:

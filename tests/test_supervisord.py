@@ -396,6 +396,8 @@ def test_generated_config_as_supervisord_reads_it(tmp_path: Path) -> None:
         assert process.stopwaitsecs > 10
         assert process.startsecs > 0
         assert 2 in process.exitcodes
+        # A pool that cannot work (exit 3: its socket is another live pool's) is not restarted.
+        assert (3 in process.exitcodes) == (not is_router)
     assert POOL_PRIORITY < ROUTER_PRIORITY, "pools start first; the router stops first"
 
 

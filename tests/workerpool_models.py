@@ -118,3 +118,49 @@ def load_with_thread(name: str) -> dict[str, Any]:
 
     threading.Thread(target=threading.Event().wait, daemon=True).start()
     return load_counter(name)
+
+
+def threads_seen(model: dict[str, Any]) -> dict[str, Any]:
+    """The thread variables a worker runs with, and what numpy's BLAS reports."""
+    from threadpoolctl import threadpool_info
+
+    blas = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+    names = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+    return {"env": {n: os.environ.get(n) for n in names}, "blas": blas}
+
+
+def load_thread_pool(name: str) -> dict[str, Any]:
+    """A thread pool started in load, and one prediction through it (a warm-up).
+
+    Forked workers inherit the queue but not the thread: their first call
+    through it waits forever, as libgomp's do after a fork.
+    """
+    import queue
+    import threading
+
+    jobs: queue.Queue[tuple[float, queue.Queue[float]]] = queue.Queue()
+
+    def serve() -> None:
+        while True:
+            value, done = jobs.get()
+            done.put(value * 2)
+
+    threading.Thread(target=serve, daemon=True).start()
+    model = {"name": name, "jobs": jobs}
+    via_thread(model, 1.0)
+    return model
+
+
+def via_thread(model: dict[str, Any], value: float) -> float:
+    import queue
+
+    done: queue.Queue[float] = queue.Queue()
+    model["jobs"].put((value, done))
+    return done.get()
+
+
+def c_sleep(model: dict[str, Any], seconds: int) -> None:
+    """Blocks in C with the GIL released (the heartbeat thread keeps beating)."""
+    import ctypes
+
+    ctypes.CDLL(None).sleep(seconds)

@@ -71,8 +71,8 @@ class BenchModel(kserve.Model):
     def get_output_types(self) -> list[dict[str, Any]]:
         return self.outputs
 
-    def respond(self, payload: InferRequest, y: np.ndarray) -> InferResponse:
-        out = InferOutput("OUTPUT0", shape=list(y.shape), datatype="FP32", data=y)
+    def respond(self, payload: InferRequest, y: np.ndarray, name: str = "OUTPUT0") -> InferResponse:
+        out = InferOutput(name, shape=list(y.shape), datatype="FP32", data=y)
         return InferResponse(response_id=payload.id, model_name=self.name, infer_outputs=[out])
 
 
@@ -107,7 +107,33 @@ class BigModel(BenchModel):
         return self.respond(payload, x + np.float32(self.table[x.size]))
 
 
-CLASSES = {"EchoModel": EchoModel, "BurnModel": BurnModel, "BigModel": BigModel}
+class XGBoostModel(BenchModel):
+    """KServe's own XGBoost server's model code (kserve/python/xgbserver, not on PyPI): a
+    Booster with nthread 1 (xgbserver's default --nthread), a DMatrix per request."""
+
+    nthread = 1
+
+    def load(self) -> bool:
+        import xgboost
+
+        self.xgboost = xgboost
+        self.booster = xgboost.Booster(
+            params={"nthread": self.nthread}, model_file=str(self.extra["model_file"])
+        )
+        return super().load()
+
+    def predict(self, payload: InferRequest, headers: dict[str, str] | None = None) -> Any:
+        x = payload.inputs[0].as_numpy()
+        y = self.booster.predict(self.xgboost.DMatrix(x, nthread=self.nthread))
+        return self.respond(payload, np.asarray(y, np.float32), workload.XGB_OUTPUT)
+
+
+CLASSES = {
+    "EchoModel": EchoModel,
+    "BurnModel": BurnModel,
+    "BigModel": BigModel,
+    "XGBoostModel": XGBoostModel,
+}
 
 
 # -- what the bench adds around KServe ------------------------------------------------------

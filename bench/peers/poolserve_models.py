@@ -42,3 +42,18 @@ class BigModel(Model):
     def predict(self, inputs: dict[str, Array], parameters: dict[str, object]) -> dict[str, Array]:
         x = inputs["INPUT0"]
         return {"OUTPUT0": x + np.float32(self.table[x.size])}
+
+
+class XGBoostModel(Model):
+    """Written the way XGBoost's docs advise for one row at a time: a Booster and
+    inplace_predict (no DMatrix per request); one warm-up prediction in load()."""
+
+    def load(self) -> None:
+        import xgboost
+
+        self.booster = xgboost.Booster(model_file=str(self.settings.extra["model_file"]))
+        self.booster.inplace_predict(np.zeros((1, workload.XGB_FEATURES), np.float32))
+
+    def predict(self, inputs: dict[str, Array], parameters: dict[str, object]) -> dict[str, Array]:
+        y = self.booster.inplace_predict(inputs["INPUT0"])
+        return {workload.XGB_OUTPUT: np.asarray(y, np.float32)}

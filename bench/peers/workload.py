@@ -85,3 +85,23 @@ def calibrate(target_s: float = 0.020, probe: int = 200_000, repeat: int = 5) ->
 def measure(iterations: int, repeat: int = 7) -> float:
     """Median CPU seconds of one ``spin(iterations)``."""
     return statistics.median(cpu_seconds(iterations) for _ in range(repeat))
+
+
+# -- the XGBoost model (issue 22): one file, trained once per run, loaded by every server --
+
+XGB_FEATURES = 20
+XGB_TREES = 200
+XGB_OUTPUT = "predict"  # MLServer's XGBoost runtime names its output after the method
+
+
+def train_xgb(path: str) -> None:
+    """A regressor of ``XGB_TREES`` trees over ``XGB_FEATURES`` features, saved as JSON."""
+    import numpy as np
+    import xgboost
+
+    rng = np.random.default_rng(22)
+    x = rng.standard_normal((5000, XGB_FEATURES)).astype(np.float32)
+    y = x[:, 0] * x[:, 1] + np.sin(x[:, 2]) + 0.1 * rng.standard_normal(5000)
+    model = xgboost.XGBRegressor(n_estimators=XGB_TREES, max_depth=6, random_state=22)
+    model.fit(x, y)
+    model.save_model(path)

@@ -1,0 +1,47 @@
+"""The one place where errors become statuses: names cut, load failures named."""
+
+from __future__ import annotations
+
+import grpc
+
+from poolserve.service.catalog import Catalog
+from poolserve.service.errors import (
+    MAX_MESSAGE,
+    FailedPrecondition,
+    InvalidInput,
+    ModelNotFound,
+    clip,
+    grpc_status,
+    load_failed,
+)
+
+
+def test_clip_keeps_short_names_and_cuts_long_ones_saying_how_long() -> None:
+    assert clip("echo") == "echo"
+    assert clip("x" * 200) == "x" * 200
+    assert clip("x" * 201) == "x" * 200 + "...[201 characters]"
+
+
+def test_a_huge_model_name_gets_its_not_found_with_a_short_message() -> None:
+    name = "m" * (1 << 20)
+    try:
+        Catalog().lookup(name)
+    except ModelNotFound as exc:
+        code, message = grpc_status(exc)
+    assert code is grpc.StatusCode.NOT_FOUND
+    assert message == f"model '{'m' * 200}...[{1 << 20} characters]' is not in this repository"
+
+
+def test_every_status_message_is_bounded() -> None:
+    code, message = grpc_status(InvalidInput("x" * 100_000))
+    assert code is grpc.StatusCode.INVALID_ARGUMENT
+    assert len(message) <= MAX_MESSAGE + 30
+
+
+def test_load_failures_start_like_tritons_and_keep_their_code() -> None:
+    error = load_failed("echo", FailedPrecondition("model 'echo' has invalid settings"))
+    assert isinstance(error, FailedPrecondition)
+    assert error.message == "failed to load 'echo': model 'echo' has invalid settings"
+    assert load_failed("echo", error) is error  # said once, however many layers pass it on
+    long = load_failed("n" * 5000, ModelNotFound("no such model"))
+    assert long.message.startswith(f"failed to load '{'n' * 200}...[5000 characters]': ")

@@ -1,0 +1,135 @@
+"""threads_per_worker: the runtimes' thread variables, set before model code loads."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+
+from poolserve.protos import inference_pb2 as pb
+from poolserve.protos import inference_pb2_grpc as pbg
+from poolserve.service.codec import decode_outputs
+from poolserve.service.settings import ConfigError, ServerSettings, apply_overrides
+from poolserve.service.threads import THREAD_VARIABLES, limit_native_threads, thread_environment
+
+from serving import Serving, wait_serving
+from support import write_model
+
+
+def test_thread_environment_sets_every_variable_but_keeps_the_users() -> None:
+    env = {"OMP_NUM_THREADS": "4", "PATH": "/bin"}
+    kept = thread_environment(1, env)
+    assert kept == {"OMP_NUM_THREADS": "4"}
+    assert env["OMP_NUM_THREADS"] == "4"
+    for name in THREAD_VARIABLES[1:]:
+        assert env[name] == "1"
+
+
+def test_a_variable_the_user_set_wins_with_a_log_line(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    for name in THREAD_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MKL_NUM_THREADS", "3")
+    with caplog.at_level(logging.INFO, logger="poolserve.service.threads"):
+        limit_native_threads(2, "pool test")
+    assert os.environ["OMP_NUM_THREADS"] == "2"
+    assert os.environ["MKL_NUM_THREADS"] == "3"
+    assert "MKL_NUM_THREADS=3 from the environment wins over threads_per_worker=2" in caplog.text
+
+
+CHECK_EARLY_NUMPY = """
+import json, os
+import numpy  # OpenBLAS starts its threads now, as numpy reads OPENBLAS_NUM_THREADS=2
+from threadpoolctl import threadpool_info
+del os.environ["OPENBLAS_NUM_THREADS"]  # as if numpy came first, with no variable set
+before = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+from poolserve.service.threads import limit_native_threads
+limit_native_threads(1, "test")
+after = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+print(json.dumps({"before": before, "after": after, "env": os.environ["OPENBLAS_NUM_THREADS"]}))
+"""
+
+
+def test_blas_loaded_before_the_variables_is_limited_through_its_setter() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in THREAD_VARIABLES}
+    env["OPENBLAS_NUM_THREADS"] = "2"
+    proc = subprocess.run(
+        [sys.executable, "-c", CHECK_EARLY_NUMPY],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["before"] == [2], seen
+    assert seen["after"] == [1], seen
+    assert seen["env"] == "1"
+
+
+def test_threads_per_worker_settings_are_checked() -> None:
+    settings = apply_overrides(
+        ServerSettings(),
+        {"threads_per_worker": 2, "pools": {"heavy": {"threads_per_worker": 4}}},
+        "settings.json",
+    )
+    assert settings.threads_for("heavy") == 4
+    assert settings.threads_for("default") == 2
+    with pytest.raises(ConfigError, match="threads_per_worker"):
+        apply_overrides(ServerSettings(), {"threads_per_worker": 0}, "settings.json")
+    with pytest.raises(ConfigError, match=r"pools\.x\.threads_per_worker"):
+        apply_overrides(ServerSettings(), {"pools": {"x": {"threads_per_worker": "2"}}}, "s")
+    with pytest.raises(ConfigError, match="start_method"):
+        apply_overrides(ServerSettings(), {"start_method": "forkserver"}, "settings.json")
+
+
+THREADS_MODEL = """
+import os
+
+import numpy as np
+from threadpoolctl import threadpool_info
+
+from poolserve.service import Model
+
+
+class Threads(Model):
+    def predict(self, inputs, parameters):
+        blas = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+        return {"OUTPUT0": np.array([int(os.environ["OMP_NUM_THREADS"]), *blas], np.int64)}
+"""
+
+
+@pytest.mark.e2e
+def test_workers_and_inline_models_run_with_the_pools_thread_count(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    (repo).mkdir()
+    (repo / "settings.json").write_text(json.dumps({"pools": {"p": {"threads_per_worker": 2}}}))
+    for name, extra in (("forked", {}), ("inline", {"parallel_workers": 0})):
+        params = {"inference_pool_gid": "p"}
+        write_model(repo, name, {"implementation": "model.Threads", "parameters": params, **extra},
+                    THREADS_MODEL)  # fmt: skip
+    write_model(repo, "other", {"implementation": "model.Threads"}, THREADS_MODEL)
+    env = {k: v for k, v in os.environ.items() if k not in THREAD_VARIABLES}
+
+    async def main() -> dict[str, list[int]]:
+        async with grpc.aio.insecure_channel(serving.address) as channel:
+            await wait_serving(channel)
+            stub = pbg.GRPCInferenceServiceStub(channel)
+            seen = {}
+            for name in ("forked", "inline", "other"):
+                reply = await stub.ModelInfer(pb.ModelInferRequest(model_name=name), timeout=30)
+                seen[name] = decode_outputs(reply)["OUTPUT0"].tolist()
+            return seen
+
+    with Serving(repo, tmp_path / "run", workers=1, env_replace=env) as serving:
+        seen = asyncio.run(main())
+    # OMP_NUM_THREADS, then numpy's OpenBLAS threads: the pool's setting, the default elsewhere
+    assert seen == {"forked": [2, 2], "inline": [2, 2], "other": [1, 1]}
