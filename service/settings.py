@@ -139,9 +139,19 @@ _FLOAT_FIELDS = {
     "warmup_timeout_s",
     "abandon_grace_s",
 }
-# Float fields that must be above zero (the others may be 0): a default
-# deadline of 0 fails every call, a heartbeat of 0 kills every worker.
-_POSITIVE_FIELDS = {"default_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s"}
+# Float fields that must be above zero (in the others 0 means "off" or "at
+# once"): a default deadline of 0 fails every call, a heartbeat of 0 kills every
+# worker, a handshake timeout of 0 closes every connection, a warm-up limit of
+# 0 marks every model failed, a keepalive of 0 pings or drops every connection.
+_POSITIVE_FIELDS = {
+    "default_timeout_s",
+    "heartbeat_interval_s",
+    "heartbeat_timeout_s",
+    "handshake_timeout_s",
+    "keepalive_time_s",
+    "keepalive_timeout_s",
+    "warmup_timeout_s",
+}
 HEARTBEAT_MISSES = 2  # heartbeat_timeout_s spans at least this many intervals
 _BOOL_FIELDS = {"reject_hopeless", "model_control"}
 _STR_FIELDS = {
