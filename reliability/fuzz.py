@@ -5,7 +5,8 @@
 
 Raw bytes go through ``channel.unary_unary(...)`` with no stubs: crafted
 attacks, mutants of valid requests and noise. Every answer must be the
-in-process oracle's (:mod:`fuzzing`): INVALID_ARGUMENT for malformed input,
+in-process oracle's (:mod:`fuzzing`) and, where it judges, the oracle written
+from the protocol (:mod:`spec_oracle`): INVALID_ARGUMENT for malformed input,
 NOT_FOUND for a well-formed unknown model, RESOURCE_EXHAUSTED for size, OK
 with the exact reply for what is valid. Also: other methods with garbage,
 unknown methods (UNIMPLEMENTED), no process dies (the PIDs are the same
@@ -31,6 +32,7 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import spec_oracle
 from fuzzing import Oracle, crafted, random_inputs
 from fuzzing import field as wire_field
 from harness import (
@@ -69,6 +71,8 @@ class Report:
     crafted: int = 0
     codes: dict[str, int] = field(default_factory=dict)
     mismatches: list[str] = field(default_factory=list)
+    spec_checked: int = 0  # inputs the independent oracle judged (it abstains on the rest)
+    spec_ok: int = 0
     other_methods: dict[str, str] = field(default_factory=dict)
     unknown_methods: dict[str, str] = field(default_factory=dict)
     pids_same: bool = True
@@ -118,11 +122,18 @@ async def fuzz_infer(
             want = oracle.expect(body)
             report.codes[code] = report.codes.get(code, 0) + 1
             report.inputs += 1
+            shown = f"bytes {body[:48].hex()}{'...' if len(body) > 48 else ''}"
             if code != want.code or (code == "OK" and reply != want.reply):
                 report.mismatches.append(
-                    f"{name}: got {code} ({details[:80]}), expected {want.code}; "
-                    f"bytes {body[:48].hex()}{'...' if len(body) > 48 else ''}"
+                    f"{name}: got {code} ({details[:80]}), expected {want.code}; {shown}"
                 )
+            verdict = spec_oracle.predict(body, LIMIT)
+            if verdict is not None:
+                report.spec_checked += 1
+                report.spec_ok += verdict.code == "OK"
+                differs = spec_oracle.disagreement(verdict, code, reply)
+                if differs:
+                    report.mismatches.append(f"{name}: {differs} ({details[:80]}); {shown}")
 
     await asyncio.gather(*(lane() for _ in range(concurrency)))
 
@@ -205,7 +216,11 @@ def print_report(report: Report) -> None:
         f"fuzz: {r.inputs} ModelInfer inputs ({r.crafted} crafted) in {r.wall_s:.1f} s: "
         f"{json.dumps(r.codes, sort_keys=True)}"
     )
-    print(f"  answers that differ from the in-process oracle: {len(r.mismatches)}")
+    print(
+        f"  answers that differ from the in-process oracle or the spec oracle: "
+        f"{len(r.mismatches)}; the spec oracle judged {r.spec_checked} inputs "
+        f"({r.spec_ok} OK with their tensors decoded, {r.spec_checked - r.spec_ok} invalid)"
+    )
     other = Counter(v.split()[0] for v in r.other_methods.values())
     print(f"  garbage to {len(OTHER_METHODS)} other methods: {dict(other)}")
     print(f"  unknown methods: {dict(Counter(r.unknown_methods.values()))}")

@@ -26,6 +26,7 @@ from poolserve.service.errors import ServingError, grpc_status
 from poolserve.service.inference import infer
 from poolserve.service.model import Model, instantiate
 from poolserve.service.repository import parse_model_settings
+from poolserve.service.schedule import schedule
 from poolserve.service.wire import peek_model, peek_routing
 
 DATATYPES = (
@@ -358,12 +359,14 @@ class Oracle:
             name, version = peek_model(body)
             if name not in self.served:
                 return Expected("NOT_FOUND")
-            peek_routing(body)
+            routing = peek_routing(body)
             if version and version != "1":
                 return Expected("NOT_FOUND")
             model = self.models.get(name)
             if model is None:
                 return Expected("?")  # not modelled: callers send echo only
+            levels = model.settings.priority
+            schedule(name, levels, routing.priority, routing.timeout_us, 60.0, 0.0)
             reply, _ = infer(model, body)
         except ServingError as exc:
             return Expected(grpc_status(exc)[0].name)

@@ -24,6 +24,7 @@ that hangs in it is killed; its death names the model it was warming up.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import enum
 import heapq
@@ -83,6 +84,7 @@ class Job:
     retried: bool = False
     overtime: asyncio.TimerHandle | None = None
     worker: Worker | None = None  # the worker it runs on (RUNNING, ABANDONED)
+    key: float = 0.0  # its place in the queue among its priority (see _order_key)
 
 
 @dataclass(slots=True)
@@ -165,8 +167,7 @@ class Dispatcher:
         self._on_worker_gone = on_worker_gone
         self._on_worker_ready = on_worker_ready
         self._warmup_noted: set[str] = set()  # models whose warm-up raised, logged once
-        self._heap: list[tuple[int, float, int, Job]] = []
-        self._queued = 0
+        self._queue = JobQueue(max_queue, f"pool '{name}'")
         self._idle: deque[Worker] = deque()
         self._workers: dict[int, Worker] = {}
         self._dead: dict[int, Worker] = {}
@@ -246,7 +247,7 @@ class Dispatcher:
         )
 
     def queue_depth(self) -> int:
-        return self._queued
+        return len(self._queue)
 
     def workers(self) -> list[Worker]:
         return list(self._workers.values())
@@ -262,7 +263,16 @@ class Dispatcher:
         idempotent: bool = True,
         tag: str = "",
         timeout: float | None = None,
+        precision: float = 0.0,
     ) -> Result:
+        """Runs ``body`` on a worker before ``deadline`` (loop time).
+
+        The queue serves the lowest ``priority`` first, then the earliest
+        deadline, then the earliest arrival; a deadline within ``precision`` of
+        one queued earlier counts as equal to it (deadlines that travelled as
+        gRPC timeouts are that coarse), so calls with equal timeouts run in the
+        order they came.
+        """
         if self._refusal is not None:
             raise self._refusal
         loop = asyncio.get_running_loop()
@@ -284,10 +294,10 @@ class Dispatcher:
             timeout,
         )
         job.enqueued = now
-        if self._idle and not self._queued:
+        if self._idle and not self._queue:
             self._start(self._idle.pop(), job)
         else:
-            self._enqueue(job)
+            self._queue.push(job, precision)
         timer = loop.call_at(deadline, self._expire, job)
         try:
             return await job.future
@@ -295,22 +305,10 @@ class Dispatcher:
             timer.cancel()
             self._abandon(job, "it was cancelled")
 
-    def _enqueue(self, job: Job) -> None:
-        if self._queued >= self.max_queue:
-            raise QueueFull(f"pool '{self.name}' queue is full ({self.max_queue} requests waiting)")
-        heapq.heappush(self._heap, (job.priority, job.deadline, job.seq, job))
-        self._queued += 1
-        if len(self._heap) > 2 * self.max_queue + 64:
-            self._compact()
-
-    def _compact(self) -> None:
-        self._heap = [e for e in self._heap if e[3].state is JobState.QUEUED]
-        heapq.heapify(self._heap)
-
     def _abandon(self, job: Job, why: str) -> None:
         """The caller is gone (result, deadline or cancel): no one will read a reply."""
         if job.state is JobState.QUEUED:
-            self._queued -= 1
+            self._queue.remove(job)
             job.state = JobState.ABANDONED
         elif job.state is JobState.RUNNING:
             job.state = JobState.ABANDONED
@@ -364,11 +362,7 @@ class Dispatcher:
         and make the jobs behind it late too.
         """
         now = asyncio.get_running_loop().time()
-        while self._heap:
-            job = heapq.heappop(self._heap)[3]
-            if job.state is not JobState.QUEUED:
-                continue
-            self._queued -= 1
+        while (job := self._queue.pop()) is not None:
             needs = self._service_s.get(job.tag)
             if needs is not None:
                 # room for the reply's trip back and for a slower run than usual
@@ -663,8 +657,8 @@ class Dispatcher:
             job.overtime = None
         job.retried = True
         job.state = JobState.QUEUED
-        heapq.heappush(self._heap, (RETRY_PRIORITY, job.deadline, job.seq, job))
-        self._queued += 1
+        job.priority = RETRY_PRIORITY
+        self._queue.push(job, 0.0, bounded=False)
         if self._idle:
             worker = self._idle.pop()
             next_job = self._next_job()
@@ -685,6 +679,72 @@ class Dispatcher:
             worker.transport.close()
         else:
             worker.retiring = True
+
+
+class JobQueue:
+    """Jobs waiting to run: by priority (lowest first), then deadline, then arrival.
+
+    A job leaves it by :meth:`pop` or :meth:`remove`; removal is lazy in the
+    heap (a job that is no longer QUEUED is skipped when it comes up).
+    """
+
+    def __init__(self, limit: int, where: str) -> None:
+        self.limit = limit
+        self.where = where
+        self._heap: list[tuple[int, float, int, Job]] = []
+        self._keys: dict[int, list[float]] = {}  # per priority: queued jobs' keys, sorted
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def push(self, job: Job, precision: float, bounded: bool = True) -> None:
+        """Queues ``job``, QueueFull past the limit; see :func:`_order_key` for ``precision``."""
+        if bounded and self._count >= self.limit:
+            raise QueueFull(f"{self.where} queue is full ({self.limit} requests waiting)")
+        keys = self._keys.setdefault(job.priority, [])
+        job.key = _order_key(keys, job.deadline, precision)
+        bisect.insort(keys, job.key)
+        heapq.heappush(self._heap, (job.priority, job.key, job.seq, job))
+        self._count += 1
+        if len(self._heap) > 2 * self.limit + 64:
+            self._heap = [e for e in self._heap if e[3].state is JobState.QUEUED]
+            heapq.heapify(self._heap)
+
+    def pop(self) -> Job | None:
+        """The first queued job, out of the queue (still in state QUEUED)."""
+        while self._heap:
+            job = heapq.heappop(self._heap)[3]
+            if job.state is JobState.QUEUED:
+                self._forget(job)
+                return job
+        return None
+
+    def remove(self, job: Job) -> None:
+        """A queued job leaves for good (the caller sets its new state)."""
+        self._forget(job)
+
+    def _forget(self, job: Job) -> None:
+        self._count -= 1
+        keys = self._keys[job.priority]
+        del keys[bisect.bisect_left(keys, job.key)]
+        if not keys:
+            del self._keys[job.priority]
+
+
+def _order_key(keys: list[float], deadline: float, precision: float) -> float:
+    """A job's place among the sorted keys of its priority's queued jobs: its
+    deadline, or the latest queued key at most ``precision`` after it.
+
+    The later of two deadlines closer than their precision may be the earlier
+    call's (see poolserve.service.schedule), so the newcomer takes that key and
+    the sequence number puts it behind; a key is never more than ``precision``
+    past its deadline, and the expiry timer keeps the deadline itself.
+    """
+    if precision <= 0.0 or not keys:
+        return deadline
+    i = bisect.bisect_right(keys, deadline + precision)
+    return keys[i - 1] if i and keys[i - 1] > deadline else deadline
 
 
 class _WorkerLink(asyncio.Protocol):

@@ -108,6 +108,11 @@ class Cancelled(ServingError):
 class MessageTooLarge(ServingError):
     failure = Failure.TOO_LARGE
 
+    @classmethod
+    def reply(cls, model: str, size: int, limit: int) -> MessageTooLarge:
+        """A model's reply that gRPC would refuse to send: said here, clearly."""
+        return cls(f"model '{model}' replied {size} bytes, over max_message_size ({limit} bytes)")
+
 
 class ModelError(ServingError):
     """A model's own code raised: INTERNAL with the exception type and message."""

@@ -6,13 +6,22 @@ costs more than the model. A model whose settings say ``"parallel_workers":
 runs on the event loop only if it is declared fast (``inline_fast = True`` on
 the class, or ``parameters.extra.inline_fast``); otherwise on one thread of
 its own, so a slow inline model cannot stall the pool's dispatcher or the
-other models. Deadlines, cancellation and statistics behave as for worker
-models: expired or cancelled work never starts.
+other models.
+
+The pool's promises hold for them as for worker models: calls waiting for a
+model's thread sit in a queue of their own, bounded by ``max_queue``
+(RESOURCE_EXHAUSTED beyond it) and ordered as the dispatcher's (priority,
+then deadline, then arrival); a call whose deadline passes while it waits is
+answered at that moment and never runs; a cancelled call leaves the queue at
+once; a reply over ``max_message_size`` is refused here with a clear
+RESOURCE_EXHAUSTED, before gRPC could fail on it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -21,9 +30,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from poolserve.service.catalog import Catalog, ModelEntry, ModelState
-from poolserve.service.dispatcher import Result
-from poolserve.service.errors import DeadlineExceeded, ServingError
+from poolserve.service.dispatcher import Job, JobQueue, JobState, Result
+from poolserve.service.errors import (
+    DeadlineExceeded,
+    MessageTooLarge,
+    ServingError,
+    Unavailable,
+    as_serving_error,
+)
 from poolserve.service.repository import ModelSettings
+from poolserve.service.schedule import Schedule
 from poolserve.service.stats import Timings
 
 if TYPE_CHECKING:
@@ -33,6 +49,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+Ran = tuple[float, bytes, Timings]  # what the model's thread hands back: started, reply, timings
+
 
 def is_inline(settings: ModelSettings) -> bool:
     return settings.parallel_workers == 0
@@ -41,8 +59,10 @@ def is_inline(settings: ModelSettings) -> bool:
 @dataclass(eq=False)
 class _Inline:
     model: Model
-    fast: bool
-    thread: ThreadPoolExecutor | None
+    thread: ThreadPoolExecutor | None  # None: declared fast, runs on the event loop
+    queue: JobQueue
+    running: Job | None = None
+    retired: bool = False  # unloaded or replaced: ends its thread once its queue is empty
 
 
 def _declared_fast(model: Model) -> bool:
@@ -53,12 +73,26 @@ def _declared_fast(model: Model) -> bool:
 
 
 class InlineRunner:
-    def __init__(self, catalog: Catalog) -> None:
+    def __init__(
+        self,
+        catalog: Catalog,
+        pool: str = "",
+        max_queue: int = 1024,
+        max_message_size: int = 64 * 1024 * 1024,
+    ) -> None:
         self._catalog = catalog
         self._models: dict[str, _Inline] = {}
+        self.pool = pool
+        self.max_queue = max_queue
+        self.max_message_size = max_message_size
+        self._seq = itertools.count(1)
+        self.late_replies = 0
 
     def __contains__(self, name: object) -> bool:
         return name in self._models
+
+    def queue_depth(self) -> int:
+        return sum(len(inline.queue) for inline in self._models.values())
 
     async def load(self, models: Sequence[ModelSettings]) -> dict[str, str]:
         """Loads each model on its own thread; returns the failures by model name.
@@ -84,7 +118,10 @@ class InlineRunner:
             if fast:
                 thread.shutdown(wait=False)
             self.unload(settings.name)  # a reload replaces the previous one
-            self._models[settings.name] = _Inline(model, fast, None if fast else thread)
+            where = f"pool '{self.pool}' (inline model '{settings.name}')"
+            self._models[settings.name] = _Inline(
+                model, None if fast else thread, JobQueue(self.max_queue, where)
+            )
             mode = "on the event loop" if fast else "on its own thread"
             log.info("inline model %s loaded (runs %s)", settings.name, mode)
             from poolserve.service.model import tensor_specs
@@ -96,32 +133,107 @@ class InlineRunner:
         self,
         entry: ModelEntry,
         request: bytes,
-        deadline: float,
+        plan: Schedule,
         observe: Callable[[Result], None] | None,
     ) -> bytes:
         inline = self._models[entry.name]
         if inline.thread is None:
-            return self.infer_now(entry, request, deadline, observe)
+            return self.infer_now(entry, request, plan.deadline, observe)
         loop = asyncio.get_running_loop()
         enqueued = loop.time()
         try:
-            future = loop.run_in_executor(
-                inline.thread, _timed_run, inline.model, request, deadline
-            )
-            started, body, timings = await asyncio.wait_for(future, deadline - enqueued)
-        except TimeoutError:
-            entry.stats.record_failure(int((loop.time() - enqueued) * 1e9))
-            raise DeadlineExceeded(
-                f"deadline exceeded while model '{entry.name}' ran inline", stage="worker"
-            ) from None
+            result = await self._submit(inline, request, plan, enqueued)
+            body = self._checked(entry.name, result.body)
         except ServingError:
             entry.stats.record_failure(int((loop.time() - enqueued) * 1e9))
             raise
-        finished = loop.time()
-        queue_ns = int((started - enqueued) * 1e9)
-        entry.stats.record_success(queue_ns, timings, int((finished - enqueued) * 1e9))
+        entry.stats.record_success(
+            result.queue_ns, result.timings, int((result.finished - enqueued) * 1e9)
+        )
         if observe is not None:
-            observe(Result(body, timings, queue_ns, enqueued, started, finished))
+            observe(result)
+        return body
+
+    async def _submit(self, inline: _Inline, request: bytes, plan: Schedule, now: float) -> Result:
+        """As the dispatcher's submit, with the model's thread as the one worker."""
+        if plan.deadline <= now:
+            raise DeadlineExceeded(
+                f"deadline already spent on arrival at pool '{self.pool}'", stage="pool"
+            )
+        loop = asyncio.get_running_loop()
+        tag = inline.model.settings.name
+        job = Job(request, plan.deadline, plan.priority, next(self._seq), loop.create_future(), tag)
+        job.enqueued = now
+        if inline.running is None and not inline.queue:
+            self._start(inline, job)
+        else:
+            inline.queue.push(job, plan.precision)
+        timer = loop.call_at(plan.deadline, self._expire, inline, job)
+        try:
+            return await job.future
+        finally:
+            timer.cancel()
+            _abandon(inline, job)
+
+    def _start(self, inline: _Inline, job: Job) -> None:
+        assert inline.thread is not None
+        loop = asyncio.get_running_loop()
+        job.state = JobState.RUNNING
+        job.started = loop.time()
+        inline.running = job
+        future = loop.run_in_executor(
+            inline.thread, _timed_run, inline.model, job.body, job.deadline
+        )
+        future.add_done_callback(functools.partial(self._ran, inline, job))
+
+    def _ran(self, inline: _Inline, job: Job, future: asyncio.Future[Ran]) -> None:
+        inline.running = None
+        if job.state is JobState.RUNNING:
+            job.state = JobState.DONE
+            if future.cancelled():
+                job.future.set_exception(Unavailable(f"pool '{self.pool}' is stopping"))
+            elif (exc := future.exception()) is not None:
+                if not isinstance(exc, ServingError):
+                    log.error("inline model %s: unexpected error", job.tag, exc_info=exc)
+                job.future.set_exception(as_serving_error(exc))
+            else:
+                started, body, timings = future.result()
+                queue_ns = int((started - job.enqueued) * 1e9)
+                finished = asyncio.get_running_loop().time()
+                job.future.set_result(
+                    Result(body, timings, queue_ns, job.enqueued, started, finished)
+                )
+        elif not future.cancelled():
+            self.late_replies += 1  # its caller left while it ran
+        self._next(inline)
+
+    def _next(self, inline: _Inline) -> None:
+        job = inline.queue.pop()
+        if job is not None:
+            self._start(inline, job)
+        elif inline.retired and inline.thread is not None:
+            inline.thread.shutdown(wait=False)
+
+    def _expire(self, inline: _Inline, job: Job) -> None:
+        if job.future.done():
+            return
+        name = inline.model.settings.name
+        if job.state is JobState.QUEUED:
+            error = DeadlineExceeded(
+                f"deadline exceeded while queued in pool '{self.pool}' for inline model "
+                f"'{name}' (it never ran)",
+                stage="pool queue",
+            )
+        else:
+            error = DeadlineExceeded(
+                f"deadline exceeded while model '{name}' ran inline", stage="worker"
+            )
+        job.future.set_exception(error)
+        _abandon(inline, job)
+
+    def _checked(self, name: str, body: bytes) -> bytes:
+        if len(body) > self.max_message_size:
+            raise MessageTooLarge.reply(name, len(body), self.max_message_size)
         return body
 
     def runs_on_loop(self, name: str) -> bool:
@@ -144,6 +256,7 @@ class InlineRunner:
         started = time.monotonic()
         try:
             body, timings = _run(model, request, deadline)
+            self._checked(entry.name, body)
         except ServingError:
             entry.stats.record_failure(int((time.monotonic() - started) * 1e9))
             raise
@@ -157,14 +270,27 @@ class InlineRunner:
         inline = self._models.pop(name, None)
         if inline is None:
             return False
-        if inline.thread is not None:
-            inline.thread.shutdown(wait=False)  # its queued calls finish, then it ends
+        inline.retired = True  # what is queued for it still runs, then its thread ends
+        if inline.thread is not None and inline.running is None and not inline.queue:
+            inline.thread.shutdown(wait=False)
         return True
 
     def close(self) -> None:
         for inline in self._models.values():
             if inline.thread is not None:
                 inline.thread.shutdown(wait=False, cancel_futures=True)
+            while (job := inline.queue.pop()) is not None:
+                job.state = JobState.DONE
+                job.future.set_exception(Unavailable(f"pool '{self.pool}' is stopping"))
+
+
+def _abandon(inline: _Inline, job: Job) -> None:
+    """The caller is gone (answer, deadline or cancel): a queued call leaves at once."""
+    if job.state is JobState.QUEUED:
+        inline.queue.remove(job)
+        job.state = JobState.ABANDONED
+    elif job.state is JobState.RUNNING:
+        job.state = JobState.ABANDONED
 
 
 def _load(settings: ModelSettings) -> Model:

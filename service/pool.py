@@ -30,6 +30,7 @@ from poolserve.service.dispatcher import Dispatcher, WorkerGone
 from poolserve.service.errors import (
     DeadlineExceeded,
     FailedPrecondition,
+    InvalidInput,
     MessageTooLarge,
     ModelNotFound,
     ServingError,
@@ -52,6 +53,7 @@ from poolserve.service.repository import (
 )
 from poolserve.service.respawn import Respawner
 from poolserve.service.rundir import bind_private_unix, claim_socket, remove_own
+from poolserve.service.schedule import PriorityLevels, Schedule, schedule
 from poolserve.service.servicer import InferenceServicer, Observer, guarded
 from poolserve.service.settings import ConfigError, ServerSettings
 from poolserve.service.tracing import Tracing
@@ -108,19 +110,21 @@ class PoolBackend:
         routing: Routing,
         observe: Observer | None = None,
     ) -> bytes:
+        plan = self._plan(entry, routing, deadline)
         if self.reject_hopeless:
-            self._reject_if_hopeless(entry, deadline)
+            self._reject_if_hopeless(entry, plan.deadline)
         if entry.name in self.inline:
-            return await self.inline.infer(entry, request, deadline, observe)
+            return await self.inline.infer(entry, request, plan, observe)
         began = time.monotonic_ns()
         try:
             result = await self.dispatcher.submit(
                 request,
-                deadline,
-                priority=routing.priority,
+                plan.deadline,
+                priority=plan.priority,
                 idempotent=routing.idempotent,
                 tag=entry.name,
                 timeout=entry.settings.timeout_s if entry.settings is not None else None,
+                precision=plan.precision,
             )
         except DeadlineExceeded:
             entry.stats.record_failure(time.monotonic_ns() - began)
@@ -130,10 +134,7 @@ class PoolBackend:
             raise
         if len(result.body) > self.max_message_size:
             entry.stats.record_failure(time.monotonic_ns() - began)
-            raise MessageTooLarge(
-                f"model '{entry.name}' replied {len(result.body)} bytes, over max_message_size "
-                f"({self.max_message_size} bytes)"
-            )
+            raise MessageTooLarge.reply(entry.name, len(result.body), self.max_message_size)
         entry.stats.record_success(result.queue_ns, result.timings, time.monotonic_ns() - began)
         if observe is not None:
             observe(result)
@@ -145,9 +146,22 @@ class PoolBackend:
         """The answer on the spot for an inline model declared fast; None for the rest."""
         if not self.inline.runs_on_loop(entry.name):
             return None
+        plan = self._plan(entry, routing, deadline)
         if self.reject_hopeless:
-            self._reject_if_hopeless(entry, deadline)
-        return self.inline.infer_now(entry, request, deadline)
+            self._reject_if_hopeless(entry, plan.deadline)
+        return self.inline.infer_now(entry, request, plan.deadline)
+
+    @staticmethod
+    def _plan(entry: ModelEntry, routing: Routing, deadline: float) -> Schedule:
+        """The request's queue level and deadline (schedule_policy: priority, timeout)."""
+        levels = entry.settings.priority if entry.settings is not None else PriorityLevels()
+        try:
+            return schedule(
+                entry.name, levels, routing.priority, routing.timeout_us, deadline, time.monotonic()
+            )
+        except InvalidInput:
+            entry.stats.record_failure(0)
+            raise
 
     @staticmethod
     def _reject_if_hopeless(entry: ModelEntry, deadline: float) -> None:
@@ -203,7 +217,7 @@ class PoolServer:
             clock=time.monotonic,
             spawned=self.start_method == "spawn",
         )
-        self.inline = InlineRunner(self.catalog)
+        self.inline = InlineRunner(self.catalog, gid, settings.max_queue, settings.max_message_size)
         self.backend = PoolBackend(
             self.dispatcher,
             self.inline,
@@ -533,7 +547,7 @@ class PoolServer:
             gid=self.gid,
             pid=os.getpid(),
             zygote_pid=self.zygote.pid,
-            queue_depth=self.dispatcher.queue_depth(),
+            queue_depth=self.dispatcher.queue_depth() + self.inline.queue_depth(),
             workers=[
                 cpb.WorkerStatus(pid=w.pid, state=str(w.state), requests_served=w.served)
                 for w in self.dispatcher.workers()
@@ -543,7 +557,7 @@ class PoolServer:
                 cpb.ModelState(name=e.name, version=e.version, state=str(e.state), reason=e.reason)
                 for e in self.catalog.entries()
             ],
-            late_replies_dropped=self.dispatcher.late_replies,
+            late_replies_dropped=self.dispatcher.late_replies + self.inline.late_replies,
         )
 
     def _control_handler(self) -> grpc.GenericRpcHandler:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from poolserve.service.schedule import PriorityLevels, priority_levels
 from poolserve.service.settings import (
     DEFAULT_POOL,
     SAFE_ID,
@@ -64,6 +65,8 @@ class ModelSettings:
     max_batch_time: float = 0.0
     platform: str = ""
     parallel_workers: int | None = None
+    # parameters.extra.priority_levels and default_priority_level
+    priority: PriorityLevels = field(default_factory=PriorityLevels)
 
     @property
     def key(self) -> str:
@@ -169,6 +172,7 @@ def parse_model_settings(path: Path) -> ModelSettings:
     workers = data.get("parallel_workers")
     if workers is not None:
         workers = _expect(source, "parallel_workers", workers, int)
+    extra = _expect(source, "parameters.extra", params.get("extra", {}), dict)
     return ModelSettings(
         name=name,
         implementation=implementation,
@@ -177,7 +181,7 @@ def parse_model_settings(path: Path) -> ModelSettings:
         version=_expect(source, "parameters.version", params.get("version", DEFAULT_VERSION), str),
         uri=uri,
         gid=gid,
-        extra=_expect(source, "parameters.extra", params.get("extra", {}), dict),
+        extra=extra,
         inputs=_tensor_specs(source, "inputs", data.get("inputs")),
         outputs=_tensor_specs(source, "outputs", data.get("outputs")),
         max_batch_size=_expect(source, "max_batch_size", data.get("max_batch_size", 0), int),
@@ -186,6 +190,7 @@ def parse_model_settings(path: Path) -> ModelSettings:
         ),
         platform=_expect(source, "platform", data.get("platform", ""), str),
         parallel_workers=workers,
+        priority=priority_levels(source, extra),
     )
 
 

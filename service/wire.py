@@ -40,9 +40,18 @@ class Routing:
     version: str
     priority: int | None = None
     idempotent: bool = True
+    timeout_us: int | None = None  # the schedule_policy extension's ``timeout``
 
 
-SCHEDULING_KEYS = (b"priority", b"idempotent")
+SCHEDULING_KEYS = (b"priority", b"idempotent", b"timeout")
+# InferParameter's oneof fields that carry a varint
+_BOOL_PARAM, _INT64_PARAM, _UINT64_PARAM = 1, 2, 5
+# what each scheduling parameter may be, as Triton takes them
+_ACCEPTED = {
+    b"priority": ((_INT64_PARAM, _UINT64_PARAM), "int64_param or uint64_param"),
+    b"timeout": ((_INT64_PARAM,), "int64_param"),
+    b"idempotent": ((_BOOL_PARAM, _INT64_PARAM), "bool_param"),
+}
 
 
 def peek_model(data: bytes) -> tuple[str, str]:
@@ -53,10 +62,11 @@ def peek_model(data: bytes) -> tuple[str, str]:
 
 def peek_routing(data: bytes, with_parameters: bool = True) -> Routing:
     """Model name and version, plus the scheduling parameters ``priority`` (int64,
-    1 is the highest) and ``idempotent`` (bool) when ``with_parameters``."""
+    1 is the highest), ``timeout`` (int64, microseconds) and ``idempotent`` (bool)
+    when ``with_parameters``; one of those of another type is InvalidInput."""
     name = b""
     version = b""
-    params: dict[bytes, int] = {}
+    params: dict[bytes, tuple[int, int]] = {}
     pos = 0
     end = len(data)
     while pos < end:
@@ -89,10 +99,16 @@ def peek_routing(data: bytes, with_parameters: bool = True) -> Routing:
         routing = Routing(name.decode("utf-8"), version.decode("utf-8"))
     except UnicodeDecodeError:
         raise InvalidInput("model_name or model_version is not valid UTF-8") from None
-    if b"priority" in params:
-        routing.priority = _signed(params[b"priority"])
-    if b"idempotent" in params:
-        routing.idempotent = bool(params[b"idempotent"])
+    for param, (kind, value) in params.items():
+        kinds, wanted = _ACCEPTED[param]
+        if kind not in kinds:
+            raise InvalidInput(f"parameter '{param.decode()}' must be set as {wanted}")
+        if param == b"idempotent":
+            routing.idempotent = bool(value)
+        elif param == b"timeout":
+            routing.timeout_us = _signed(value)
+        else:
+            routing.priority = value if kind == _UINT64_PARAM else _signed(value)
     return routing
 
 
@@ -100,10 +116,10 @@ def _signed(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
-def _map_entry(data: bytes, pos: int, end: int, params: dict[bytes, int]) -> None:
-    """One ``map<string, InferParameter>`` entry: keeps int64/bool values of known keys."""
+def _map_entry(data: bytes, pos: int, end: int, params: dict[bytes, tuple[int, int]]) -> None:
+    """One ``map<string, InferParameter>`` entry: keeps (oneof field, value) of known keys."""
     key = b""
-    value: int | None = None
+    value: tuple[int, int] | None = None
     while pos < end:
         tag, pos = _varint(data, pos)
         if tag == (1 << 3) | _LEN:
@@ -111,7 +127,7 @@ def _map_entry(data: bytes, pos: int, end: int, params: dict[bytes, int]) -> Non
             key, pos = data[pos : pos + size], pos + size
         elif tag == (2 << 3) | _LEN:
             size, pos = _varint(data, pos)
-            value = _parameter_int(data, pos, min(pos + size, end))
+            value = _parameter_value(data, pos, min(pos + size, end))
             pos += size
         else:
             return  # not a well-formed entry: protobuf's own parser will say so later
@@ -119,15 +135,17 @@ def _map_entry(data: bytes, pos: int, end: int, params: dict[bytes, int]) -> Non
         params[key] = value
 
 
-def _parameter_int(data: bytes, pos: int, end: int) -> int | None:
-    """bool_param (1) or int64_param (2) of an InferParameter, else None."""
-    while pos < end:
-        tag, pos = _varint(data, pos)
-        if tag in ((1 << 3) | _VARINT, (2 << 3) | _VARINT):
-            value, pos = _varint(data, pos)
-            return value
+def _parameter_value(data: bytes, pos: int, end: int) -> tuple[int, int] | None:
+    """The oneof field an InferParameter sets and, for a varint one, its value
+    (0 for string_param and double_param); None when it sets none."""
+    if pos >= end:
         return None
-    return None
+    tag, pos = _varint(data, pos)
+    number = tag >> 3
+    if tag & 7 == _VARINT:
+        value, pos = _varint(data, pos)
+        return number, value
+    return number, 0
 
 
 def encode_len_field(number: int, payload: bytes) -> bytes:

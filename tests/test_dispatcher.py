@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from poolserve.service.dispatcher import Dispatcher, WorkerGone
+from poolserve.service.dispatcher import Dispatcher, Job, JobQueue, WorkerGone
 from poolserve.service.errors import DeadlineExceeded, Failure, QueueFull, Unavailable
 from poolserve.service.frames import (
     HEADER,
@@ -124,6 +124,70 @@ def test_priority_then_earliest_deadline_first() -> None:
             assert (await job).body == name.upper()
 
     with_dispatcher(body)
+
+
+def test_deadlines_within_their_precision_keep_arrival_order() -> None:
+    """Deadlines from gRPC timeouts are only so precise (a 20 s timeout arrives
+    rounded up to 100 ms): a later arrival whose deadline is earlier by less than
+    that precision runs after the earlier arrival; one clearly earlier still
+    goes first, and an exact deadline (precision 0) is plain EDF."""
+
+    async def body(d: Dispatcher, _: list[WorkerGone]) -> None:
+        w = FakeWorker(d, 1)
+        await w.connect()
+        await until(lambda: d.live_workers() == 1)
+        now = asyncio.get_running_loop().time()
+        first = asyncio.ensure_future(d.submit(b"busy", now + 60))
+        seq, _ = await w.receive()
+        arrivals = [  # (name, deadline, precision), in arrival order
+            (b"a1", now + 20.1, 0.101),  # its 20 s timeout was rounded up
+            (b"a2", now + 20.06, 0.101),  # sent 60 ms later, rounded down
+            (b"a3", now + 20.02, 0.101),  # 120 ms later, rounded down again
+            (b"exact", now + 20.05, 0.0),  # exact: goes by its deadline
+            (b"urgent", now + 10.0, 0.011),  # clearly earlier
+            (b"a4", now + 20.2, 0.101),  # later than all the others
+        ]
+        jobs = [
+            asyncio.ensure_future(d.submit(name, deadline, precision=precision))
+            for name, deadline, precision in arrivals
+        ]
+        await until(lambda: d.queue_depth() == len(arrivals))
+        order = []
+        w.reply(seq, b"ok")
+        for _ in arrivals:
+            seq, got = await w.receive()
+            order.append(got)
+            w.reply(seq, got)
+        assert order == [b"urgent", b"exact", b"a1", b"a2", b"a3", b"a4"]
+        assert (await first).body == b"ok"
+        assert [(await job).body for job in jobs] == [name for name, _, _ in arrivals]
+
+    with_dispatcher(body)
+
+
+@given(
+    jitter=st.lists(st.floats(min_value=0.0, max_value=0.1), min_size=1, max_size=30),
+    spacing=st.floats(min_value=0.0, max_value=0.2),
+)
+def test_order_keys_keep_arrival_order_and_stay_within_precision(
+    jitter: list[float], spacing: float
+) -> None:
+    """Equal timeouts sent ``spacing`` apart, each deadline rounded up by up to
+    one unit of precision: the queue keeps them in arrival order, and no key is
+    more than the precision past its own deadline."""
+    queue = JobQueue(1000, "p")
+    loop = asyncio.new_event_loop()
+    try:
+        jobs = []
+        for k, extra in enumerate(jitter):
+            job = Job(b"", 20.0 + k * spacing + extra, 1, k + 1, loop.create_future())
+            queue.push(job, precision=0.1)
+            assert job.deadline <= job.key <= job.deadline + 0.1
+            jobs.append(job)
+        assert [queue.pop() for _ in jobs] == jobs
+        assert queue.pop() is None and len(queue) == 0
+    finally:
+        loop.close()
 
 
 def test_queue_bound_and_expiry_in_queue() -> None:

@@ -1,5 +1,8 @@
 """Fuzzing the door (issue 9.3): the router's model-name peek and the worker's
 decoder in-process with hypothesis, then raw bytes against a real tree.
+Answers are checked against two oracles: poolserve's own code run in-process
+(``reliability/fuzzing.py``), and one written from the protocol alone
+(``reliability/spec_oracle.py``) that decodes tensors itself.
 
 Every input gets INVALID_ARGUMENT (or RESOURCE_EXHAUSTED for size, NOT_FOUND
 for a well-formed unknown model, UNIMPLEMENTED for an unknown method, OK for
@@ -37,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "reliability"))
 
 import fuzz
 import fuzzing
+import spec_oracle
 from harness import Tree, make_repo, rss_bytes, wait_serving
 
 pytestmark = pytest.mark.e2e
@@ -207,6 +211,74 @@ def test_shape_1e12_with_no_data_is_refused_without_allocating() -> None:
 
 
 # ---------------------------------------------------------------------------
+# in-process: poolserve's decoder against the oracle written from the protocol
+
+
+def agrees_with_spec(body: bytes, code: str, reply: bytes) -> str:
+    """ "" when the spec oracle abstains or agrees with (code, reply)."""
+    verdict = spec_oracle.predict(body, LIMIT)
+    return "" if verdict is None else spec_oracle.disagreement(verdict, code, reply)
+
+
+@settings(max_examples=400, deadline=None)
+@given(data=BODIES)
+def test_decoder_agrees_with_the_spec_oracle(data: bytes) -> None:
+    expected = ORACLE.expect(data)
+    assert agrees_with_spec(data, expected.code, expected.reply) == ""
+
+
+def test_spec_oracle_judges_most_random_inputs_and_agrees() -> None:
+    """On the fuzz stream (mostly mutants that protobuf itself refuses) and the
+    crafted attacks: the spec oracle judges OK inputs (tensors compared) and
+    invalid ones, and no opinion of it differs from poolserve's decoder."""
+    judged = {"OK": 0, "INVALID_ARGUMENT": 0}
+    for _, body in itertools.islice(fuzzing.random_inputs(11), 3000):
+        verdict = spec_oracle.predict(body, LIMIT)
+        if verdict is None:
+            continue
+        judged[verdict.code] += 1
+        expected = ORACLE.expect(body)
+        assert spec_oracle.disagreement(verdict, expected.code, expected.reply) == "", body.hex()
+    assert judged["OK"] >= 100 and judged["INVALID_ARGUMENT"] >= 5, judged
+    crafted = [spec_oracle.predict(body, LIMIT) for _, body in fuzzing.crafted()]
+    assert sum(v is not None and v.code == "INVALID_ARGUMENT" for v in crafted) >= 15
+
+
+def test_spec_oracle_catches_a_wrong_decoding() -> None:
+    """It is not poolserve's decoder in disguise: replies that decode one element
+    wrong, a BYTES element short, or as another datatype are all caught."""
+    values = np.array([[1.5, -2.0, 3.25]], dtype=np.float32)
+    request = pb.ModelInferRequest(model_name="echo")
+    request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 3])
+    request.raw_input_contents.append(values.tobytes())
+    strings = pb.ModelInferRequest(model_name="echo")
+    strings.inputs.add(name="INPUT0", datatype="BYTES", shape=[2])
+    strings.raw_input_contents.append(struct.pack("<I", 2) + b"ab" + struct.pack("<I", 1) + b"c")
+    for body in (request.SerializeToString(), strings.SerializeToString()):
+        verdict = spec_oracle.predict(body, LIMIT)
+        good = ORACLE.expect(body)
+        assert verdict is not None and verdict.code == good.code == "OK"
+        assert spec_oracle.disagreement(verdict, "OK", good.reply) == ""
+        response = pb.ModelInferResponse.FromString(good.reply)
+        wrong_value = bytearray(response.raw_output_contents[0])
+        wrong_value[-1] ^= 1
+        wrong_type = pb.ModelInferResponse()
+        wrong_type.CopyFrom(response)
+        wrong_type.outputs[0].datatype = "INT32" if body is not strings else "UINT8"
+        short = pb.ModelInferResponse()
+        short.CopyFrom(response)
+        del short.raw_output_contents[:]
+        short.raw_output_contents.append(bytes(wrong_value[:-1]))
+        flipped = pb.ModelInferResponse()
+        flipped.CopyFrom(response)
+        del flipped.raw_output_contents[:]
+        flipped.raw_output_contents.append(bytes(wrong_value))
+        for bad in (wrong_type, short, flipped):
+            assert spec_oracle.disagreement(verdict, "OK", bad.SerializeToString()) != ""
+    assert spec_oracle.disagreement(verdict, "INVALID_ARGUMENT", b"") != ""
+
+
+# ---------------------------------------------------------------------------
 # a real tree, raw bytes through a channel without our stubs
 
 
@@ -253,6 +325,7 @@ def test_crafted_inputs_against_the_server(channel: grpc.Channel, name: str, bod
     code, reply, details = call(channel, body)
     expected = ORACLE.expect(body)
     assert code == expected.code, f"{name}: {code} {details}"
+    assert agrees_with_spec(body, code, reply) == "", name
     assert code in {"INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED", "OK"}
     if code == "OK":
         assert reply == expected.reply
@@ -272,6 +345,7 @@ def test_hypothesis_bytes_against_the_server(channel: grpc.Channel, data: bytes)
     code, reply, details = call(channel, data)
     expected = ORACLE.expect(data)
     assert code == expected.code, f"{code} {details!r} for {data.hex()}"
+    assert agrees_with_spec(data, code, reply) == "", data.hex()
     if code == "OK":
         assert reply == expected.reply
 
@@ -310,6 +384,7 @@ def test_long_random_run_matches_the_oracle_and_leaks_nothing(tree: Tree) -> Non
             after = fuzz.rss_by_role(tree, EXPECTED)
         assert report.mismatches == []
         assert report.inputs == 2600
+        assert report.spec_ok >= 100 and report.spec_checked - report.spec_ok >= 5, report
         assert set(report.codes) <= {"INVALID_ARGUMENT", "NOT_FOUND", "OK"}, report.codes
         grown = {k: after.get(k, 0) - v for k, v in before.items()}
         assert all(v < RSS_TOLERANCE for v in grown.values()), grown

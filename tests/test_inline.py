@@ -80,3 +80,101 @@ def test_inline_models_deadlines_cancel_and_no_stall(tmp_path: Path) -> None:
 
     with Serving(repo, tmp_path / "run") as serving:
         asyncio.run(main(serving))
+
+
+def inline_copy(repo: Path, example: str, name: str, fast: bool, **extra: object) -> None:
+    folder = copy_example(repo, example)
+    folder = folder.rename(repo / name)
+    make_inline(folder, fast)
+    path = folder / "model-settings.json"
+    settings = json.loads(path.read_text())
+    settings["name"] = name
+    settings["parameters"]["extra"].update(extra)
+    path.write_text(json.dumps(settings))
+
+
+def test_inline_queue_is_bounded_and_ordered_like_the_pools(tmp_path: Path) -> None:
+    """A slow inline model's waiting calls: at most max_queue of them (then
+    RESOURCE_EXHAUSTED naming the pool and the model), served by priority, then
+    deadline, then arrival, as the dispatcher serves worker models."""
+    repo = tmp_path / "repo"
+    inline_copy(repo, "sleep", "sleep", fast=False, priority_levels=2)
+    (repo / "settings.json").write_text(json.dumps({"max_queue": 3}))
+
+    async def main(serving: Serving) -> None:
+        async with grpc.aio.insecure_channel(serving.address) as channel:
+            await wait_serving(channel)
+            stub = Stub(channel)
+            running = asyncio.ensure_future(
+                stub.ModelInfer(request("sleep", 0.0, sleep_ms=2000), timeout=60)
+            )
+            finished: list[str] = []
+
+            async def queue_depth(depth: int) -> None:
+                for _ in range(3000):  # the pool's status has no event to wait on
+                    if (await pool_status(serving, "inline")).queue_depth == depth:
+                        return
+                    await asyncio.sleep(0.01)
+                raise AssertionError(f"the inline queue never held {depth} calls")
+
+            async def queued(name: str, timeout: float, **params: int) -> None:
+                await stub.ModelInfer(request("sleep", 1.0, sleep_ms=1, **params), timeout=timeout)
+                finished.append(name)
+
+            calls = []
+            for name, timeout, params in (
+                ("low, late", 40.0, {}),
+                ("low, early", 20.0, {}),
+                ("high", 50.0, {"priority": 1}),
+            ):
+                calls.append(asyncio.ensure_future(queued(name, timeout, **params)))
+                await queue_depth(len(calls))  # queued behind the running call, in this order
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.ModelInfer(request("sleep", 2.0, sleep_ms=1), timeout=30)
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value
+            details = info.value.details() or ""
+            assert "pool 'inline'" in details and "'sleep'" in details, details
+            assert not running.done(), "the queue drained before the bound was tested"
+            await asyncio.gather(running, *calls)
+            assert finished == ["high", "low, early", "low, late"]
+
+    with Serving(repo, tmp_path / "run") as serving:
+        asyncio.run(main(serving))
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["on the loop", "on its thread"])
+def test_inline_reply_over_max_message_size_is_a_clear_resource_exhausted(
+    tmp_path: Path, fast: bool
+) -> None:
+    """echo's reply is a few bytes longer than its request: a request just under
+    max_message_size makes a reply just over it, refused in the pool with a
+    message that says so, not inside gRPC at the router."""
+    limit = 64 * 1024
+    repo = tmp_path / "repo"
+    inline_copy(repo, "echo", "echo", fast=fast)
+    (repo / "settings.json").write_text(json.dumps({"max_message_size": limit}))
+    body = b""
+    for size in range(limit - 64, limit):  # the largest request that fits
+        req = pb.ModelInferRequest(model_name="echo")
+        req.inputs.add(name="INPUT0", datatype="UINT8", shape=[1, size])
+        req.raw_input_contents.append(b"\0" * size)
+        if len(req.SerializeToString()) <= limit:
+            body = req.SerializeToString()
+
+    async def main(serving: Serving) -> None:
+        async with grpc.aio.insecure_channel(serving.address) as channel:
+            await wait_serving(channel)
+            call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call(body, timeout=30)
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value
+            details = info.value.details() or ""
+            assert "model 'echo' replied" in details and "max_message_size" in details, details
+            reply = await Stub(channel).ModelInfer(request("echo", 1.0), timeout=30)
+            assert reply.outputs  # and it keeps serving
+            stats = await Stub(channel).ModelStatistics(pb.ModelStatisticsRequest(name="echo"))
+            assert stats.model_stats[0].inference_stats.fail.count == 1
+
+    with Serving(repo, tmp_path / "run") as serving:
+        asyncio.run(main(serving))
+        assert "Traceback" not in serving.log()
