@@ -27,6 +27,7 @@ ns:
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	PYTHONPATH=.ns $(BIN)/lint-imports --no-cache
 
 typecheck: install
 	MYPYPATH=.ns $(BIN)/mypy $(PACKAGES)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 from poolserve.protos import generate
@@ -107,3 +108,16 @@ def test_pool_server_has_no_thread_when_it_forks_its_zygote() -> None:
     out = subprocess.run([sys.executable, "-P", "-c", probe], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["1", "False"]
+
+
+def test_every_source_folder_is_a_listed_package() -> None:
+    """An editable install finds any subfolder; a wheel only the listed ones."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    config = pyproject["tool"]["setuptools"]
+    roots = {folder: name for name, folder in config["package-dir"].items()}
+    found = set()
+    for folder in roots:
+        for init in (ROOT / folder).rglob("__init__.py"):
+            top, *rest = init.parent.relative_to(ROOT).parts
+            found.add(".".join([roots[top], *rest]))
+    assert found == set(config["packages"])
