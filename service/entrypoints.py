@@ -11,8 +11,10 @@ from pathlib import Path
 from typing import TypeVar
 
 from poolserve.service.lane import lane_path
-from poolserve.service.limits import raise_open_file_limit
-from poolserve.service.procutil import set_process_name
+from poolserve.service.lifecycle.child import ReadyPipe, die_with_parent, take_ready_pipe
+from poolserve.service.lifecycle.exitcodes import EXIT_CONFIG, EXIT_OK, EXIT_UNRECOVERABLE
+from poolserve.service.lifecycle.limits import raise_open_file_limit
+from poolserve.service.lifecycle.procutil import set_process_name
 from poolserve.service.repository import scan
 from poolserve.service.rundir import (
     CLAIM_WAIT_S,
@@ -27,8 +29,6 @@ from poolserve.service.rundir import (
 )
 from poolserve.service.settings import ConfigError, ServerSettings, load_server_settings
 from poolserve.service.threads import limit_native_threads
-from poolserve.supervisor.child import ReadyPipe, die_with_parent, take_ready_pipe
-from poolserve.supervisor.exitcodes import EXIT_CONFIG, EXIT_OK, EXIT_UNRECOVERABLE
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -41,9 +41,9 @@ from poolserve.service.errors import (
 from poolserve.service.health import Health
 from poolserve.service.inline import InlineRunner, is_inline
 from poolserve.service.lane import LANE_OVERHEAD, LaneServer, Trace, lane_path
+from poolserve.service.lifecycle.procutil import pss_bytes
 from poolserve.service.load_request import LoadRequest, parse_load_request
 from poolserve.service.pacing import Fingerprint, Pacer, Rescanner, fingerprint
-from poolserve.service.procutil import pss_bytes
 from poolserve.service.repository import (
     ModelSettings,
     Repository,

@@ -43,7 +43,11 @@ from poolserve.service.errors import (
 )
 from poolserve.service.health import SERVING, Health
 from poolserve.service.lane import LaneClient, lane_path
-from poolserve.service.limits import return_large_frees, trim_freed_memory, watch_descriptors
+from poolserve.service.lifecycle.limits import (
+    return_large_frees,
+    trim_freed_memory,
+    watch_descriptors,
+)
 from poolserve.service.pacing import Rescanner
 from poolserve.service.replybudget import TRACKED_REPLY, ReplyBudget
 from poolserve.service.repository import Repository, scan

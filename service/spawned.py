@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from poolserve.service import worker
-from poolserve.service.procutil import set_process_name
-from poolserve.supervisor.child import die_with_parent
+from poolserve.service.lifecycle.child import die_with_parent
+from poolserve.service.lifecycle.procutil import set_process_name
 
 EXIT_LOAD_FAILED = 3
 

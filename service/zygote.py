@@ -52,9 +52,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from poolserve.service import worker
-from poolserve.service.procutil import describe_status, set_process_name, wait_child, wait_exit
+from poolserve.service.lifecycle.child import die_with_parent
+from poolserve.service.lifecycle.procutil import (
+    describe_status,
+    set_process_name,
+    wait_child,
+    wait_exit,
+)
 from poolserve.service.threads import sync_loaded_runtimes
-from poolserve.supervisor.child import die_with_parent
 
 if TYPE_CHECKING:
     from poolserve.service.model import Array, Model

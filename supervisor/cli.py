@@ -117,10 +117,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _serve_inprocess(args: argparse.Namespace) -> int:
     from poolserve.service.inprocess import InProcessServer
+    from poolserve.service.lifecycle.exitcodes import EXIT_CONFIG
     from poolserve.service.repository import scan
     from poolserve.service.rundir import setup_logging
     from poolserve.service.settings import ConfigError, load_server_settings
-    from poolserve.supervisor.exitcodes import EXIT_CONFIG
 
     try:
         settings = load_server_settings(args.repo, flags=_flags(args))

@@ -13,7 +13,7 @@ reap, and the exit code turned into the supervisor's next move.
   that makes the prctl, checks that its parent is still us, and execs the
   program (the setting survives exec). ``POOLSERVE_PARENT_PID`` lets the
   program close the same race again with
-  :func:`~poolserve.supervisor.child.die_with_parent`. Call
+  :func:`~poolserve.service.lifecycle.child.die_with_parent`. Call
   :meth:`ProcessService.serve` from the main thread: PDEATHSIG fires when the
   spawning *thread* exits.
 - Readiness: a pipe whose write end is ``$POOLSERVE_READY_FD`` in the child;
@@ -26,7 +26,7 @@ reap, and the exit code turned into the supervisor's next move.
   the unreaped leader still holds the group id, so it cannot name anyone else.
 - Stop (on cancellation): SIGTERM to the group, ``stop_timeout``, SIGKILL to
   the group; a second cancellation skips the grace. Always reaped.
-- Exit code: see :mod:`poolserve.supervisor.exitcodes`.
+- Exit code: see :mod:`poolserve.service.lifecycle.exitcodes`.
 """
 
 from __future__ import annotations
@@ -44,14 +44,14 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Final
 
-from poolserve.supervisor.child import PARENT_PID_ENV, READY_FD_ENV
-from poolserve.supervisor.clock import Clock, RealClock, wait_done
-from poolserve.supervisor.exitcodes import (
+from poolserve.service.lifecycle.child import PARENT_PID_ENV, READY_FD_ENV
+from poolserve.service.lifecycle.exitcodes import (
     EXIT_CONFIG,
     EXIT_OK,
     EXIT_UNRECOVERABLE,
     ExitStatus,
 )
+from poolserve.supervisor.clock import Clock, RealClock, wait_done
 from poolserve.supervisor.reaper import OWNED_PIDS, OwnedPids
 from poolserve.supervisor.spec import (
     ChildSpec,

@@ -22,9 +22,9 @@ import signal
 from collections.abc import Callable
 from types import TracebackType
 
+from poolserve.service.lifecycle.exitcodes import ExitStatus
+from poolserve.service.lifecycle.linux import set_child_subreaper
 from poolserve.supervisor.events import EventHook, OrphanReaped
-from poolserve.supervisor.exitcodes import ExitStatus
-from poolserve.supervisor.linux import set_child_subreaper
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,8 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from poolserve.service.limits import raise_open_file_limit
+from poolserve.service.lifecycle.exitcodes import EXIT_CONFIG, EXIT_OK, EXIT_UNRECOVERABLE
+from poolserve.service.lifecycle.limits import raise_open_file_limit
 from poolserve.service.repository import scan
 from poolserve.service.rundir import (
     ADDRESS_FILE,
@@ -46,7 +47,6 @@ from poolserve.supervisor.events import (
     event_logger,
     fan_out,
 )
-from poolserve.supervisor.exitcodes import EXIT_CONFIG, EXIT_OK, EXIT_UNRECOVERABLE
 from poolserve.supervisor.notify import SystemdNotifier, SystemdService
 from poolserve.supervisor.process import ExitAction, process_child
 from poolserve.supervisor.reaper import OrphanReaper, become_subreaper

@@ -32,7 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from poolserve.protos import inference_pb2 as pb
 from poolserve.protos import inference_pb2_grpc as pbg
 from poolserve.service.errors import grpc_status
-from poolserve.service.limits import SHORT_RATIO, WARN_EVERY_S, DescriptorWatch
+from poolserve.service.lifecycle.limits import SHORT_RATIO, WARN_EVERY_S, DescriptorWatch
 from poolserve.service.replybudget import RepliesUnread, ReplyBudget
 from poolserve.service.router import server_options
 from poolserve.service.settings import ServerSettings
@@ -91,7 +91,7 @@ def test_the_total_bound_refuses_large_replies_only_and_drains_trim() -> None:
 
 def test_descriptor_warning_when_short_and_once_a_minute(caplog: pytest.LogCaptureFixture) -> None:
     watch = DescriptorWatch("router", now=0.0)
-    with caplog.at_level(logging.INFO, logger="poolserve.service.limits"):
+    with caplog.at_level(logging.INFO, logger="poolserve.service.lifecycle.limits"):
         watch.check(int(SHORT_RATIO * 1000) - 1, 1000, now=1.0)
         assert caplog.records == []
         watch.check(int(SHORT_RATIO * 1000), 1000, now=2.0)
@@ -107,7 +107,7 @@ def test_descriptor_warning_when_short_and_once_a_minute(caplog: pytest.LogCaptu
 
 def test_the_soft_descriptor_limit_is_raised_to_the_hard_one() -> None:
     source = (
-        "import resource; from poolserve.service.limits import raise_open_file_limit; "
+        "import resource; from poolserve.service.lifecycle.limits import raise_open_file_limit; "
         "print(raise_open_file_limit(), resource.getrlimit(resource.RLIMIT_NOFILE))"
     )
     out = subprocess.run(

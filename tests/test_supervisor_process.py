@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
-from poolserve.supervisor.child import EXIT_PARENT_GONE, PARENT_PID_ENV, READY_FD_ENV
+from poolserve.service.lifecycle.child import EXIT_PARENT_GONE, PARENT_PID_ENV, READY_FD_ENV
+from poolserve.service.lifecycle.exitcodes import ExitStatus
 from poolserve.supervisor.events import ChildExited, ChildStarted, Event
-from poolserve.supervisor.exitcodes import ExitStatus
 from poolserve.supervisor.process import ChildFailed, ProcessService, process_child
 from poolserve.supervisor.spec import (
     ChildSpec,
@@ -45,7 +45,7 @@ def script(source: str) -> list[str]:
 READY_THEN_WAIT = script(
     """
     import time
-    from poolserve.supervisor.child import die_with_parent, notify_ready
+    from poolserve.service.lifecycle.child import die_with_parent, notify_ready
     die_with_parent()
     notify_ready("loaded")
     time.sleep(600)
@@ -224,7 +224,7 @@ def test_status_decoding() -> None:
 STUBBORN_WITH_GRANDCHILD = script(
     """
     import signal, subprocess, sys, time
-    from poolserve.supervisor.child import notify_ready
+    from poolserve.service.lifecycle.child import notify_ready
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     grandchild = subprocess.Popen(
         [sys.executable, "-c",
@@ -287,7 +287,7 @@ def test_stragglers_in_the_group_die_with_the_leader(started_pids: list[int]) ->
         argv = script(
             """
             import subprocess, sys
-            from poolserve.supervisor.child import notify_ready
+            from poolserve.service.lifecycle.child import notify_ready
             g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
             notify_ready(f"grandchild={g.pid}")
             sys.exit(1)
@@ -312,7 +312,7 @@ INTERMEDIATE = script(
     from poolserve.supervisor.process import ProcessService
 
     CHILD = [sys.executable, "-P", "-c",
-             "import time; from poolserve.supervisor.child import notify_ready; "
+             "import time; from poolserve.service.lifecycle.child import notify_ready; "
              "notify_ready(); time.sleep(600)"]
 
     async def main():
@@ -343,7 +343,10 @@ def test_the_child_dies_when_its_parent_dies(started_pids: list[int]) -> None:
 
 
 def test_die_with_parent_exits_when_the_parent_is_already_gone() -> None:
-    source = "from poolserve.supervisor.child import die_with_parent; die_with_parent(); print('x')"
+    source = (
+        "from poolserve.service.lifecycle.child import die_with_parent; "
+        "die_with_parent(); print('x')"
+    )
     env = {**os.environ, PARENT_PID_ENV: "1"}  # not our parent: as if reparented
     result = subprocess.run([*PYTHON, source], env=env, capture_output=True, timeout=WAIT)
     assert result.returncode == EXIT_PARENT_GONE
@@ -352,7 +355,8 @@ def test_die_with_parent_exits_when_the_parent_is_already_gone() -> None:
 
 def test_die_with_parent_keeps_running_under_the_right_parent() -> None:
     source = (
-        "import os; from poolserve.supervisor.child import die_with_parent; die_with_parent(); "
+        "import os; from poolserve.service.lifecycle.child import die_with_parent; "
+        "die_with_parent(); "
         f"print(os.environ.get('{PARENT_PID_ENV}'))"
     )
     env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
@@ -362,7 +366,7 @@ def test_die_with_parent_keeps_running_under_the_right_parent() -> None:
 
 
 def test_notify_ready_is_a_no_op_without_a_supervisor() -> None:
-    source = "from poolserve.supervisor.child import notify_ready; print(notify_ready())"
+    source = "from poolserve.service.lifecycle.child import notify_ready; print(notify_ready())"
     env = {k: v for k, v in os.environ.items() if k != READY_FD_ENV}
     result = subprocess.run([*PYTHON, source], env=env, capture_output=True, timeout=WAIT)
     assert result.stdout == b"False\n"
@@ -445,11 +449,11 @@ ROOT_WITH_ORPHAN = script(
     import asyncio, json, os, signal, sys
     from poolserve.supervisor.process import ChildFailed, ProcessService
     from poolserve.supervisor.reaper import OrphanReaper, become_subreaper
-    from poolserve.supervisor.linux import is_child_subreaper
+    from poolserve.service.lifecycle.linux import is_child_subreaper
 
     CHILD = [sys.executable, "-P", "-c", '''
     import subprocess, sys
-    from poolserve.supervisor.child import notify_ready
+    from poolserve.service.lifecycle.child import notify_ready
     g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
                          start_new_session=True)
     notify_ready(f"orphan={g.pid}")
@@ -507,7 +511,7 @@ ROOT_SERVING = script(
     from poolserve.supervisor.tree import Supervisor, run_root
 
     CHILD = [sys.executable, "-P", "-c",
-             "import time; from poolserve.supervisor.child import notify_ready; "
+             "import time; from poolserve.service.lifecycle.child import notify_ready; "
              "notify_ready(); time.sleep(600)"]
 
     async def main():
@@ -552,7 +556,7 @@ ROOT_WITH_STUBBORN_POOL = script(
 
     CHILD = [sys.executable, "-P", "-c", '''
     import signal, sys, time
-    from poolserve.supervisor.child import notify_ready
+    from poolserve.service.lifecycle.child import notify_ready
     signal.signal(signal.SIGTERM, lambda *_: print("term", flush=True))
     notify_ready()
     while True:
@@ -604,7 +608,7 @@ def test_a_second_sigterm_kills_the_whole_tree_at_once(started_pids: list[int]) 
 BEATS_THEN_BLOCKS = script(
     """
     import asyncio, os, time
-    from poolserve.supervisor.child import die_with_parent, take_ready_pipe
+    from poolserve.service.lifecycle.child import die_with_parent, take_ready_pipe
     die_with_parent()
     pipe = take_ready_pipe()
     time.sleep(1.5)  # loading: the watchdog is not armed before READY=1
@@ -644,7 +648,7 @@ def test_the_watchdog_kills_a_child_whose_loop_stops_beating(started_pids: list[
 def test_the_watchdog_kills_a_stopped_child(started_pids: list[int]) -> None:
     source = """
         import asyncio
-        from poolserve.supervisor.child import die_with_parent, take_ready_pipe
+        from poolserve.service.lifecycle.child import die_with_parent, take_ready_pipe
         die_with_parent()
         pipe = take_ready_pipe()
 

@@ -563,7 +563,7 @@ def test_watchdog_pings_stop_while_the_loop_is_blocked(systemd: Systemd) -> None
 STUBBORN = textwrap.dedent(
     """
     import os, signal, subprocess, sys, time
-    from poolserve.supervisor.child import die_with_parent, notify_ready
+    from poolserve.service.lifecycle.child import die_with_parent, notify_ready
     die_with_parent()
     out = sys.argv[1]
     def noted(name):

@@ -6,7 +6,7 @@ import ctypes
 import os
 import signal
 
-from poolserve.supervisor.exitcodes import ExitStatus
+from poolserve.service.lifecycle.exitcodes import ExitStatus
 
 PR_SET_NAME = 15
 _libc = ctypes.CDLL(None, use_errno=True)

@@ -23,7 +23,7 @@ import os
 import signal
 import stat
 
-from poolserve.supervisor.linux import set_pdeathsig
+from poolserve.service.lifecycle.linux import set_pdeathsig
 
 READY_FD_ENV = "POOLSERVE_READY_FD"  # write end of the readiness pipe
 PARENT_PID_ENV = "POOLSERVE_PARENT_PID"  # the supervisor's pid

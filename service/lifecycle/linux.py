@@ -2,7 +2,7 @@
 
 Kept apart so that both sides use them: the supervisor as the root
 (PR_SET_CHILD_SUBREAPER), a supervised child through
-:func:`poolserve.supervisor.child.die_with_parent` (PR_SET_PDEATHSIG; the
+:func:`poolserve.service.lifecycle.child.die_with_parent` (PR_SET_PDEATHSIG; the
 spawn trampoline of :mod:`poolserve.supervisor.process` makes the same call
 without importing anything of ours).
 """
