@@ -19,7 +19,7 @@ import asyncio
 import random
 from collections.abc import Callable
 
-from poolserve.supervisor.policy import DecayingCounter, backoff_delay
+from poolserve.service.lifecycle.backoff import DecayingCounter, backoff_delay
 
 CRASH_HALF_LIFE_S = 60.0
 COOLDOWN_S = (30.0, 600.0)  # a failed model is tried again after this, doubling each time

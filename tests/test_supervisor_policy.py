@@ -6,8 +6,9 @@ import random
 
 import pytest
 
+from poolserve.service.lifecycle.backoff import DecayingCounter, backoff_delay
 from poolserve.supervisor.clock import FakeClock
-from poolserve.supervisor.policy import DecayingCounter, RestartPolicy, backoff_delay
+from poolserve.supervisor.policy import RestartPolicy
 from poolserve.supervisor.spec import SupervisorSpec
 
 
