@@ -22,12 +22,12 @@ import numpy as np
 from harness import EXAMPLES
 
 from poolserve.protos import inference_pb2 as pb
-from poolserve.service.errors import ServingError, grpc_status
+from poolserve.service.contract.errors import ServingError, grpc_status
+from poolserve.service.contract.repository import parse_model_settings
+from poolserve.service.contract.schedule import schedule
+from poolserve.service.contract.wire import peek_model, peek_routing
 from poolserve.service.inference import infer
 from poolserve.service.model import Model, instantiate
-from poolserve.service.repository import parse_model_settings
-from poolserve.service.schedule import schedule
-from poolserve.service.wire import peek_model, peek_routing
 
 DATATYPES = (
     "BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",

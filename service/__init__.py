@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from poolserve.service.errors import InvalidInput
+    from poolserve.service.contract.errors import InvalidInput
     from poolserve.service.model import Model
     from poolserve.service.scoring import ModelLoadError, ScoreError
     from poolserve.service.workerpool import ScoreStats, WorkerPool
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 # Imported on first use: the supervisor and router import this package and must
 # not carry numpy and the model machinery in their memory.
 _LAZY = {
-    "InvalidInput": "poolserve.service.errors",
+    "InvalidInput": "poolserve.service.contract.errors",
     "Model": "poolserve.service.model",
     "WorkerPool": "poolserve.service.workerpool",
     "ScoreStats": "poolserve.service.workerpool",

@@ -12,8 +12,8 @@ import enum
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from poolserve.service.errors import ModelNotFound, ModelNotReady, clip
-from poolserve.service.repository import InvalidModel, ModelSettings, TensorSpec
+from poolserve.service.contract.errors import ModelNotFound, ModelNotReady, clip
+from poolserve.service.contract.repository import InvalidModel, ModelSettings, TensorSpec
 from poolserve.service.stats import ModelStats
 
 

@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from poolserve.protos import inference_pb2
-from poolserve.service.errors import InvalidInput, clip
+from poolserve.service.contract.errors import InvalidInput, clip
 
 _Tensor: TypeAlias = (
     inference_pb2.ModelInferRequest.InferInputTensor

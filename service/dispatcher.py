@@ -39,7 +39,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from poolserve.service.errors import (
+from poolserve.service.contract.errors import (
     DeadlineExceeded,
     QueueFull,
     ServingError,
@@ -737,7 +737,7 @@ def _order_key(keys: list[float], deadline: float, precision: float) -> float:
     deadline, or the latest queued key at most ``precision`` after it.
 
     The later of two deadlines closer than their precision may be the earlier
-    call's (see poolserve.service.schedule), so the newcomer takes that key and
+    call's (see poolserve.service.contract.schedule), so the newcomer takes that key and
     the sequence number puts it behind; a key is never more than ``precision``
     past its deadline, and the expiry timer keeps the deadline itself.
     """

@@ -10,13 +10,8 @@ from collections.abc import Awaitable, Mapping
 from pathlib import Path
 from typing import TypeVar
 
-from poolserve.service.lane import lane_path
-from poolserve.service.lifecycle.child import ReadyPipe, die_with_parent, take_ready_pipe
-from poolserve.service.lifecycle.exitcodes import EXIT_CONFIG, EXIT_OK, EXIT_UNRECOVERABLE
-from poolserve.service.lifecycle.limits import raise_open_file_limit
-from poolserve.service.lifecycle.procutil import set_process_name
-from poolserve.service.repository import scan
-from poolserve.service.rundir import (
+from poolserve.service.contract.repository import scan
+from poolserve.service.contract.rundir import (
     CLAIM_WAIT_S,
     ROUTER_CONTROL_SOCKET,
     RunDirLock,
@@ -27,7 +22,12 @@ from poolserve.service.rundir import (
     setup_logging,
     socket_path,
 )
-from poolserve.service.settings import ConfigError, ServerSettings, load_server_settings
+from poolserve.service.contract.settings import ConfigError, ServerSettings, load_server_settings
+from poolserve.service.lane import lane_path
+from poolserve.service.lifecycle.child import ReadyPipe, die_with_parent, take_ready_pipe
+from poolserve.service.lifecycle.exitcodes import EXIT_CONFIG, EXIT_OK, EXIT_UNRECOVERABLE
+from poolserve.service.lifecycle.limits import raise_open_file_limit
+from poolserve.service.lifecycle.procutil import set_process_name
 from poolserve.service.threads import limit_native_threads
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from poolserve.service.errors import Failure
+from poolserve.service.contract.errors import Failure
 from poolserve.service.stats import Timings
 
 HEADER = struct.Struct("<IBQ")

@@ -12,7 +12,7 @@ from google.protobuf.message import DecodeError
 
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service.codec import decode_inputs, encode_outputs, parameters_to_dict
-from poolserve.service.errors import InvalidInput, ModelError, ServingError
+from poolserve.service.contract.errors import InvalidInput, ModelError, ServingError
 from poolserve.service.model import Model, check_outputs
 from poolserve.service.stats import Timings
 

@@ -30,16 +30,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from poolserve.service.catalog import Catalog, ModelEntry, ModelState
-from poolserve.service.dispatcher import Job, JobQueue, JobState, Result
-from poolserve.service.errors import (
+from poolserve.service.contract.errors import (
     DeadlineExceeded,
     MessageTooLarge,
     ServingError,
     Unavailable,
     as_serving_error,
 )
-from poolserve.service.repository import ModelSettings
-from poolserve.service.schedule import Schedule
+from poolserve.service.contract.repository import ModelSettings
+from poolserve.service.contract.schedule import Schedule
+from poolserve.service.dispatcher import Job, JobQueue, JobState, Result
 from poolserve.service.stats import Timings
 
 if TYPE_CHECKING:

@@ -16,14 +16,14 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from poolserve.service.catalog import Catalog, ModelEntry, ModelState
-from poolserve.service.errors import DeadlineExceeded, ServingError
+from poolserve.service.contract.errors import DeadlineExceeded, ServingError
+from poolserve.service.contract.repository import ModelSettings, Repository
+from poolserve.service.contract.settings import ServerSettings
+from poolserve.service.contract.wire import Routing
 from poolserve.service.health import Health
 from poolserve.service.inference import infer
 from poolserve.service.model import Model, instantiate, tensor_specs
-from poolserve.service.repository import ModelSettings, Repository
 from poolserve.service.servicer import InferenceServicer, Observer
-from poolserve.service.settings import ServerSettings
-from poolserve.service.wire import Routing
 
 log = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ from pathlib import Path
 
 from google.protobuf.message import DecodeError
 
-from poolserve.service.errors import (
+from poolserve.service.contract.errors import (
     DeadlineExceeded,
     Failure,
     ServingError,
@@ -47,7 +47,7 @@ from poolserve.service.errors import (
     as_serving_error,
     error_for,
 )
-from poolserve.service.rundir import FileId, claim_socket, file_id, remove_own
+from poolserve.service.contract.rundir import FileId, claim_socket, file_id, remove_own
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from poolserve.protos import inference_pb2 as pb
-from poolserve.service.errors import InvalidInput, Unimplemented, clip
+from poolserve.service.contract.errors import InvalidInput, Unimplemented, clip
+from poolserve.service.contract.repository import ModelSettings, TensorSpec
 from poolserve.service.metadata import PLATFORM
-from poolserve.service.repository import ModelSettings, TensorSpec
 
 APPLIED = ("max_batch_size", "parameters")
 CHECKED = ("name", "platform", "backend", "input", "output")

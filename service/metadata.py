@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from poolserve.protos import inference_pb2 as pb
-from poolserve.service.repository import TensorSpec
+from poolserve.service.contract.repository import TensorSpec
 
 PLATFORM = "poolserve_python"
 

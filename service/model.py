@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from poolserve.service.repository import ModelSettings, TensorSpec
+from poolserve.service.contract.repository import ModelSettings, TensorSpec
 
 Array = npt.NDArray[Any]
 

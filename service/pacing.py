@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Generic, TypeVar
 
-from poolserve.service.repository import ModelSettings
+from poolserve.service.contract.repository import ModelSettings
 
 T = TypeVar("T")
 Clock = Callable[[], float]

@@ -26,8 +26,7 @@ import grpc
 from poolserve.protos import control_pb2 as cpb
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service.catalog import Catalog, ModelEntry, ModelState
-from poolserve.service.dispatcher import Dispatcher, WorkerGone
-from poolserve.service.errors import (
+from poolserve.service.contract.errors import (
     DeadlineExceeded,
     FailedPrecondition,
     InvalidInput,
@@ -38,26 +37,27 @@ from poolserve.service.errors import (
     clip,
     load_failed,
 )
-from poolserve.service.health import Health
-from poolserve.service.inline import InlineRunner, is_inline
-from poolserve.service.lane import LANE_OVERHEAD, LaneServer, Trace, lane_path
-from poolserve.service.lifecycle.procutil import pss_bytes
-from poolserve.service.load_request import LoadRequest, parse_load_request
-from poolserve.service.pacing import Fingerprint, Pacer, Rescanner, fingerprint
-from poolserve.service.repository import (
+from poolserve.service.contract.repository import (
     ModelSettings,
     Repository,
     TensorSpec,
     parse_model_settings,
     scan,
 )
+from poolserve.service.contract.rundir import bind_private_unix, claim_socket, remove_own
+from poolserve.service.contract.schedule import PriorityLevels, Schedule, schedule
+from poolserve.service.contract.settings import ConfigError, ServerSettings
+from poolserve.service.contract.wire import Routing, peek_routing
+from poolserve.service.dispatcher import Dispatcher, WorkerGone
+from poolserve.service.health import Health
+from poolserve.service.inline import InlineRunner, is_inline
+from poolserve.service.lane import LANE_OVERHEAD, LaneServer, Trace, lane_path
+from poolserve.service.lifecycle.procutil import pss_bytes
+from poolserve.service.load_request import LoadRequest, parse_load_request
+from poolserve.service.pacing import Fingerprint, Pacer, Rescanner, fingerprint
 from poolserve.service.respawn import Respawner
-from poolserve.service.rundir import bind_private_unix, claim_socket, remove_own
-from poolserve.service.schedule import PriorityLevels, Schedule, schedule
 from poolserve.service.servicer import InferenceServicer, Observer, guarded
-from poolserve.service.settings import ConfigError, ServerSettings
 from poolserve.service.tracing import Tracing
-from poolserve.service.wire import Routing, peek_routing
 from poolserve.service.zygote import ZygoteEvents, ZygoteLink
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ from typing import Any
 
 import grpc
 
-from poolserve.service.errors import QueueFull
+from poolserve.service.contract.errors import QueueFull
 
 TRACKED_REPLY = 64 * 1024
 GIVE_BACK_EVERY_S = 1.0

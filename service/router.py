@@ -27,7 +27,7 @@ from opentelemetry.trace import Span
 from poolserve.protos import control_pb2 as cpb
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service import __version__
-from poolserve.service.errors import (
+from poolserve.service.contract.errors import (
     STAGE_METADATA,
     DeadlineExceeded,
     FailedPrecondition,
@@ -41,6 +41,18 @@ from poolserve.service.errors import (
     grpc_status,
     load_failed,
 )
+from poolserve.service.contract.repository import Repository, scan
+from poolserve.service.contract.rundir import (
+    ADDRESS_FILE,
+    ROUTER_CONTROL_SOCKET,
+    FileId,
+    bind_private_unix,
+    file_id,
+    pool_socket_path,
+    remove_own,
+)
+from poolserve.service.contract.settings import ConfigError, ServerSettings
+from poolserve.service.contract.wire import peek_model
 from poolserve.service.health import SERVING, Health
 from poolserve.service.lane import LaneClient, lane_path
 from poolserve.service.lifecycle.limits import (
@@ -50,20 +62,8 @@ from poolserve.service.lifecycle.limits import (
 )
 from poolserve.service.pacing import Rescanner
 from poolserve.service.replybudget import TRACKED_REPLY, ReplyBudget
-from poolserve.service.repository import Repository, scan
-from poolserve.service.rundir import (
-    ADDRESS_FILE,
-    ROUTER_CONTROL_SOCKET,
-    FileId,
-    bind_private_unix,
-    file_id,
-    pool_socket_path,
-    remove_own,
-)
 from poolserve.service.servicer import EXTENSIONS, NO_DEADLINE_S, SERVICE, guarded
-from poolserve.service.settings import ConfigError, ServerSettings
 from poolserve.service.tracing import Tracing, carried, deadline_event, strip_carried
-from poolserve.service.wire import peek_model
 
 log = logging.getLogger(__name__)
 

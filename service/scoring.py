@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from poolserve.service.errors import Failure, ModelError, ModelNotReady
+from poolserve.service.contract.errors import Failure, ModelError, ModelNotReady
 from poolserve.service.frames import error_frame, reply_frame
 from poolserve.service.payload import Encoded, PayloadError, SegmentDir, dumps, loads
 from poolserve.service.stats import Timings

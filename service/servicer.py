@@ -22,17 +22,17 @@ from google.protobuf.message import DecodeError
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service import __version__
 from poolserve.service.catalog import Catalog, ModelEntry
-from poolserve.service.errors import (
+from poolserve.service.contract.errors import (
     STAGE_METADATA,
     Failure,
     ServingError,
     Unimplemented,
     grpc_status,
 )
+from poolserve.service.contract.wire import Routing, encode_len_field, peek_routing
 from poolserve.service.lane import Trace
 from poolserve.service.metadata import model_config, model_metadata
 from poolserve.service.tracing import Tracing, deadline_event
-from poolserve.service.wire import Routing, encode_len_field, peek_routing
 
 SERVICE = "inference.GRPCInferenceService"
 EXTENSIONS = ("model_repository", "statistics", "model_configuration", "schedule_policy")

@@ -41,7 +41,7 @@ def main(argv: list[str]) -> NoReturn:
     skip = set(args.skip)
 
     def prepare(announce: Any) -> tuple[worker.Handler, list[worker.Warmup]]:
-        from poolserve.service.repository import parse_model_settings
+        from poolserve.service.contract.repository import parse_model_settings
         from poolserve.service.zygote import InferenceCargo
 
         cargo = InferenceCargo([])

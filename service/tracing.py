@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # the SDK is imported only when tracing is on (memory, start-
     from opentelemetry.sdk.trace import TracerProvider
 
 from poolserve.service import __version__
-from poolserve.service.settings import ConfigError
+from poolserve.service.contract.settings import ConfigError
 
 # monotonic -> wall clock, for spans built from timings measured elsewhere
 _WALL_OFFSET_NS = time.time_ns() - time.monotonic_ns()

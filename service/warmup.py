@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 
 from poolserve.service.codec import dtype_for
-from poolserve.service.errors import InvalidInput
+from poolserve.service.contract.errors import InvalidInput
+from poolserve.service.contract.repository import TensorSpec
 from poolserve.service.model import Array, Model
-from poolserve.service.repository import TensorSpec
 
 
 def warmup_inputs(

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, BinaryIO, NoReturn
 
-from poolserve.service.errors import Failure, ModelNotFound, ServingError, clip
+from poolserve.service.contract.errors import Failure, ModelNotFound, ServingError, clip
 from poolserve.service.frames import (
     HEADER,
     REQUEST,
@@ -62,8 +62,8 @@ def handle(models: Mapping[str, Model], body: bytes, seq: int) -> bytes:
     """The inference handler: one serialized ModelInferRequest, one frame."""
     # Imported here, so that a zygote that serves WorkerPool calls never loads
     # protobuf, the codec or numpy unless its own models do.
+    from poolserve.service.contract.wire import peek_model
     from poolserve.service.inference import infer
-    from poolserve.service.wire import peek_model
 
     try:
         name, version = peek_model(body)

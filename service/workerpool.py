@@ -68,8 +68,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, TypeVar
 
-from poolserve.service.dispatcher import Dispatcher, Result, Worker, WorkerGone
-from poolserve.service.errors import (
+from poolserve.service.contract.errors import (
     Cancelled,
     DeadlineExceeded,
     ModelNotFound,
@@ -77,6 +76,7 @@ from poolserve.service.errors import (
     QueueFull,
     Unavailable,
 )
+from poolserve.service.dispatcher import Dispatcher, Result, Worker, WorkerGone
 from poolserve.service.payload import SHM_THRESHOLD, SegmentDir
 from poolserve.service.respawn import Respawner
 from poolserve.service.scoring import (

@@ -62,8 +62,8 @@ from poolserve.service.lifecycle.procutil import (
 from poolserve.service.threads import sync_loaded_runtimes
 
 if TYPE_CHECKING:
+    from poolserve.service.contract.repository import ModelSettings, TensorSpec
     from poolserve.service.model import Array, Model
-    from poolserve.service.repository import ModelSettings, TensorSpec
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def _specs_json(specs: Sequence[TensorSpec]) -> list[list[Any]]:
 
 
 def specs_from_json(raw: list[list[Any]]) -> tuple[TensorSpec, ...]:
-    from poolserve.service.repository import TensorSpec
+    from poolserve.service.contract.repository import TensorSpec
 
     return tuple(TensorSpec(str(n), str(d), tuple(int(x) for x in s)) for n, d, s in raw)
 
@@ -138,8 +138,7 @@ class InferenceCargo:
     def load_initial(self, emit: Emit) -> None:
         # The request path's modules (protobuf, codec, numpy), imported here once
         # so that every worker shares their pages instead of importing its own.
-        import poolserve.service.inference
-        import poolserve.service.wire  # noqa: F401
+        import poolserve.service.contract.wire  # noqa: F401
 
         for s in self.settings:
             self.load_one(s, emit)
@@ -197,8 +196,8 @@ class InferenceCargo:
         overrode (``max_batch_size``, ``extra``) set over the file's."""
         from dataclasses import replace
 
-        from poolserve.service.repository import parse_model_settings
-        from poolserve.service.settings import ConfigError
+        from poolserve.service.contract.repository import parse_model_settings
+        from poolserve.service.contract.settings import ConfigError
 
         try:
             settings = parse_model_settings(Path(path))

@@ -23,7 +23,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from poolserve.service.rundir import ROUTER_CONTROL_SOCKET
+from poolserve.service.contract.rundir import ROUTER_CONTROL_SOCKET
 from poolserve.supervisor.notify import SystemdNotifier
 
 log = logging.getLogger(__name__)

@@ -27,16 +27,21 @@ from typing import Any
 import grpc
 
 from poolserve.protos import control_pb2 as cpb
-from poolserve.service.errors import FailedPrecondition, InvalidInput, ModelNotFound, Unavailable
-from poolserve.service.rundir import (
+from poolserve.service.contract.errors import (
+    FailedPrecondition,
+    InvalidInput,
+    ModelNotFound,
+    Unavailable,
+)
+from poolserve.service.contract.rundir import (
     CONTROL_SOCKET,
     ROUTER_CONTROL_SOCKET,
     bind_private_unix,
     pool_socket_path,
     remove_own,
 )
+from poolserve.service.contract.settings import ConfigError
 from poolserve.service.servicer import guarded
-from poolserve.service.settings import ConfigError
 from poolserve.supervisor.reconcile import Reconciler, ReloadReport, Routes
 from poolserve.supervisor.spec import ChildState, ChildStatus
 from poolserve.supervisor.tree import Supervisor

@@ -34,10 +34,10 @@ from typing import Protocol
 import grpc
 
 from poolserve.protos import inference_pb2 as pb
-from poolserve.service.repository import InvalidModel, ModelSettings, Repository, scan
-from poolserve.service.rundir import pool_socket_path
+from poolserve.service.contract.repository import InvalidModel, ModelSettings, Repository, scan
+from poolserve.service.contract.rundir import pool_socket_path
+from poolserve.service.contract.settings import SAFE_ID, ServerSettings, load_server_settings
 from poolserve.service.servicer import SERVICE
-from poolserve.service.settings import SAFE_ID, ServerSettings, load_server_settings
 from poolserve.supervisor.events import ChildExited, ChildReady, ChildStarted, Event
 from poolserve.supervisor.notify import SystemdNotifier
 from poolserve.supervisor.spec import ChildSpec, ChildState

@@ -25,10 +25,8 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from poolserve.service.lifecycle.exitcodes import EXIT_CONFIG, EXIT_OK, EXIT_UNRECOVERABLE
-from poolserve.service.lifecycle.limits import raise_open_file_limit
-from poolserve.service.repository import scan
-from poolserve.service.rundir import (
+from poolserve.service.contract.repository import scan
+from poolserve.service.contract.rundir import (
     ADDRESS_FILE,
     RunDirLock,
     check_socket_paths,
@@ -36,7 +34,9 @@ from poolserve.service.rundir import (
     setup_logging,
     sweep_stale_sockets,
 )
-from poolserve.service.settings import ConfigError, ServerSettings, load_server_settings
+from poolserve.service.contract.settings import ConfigError, ServerSettings, load_server_settings
+from poolserve.service.lifecycle.exitcodes import EXIT_CONFIG, EXIT_OK, EXIT_UNRECOVERABLE
+from poolserve.service.lifecycle.limits import raise_open_file_limit
 from poolserve.supervisor.announce import announce_serving, listening_line
 from poolserve.supervisor.control import ControlService, push_routes
 from poolserve.supervisor.events import (

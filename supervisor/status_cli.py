@@ -25,7 +25,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from poolserve.service.settings import ServerSettings
+from poolserve.service.contract.settings import ServerSettings
 
 if TYPE_CHECKING:  # gRPC loads only when a command runs, not to build the parser
     from poolserve.protos import control_pb2 as cpb

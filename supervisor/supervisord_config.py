@@ -39,9 +39,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from poolserve.service.contract.repository import scan
+from poolserve.service.contract.settings import ConfigError, ServerSettings, load_server_settings
 from poolserve.service.lifecycle.exitcodes import EXIT_CONFIG, EXIT_OK, EXIT_UNRECOVERABLE
-from poolserve.service.repository import scan
-from poolserve.service.settings import ConfigError, ServerSettings, load_server_settings
 
 POOL_PRIORITY = 100
 ROUTER_PRIORITY = 200

@@ -194,7 +194,7 @@ def local_predictions(kind: str, folder: Path, inputs: np.ndarray) -> np.ndarray
     """What the model's own class answers here, loaded outside poolserve."""
     namespace: dict[str, object] = {}
     exec(compile(MODEL_CODE, "model.py", "exec"), namespace)
-    from poolserve.service.repository import ModelSettings
+    from poolserve.service.contract.repository import ModelSettings
 
     cls = namespace[CLASSES[kind]]
     settings = ModelSettings(kind, f"model.{CLASSES[kind]}", folder, folder / "x")

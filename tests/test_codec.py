@@ -16,7 +16,7 @@ from hypothesis.extra import numpy as hnp
 
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service import codec
-from poolserve.service.errors import InvalidInput
+from poolserve.service.contract.errors import InvalidInput
 
 M = TypeVar("M", bound=Message)
 FIXED = [datatype for datatype in codec.DATATYPES if datatype != "BYTES"]

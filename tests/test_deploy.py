@@ -36,7 +36,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from poolserve.service.settings import ServerSettings, load_server_settings
+from poolserve.service.contract.settings import ServerSettings, load_server_settings
 from poolserve.supervisor.cli import build_parser
 from poolserve.supervisor.probe import Check, build_probe_parser, options_from_args
 

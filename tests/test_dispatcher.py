@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from poolserve.service.contract.errors import DeadlineExceeded, Failure, QueueFull, Unavailable
 from poolserve.service.dispatcher import Dispatcher, Job, JobQueue, WorkerGone
-from poolserve.service.errors import DeadlineExceeded, Failure, QueueFull, Unavailable
 from poolserve.service.frames import (
     HEADER,
     REQUEST,

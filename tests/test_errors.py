@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 
 from poolserve.service.catalog import Catalog
-from poolserve.service.errors import (
+from poolserve.service.contract.errors import (
     MAX_MESSAGE,
     FailedPrecondition,
     InvalidInput,

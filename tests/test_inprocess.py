@@ -13,9 +13,9 @@ import pytest
 from poolserve.protos import inference_pb2 as pb
 from poolserve.protos import inference_pb2_grpc as pbg
 from poolserve.service.codec import decode_outputs, encode_inputs
+from poolserve.service.contract.repository import scan
+from poolserve.service.contract.settings import ServerSettings
 from poolserve.service.inprocess import InProcessServer
-from poolserve.service.repository import scan
-from poolserve.service.settings import ServerSettings
 
 from support import copy_example, run_client, write_model
 

@@ -14,7 +14,7 @@ from google.protobuf.message import DecodeError
 from hypothesis import given
 from hypothesis import strategies as st
 
-from poolserve.service.errors import (
+from poolserve.service.contract.errors import (
     DeadlineExceeded,
     Failure,
     InvalidInput,

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from poolserve.protos import inference_pb2 as pb
-from poolserve.service.errors import InvalidInput, Unimplemented
+from poolserve.service.contract.errors import InvalidInput, Unimplemented
+from poolserve.service.contract.repository import ModelSettings, TensorSpec
 from poolserve.service.load_request import LoadRequest, parse_load_request
-from poolserve.service.repository import ModelSettings, TensorSpec
 
 ECHO = ModelSettings(
     name="echo",

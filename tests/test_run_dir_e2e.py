@@ -25,7 +25,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from poolserve.protos import inference_pb2 as pb
-from poolserve.service.rundir import LOCK_FILE, MAX_UNIX_PATH
+from poolserve.service.contract.rundir import LOCK_FILE, MAX_UNIX_PATH
 
 from serving import LISTENING_PREFIX, Serving, wait_serving
 from support import (

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from poolserve.service.rundir import (
+from poolserve.service.contract.rundir import (
     LOCK_FILE,
     MAX_UNIX_PATH,
     RunDirLock,
@@ -25,7 +25,7 @@ from poolserve.service.rundir import (
     pool_socket_path,
     remove_own,
 )
-from poolserve.service.settings import ConfigError
+from poolserve.service.contract.settings import ConfigError
 
 OTHER_UID = 65534  # nobody
 
@@ -139,7 +139,7 @@ def test_a_child_of_the_lock_holder_joins_without_a_lock_of_its_own(tmp_path: Pa
     ensure_private_dir(tmp_path / "run")
     code = (
         "import sys\nfrom pathlib import Path\n"
-        "from poolserve.service.rundir import RunDirLock\n"
+        "from poolserve.service.contract.rundir import RunDirLock\n"
         "print(RunDirLock.share(Path(sys.argv[1])))\n"
     )
     with RunDirLock.take(tmp_path / "run"):

@@ -1,4 +1,4 @@
-"""Unit tests of the schedule_policy rules (service/schedule.py) and their parameters."""
+"""Unit tests of the schedule_policy rules (service/contract/schedule.py) and their parameters."""
 
 from __future__ import annotations
 
@@ -8,17 +8,17 @@ from pathlib import Path
 import pytest
 
 from poolserve.protos import inference_pb2 as pb
-from poolserve.service.errors import InvalidInput
-from poolserve.service.repository import parse_model_settings
-from poolserve.service.schedule import (
+from poolserve.service.contract.errors import InvalidInput
+from poolserve.service.contract.repository import parse_model_settings
+from poolserve.service.contract.schedule import (
     NO_LEVEL,
     PriorityLevels,
     deadline_precision,
     queue_level,
     request_deadline,
 )
-from poolserve.service.settings import ConfigError
-from poolserve.service.wire import peek_routing
+from poolserve.service.contract.settings import ConfigError
+from poolserve.service.contract.wire import peek_routing
 
 
 def test_priority_zero_or_absent_is_the_default_level() -> None:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from poolserve.service.repository import scan
-from poolserve.service.settings import ConfigError, load_server_settings
+from poolserve.service.contract.repository import scan
+from poolserve.service.contract.settings import ConfigError, load_server_settings
 
 from support import write_model
 

@@ -22,9 +22,9 @@ from test_native_hangs import DECLARED, HANGS_AFTER_FORK, request
 
 from poolserve.protos import inference_pb2_grpc as pbg
 from poolserve.service.codec import decode_outputs
+from poolserve.service.contract.repository import ModelSettings
+from poolserve.service.contract.settings import ServerSettings, apply_overrides
 from poolserve.service.pool import start_method
-from poolserve.service.repository import ModelSettings
-from poolserve.service.settings import ServerSettings, apply_overrides
 
 from serving import Serving, cmdline, pool_status, wait_serving
 from support import copy_example, write_model

@@ -16,7 +16,7 @@ import pytest
 from poolserve.protos import inference_pb2 as pb
 from poolserve.protos import inference_pb2_grpc as pbg
 from poolserve.service.codec import decode_outputs
-from poolserve.service.settings import ConfigError, ServerSettings, apply_overrides
+from poolserve.service.contract.settings import ConfigError, ServerSettings, apply_overrides
 from poolserve.service.threads import THREAD_VARIABLES, limit_native_threads, thread_environment
 
 from serving import Serving, wait_serving

@@ -11,7 +11,7 @@ import pytest
 
 from poolserve.protos import inference_pb2 as pb
 from poolserve.protos import inference_pb2_grpc as pbg
-from poolserve.service.settings import ConfigError, load_server_settings
+from poolserve.service.contract.settings import ConfigError, load_server_settings
 
 from certs import make_certs
 from serving import Serving

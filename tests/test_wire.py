@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from poolserve.protos import inference_pb2 as pb
-from poolserve.service.errors import InvalidInput
-from poolserve.service.wire import encode_len_field, peek_model, peek_routing
+from poolserve.service.contract.errors import InvalidInput
+from poolserve.service.contract.wire import encode_len_field, peek_model, peek_routing
 
 
 @settings(max_examples=200, deadline=None)

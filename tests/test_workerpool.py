@@ -28,7 +28,7 @@ import pytest
 import workerpool_models as wm
 
 from poolserve.service import ModelLoadError, ScoreError, WorkerPool
-from poolserve.service.errors import (
+from poolserve.service.contract.errors import (
     Cancelled,
     DeadlineExceeded,
     ModelError,

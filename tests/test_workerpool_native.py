@@ -14,7 +14,7 @@ import workerpool_models as wm
 from test_workerpool import counter, running, until
 
 from poolserve.service import WorkerPool
-from poolserve.service.errors import DeadlineExceeded, ModelNotReady
+from poolserve.service.contract.errors import DeadlineExceeded, ModelNotReady
 
 pytestmark = pytest.mark.e2e
 

@@ -31,7 +31,7 @@ from fastapi import FastAPI, HTTPException, Request
 from pydantic import BaseModel, Field
 
 from poolserve.service import ScoreError, WorkerPool
-from poolserve.service.errors import DeadlineExceeded, QueueFull, ServingError, Unavailable
+from poolserve.service.contract.errors import DeadlineExceeded, QueueFull, ServingError, Unavailable
 
 MODEL = "burn"
 SEED = 7

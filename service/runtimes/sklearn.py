@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from poolserve.service.errors import InvalidInput
+from poolserve.service.contract.errors import InvalidInput
 from poolserve.service.model import Array, Model
 
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from poolserve.service.schedule import PriorityLevels, priority_levels
-from poolserve.service.settings import (
+from poolserve.service.contract.schedule import PriorityLevels, priority_levels
+from poolserve.service.contract.settings import (
     DEFAULT_POOL,
     SAFE_ID,
     ConfigError,

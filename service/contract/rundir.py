@@ -31,7 +31,7 @@ from types import TracebackType
 
 import grpc
 
-from poolserve.service.settings import ConfigError
+from poolserve.service.contract.settings import ConfigError
 
 MAX_UNIX_PATH = 107  # bytes of sun_path, without its terminating NUL
 ADDRESS_FILE = "router.addr"  # host:port the router bound (useful with --grpc-port 0)

@@ -33,8 +33,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from poolserve.service.errors import InvalidInput
-from poolserve.service.settings import ConfigError
+from poolserve.service.contract.errors import InvalidInput
+from poolserve.service.contract.settings import ConfigError
 
 NO_LEVEL = 1 << 30  # the queue level of a model without priority levels: below every level
 CLOCK_S = 0.001  # grpc-core keeps deadlines in whole milliseconds
