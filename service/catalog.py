@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from poolserve.service.contract.errors import ModelNotFound, ModelNotReady, clip
 from poolserve.service.contract.repository import InvalidModel, ModelSettings, TensorSpec
-from poolserve.service.stats import ModelStats
+from poolserve.service.poolcore.stats import ModelStats
 
 
 class ModelState(enum.StrEnum):

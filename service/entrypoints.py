@@ -28,7 +28,7 @@ from poolserve.service.lifecycle.child import ReadyPipe, die_with_parent, take_r
 from poolserve.service.lifecycle.exitcodes import EXIT_CONFIG, EXIT_OK, EXIT_UNRECOVERABLE
 from poolserve.service.lifecycle.limits import raise_open_file_limit
 from poolserve.service.lifecycle.procutil import set_process_name
-from poolserve.service.threads import limit_native_threads
+from poolserve.service.poolcore.threads import limit_native_threads
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -14,7 +14,7 @@ from poolserve.protos import inference_pb2 as pb
 from poolserve.service.codec import decode_inputs, encode_outputs, parameters_to_dict
 from poolserve.service.contract.errors import InvalidInput, ModelError, ServingError
 from poolserve.service.model import Model, check_outputs
-from poolserve.service.stats import Timings
+from poolserve.service.poolcore.stats import Timings
 
 
 def parse_request(data: bytes) -> pb.ModelInferRequest:

@@ -39,8 +39,8 @@ from poolserve.service.contract.errors import (
 )
 from poolserve.service.contract.repository import ModelSettings
 from poolserve.service.contract.schedule import Schedule
-from poolserve.service.dispatcher import Job, JobQueue, JobState, Result
-from poolserve.service.stats import Timings
+from poolserve.service.poolcore.dispatcher import Job, JobQueue, JobState, Result
+from poolserve.service.poolcore.stats import Timings
 
 if TYPE_CHECKING:
     # numpy comes with these; the pool server must not import it before it forks

@@ -43,11 +43,11 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from poolserve.service.contract.errors import Failure, ModelError, ModelNotReady
-from poolserve.service.frames import error_frame, reply_frame
 from poolserve.service.payload import Encoded, PayloadError, SegmentDir, dumps, loads
-from poolserve.service.stats import Timings
-from poolserve.service.worker import Handler, Warmup
-from poolserve.service.zygote import Emit, exec_arguments, exec_main, truncate_reason
+from poolserve.service.poolcore.frames import error_frame, reply_frame
+from poolserve.service.poolcore.stats import Timings
+from poolserve.service.poolcore.worker import Handler, Warmup
+from poolserve.service.poolcore.zygote import Emit, exec_arguments, exec_main, truncate_reason
 
 _CALL = struct.Struct("<QH")
 _KIND = struct.Struct("<B")

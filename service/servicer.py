@@ -39,7 +39,7 @@ EXTENSIONS = ("model_repository", "statistics", "model_configuration", "schedule
 NO_DEADLINE_S = 1e6  # grpc.aio reports a huge time_remaining() when the client set none
 
 if TYPE_CHECKING:
-    from poolserve.service.dispatcher import Result
+    from poolserve.service.poolcore.dispatcher import Result
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from poolserve.service import worker
 from poolserve.service.lifecycle.child import die_with_parent
 from poolserve.service.lifecycle.procutil import set_process_name
+from poolserve.service.poolcore import worker
 
 EXIT_LOAD_FAILED = 3
 
@@ -42,7 +42,7 @@ def main(argv: list[str]) -> NoReturn:
 
     def prepare(announce: Any) -> tuple[worker.Handler, list[worker.Warmup]]:
         from poolserve.service.contract.repository import parse_model_settings
-        from poolserve.service.zygote import InferenceCargo
+        from poolserve.service.poolcore.zygote import InferenceCargo
 
         cargo = InferenceCargo([])
         events: list[dict[str, Any]] = []

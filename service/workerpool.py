@@ -1,8 +1,8 @@
 """WorkerPool: pre-forked scoring inside your own application (the MLPool use case).
 
 A library API over the pool core that ``poolserve serve`` runs (zygote,
-workers, frames, :class:`~poolserve.service.dispatcher.Dispatcher`,
-:class:`~poolserve.service.respawn.Respawner`), without gRPC::
+workers, frames, :class:`~poolserve.service.poolcore.dispatcher.Dispatcher`,
+:class:`~poolserve.service.poolcore.respawn.Respawner`), without gRPC::
 
     from functools import partial
     from poolserve.service import WorkerPool
@@ -76,9 +76,11 @@ from poolserve.service.contract.errors import (
     QueueFull,
     Unavailable,
 )
-from poolserve.service.dispatcher import Dispatcher, Result, Worker, WorkerGone
 from poolserve.service.payload import SHM_THRESHOLD, SegmentDir
-from poolserve.service.respawn import Respawner
+from poolserve.service.poolcore.dispatcher import Dispatcher, Result, Worker, WorkerGone
+from poolserve.service.poolcore.respawn import Respawner
+from poolserve.service.poolcore.threads import thread_environment
+from poolserve.service.poolcore.zygote import ExecZygote, ZygoteEvents
 from poolserve.service.scoring import (
     MAX_CODE,
     ModelLoadError,
@@ -88,8 +90,6 @@ from poolserve.service.scoring import (
     in_zygote,
     job_of_segment,
 )
-from poolserve.service.threads import thread_environment
-from poolserve.service.zygote import ExecZygote, ZygoteEvents
 
 __all__ = [
     "ModelLoadError",

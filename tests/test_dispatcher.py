@@ -11,8 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from poolserve.service.contract.errors import DeadlineExceeded, Failure, QueueFull, Unavailable
-from poolserve.service.dispatcher import Dispatcher, Job, JobQueue, WorkerGone
-from poolserve.service.frames import (
+from poolserve.service.poolcore.dispatcher import Dispatcher, Job, JobQueue, WorkerGone
+from poolserve.service.poolcore.frames import (
     HEADER,
     REQUEST,
     ReplyBuffer,
@@ -21,7 +21,7 @@ from poolserve.service.frames import (
     ready_frame,
     reply_frame,
 )
-from poolserve.service.stats import Timings
+from poolserve.service.poolcore.stats import Timings
 
 
 class FakeWorker:

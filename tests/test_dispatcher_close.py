@@ -12,7 +12,7 @@ import socket
 
 import pytest
 
-from poolserve.service.dispatcher import Dispatcher
+from poolserve.service.poolcore.dispatcher import Dispatcher
 
 
 @pytest.mark.parametrize("yields", [0, 1, 2, 3])

@@ -17,7 +17,11 @@ from poolserve.protos import inference_pb2 as pb
 from poolserve.protos import inference_pb2_grpc as pbg
 from poolserve.service.codec import decode_outputs
 from poolserve.service.contract.settings import ConfigError, ServerSettings, apply_overrides
-from poolserve.service.threads import THREAD_VARIABLES, limit_native_threads, thread_environment
+from poolserve.service.poolcore.threads import (
+    THREAD_VARIABLES,
+    limit_native_threads,
+    thread_environment,
+)
 
 from serving import Serving, wait_serving
 from support import write_model
@@ -38,7 +42,7 @@ def test_a_variable_the_user_set_wins_with_a_log_line(
     for name in THREAD_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("MKL_NUM_THREADS", "3")
-    with caplog.at_level(logging.INFO, logger="poolserve.service.threads"):
+    with caplog.at_level(logging.INFO, logger="poolserve.service.poolcore.threads"):
         limit_native_threads(2, "pool test")
     assert os.environ["OMP_NUM_THREADS"] == "2"
     assert os.environ["MKL_NUM_THREADS"] == "3"
@@ -51,7 +55,7 @@ import numpy  # OpenBLAS starts its threads now, as numpy reads OPENBLAS_NUM_THR
 from threadpoolctl import threadpool_info
 del os.environ["OPENBLAS_NUM_THREADS"]  # as if numpy came first, with no variable set
 before = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
-from poolserve.service.threads import limit_native_threads
+from poolserve.service.poolcore.threads import limit_native_threads
 limit_native_threads(1, "test")
 after = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
 print(json.dumps({"before": before, "after": after, "env": os.environ["OPENBLAS_NUM_THREADS"]}))

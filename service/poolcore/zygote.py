@@ -51,7 +51,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
-from poolserve.service import worker
 from poolserve.service.lifecycle.child import die_with_parent
 from poolserve.service.lifecycle.procutil import (
     describe_status,
@@ -59,7 +58,8 @@ from poolserve.service.lifecycle.procutil import (
     wait_child,
     wait_exit,
 )
-from poolserve.service.threads import sync_loaded_runtimes
+from poolserve.service.poolcore import worker
+from poolserve.service.poolcore.threads import sync_loaded_runtimes
 
 if TYPE_CHECKING:
     from poolserve.service.contract.repository import ModelSettings, TensorSpec

@@ -20,7 +20,7 @@ import struct
 from dataclasses import dataclass
 
 from poolserve.service.contract.errors import Failure
-from poolserve.service.stats import Timings
+from poolserve.service.poolcore.stats import Timings
 
 HEADER = struct.Struct("<IBQ")
 TIMINGS = struct.Struct("<QQQ")

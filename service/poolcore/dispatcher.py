@@ -46,8 +46,15 @@ from poolserve.service.contract.errors import (
     Unavailable,
     error_for,
 )
-from poolserve.service.frames import LOADING, SELF_TEST, WARMUP, Reply, ReplyBuffer, request_frame
-from poolserve.service.stats import Timings
+from poolserve.service.poolcore.frames import (
+    LOADING,
+    SELF_TEST,
+    WARMUP,
+    Reply,
+    ReplyBuffer,
+    request_frame,
+)
+from poolserve.service.poolcore.stats import Timings
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, BinaryIO, NoReturn
 
 from poolserve.service.contract.errors import Failure, ModelNotFound, ServingError, clip
-from poolserve.service.frames import (
+from poolserve.service.poolcore.frames import (
     HEADER,
     REQUEST,
     error_frame,
@@ -39,7 +39,7 @@ from poolserve.service.frames import (
     reply_frame,
     warmup_frame,
 )
-from poolserve.service.stats import Timings
+from poolserve.service.poolcore.stats import Timings
 
 if TYPE_CHECKING:
     from poolserve.service.model import Model
