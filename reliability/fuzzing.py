@@ -26,8 +26,8 @@ from poolserve.service.contract.errors import ServingError, grpc_status
 from poolserve.service.contract.repository import parse_model_settings
 from poolserve.service.contract.schedule import schedule
 from poolserve.service.contract.wire import peek_model, peek_routing
-from poolserve.service.inference import infer
-from poolserve.service.model import Model, instantiate
+from poolserve.service.inference.infer import infer
+from poolserve.service.inference.model import Model, instantiate
 
 DATATYPES = (
     "BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",

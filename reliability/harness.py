@@ -33,7 +33,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from poolserve.protos import control_pb2 as cpb
 from poolserve.protos import inference_pb2 as pb
-from poolserve.service.codec import encode_inputs
+from poolserve.service.inference.codec import encode_inputs
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "models"

@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from poolserve.service.contract.errors import InvalidInput
-    from poolserve.service.model import Model
+    from poolserve.service.inference.model import Model
     from poolserve.service.scoring import ModelLoadError, ScoreError
     from poolserve.service.workerpool import ScoreStats, WorkerPool
 
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 # not carry numpy and the model machinery in their memory.
 _LAZY = {
     "InvalidInput": "poolserve.service.contract.errors",
-    "Model": "poolserve.service.model",
+    "Model": "poolserve.service.inference.model",
     "WorkerPool": "poolserve.service.workerpool",
     "ScoreStats": "poolserve.service.workerpool",
     "ScoreError": "poolserve.service.scoring",

@@ -45,7 +45,7 @@ from poolserve.service.poolcore.stats import Timings
 if TYPE_CHECKING:
     # numpy comes with these; the pool server must not import it before it forks
     # its zygote (numpy's BLAS starts a thread at import)
-    from poolserve.service.model import Model
+    from poolserve.service.inference.model import Model
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ class InlineRunner:
             )
             mode = "on the event loop" if fast else "on its own thread"
             log.info("inline model %s loaded (runs %s)", settings.name, mode)
-            from poolserve.service.model import tensor_specs
+            from poolserve.service.inference.model import tensor_specs
 
             self._catalog.set_state(settings.name, ModelState.READY, "", tensor_specs(model))
         return failures
@@ -294,7 +294,7 @@ def _abandon(inline: _Inline, job: Job) -> None:
 
 
 def _load(settings: ModelSettings) -> Model:
-    from poolserve.service.model import instantiate
+    from poolserve.service.inference.model import instantiate
 
     model = instantiate(settings)
     model.load()
@@ -307,7 +307,7 @@ def _run(model: Model, request: bytes, deadline: float) -> tuple[bytes, Timings]
             f"deadline exceeded before inline model '{model.settings.name}' ran",
             stage="pool queue",
         )
-    from poolserve.service.inference import infer
+    from poolserve.service.inference.infer import infer
 
     return infer(model, request)
 

@@ -21,8 +21,8 @@ from poolserve.service.contract.repository import ModelSettings, Repository
 from poolserve.service.contract.settings import ServerSettings
 from poolserve.service.contract.wire import Routing
 from poolserve.service.health import Health
-from poolserve.service.inference import infer
-from poolserve.service.model import Model, instantiate, tensor_specs
+from poolserve.service.inference.infer import infer
+from poolserve.service.inference.model import Model, instantiate, tensor_specs
 from poolserve.service.servicer import InferenceServicer, Observer
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from poolserve.protos import inference_pb2 as pb
-from poolserve.service.codec import encode_inputs
+from poolserve.service.inference.codec import encode_inputs
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "models"

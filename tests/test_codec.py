@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from poolserve.protos import inference_pb2 as pb
-from poolserve.service import codec
 from poolserve.service.contract.errors import InvalidInput
+from poolserve.service.inference import codec
 
 M = TypeVar("M", bound=Message)
 FIXED = [datatype for datatype in codec.DATATYPES if datatype != "BYTES"]

@@ -31,10 +31,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from poolserve.protos import inference_pb2 as pb
-from poolserve.service.codec import decode_inputs
 from poolserve.service.contract.errors import InvalidInput, ServingError
 from poolserve.service.contract.wire import peek_model, peek_routing
-from poolserve.service.inference import infer
+from poolserve.service.inference.codec import decode_inputs
+from poolserve.service.inference.infer import infer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "reliability"))
 

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from poolserve.protos import inference_pb2 as pb
 from poolserve.protos import inference_pb2_grpc as pbg
-from poolserve.service.codec import encode_inputs
+from poolserve.service.inference.codec import encode_inputs
 
 from serving import Serving, pool_status, wait_serving
 from support import copy_example, write_model

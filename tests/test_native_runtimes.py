@@ -25,7 +25,7 @@ import pytest
 
 from poolserve.protos import inference_pb2 as pb
 from poolserve.protos import inference_pb2_grpc as pbg
-from poolserve.service.codec import decode_outputs, encode_inputs
+from poolserve.service.inference.codec import decode_outputs, encode_inputs
 
 from native_models import CLASSES, KINDS, MODEL_CODE, available
 from serving import Serving, wait_serving

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from poolserve.protos import inference_pb2 as pb
 from poolserve.protos import inference_pb2_grpc as pbg
-from poolserve.service.codec import decode_outputs, encode_inputs
+from poolserve.service.inference.codec import decode_outputs, encode_inputs
 
 from serving import Serving, comm
 from support import (

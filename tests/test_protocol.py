@@ -20,7 +20,7 @@ import pytest
 
 from poolserve.protos import inference_pb2 as pb
 from poolserve.protos import inference_pb2_grpc as pbg
-from poolserve.service.codec import decode_outputs
+from poolserve.service.inference.codec import decode_outputs
 
 from serving import Serving, pool_status, wait_serving
 from support import copy_example, write_model

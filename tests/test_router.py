@@ -15,7 +15,7 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 
 from poolserve.protos import inference_pb2 as pb
 from poolserve.protos import inference_pb2_grpc as pbg
-from poolserve.service.codec import encode_inputs
+from poolserve.service.inference.codec import encode_inputs
 
 from otlp_receiver import Receiver, attributes
 from serving import Serving, pool_status, wait_serving

@@ -19,7 +19,7 @@ import pytest
 
 from poolserve.protos import inference_pb2 as pb
 from poolserve.protos import inference_pb2_grpc as pbg
-from poolserve.service.codec import encode_inputs
+from poolserve.service.inference.codec import encode_inputs
 
 from serving import Serving, pool_status, wait_serving
 from support import copy_example

@@ -21,9 +21,9 @@ import pytest
 from test_native_hangs import DECLARED, HANGS_AFTER_FORK, request
 
 from poolserve.protos import inference_pb2_grpc as pbg
-from poolserve.service.codec import decode_outputs
 from poolserve.service.contract.repository import ModelSettings
 from poolserve.service.contract.settings import ServerSettings, apply_overrides
+from poolserve.service.inference.codec import decode_outputs
 from poolserve.service.pool import start_method
 
 from serving import Serving, cmdline, pool_status, wait_serving
@@ -85,10 +85,10 @@ def test_spawned_workers_load_the_models_themselves_and_serve(tmp_path: Path) ->
             workers = {w.pid for w in status.workers}
             assert len(workers) == 2
             for pid in workers:
-                assert "poolserve.service.spawned" in cmdline(pid), cmdline(pid)
+                assert "poolserve.service.inference.spawned" in cmdline(pid), cmdline(pid)
                 assert parent_of(pid) == status.zygote_pid  # reaped by the zygote
             forked = (await pool_status(serving)).workers[0].pid
-            assert "poolserve.service.spawned" not in cmdline(forked)
+            assert "poolserve.service.inference.spawned" not in cmdline(forked)
 
             seen: set[int] = set()
             for _ in range(20):

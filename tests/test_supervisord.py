@@ -32,7 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from poolserve.protos import inference_pb2 as pb
 from poolserve.protos import inference_pb2_grpc as pbg
-from poolserve.service.codec import decode_outputs, encode_inputs
+from poolserve.service.inference.codec import decode_outputs, encode_inputs
 from poolserve.supervisor.cli import build_parser
 from poolserve.supervisor.supervisord_config import (
     POOL_PRIORITY,

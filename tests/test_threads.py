@@ -15,8 +15,8 @@ import pytest
 
 from poolserve.protos import inference_pb2 as pb
 from poolserve.protos import inference_pb2_grpc as pbg
-from poolserve.service.codec import decode_outputs
 from poolserve.service.contract.settings import ConfigError, ServerSettings, apply_overrides
+from poolserve.service.inference.codec import decode_outputs
 from poolserve.service.poolcore.threads import (
     THREAD_VARIABLES,
     limit_native_threads,

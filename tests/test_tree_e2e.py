@@ -33,7 +33,7 @@ import pytest
 from poolserve.protos import control_pb2 as cpb
 from poolserve.protos import inference_pb2 as pb
 from poolserve.protos import inference_pb2_grpc as pbg
-from poolserve.service.codec import encode_inputs
+from poolserve.service.inference.codec import encode_inputs
 from poolserve.supervisor.control import (
     fetch_tree_status,
     request_pool,

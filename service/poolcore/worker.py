@@ -42,7 +42,7 @@ from poolserve.service.poolcore.frames import (
 from poolserve.service.poolcore.stats import Timings
 
 if TYPE_CHECKING:
-    from poolserve.service.model import Model
+    from poolserve.service.inference.model import Model
 
 Handler = Callable[[bytes, int], bytes]
 """A request handler: (request body, sequence number) -> one REPLY or ERROR frame."""
@@ -63,7 +63,7 @@ def handle(models: Mapping[str, Model], body: bytes, seq: int) -> bytes:
     # Imported here, so that a zygote that serves WorkerPool calls never loads
     # protobuf, the codec or numpy unless its own models do.
     from poolserve.service.contract.wire import peek_model
-    from poolserve.service.inference import infer
+    from poolserve.service.inference.infer import infer
 
     try:
         name, version = peek_model(body)

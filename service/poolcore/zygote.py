@@ -63,7 +63,7 @@ from poolserve.service.poolcore.threads import sync_loaded_runtimes
 
 if TYPE_CHECKING:
     from poolserve.service.contract.repository import ModelSettings, TensorSpec
-    from poolserve.service.model import Array, Model
+    from poolserve.service.inference.model import Array, Model
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class InferenceCargo:
     """The pool server's cargo: runtime models from their settings.
 
     With ``start_method`` "spawn", workers are fresh interpreters that load
-    the models themselves (:mod:`poolserve.service.spawned`): the zygote loads
+    the models themselves (:mod:`poolserve.service.inference.spawned`): the zygote loads
     each model once to check it and learn its metadata, then lets it go, and
     keeps only where its settings are.
     """
@@ -145,8 +145,8 @@ class InferenceCargo:
 
     def load_one(self, settings: ModelSettings, emit: Emit) -> None:
         """Loads (or reloads) one model; a failure leaves the previous one in place."""
-        from poolserve.service.model import instantiate, tensor_specs
-        from poolserve.service.warmup import warmup_inputs
+        from poolserve.service.inference.model import instantiate, tensor_specs
+        from poolserve.service.inference.warmup import warmup_inputs
 
         try:
             model = instantiate(settings)
@@ -227,7 +227,7 @@ class InferenceCargo:
             sys.executable,
             *_interpreter_flags(),
             "-m",
-            "poolserve.service.spawned",
+            "poolserve.service.inference.spawned",
             "--sock-fd",
             str(sock.fileno()),
             "--zygote-pid",
@@ -250,7 +250,7 @@ class InferenceCargo:
 
 
 def _warm_up(model: Model, example: Mapping[str, Array]) -> None:
-    from poolserve.service.model import check_outputs
+    from poolserve.service.inference.model import check_outputs
 
     check_outputs(model.settings.name, model.predict(dict(example), {}))
 

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from poolserve.service.contract.errors import InvalidInput
-from poolserve.service.model import Array, Model
+from poolserve.service.inference.model import Array, Model
 
 
 class SKLearnModel(Model):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from poolserve.service import Model
-from poolserve.service.model import Array
+from poolserve.service.inference.model import Array
 
 DEFAULT_ITERATIONS = 500_000
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from poolserve.service import InvalidInput, Model
-from poolserve.service.model import Array
+from poolserve.service.inference.model import Array
 
 
 class EchoModel(Model):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from poolserve.service import InvalidInput, Model
-from poolserve.service.model import Array
+from poolserve.service.inference.model import Array
 
 
 class SleepModel(Model):

@@ -11,9 +11,9 @@ import time
 from google.protobuf.message import DecodeError
 
 from poolserve.protos import inference_pb2 as pb
-from poolserve.service.codec import decode_inputs, encode_outputs, parameters_to_dict
 from poolserve.service.contract.errors import InvalidInput, ModelError, ServingError
-from poolserve.service.model import Model, check_outputs
+from poolserve.service.inference.codec import decode_inputs, encode_outputs, parameters_to_dict
+from poolserve.service.inference.model import Model, check_outputs
 from poolserve.service.poolcore.stats import Timings
 
 

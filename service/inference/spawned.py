@@ -1,7 +1,7 @@
 """A worker started as a fresh interpreter (``start_method: "spawn"``).
 
 For a runtime that cannot survive a fork at all, a pool can start each worker
-by exec instead: ``python -m poolserve.service.spawned``, started by the
+by exec instead: ``python -m poolserve.service.inference.spawned``, started by the
 pool's zygote (which reaps it and reports its exit, as for a forked worker).
 It loads the pool's models itself, each announced to the pool by a LOADING
 frame, then runs the same self-test and serves the same frames as a forked
@@ -64,6 +64,6 @@ def main(argv: list[str]) -> NoReturn:
 
 if __name__ == "__main__":
     # Run as a script, this file is ``__main__``; import it under its real name.
-    from poolserve.service import spawned
+    from poolserve.service.inference import spawned
 
     spawned.main(sys.argv[1:])

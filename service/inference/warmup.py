@@ -1,7 +1,7 @@
 """A model's warm-up input: what each fresh worker predicts on in its self-test.
 
 In order: nothing if ``parameters.extra.warmup`` is false; the model's own
-:meth:`~poolserve.service.model.Model.example`; ``parameters.extra.example``
+:meth:`~poolserve.service.inference.model.Model.example`; ``parameters.extra.example``
 (input name -> nested list, with the declared datatype where there is one);
 else zeros of the declared inputs, a dimension of -1 taken as 1. A model
 with none of these (no declared inputs) gets no warm-up: the reason says so.
@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from poolserve.service.codec import dtype_for
 from poolserve.service.contract.errors import InvalidInput
 from poolserve.service.contract.repository import TensorSpec
-from poolserve.service.model import Array, Model
+from poolserve.service.inference.codec import dtype_for
+from poolserve.service.inference.model import Array, Model
 
 
 def warmup_inputs(
