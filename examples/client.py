@@ -10,7 +10,7 @@ import numpy as np
 
 from poolserve.protos import inference_pb2 as pb
 from poolserve.protos import inference_pb2_grpc as pbg
-from poolserve.service.inference.codec import decode_outputs, encode_inputs
+from poolserve.service import decode_outputs, encode_inputs
 
 
 async def main(address: str) -> None:

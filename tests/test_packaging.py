@@ -121,3 +121,23 @@ def test_every_source_folder_is_a_listed_package() -> None:
             top, *rest = init.parent.relative_to(ROOT).parts
             found.add(".".join([roots[top], *rest]))
     assert found == set(config["packages"])
+
+
+def test_old_module_paths_are_the_new_modules_with_a_deprecation_warning() -> None:
+    """poolserve.service.{model,errors,codec} keep working for one release (issue 15)."""
+    probe = (
+        "import warnings; warnings.simplefilter('always')\n"
+        "with warnings.catch_warnings(record=True) as seen:\n"
+        "    from poolserve.service.model import Array\n"
+        "    import poolserve.service.errors as old_errors, poolserve.service.codec as old_codec\n"
+        "from poolserve.service.inference import codec, model\n"
+        "from poolserve.service.contract import errors\n"
+        "import poolserve.service as service\n"
+        "assert old_errors is errors and old_codec is codec and Array is model.Array\n"
+        "assert service.model is model and model.__spec__.name.endswith('inference.model')\n"
+        "assert service.QueueFull is errors.QueueFull and service.Array is model.Array\n"
+        "print(sorted((w.category.__name__, w.filename) for w in seen))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[0] == str([("DeprecationWarning", "<string>")] * 3)

@@ -30,8 +30,14 @@ from cpu_model import load_model, score
 from fastapi import FastAPI, HTTPException, Request
 from pydantic import BaseModel, Field
 
-from poolserve.service import ScoreError, WorkerPool
-from poolserve.service.contract.errors import DeadlineExceeded, QueueFull, ServingError, Unavailable
+from poolserve.service import (
+    DeadlineExceeded,
+    QueueFull,
+    ScoreError,
+    ServingError,
+    Unavailable,
+    WorkerPool,
+)
 
 MODEL = "burn"
 SEED = 7

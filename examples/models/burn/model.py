@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from poolserve.service import Model
-from poolserve.service.inference.model import Array
+from poolserve.service import Array, Model
 
 DEFAULT_ITERATIONS = 500_000
 

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from poolserve.service import InvalidInput, Model
-from poolserve.service.inference.model import Array
+from poolserve.service import Array, InvalidInput, Model
 
 
 class EchoModel(Model):

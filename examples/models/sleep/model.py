@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import time
 
-from poolserve.service import InvalidInput, Model
-from poolserve.service.inference.model import Array
+from poolserve.service import Array, InvalidInput, Model
 
 
 class SleepModel(Model):
