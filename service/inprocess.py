@@ -20,7 +20,7 @@ from poolserve.service.contract.errors import DeadlineExceeded, ServingError
 from poolserve.service.contract.repository import ModelSettings, Repository
 from poolserve.service.contract.settings import ServerSettings
 from poolserve.service.contract.wire import Routing
-from poolserve.service.health import Health
+from poolserve.service.grpcserver.health import Health
 from poolserve.service.inference.infer import infer
 from poolserve.service.inference.model import Model, instantiate, tensor_specs
 from poolserve.service.servicer import InferenceServicer, Observer

@@ -53,17 +53,17 @@ from poolserve.service.contract.rundir import (
 )
 from poolserve.service.contract.settings import ConfigError, ServerSettings
 from poolserve.service.contract.wire import peek_model
-from poolserve.service.health import SERVING, Health
+from poolserve.service.grpcserver.health import SERVING, Health
+from poolserve.service.grpcserver.pacing import Rescanner
+from poolserve.service.grpcserver.tracing import Tracing, carried, deadline_event, strip_carried
 from poolserve.service.lane import LaneClient, lane_path
 from poolserve.service.lifecycle.limits import (
     return_large_frees,
     trim_freed_memory,
     watch_descriptors,
 )
-from poolserve.service.pacing import Rescanner
 from poolserve.service.replybudget import TRACKED_REPLY, ReplyBudget
 from poolserve.service.servicer import EXTENSIONS, NO_DEADLINE_S, SERVICE, guarded
-from poolserve.service.tracing import Tracing, carried, deadline_event, strip_carried
 
 log = logging.getLogger(__name__)
 

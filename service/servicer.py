@@ -30,9 +30,9 @@ from poolserve.service.contract.errors import (
     grpc_status,
 )
 from poolserve.service.contract.wire import Routing, encode_len_field, peek_routing
+from poolserve.service.grpcserver.tracing import Tracing, deadline_event
 from poolserve.service.lane import Trace
 from poolserve.service.metadata import model_config, model_metadata
-from poolserve.service.tracing import Tracing, deadline_event
 
 SERVICE = "inference.GRPCInferenceService"
 EXTENSIONS = ("model_repository", "statistics", "model_configuration", "schedule_policy")

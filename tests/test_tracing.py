@@ -214,7 +214,7 @@ def test_collector_down_costs_requests_nothing(tmp_path: Path) -> None:
 
 def test_tracing_off_by_default(tmp_path: Path) -> None:
     assert "OTEL_TRACES_EXPORTER" not in os.environ
-    from poolserve.service.tracing import Tracing
+    from poolserve.service.grpcserver.tracing import Tracing
 
     assert Tracing.from_env("router", {}) is None
     assert Tracing.from_env("router", {"OTEL_TRACES_EXPORTER": "none"}) is None
