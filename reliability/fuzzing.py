@@ -22,10 +22,11 @@ import numpy as np
 from harness import EXAMPLES
 
 from poolserve.protos import inference_pb2 as pb
-from poolserve.service.contract.errors import ServingError, grpc_status
+from poolserve.service.contract.errors import ServingError
 from poolserve.service.contract.repository import parse_model_settings
 from poolserve.service.contract.schedule import schedule
 from poolserve.service.contract.wire import peek_model, peek_routing
+from poolserve.service.grpcserver.status import grpc_status
 from poolserve.service.inference.infer import infer
 from poolserve.service.inference.model import Model, instantiate
 

@@ -19,7 +19,6 @@ from poolserve.service.contract.rundir import (
     claim_socket,
     ensure_private_dir,
     pool_socket_path,
-    setup_logging,
     socket_path,
 )
 from poolserve.service.contract.settings import ConfigError, ServerSettings, load_server_settings
@@ -27,6 +26,7 @@ from poolserve.service.lane import lane_path
 from poolserve.service.lifecycle.child import ReadyPipe, die_with_parent, take_ready_pipe
 from poolserve.service.lifecycle.exitcodes import EXIT_CONFIG, EXIT_OK, EXIT_UNRECOVERABLE
 from poolserve.service.lifecycle.limits import raise_open_file_limit
+from poolserve.service.lifecycle.logs import setup_logging
 from poolserve.service.lifecycle.procutil import set_process_name
 from poolserve.service.poolcore.threads import limit_native_threads
 

@@ -35,10 +35,10 @@ from poolserve.service.contract.errors import (
     MessageTooLarge,
     ServingError,
     Unavailable,
-    as_serving_error,
 )
 from poolserve.service.contract.repository import ModelSettings
 from poolserve.service.contract.schedule import Schedule
+from poolserve.service.grpcserver.status import as_serving_error
 from poolserve.service.poolcore.dispatcher import Job, JobQueue, JobState, Result
 from poolserve.service.poolcore.stats import Timings
 

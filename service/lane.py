@@ -44,10 +44,10 @@ from poolserve.service.contract.errors import (
     Failure,
     ServingError,
     Unavailable,
-    as_serving_error,
     error_for,
 )
 from poolserve.service.contract.rundir import FileId, claim_socket, file_id, remove_own
+from poolserve.service.grpcserver.status import as_serving_error
 
 log = logging.getLogger(__name__)
 

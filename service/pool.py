@@ -44,12 +44,14 @@ from poolserve.service.contract.repository import (
     parse_model_settings,
     scan,
 )
-from poolserve.service.contract.rundir import bind_private_unix, claim_socket, remove_own
+from poolserve.service.contract.rundir import claim_socket, remove_own
 from poolserve.service.contract.schedule import PriorityLevels, Schedule, schedule
 from poolserve.service.contract.settings import ConfigError, ServerSettings
 from poolserve.service.contract.wire import Routing, peek_routing
+from poolserve.service.grpcserver.handlers import guarded
 from poolserve.service.grpcserver.health import Health
 from poolserve.service.grpcserver.pacing import Fingerprint, Pacer, Rescanner, fingerprint
+from poolserve.service.grpcserver.sockets import bind_private_unix
 from poolserve.service.grpcserver.tracing import Tracing
 from poolserve.service.inline import InlineRunner, is_inline
 from poolserve.service.lane import LANE_OVERHEAD, LaneServer, Trace, lane_path
@@ -58,7 +60,7 @@ from poolserve.service.load_request import LoadRequest, parse_load_request
 from poolserve.service.poolcore.dispatcher import Dispatcher, WorkerGone
 from poolserve.service.poolcore.respawn import Respawner
 from poolserve.service.poolcore.zygote import ZygoteEvents, ZygoteLink
-from poolserve.service.servicer import InferenceServicer, Observer, guarded
+from poolserve.service.servicer import InferenceServicer, Observer
 
 log = logging.getLogger(__name__)
 

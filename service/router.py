@@ -28,7 +28,6 @@ from poolserve.protos import control_pb2 as cpb
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service import __version__
 from poolserve.service.contract.errors import (
-    STAGE_METADATA,
     DeadlineExceeded,
     FailedPrecondition,
     Failure,
@@ -37,8 +36,6 @@ from poolserve.service.contract.errors import (
     ServingError,
     Unavailable,
     clip,
-    from_upstream,
-    grpc_status,
     load_failed,
 )
 from poolserve.service.contract.repository import Repository, scan
@@ -46,15 +43,17 @@ from poolserve.service.contract.rundir import (
     ADDRESS_FILE,
     ROUTER_CONTROL_SOCKET,
     FileId,
-    bind_private_unix,
     file_id,
     pool_socket_path,
     remove_own,
 )
 from poolserve.service.contract.settings import ConfigError, ServerSettings
 from poolserve.service.contract.wire import peek_model
+from poolserve.service.grpcserver.handlers import EXTENSIONS, NO_DEADLINE_S, SERVICE, guarded
 from poolserve.service.grpcserver.health import SERVING, Health
 from poolserve.service.grpcserver.pacing import Rescanner
+from poolserve.service.grpcserver.sockets import bind_private_unix
+from poolserve.service.grpcserver.status import STAGE_METADATA, from_upstream, grpc_status
 from poolserve.service.grpcserver.tracing import Tracing, carried, deadline_event, strip_carried
 from poolserve.service.lane import LaneClient, lane_path
 from poolserve.service.lifecycle.limits import (
@@ -63,7 +62,6 @@ from poolserve.service.lifecycle.limits import (
     watch_descriptors,
 )
 from poolserve.service.replybudget import TRACKED_REPLY, ReplyBudget
-from poolserve.service.servicer import EXTENSIONS, NO_DEADLINE_S, SERVICE, guarded
 
 log = logging.getLogger(__name__)
 

@@ -3,48 +3,36 @@
 ModelInfer and ModelStreamInfer are registered as byte handlers: the request
 bytes go to the backend unparsed (only the model name is peeked) and the
 response bytes come back unparsed. The other RPCs answer from the catalog.
-Every handler goes through :func:`guarded`, the one place where errors become
-gRPC statuses. The same service runs in a pool server (backend: the
+Every handler goes through
+:func:`poolserve.service.grpcserver.handlers.guarded`, the one place where errors
+become gRPC statuses. The same service runs in a pool server (backend: the
 dispatcher over pre-forked workers) and in-process (backend: a thread).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service import __version__
 from poolserve.service.catalog import Catalog, ModelEntry
-from poolserve.service.contract.errors import (
-    STAGE_METADATA,
-    Failure,
-    ServingError,
-    Unimplemented,
-    grpc_status,
-)
+from poolserve.service.contract.errors import Failure, ServingError, Unimplemented
 from poolserve.service.contract.wire import Routing, encode_len_field, peek_routing
+from poolserve.service.grpcserver.handlers import EXTENSIONS, SERVICE, deadline_from, guarded
+from poolserve.service.grpcserver.status import grpc_status
 from poolserve.service.grpcserver.tracing import Tracing, deadline_event
 from poolserve.service.lane import Trace
 from poolserve.service.metadata import model_config, model_metadata
-
-SERVICE = "inference.GRPCInferenceService"
-EXTENSIONS = ("model_repository", "statistics", "model_configuration", "schedule_policy")
-NO_DEADLINE_S = 1e6  # grpc.aio reports a huge time_remaining() when the client set none
 
 if TYPE_CHECKING:
     from poolserve.service.poolcore.dispatcher import Result
 
 log = logging.getLogger(__name__)
-
-Req = TypeVar("Req")
-Resp = TypeVar("Resp")
 
 
 Observer = Callable[["Result"], None]  # sees a successful execution's timings (for spans)
@@ -63,69 +51,6 @@ class InferBackend(Protocol):
     ) -> bytes: ...
 
     def serving(self) -> bool: ...
-
-
-def deadline_from(
-    context: grpc.aio.ServicerContext[Any, Any], default_s: float, margin_s: float = 0.0
-) -> float:
-    """Absolute monotonic deadline: the client's, or ``default_s`` when it set none.
-
-    ``margin_s`` ends our part a little early, so that we answer (saying where
-    the time went) before our caller's own timer fires.
-    """
-    remaining = context.time_remaining()
-    if remaining is None or remaining > NO_DEADLINE_S:
-        remaining = default_s
-    return time.monotonic() + remaining - margin_s
-
-
-def guarded(
-    fn: Callable[[Req, grpc.aio.ServicerContext[Any, Any]], Awaitable[Resp]],
-) -> Callable[[Req, grpc.aio.ServicerContext[Any, Any]], Awaitable[Resp]]:
-    """Maps every error of a unary handler to a status, in one place."""
-
-    async def handler(request: Req, context: grpc.aio.ServicerContext[Any, Any]) -> Resp:
-        try:
-            return await fn(request, context)
-        except ServingError as exc:
-            code, message = grpc_status(exc)
-            if exc.stage:
-                context.set_trailing_metadata(((STAGE_METADATA, exc.stage),))
-        except DecodeError as exc:  # bytes that are not the message they claim to be
-            code, message = grpc_status(exc)
-        except Exception as exc:
-            log.exception("unexpected error in %s", fn.__name__)
-            code, message = grpc_status(exc)
-        await abort(context, code, message)
-        raise AssertionError("unreachable: abort raises")
-
-    handler.__name__ = fn.__name__
-    return handler
-
-
-async def abort(
-    context: grpc.aio.ServicerContext[Any, Any], code: grpc.StatusCode, message: str
-) -> None:
-    """Ends the call with a status, unless the client already ended it.
-
-    A call whose client cancelled or whose deadline passed is already closed;
-    sending a status then fails inside grpc. Nobody is listening, so the
-    call just ends, quietly, as a cancellation.
-    """
-    if context.done():
-        raise asyncio.CancelledError
-    try:
-        await context.abort(code, message)
-    except grpc.aio.AbortError as exc:
-        # grpc.aio keeps this exception on the call, and its traceback keeps every
-        # frame it passes with their locals (the request's bytes, a reply): a
-        # reference cycle that holds them until the garbage collector happens to
-        # run. Once the call has ended, the traceback goes.
-        error = exc  # the name ``exc`` is deleted at the end of this block
-        context.add_done_callback(lambda _: error.with_traceback(None))  # type: ignore[arg-type]
-        raise
-    except Exception:
-        raise asyncio.CancelledError from None
 
 
 class ModelControl(Protocol):

@@ -36,12 +36,12 @@ from poolserve.service.contract.errors import (
 from poolserve.service.contract.rundir import (
     CONTROL_SOCKET,
     ROUTER_CONTROL_SOCKET,
-    bind_private_unix,
     pool_socket_path,
     remove_own,
 )
 from poolserve.service.contract.settings import ConfigError
-from poolserve.service.servicer import guarded
+from poolserve.service.grpcserver.handlers import guarded
+from poolserve.service.grpcserver.sockets import bind_private_unix
 from poolserve.supervisor.reconcile import Reconciler, ReloadReport, Routes
 from poolserve.supervisor.spec import ChildState, ChildStatus
 from poolserve.supervisor.tree import Supervisor

@@ -37,7 +37,7 @@ from poolserve.protos import inference_pb2 as pb
 from poolserve.service.contract.repository import InvalidModel, ModelSettings, Repository, scan
 from poolserve.service.contract.rundir import pool_socket_path
 from poolserve.service.contract.settings import SAFE_ID, ServerSettings, load_server_settings
-from poolserve.service.servicer import SERVICE
+from poolserve.service.grpcserver.handlers import SERVICE
 from poolserve.supervisor.events import ChildExited, ChildReady, ChildStarted, Event
 from poolserve.supervisor.notify import SystemdNotifier
 from poolserve.supervisor.spec import ChildSpec, ChildState

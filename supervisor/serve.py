@@ -31,12 +31,12 @@ from poolserve.service.contract.rundir import (
     RunDirLock,
     check_socket_paths,
     ensure_private_dir,
-    setup_logging,
     sweep_stale_sockets,
 )
 from poolserve.service.contract.settings import ConfigError, ServerSettings, load_server_settings
 from poolserve.service.lifecycle.exitcodes import EXIT_CONFIG, EXIT_OK, EXIT_UNRECOVERABLE
 from poolserve.service.lifecycle.limits import raise_open_file_limit
+from poolserve.service.lifecycle.logs import setup_logging
 from poolserve.supervisor.announce import announce_serving, listening_line
 from poolserve.supervisor.control import ControlService, push_routes
 from poolserve.supervisor.events import (

@@ -31,8 +31,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from poolserve.protos import inference_pb2 as pb
 from poolserve.protos import inference_pb2_grpc as pbg
-from poolserve.service.contract.errors import grpc_status
 from poolserve.service.contract.settings import ServerSettings
+from poolserve.service.grpcserver.status import grpc_status
 from poolserve.service.lifecycle.limits import SHORT_RATIO, WARN_EVERY_S, DescriptorWatch
 from poolserve.service.replybudget import RepliesUnread, ReplyBudget
 from poolserve.service.router import server_options

@@ -31,9 +31,9 @@ import pytest
 from poolserve.protos import control_pb2 as cpb
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service.contract.repository import scan
-from poolserve.service.contract.rundir import bind_private_unix
 from poolserve.service.contract.settings import PoolOverride, ServerSettings, load_server_settings
-from poolserve.service.servicer import SERVICE
+from poolserve.service.grpcserver.handlers import SERVICE
+from poolserve.service.grpcserver.sockets import bind_private_unix
 from poolserve.supervisor.control import (
     ROUTER_SERVICE,
     ControlService,

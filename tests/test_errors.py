@@ -11,9 +11,9 @@ from poolserve.service.contract.errors import (
     InvalidInput,
     ModelNotFound,
     clip,
-    grpc_status,
     load_failed,
 )
+from poolserve.service.grpcserver.status import grpc_status
 
 
 def test_clip_keeps_short_names_and_cuts_long_ones_saying_how_long() -> None:

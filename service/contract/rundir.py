@@ -19,17 +19,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import logging
 import os
 import socket
 import stat
-import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
-
-import grpc
 
 from poolserve.service.contract.settings import ConfigError
 
@@ -285,18 +281,6 @@ def remove_own(path: Path, identity: FileId | None) -> None:
             os.unlink(path)
 
 
-def bind_private_unix(server: grpc.aio.Server, path: Path) -> FileId | None:
-    """Binds with a umask so the socket is 0600 from its first instant; returns
-    its identity, for :func:`remove_own`. A live socket at ``path`` raises SocketInUse."""
-    claim_socket(path)
-    old = os.umask(0o177)
-    try:
-        server.add_insecure_port(f"unix:{path}")
-    finally:
-        os.umask(old)
-    return file_id(path)
-
-
 def sweep_stale_sockets(run_dir: Path) -> list[str]:
     """Removes the sockets nobody serves (a tree that died); only the lock holder calls it."""
     removed = []
@@ -306,29 +290,3 @@ def sweep_stale_sockets(run_dir: Path) -> list[str]:
                 entry.unlink()
                 removed.append(entry.name)
     return removed
-
-
-def setup_logging(role: str, log_format: str = "text") -> None:
-    if log_format == "json":
-        fmt = (
-            '{"ts": "%(asctime)s", "level": "%(levelname)s", "role": "' + role + '", '
-            '"pid": %(process)d, "msg": "%(message)s"}'
-        )
-    else:
-        fmt = f"%(asctime)s %(levelname)s {role}[%(process)d] %(message)s"
-    logging.basicConfig(level=logging.INFO, format=fmt, stream=sys.stderr, force=True)
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(_late_reply_filter)
-
-
-def _late_reply_filter(record: logging.LogRecord) -> bool:
-    """grpc logs a full traceback when a reply meets a call that already ended
-    (the client left, or its deadline passed, a moment before): one line is
-    enough, since nobody was waiting for that reply."""
-    if record.name.startswith("grpc._cython") and "ExecuteBatchError" in record.getMessage():
-        record.msg = "a reply was not sent: its call had already ended (client gone or deadline)"
-        record.args = ()
-        record.exc_info = None
-        record.exc_text = None
-        record.levelno, record.levelname = logging.INFO, "INFO"
-    return True
