@@ -55,7 +55,9 @@ def _ready(pipe: ReadyPipe | None, status: str) -> None:
 
 
 def run_pool(repo: Path, gid: str, flags: Mapping[str, object]) -> int:
-    from poolserve.service.pool import PoolServer  # the pool's imports, in the pool only
+    from poolserve.service.poolserver.server import (
+        PoolServer,  # the pool's imports, in the pool only
+    )
 
     die_with_parent()
     set_process_name("poolserve-pool")

@@ -118,9 +118,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _serve_inprocess(args: argparse.Namespace) -> int:
     from poolserve.service.contract.repository import scan
     from poolserve.service.contract.settings import ConfigError, load_server_settings
-    from poolserve.service.inprocess import InProcessServer
     from poolserve.service.lifecycle.exitcodes import EXIT_CONFIG
     from poolserve.service.lifecycle.logs import setup_logging
+    from poolserve.service.poolserver.inprocess import InProcessServer
 
     try:
         settings = load_server_settings(args.repo, flags=_flags(args))

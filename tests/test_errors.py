@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import grpc
 
-from poolserve.service.catalog import Catalog
 from poolserve.service.contract.errors import (
     MAX_MESSAGE,
     FailedPrecondition,
@@ -14,6 +13,7 @@ from poolserve.service.contract.errors import (
     load_failed,
 )
 from poolserve.service.grpcserver.status import grpc_status
+from poolserve.service.poolserver.catalog import Catalog
 
 
 def test_clip_keeps_short_names_and_cuts_long_ones_saying_how_long() -> None:

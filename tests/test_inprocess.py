@@ -15,7 +15,7 @@ from poolserve.protos import inference_pb2_grpc as pbg
 from poolserve.service.contract.repository import scan
 from poolserve.service.contract.settings import ServerSettings
 from poolserve.service.inference.codec import decode_outputs, encode_inputs
-from poolserve.service.inprocess import InProcessServer
+from poolserve.service.poolserver.inprocess import InProcessServer
 
 from support import copy_example, run_client, write_model
 

@@ -10,7 +10,7 @@ import pytest
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service.contract.errors import InvalidInput, Unimplemented
 from poolserve.service.contract.repository import ModelSettings, TensorSpec
-from poolserve.service.load_request import LoadRequest, parse_load_request
+from poolserve.service.poolserver.load_request import LoadRequest, parse_load_request
 
 ECHO = ModelSettings(
     name="echo",

@@ -24,7 +24,7 @@ from poolserve.protos import inference_pb2_grpc as pbg
 from poolserve.service.contract.repository import ModelSettings
 from poolserve.service.contract.settings import ServerSettings, apply_overrides
 from poolserve.service.inference.codec import decode_outputs
-from poolserve.service.pool import start_method
+from poolserve.service.poolserver.server import start_method
 
 from serving import Serving, cmdline, pool_status, wait_serving
 from support import copy_example, write_model

@@ -23,7 +23,7 @@ from typing import Any
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service.contract.errors import InvalidInput, Unimplemented, clip
 from poolserve.service.contract.repository import ModelSettings, TensorSpec
-from poolserve.service.metadata import PLATFORM
+from poolserve.service.poolserver.metadata import PLATFORM
 
 APPLIED = ("max_batch_size", "parameters")
 CHECKED = ("name", "platform", "backend", "input", "output")

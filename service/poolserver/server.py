@@ -25,7 +25,6 @@ import grpc
 
 from poolserve.protos import control_pb2 as cpb
 from poolserve.protos import inference_pb2 as pb
-from poolserve.service.catalog import Catalog, ModelEntry, ModelState
 from poolserve.service.contract.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -53,14 +52,15 @@ from poolserve.service.grpcserver.health import Health
 from poolserve.service.grpcserver.pacing import Fingerprint, Pacer, Rescanner, fingerprint
 from poolserve.service.grpcserver.sockets import bind_private_unix
 from poolserve.service.grpcserver.tracing import Tracing
-from poolserve.service.inline import InlineRunner, is_inline
 from poolserve.service.lane import LANE_OVERHEAD, LaneServer, Trace, lane_path
 from poolserve.service.lifecycle.procutil import pss_bytes
-from poolserve.service.load_request import LoadRequest, parse_load_request
 from poolserve.service.poolcore.dispatcher import Dispatcher, WorkerGone
 from poolserve.service.poolcore.respawn import Respawner
 from poolserve.service.poolcore.zygote import ZygoteEvents, ZygoteLink
-from poolserve.service.servicer import InferenceServicer, Observer
+from poolserve.service.poolserver.catalog import Catalog, ModelEntry, ModelState
+from poolserve.service.poolserver.inline import InlineRunner, is_inline
+from poolserve.service.poolserver.load_request import LoadRequest, parse_load_request
+from poolserve.service.poolserver.servicer import InferenceServicer, Observer
 
 log = logging.getLogger(__name__)
 

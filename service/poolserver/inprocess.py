@@ -15,7 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from poolserve.service.catalog import Catalog, ModelEntry, ModelState
 from poolserve.service.contract.errors import DeadlineExceeded, ServingError
 from poolserve.service.contract.repository import ModelSettings, Repository
 from poolserve.service.contract.settings import ServerSettings
@@ -23,7 +22,8 @@ from poolserve.service.contract.wire import Routing
 from poolserve.service.grpcserver.health import Health
 from poolserve.service.inference.infer import infer
 from poolserve.service.inference.model import Model, instantiate, tensor_specs
-from poolserve.service.servicer import InferenceServicer, Observer
+from poolserve.service.poolserver.catalog import Catalog, ModelEntry, ModelState
+from poolserve.service.poolserver.servicer import InferenceServicer, Observer
 
 log = logging.getLogger(__name__)
 

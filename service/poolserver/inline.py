@@ -29,7 +29,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from poolserve.service.catalog import Catalog, ModelEntry, ModelState
 from poolserve.service.contract.errors import (
     DeadlineExceeded,
     MessageTooLarge,
@@ -41,6 +40,7 @@ from poolserve.service.contract.schedule import Schedule
 from poolserve.service.grpcserver.status import as_serving_error
 from poolserve.service.poolcore.dispatcher import Job, JobQueue, JobState, Result
 from poolserve.service.poolcore.stats import Timings
+from poolserve.service.poolserver.catalog import Catalog, ModelEntry, ModelState
 
 if TYPE_CHECKING:
     # numpy comes with these; the pool server must not import it before it forks
