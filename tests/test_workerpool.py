@@ -124,6 +124,25 @@ def counter(name: str, log: Path | None = None) -> Callable[[], dict[str, Any]]:
 # -- scoring on forked workers ----------------------------------------------------
 
 
+def test_a_workerpool_zygote_and_its_workers_load_neither_grpc_nor_protobuf() -> None:
+    """The pool core is the library's whole world: no gRPC, no protobuf (issue 15)."""
+    heavy = ("grpc", "grpc_health", "google.protobuf", "poolserve.protos", "opentelemetry")
+
+    def foreign(names: list[str]) -> list[str]:
+        return [n for n in names if n in heavy or n.startswith(tuple(h + "." for h in heavy))]
+
+    async def main() -> None:
+        pool = WorkerPool(workers=1)
+        pool.add_model("probe", load=wm.load_module_names, score=wm.module_names)
+        async with running(pool):
+            in_zygote, in_worker = await pool.score("probe", timeout=60)
+        assert "poolserve.service.poolcore.zygote" in in_zygote, "the probe saw the zygote"
+        assert foreign(in_zygote) == [], "the zygote imported them"
+        assert foreign(in_worker) == [], "a worker imported them"
+
+    asyncio.run(main())
+
+
 def test_scores_on_workers_forked_from_the_zygote_that_loaded_once(tmp_path: Path) -> None:
     log = tmp_path / "loads.log"
 

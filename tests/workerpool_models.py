@@ -164,3 +164,17 @@ def c_sleep(model: dict[str, Any], seconds: int) -> None:
     import ctypes
 
     ctypes.CDLL(None).sleep(seconds)
+
+
+def load_module_names() -> list[str]:
+    """A model that is the zygote's ``sys.modules`` when it loaded it."""
+    import sys
+
+    return sorted(sys.modules)
+
+
+def module_names(model: list[str]) -> tuple[list[str], list[str]]:
+    """The zygote's modules (the model) and this worker's."""
+    import sys
+
+    return model, sorted(sys.modules)

@@ -1,8 +1,9 @@
-"""Per-model inference statistics in Triton's ModelStatistics form.
+"""Per-model inference statistics: the counts and durations of Triton's ModelStatistics.
 
 Durations are nanoseconds. Queue time is measured by whoever queued the
 request (the pool's dispatcher); decode, compute and encode come from the
 worker's own timings, so they cost no extra clock reads on the hot path.
+Counting only: the message is built by :mod:`poolserve.service.poolserver.statistics`.
 """
 
 from __future__ import annotations
@@ -11,8 +12,6 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
-
-from poolserve.protos import inference_pb2 as pb
 
 
 @dataclass(slots=True)
@@ -72,23 +71,3 @@ class ModelStats:
         self.inference_count += 1
         self.execution_count += 1
         self.last_inference_ms = time.time_ns() // 1_000_000
-
-    def to_proto(self, name: str, version: str) -> pb.ModelStatistics:
-        def d(count: int, ns: int) -> pb.StatisticDuration:
-            return pb.StatisticDuration(count=count, ns=ns)
-
-        return pb.ModelStatistics(
-            name=name,
-            version=version,
-            last_inference=self.last_inference_ms,
-            inference_count=self.inference_count,
-            execution_count=self.execution_count,
-            inference_stats=pb.InferStatistics(
-                success=d(self.success_count, self.success_ns),
-                fail=d(self.fail_count, self.fail_ns),
-                queue=d(self.queue_count, self.queue_ns),
-                compute_input=d(self.compute_count, self.input_ns),
-                compute_infer=d(self.compute_count, self.infer_ns),
-                compute_output=d(self.compute_count, self.output_ns),
-            ),
-        )

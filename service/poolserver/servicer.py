@@ -28,6 +28,7 @@ from poolserve.service.grpcserver.tracing import Tracing, deadline_event
 from poolserve.service.lane import Trace
 from poolserve.service.poolserver.catalog import Catalog, ModelEntry
 from poolserve.service.poolserver.metadata import model_config, model_metadata
+from poolserve.service.poolserver.statistics import model_statistics
 
 if TYPE_CHECKING:
     from poolserve.service.poolcore.dispatcher import Result
@@ -125,7 +126,7 @@ class InferenceServicer:
         else:
             entries = self.catalog.entries()
         return pb.ModelStatisticsResponse(
-            model_stats=[e.stats.to_proto(e.name, e.version) for e in entries]
+            model_stats=[model_statistics(e.stats, e.name, e.version) for e in entries]
         )
 
     async def repository_index(
