@@ -101,11 +101,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return status_main(args) if args.command == "status" else reload_main(args)
     if args.command == "pool":
-        from poolserve.service.entrypoints import run_pool
+        from poolserve.service.poolserver.main import run_pool
 
         return run_pool(args.repo, args.gid, _flags(args))
     if args.command == "router":
-        from poolserve.service.entrypoints import run_router
+        from poolserve.service.poolserver.main import run_router
 
         return run_router(args.repo, _flags(args))
     if args.command == "serve-inprocess":

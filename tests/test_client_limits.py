@@ -34,8 +34,8 @@ from poolserve.protos import inference_pb2_grpc as pbg
 from poolserve.service.contract.settings import ServerSettings
 from poolserve.service.grpcserver.status import grpc_status
 from poolserve.service.lifecycle.limits import SHORT_RATIO, WARN_EVERY_S, DescriptorWatch
-from poolserve.service.replybudget import RepliesUnread, ReplyBudget
-from poolserve.service.router import server_options
+from poolserve.service.router.replybudget import RepliesUnread, ReplyBudget
+from poolserve.service.router.router import server_options
 
 from serving import Serving, wait_serving
 from support import CLIENTS, copy_example, infer_request, kill_all, wait_until

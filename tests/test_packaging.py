@@ -102,7 +102,7 @@ def test_field_numbers_match_the_protocol() -> None:
 def test_pool_server_has_no_thread_when_it_forks_its_zygote() -> None:
     """No process forks after it created a thread: the pool's imports start none."""
     probe = (
-        "import os, poolserve.service.poolserver.server, poolserve.service.entrypoints, sys; "
+        "import os, poolserve.service.poolserver.server, poolserve.service.poolserver.main, sys; "
         "print(len(os.listdir('/proc/self/task')), 'numpy' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-P", "-c", probe], capture_output=True, text=True)

@@ -102,7 +102,7 @@ def run_pool(repo: Path, gid: str, flags: Mapping[str, object]) -> int:
 
 
 def run_router(repo: Path, flags: Mapping[str, object]) -> int:
-    from poolserve.service.router import Router
+    from poolserve.service.router.router import Router
 
     die_with_parent()
     set_process_name("poolserve-rtr")

@@ -61,7 +61,7 @@ from poolserve.service.lifecycle.limits import (
     trim_freed_memory,
     watch_descriptors,
 )
-from poolserve.service.replybudget import TRACKED_REPLY, ReplyBudget
+from poolserve.service.router.replybudget import TRACKED_REPLY, ReplyBudget
 
 log = logging.getLogger(__name__)
 
