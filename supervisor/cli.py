@@ -105,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_pool(args.repo, args.gid, _flags(args))
     if args.command == "router":
-        from poolserve.service.poolserver.main import run_router
+        from poolserve.service.router.main import run_router
 
         return run_router(args.repo, _flags(args))
     if args.command == "serve-inprocess":

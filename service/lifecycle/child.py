@@ -22,6 +22,8 @@ import contextlib
 import os
 import signal
 import stat
+from collections.abc import Awaitable
+from typing import TypeVar
 
 from poolserve.service.lifecycle.linux import set_pdeathsig
 
@@ -30,6 +32,9 @@ PARENT_PID_ENV = "POOLSERVE_PARENT_PID"  # the supervisor's pid
 
 # Exit code of a child whose parent was already gone at start-up.
 EXIT_PARENT_GONE = 1
+
+
+T = TypeVar("T")
 
 
 def die_with_parent(parent_pid: int | None = None, signal_number: int = signal.SIGKILL) -> None:
@@ -85,6 +90,29 @@ class ReadyPipe:
     def close(self) -> None:
         with contextlib.suppress(OSError):
             os.close(self.fd)
+
+
+async def beating(main: Awaitable[T], pipe: ReadyPipe | None, interval_s: float) -> T:
+    """Runs ``main`` while a heartbeat goes to the supervisor from this event loop
+    (its watchdog kills a process whose loop stops turning)."""
+    if pipe is None:
+        return await main
+    import asyncio  # here: importing this module stays cheap for early forks
+
+    # Not a TaskGroup: it would wrap a ConfigError from main in an ExceptionGroup.
+    beat = asyncio.create_task(pipe.keep_beating(interval_s), name="heartbeat")
+    try:
+        return await main
+    finally:
+        beat.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await beat
+
+
+def announce_ready(pipe: ReadyPipe | None, status: str) -> None:
+    """``READY=1`` with ``status`` on the readiness pipe, if there is one."""
+    if pipe is not None:
+        pipe.ready(status)
 
 
 def take_ready_pipe() -> ReadyPipe | None:

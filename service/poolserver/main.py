@@ -1,57 +1,37 @@
-"""The bodies of the ``poolserve pool`` and ``poolserve router`` processes."""
+"""The body of the ``poolserve pool`` process."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import sys
-from collections.abc import Awaitable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TypeVar
 
 from poolserve.service.contract.repository import scan
 from poolserve.service.contract.rundir import (
     CLAIM_WAIT_S,
-    ROUTER_CONTROL_SOCKET,
     RunDirLock,
     SocketInUse,
     claim_socket,
     ensure_private_dir,
     pool_socket_path,
-    socket_path,
 )
-from poolserve.service.contract.settings import ConfigError, ServerSettings, load_server_settings
+from poolserve.service.contract.settings import ConfigError, load_server_settings
 from poolserve.service.lane import lane_path
-from poolserve.service.lifecycle.child import ReadyPipe, die_with_parent, take_ready_pipe
-from poolserve.service.lifecycle.exitcodes import EXIT_CONFIG, EXIT_OK, EXIT_UNRECOVERABLE
+from poolserve.service.lifecycle.child import (
+    announce_ready,
+    beating,
+    die_with_parent,
+    take_ready_pipe,
+)
+from poolserve.service.lifecycle.exitcodes import EXIT_CONFIG, EXIT_UNRECOVERABLE
 from poolserve.service.lifecycle.limits import raise_open_file_limit
 from poolserve.service.lifecycle.logs import setup_logging
 from poolserve.service.lifecycle.procutil import set_process_name
 from poolserve.service.poolcore.threads import limit_native_threads
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-
-
-async def _beating(main: Awaitable[T], pipe: ReadyPipe | None, interval_s: float) -> T:
-    """Runs ``main`` while a heartbeat goes to the supervisor from this event loop
-    (its watchdog kills a process whose loop stops turning)."""
-    if pipe is None:
-        return await main
-    # Not a TaskGroup: it would wrap a ConfigError from main in an ExceptionGroup.
-    beat = asyncio.create_task(pipe.keep_beating(interval_s), name="heartbeat")
-    try:
-        return await main
-    finally:
-        beat.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await beat
-
-
-def _ready(pipe: ReadyPipe | None, status: str) -> None:
-    if pipe is not None:
-        pipe.ready(status)
 
 
 def run_pool(repo: Path, gid: str, flags: Mapping[str, object]) -> int:
@@ -91,44 +71,11 @@ def run_pool(repo: Path, gid: str, flags: Mapping[str, object]) -> int:
     close = [fd for fd in (pipe.fd if pipe else None, lock.fd if lock else None) if fd is not None]
     server.fork_zygote(close_in_child=close)
     try:
-        serving = server.serve(lambda: _ready(pipe, f"pool {gid} serving"))
-        return asyncio.run(_beating(serving, pipe, settings.heartbeat_interval_s))
+        serving = server.serve(lambda: announce_ready(pipe, f"pool {gid} serving"))
+        return asyncio.run(beating(serving, pipe, settings.heartbeat_interval_s))
     except SocketInUse as exc:  # taken between the check and the bind
         print(f"poolserve pool: pool '{gid}' cannot work here: {exc}", file=sys.stderr)
         return EXIT_UNRECOVERABLE
     finally:
         if lock is not None:
             lock.release()
-
-
-def run_router(repo: Path, flags: Mapping[str, object]) -> int:
-    from poolserve.service.router.router import Router
-
-    die_with_parent()
-    set_process_name("poolserve-rtr")
-    raise_open_file_limit()  # done by the supervisor already; this is for a flat layout
-    pipe = take_ready_pipe()
-    try:
-        settings: ServerSettings = load_server_settings(repo, flags=flags)
-        setup_logging("router", settings.log_format)
-        run_dir = settings.resolved_run_dir()
-        router = Router(scan(repo), settings, run_dir, repo)
-        ensure_private_dir(run_dir)
-        lock = RunDirLock.share(run_dir)
-    except ConfigError as exc:
-        print(f"poolserve router: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
-    try:
-        claim_socket(socket_path(run_dir, ROUTER_CONTROL_SOCKET), CLAIM_WAIT_S)
-        serving = router.serve(lambda: _ready(pipe, f"router listening on port {router.port}"))
-        asyncio.run(_beating(serving, pipe, settings.heartbeat_interval_s))
-    except ConfigError as exc:  # e.g. the port is taken: restarting cannot help
-        print(f"poolserve router: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
-    except SocketInUse as exc:  # another router serves this run_dir
-        print(f"poolserve router: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
-    finally:
-        if lock is not None:
-            lock.release()
-    return EXIT_OK
