@@ -35,8 +35,8 @@ if TYPE_CHECKING:
     )
     from poolserve.service.inference.codec import decode_outputs, encode_inputs
     from poolserve.service.inference.model import Array, Model
-    from poolserve.service.scoring import ModelLoadError, ScoreError
-    from poolserve.service.workerpool import ScoreStats, WorkerPool
+    from poolserve.service.workerpool.pool import ScoreStats, WorkerPool
+    from poolserve.service.workerpool.scoring import ModelLoadError, ScoreError
 
 # Imported on first use: the supervisor and router import this package and must
 # not carry numpy and the model machinery in their memory.
@@ -58,10 +58,10 @@ _LAZY = {
     "Model": "poolserve.service.inference.model",
     "encode_inputs": "poolserve.service.inference.codec",
     "decode_outputs": "poolserve.service.inference.codec",
-    "WorkerPool": "poolserve.service.workerpool",
-    "ScoreStats": "poolserve.service.workerpool",
-    "ScoreError": "poolserve.service.scoring",
-    "ModelLoadError": "poolserve.service.scoring",
+    "WorkerPool": "poolserve.service.workerpool.pool",
+    "ScoreStats": "poolserve.service.workerpool.pool",
+    "ScoreError": "poolserve.service.workerpool.scoring",
+    "ModelLoadError": "poolserve.service.workerpool.scoring",
 }
 
 __all__ = [

@@ -131,7 +131,9 @@ def test_fastapi_app_scores_on_the_pool_and_stops_cleanly() -> None:
         zygote, workers = stats["zygote_pid"], set(stats["workers"])
         assert len(workers) == 2 and {zygote, *workers} <= tree
         cmdline = Path(f"/proc/{zygote}/cmdline").read_bytes().split(b"\0")
-        assert b"poolserve.service.scoring" in cmdline, "the zygote is an exec, not a fork"
+        assert b"poolserve.service.workerpool.scoring" in cmdline, (
+            "the zygote is an exec, not a fork"
+        )
 
         body = {"features": [0.5, 1.5, 2.5], "work": 20_000}
         assert server.request("POST", "/predict", body) == server.request(

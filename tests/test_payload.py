@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from workerpool_models import owner_of
 
-from poolserve.service.payload import PayloadError, SegmentDir, dumps, loads
+from poolserve.service.workerpool.payload import PayloadError, SegmentDir, dumps, loads
 
 
 @pytest.fixture

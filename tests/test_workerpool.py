@@ -161,7 +161,9 @@ def test_scores_on_workers_forked_from_the_zygote_that_loaded_once(tmp_path: Pat
             assert await pool.score("sum", 1, 2, scale=10.0) == 30.0
             assert await pool.score("sum", 1.5) == 1.5
             zygote = Path(f"/proc/{status.zygote_pid}/cmdline")
-            assert "poolserve.service.scoring" in read_text(zygote), "the zygote is a fresh exec"
+            assert "poolserve.service.workerpool.scoring" in read_text(zygote), (
+                "the zygote is a fresh exec"
+            )
         lines = log.read_text().split()
         assert lines == ["a", str(status.zygote_pid), "sum", str(status.zygote_pid)]
 
@@ -471,7 +473,7 @@ def test_load_that_leaves_threads_running_is_warned_about(
             pool.add_model("t", load=partial(wm.load_with_thread, "t"), score=wm.whoami)
             assert (await pool.score("t", timeout=60))["name"] == "t"
 
-    with caplog.at_level("WARNING", logger="poolserve.service.workerpool"):
+    with caplog.at_level("WARNING", logger="poolserve.service.workerpool.pool"):
         asyncio.run(main())
     assert "load left 1 new thread(s) running in the zygote" in caplog.text
 
@@ -725,8 +727,8 @@ def test_plain_script_with_threads_and_a_loop_uses_functions_from_main(tmp_path:
     assert report["values"] == list(range(10))
     assert report["host_threads"] >= 2, "the host had threads when the pool started"
     assert report["zygote_parent"] == report["host"]
-    assert report["zygote_cmdline"][1:3] == ["-m", "poolserve.service.scoring"] or (
-        "poolserve.service.scoring" in report["zygote_cmdline"]
+    assert report["zygote_cmdline"][1:3] == ["-m", "poolserve.service.workerpool.scoring"] or (
+        "poolserve.service.workerpool.scoring" in report["zygote_cmdline"]
     )
 
 

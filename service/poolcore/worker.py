@@ -5,7 +5,7 @@ its opaque body to the pool's request handler, write the one REPLY or ERROR
 frame the handler returns. The handler is what the zygote was built with:
 :func:`inference_handler` (a serialized ModelInferRequest, for the pool
 server) or the WorkerPool's pickled ``score`` calls
-(:mod:`poolserve.service.scoring`). A model exception becomes an error frame,
+(:mod:`poolserve.service.workerpool.scoring`). A model exception becomes an error frame,
 never a dead worker. It exits when the pool closes the socket, and dies with
 the zygote (PR_SET_PDEATHSIG plus a parent check).
 

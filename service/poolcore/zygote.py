@@ -12,7 +12,7 @@ What the zygote loads, and what its workers run, is its :class:`Cargo`:
   ``model-settings.json``, workers that answer ModelInferRequest bytes. The
   pool server forks this zygote (:class:`ZygoteLink`) before it creates any
   gRPC object, thread or exporter.
-- the WorkerPool's cargo (:mod:`poolserve.service.scoring`): user ``load``
+- the WorkerPool's cargo (:mod:`poolserve.service.workerpool.scoring`): user ``load``
   callables, workers that run pickled ``score`` calls. That zygote is started
   by a clean exec (:class:`ExecZygote`), never as a fork of a host
   application that may have threads, an event loop or gRPC objects.

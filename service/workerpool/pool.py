@@ -36,7 +36,7 @@ What ``score`` raises reaches the caller as :class:`ScoreError` with the
 original type name, message and traceback text.
 
 Fork safety: the zygote is started by a clean exec (``python -m
-poolserve.service.scoring``), never forked from the host, so a host with
+poolserve.service.workerpool.scoring``), never forked from the host, so a host with
 threads, a running event loop or gRPC objects is safe. The price: ``load`` and
 ``score`` are pickled by reference and imported by name in that fresh
 interpreter, so they must be module-level functions (or ``functools.partial``
@@ -76,12 +76,12 @@ from poolserve.service.contract.errors import (
     QueueFull,
     Unavailable,
 )
-from poolserve.service.payload import SHM_THRESHOLD, SegmentDir
 from poolserve.service.poolcore.dispatcher import Dispatcher, Result, Worker, WorkerGone
 from poolserve.service.poolcore.respawn import Respawner
 from poolserve.service.poolcore.threads import thread_environment
 from poolserve.service.poolcore.zygote import ExecZygote, ZygoteEvents
-from poolserve.service.scoring import (
+from poolserve.service.workerpool.payload import SHM_THRESHOLD, SegmentDir
+from poolserve.service.workerpool.scoring import (
     MAX_CODE,
     ModelLoadError,
     ScoreError,
@@ -104,7 +104,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-ZYGOTE_MODULE = "poolserve.service.scoring"
+ZYGOTE_MODULE = "poolserve.service.workerpool.scoring"
 NO_DEADLINE_S = 10 * 365 * 86400.0  # "no timeout": a deadline no call lives to see
 JANITOR_PERIOD_S = 1.0  # how often segments of abandoned calls are swept
 ZYGOTE_EXIT_S = 5.0  # after the control socket closes, then SIGKILL

@@ -1,9 +1,9 @@
 """The WorkerPool's cargo: user ``load`` callables in the zygote, ``score`` calls in workers.
 
-This module runs on both sides of a :class:`~poolserve.service.workerpool.WorkerPool`:
+This module runs on both sides of a :class:`~poolserve.service.workerpool.pool.WorkerPool`:
 
 - in the zygote, started by a clean exec as ``python -m
-  poolserve.service.scoring`` (:func:`main`): :class:`ScoreCargo` unpickles
+  poolserve.service.workerpool.scoring`` (:func:`main`): :class:`ScoreCargo` unpickles
   each model's ``(load, score)`` pair, calls ``load()`` once, and keeps the
   model for the workers it forks (copy-on-write);
 - in each worker: :class:`ScoreHandler` decodes one call, runs
@@ -17,7 +17,7 @@ work the way they do with multiprocessing's spawn start method: the zygote
 imports the script as ``__mp_main__``, so its pool-starting code must sit
 under ``if __name__ == "__main__":``.
 
-Wire formats (little-endian; payloads as in :mod:`poolserve.service.payload`):
+Wire formats (little-endian; payloads as in :mod:`poolserve.service.workerpool.payload`):
 a call is ``u64 job | u16 name length | model name | payload((args, kwargs))``;
 an outcome is ``u8 kind | payload``, kind 0 with the returned value, kind 1
 with ``{"type", "message", "traceback", "exception"}`` of what was raised.
@@ -43,11 +43,11 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from poolserve.service.contract.errors import Failure, ModelError, ModelNotReady
-from poolserve.service.payload import Encoded, PayloadError, SegmentDir, dumps, loads
 from poolserve.service.poolcore.frames import error_frame, reply_frame
 from poolserve.service.poolcore.stats import Timings
 from poolserve.service.poolcore.worker import Handler, Warmup
 from poolserve.service.poolcore.zygote import Emit, exec_arguments, exec_main, truncate_reason
+from poolserve.service.workerpool.payload import Encoded, PayloadError, SegmentDir, dumps, loads
 
 _CALL = struct.Struct("<QH")
 _KIND = struct.Struct("<B")
@@ -357,6 +357,6 @@ def main(argv: list[str]) -> NoReturn:
 if __name__ == "__main__":
     # Run as a script, this file is ``__main__``; the zygote runs the module
     # under its real name, so that there is one copy of its classes and state.
-    from poolserve.service import scoring
+    from poolserve.service.workerpool import scoring
 
     scoring.main(sys.argv[1:])
