@@ -332,3 +332,25 @@ def test_reply_buffer_cuts_replies_errors_and_heartbeats_out_of_any_chunking(
 def test_reply_buffer_rejects_a_frame_a_worker_must_not_send() -> None:
     with pytest.raises(ValueError, match="unexpected frame kind"):
         ReplyBuffer().feed(HEADER.pack(0, REQUEST, 9))
+
+
+def test_a_pool_that_was_itself_stalled_does_not_blame_its_workers() -> None:
+    """After a SIGSTOP or a blocked loop, heartbeats may sit unread in the
+    sockets: the first late check must not kill workers for that (seen in
+    test_hung_pool as a worker killed right after SIGCONT)."""
+
+    async def body(d: Dispatcher, gone: list[WorkerGone]) -> None:
+        fake = FakeWorker(d, 11)
+        await fake.connect()
+        await until(lambda: d.live_workers() == 1)
+        (worker,) = d.workers()
+        worker.last_seen -= 10 * d.heartbeat_timeout  # silent far past the timeout
+        killed: list[str] = []
+        d._kill = lambda w, reason: killed.append(reason)  # type: ignore[method-assign]
+        now = asyncio.get_running_loop().time()
+        d._check_heartbeats(now, late_by=2.0, period=0.5)  # this check ran 2 s late
+        assert killed == []
+        d._check_heartbeats(now, late_by=0.01, period=0.5)  # on time: the silence counts
+        assert len(killed) == 1 and killed[0].startswith("stopped heartbeating")
+
+    with_dispatcher(body)

@@ -537,12 +537,25 @@ class Dispatcher:
         loop = asyncio.get_running_loop()
         period = max(0.05, self.heartbeat_timeout / 4)
         while True:
+            expected = loop.time() + period
             await asyncio.sleep(period)  # a periodic check, not a readiness wait
-            now = loop.time()
-            for worker in list(self._workers.values()):
-                silent = now - worker.last_seen
-                if worker.state is not WorkerState.STARTING and silent > self.heartbeat_timeout:
-                    self._kill(worker, f"stopped heartbeating for {silent:.1f} s")
+            self._check_heartbeats(loop.time(), late_by=loop.time() - expected, period=period)
+
+    def _check_heartbeats(self, now: float, late_by: float, period: float) -> None:
+        """Kills workers silent past the timeout, unless this pool was itself
+        stalled (SIGSTOP, a blocked event loop): then the workers' heartbeats may
+        sit unread in their sockets, and the next check, after a read, judges."""
+        if late_by > period:
+            log.warning(
+                "pool %s: its own event loop stalled for %.1f s; heartbeats judged next round",
+                self.name,
+                late_by,
+            )
+            return
+        for worker in list(self._workers.values()):
+            silent = now - worker.last_seen
+            if worker.state is not WorkerState.STARTING and silent > self.heartbeat_timeout:
+                self._kill(worker, f"stopped heartbeating for {silent:.1f} s")
 
     def _stuck(self, job: Job, why: str) -> None:
         """The job's caller left a while ago and its worker is still in it."""
