@@ -42,7 +42,7 @@ def main(argv: list[str]) -> NoReturn:
 
     def prepare(announce: Any) -> tuple[worker.Handler, list[worker.Warmup]]:
         from poolserve.service.contract.repository import parse_model_settings
-        from poolserve.service.poolcore.zygote import InferenceCargo
+        from poolserve.service.inference.cargo import InferenceCargo
 
         cargo = InferenceCargo([])
         events: list[dict[str, Any]] = []

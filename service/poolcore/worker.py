@@ -3,8 +3,8 @@
 It serves one request at a time from its socket: read a REQUEST frame, hand
 its opaque body to the pool's request handler, write the one REPLY or ERROR
 frame the handler returns. The handler is what the zygote was built with:
-:func:`inference_handler` (a serialized ModelInferRequest, for the pool
-server) or the WorkerPool's pickled ``score`` calls
+:func:`poolserve.service.inference.cargo.inference_handler` (a serialized
+ModelInferRequest, for the pool server) or the WorkerPool's pickled ``score`` calls
 (:mod:`poolserve.service.workerpool.scoring`). A model exception becomes an error frame,
 never a dead worker. It exits when the pool closes the socket, and dies with
 the zygote (PR_SET_PDEATHSIG plus a parent check).
@@ -18,31 +18,23 @@ pool can name it, instead of in a caller's request.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, BinaryIO, NoReturn
+from collections.abc import Callable, Sequence
+from typing import BinaryIO, NoReturn
 
-from poolserve.service.contract.errors import Failure, ModelNotFound, ServingError, clip
 from poolserve.service.poolcore.frames import (
     HEADER,
     REQUEST,
-    error_frame,
     heartbeat_frame,
     loading_frame,
     ready_frame,
-    reply_frame,
     warmup_frame,
 )
-from poolserve.service.poolcore.stats import Timings
-
-if TYPE_CHECKING:
-    from poolserve.service.inference.model import Model
 
 Handler = Callable[[bytes, int], bytes]
 """A request handler: (request body, sequence number) -> one REPLY or ERROR frame."""
@@ -56,30 +48,6 @@ def _read_exact(stream: BinaryIO, size: int) -> bytes | None:
     if data is None or len(data) < size:
         return None
     return data
-
-
-def handle(models: Mapping[str, Model], body: bytes, seq: int) -> bytes:
-    """The inference handler: one serialized ModelInferRequest, one frame."""
-    # Imported here, so that a zygote that serves WorkerPool calls never loads
-    # protobuf, the codec or numpy unless its own models do.
-    from poolserve.service.contract.wire import peek_model
-    from poolserve.service.inference.infer import infer
-
-    try:
-        name, version = peek_model(body)
-        model = models.get(name)
-        if model is None or (version and version != model.settings.version):
-            raise ModelNotFound(f"model '{clip(name)}' is not loaded in this worker")
-        response, timings = infer(model, body)
-        return reply_frame(seq, timings, response)
-    except ServingError as exc:
-        return error_frame(seq, Timings(), exc.failure, exc.message)
-    except Exception as exc:  # a bug in our own path: report it, keep serving
-        return error_frame(seq, Timings(), Failure.INTERNAL, f"{type(exc).__name__}: {exc}")
-
-
-def inference_handler(models: Mapping[str, Model]) -> Handler:
-    return functools.partial(handle, models)
 
 
 def serve(sock: socket.socket, handler: Handler, send_lock: threading.Lock) -> None:

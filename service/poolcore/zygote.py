@@ -8,10 +8,11 @@ reports each exit with its decoded status.
 
 What the zygote loads, and what its workers run, is its :class:`Cargo`:
 
-- :class:`InferenceCargo` for the pool server: models named by their
-  ``model-settings.json``, workers that answer ModelInferRequest bytes. The
-  pool server forks this zygote (:class:`ZygoteLink`) before it creates any
-  gRPC object, thread or exporter.
+- the pool server's cargo (:mod:`poolserve.service.inference.cargo`): models
+  named by their ``model-settings.json``, workers that answer
+  ModelInferRequest bytes. The pool server forks this zygote
+  (:class:`ForkedZygote`) before it creates any gRPC object, thread or
+  exporter; the cargo is built in the child.
 - the WorkerPool's cargo (:mod:`poolserve.service.workerpool.scoring`): user ``load``
   callables, workers that run pickled ``score`` calls. That zygote is started
   by a clean exec (:class:`ExecZygote`), never as a fork of a host
@@ -36,7 +37,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import functools
 import gc
 import json
 import logging
@@ -48,7 +48,6 @@ import subprocess
 import sys
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from poolserve.service.lifecycle.child import die_with_parent
@@ -62,8 +61,7 @@ from poolserve.service.poolcore import worker
 from poolserve.service.poolcore.threads import sync_loaded_runtimes
 
 if TYPE_CHECKING:
-    from poolserve.service.contract.repository import ModelSettings, TensorSpec
-    from poolserve.service.inference.model import Array, Model
+    from poolserve.service.contract.repository import TensorSpec
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +93,7 @@ class Cargo(Protocol):
         """The zygote stops: release what outlives processes (files, ...)."""
 
 
-def _specs_json(specs: Sequence[TensorSpec]) -> list[list[Any]]:
+def specs_json(specs: Sequence[TensorSpec]) -> list[list[Any]]:
     return [[s.name, s.datatype, list(s.shape)] for s in specs]
 
 
@@ -117,142 +115,6 @@ def truncate_reason(reason: str) -> str:
     if len(reason) <= MAX_REASON:
         return reason
     return reason[: MAX_REASON - 20] + "\n[... truncated]"
-
-
-class InferenceCargo:
-    """The pool server's cargo: runtime models from their settings.
-
-    With ``start_method`` "spawn", workers are fresh interpreters that load
-    the models themselves (:mod:`poolserve.service.inference.spawned`): the zygote loads
-    each model once to check it and learn its metadata, then lets it go, and
-    keeps only where its settings are.
-    """
-
-    def __init__(self, settings: Sequence[ModelSettings], start_method: str = "fork") -> None:
-        self.settings = settings
-        self.start_method = start_method
-        self.models: dict[str, Model] = {}
-        self.examples: dict[str, dict[str, Array] | None] = {}
-        self.sources: dict[str, Path] = {}  # spawn: what a fresh worker loads
-
-    def load_initial(self, emit: Emit) -> None:
-        # The request path's modules (protobuf, codec, numpy), imported here once
-        # so that every worker shares their pages instead of importing its own.
-        import poolserve.service.contract.wire  # noqa: F401
-
-        for s in self.settings:
-            self.load_one(s, emit)
-
-    def load_one(self, settings: ModelSettings, emit: Emit) -> None:
-        """Loads (or reloads) one model; a failure leaves the previous one in place."""
-        from poolserve.service.inference.model import instantiate, tensor_specs
-        from poolserve.service.inference.warmup import warmup_inputs
-
-        try:
-            model = instantiate(settings)
-            model.load()
-        except BaseException as exc:  # a model's load may raise anything, even SystemExit
-            reason = truncate_reason(
-                f"load failed: {type(exc).__name__}: {exc} (model {settings.source})"
-            )
-            emit({"event": "model", "name": settings.name, "ok": False, "reason": reason})
-            return
-        self.models[settings.name] = model
-        inputs, outputs = tensor_specs(model)
-        try:
-            example, source = warmup_inputs(model, inputs)
-        except Exception as exc:  # a model's example() or settings example is broken
-            example, source = None, f"no warm-up: its example failed: {type(exc).__name__}: {exc}"
-        self.examples[settings.name] = example
-        if self.start_method == "spawn":  # each worker loads its own copy
-            self.sources[settings.name] = settings.source
-            del self.models[settings.name], model
-            self.examples.pop(settings.name, None)
-            source = "loaded by each spawned worker; its self-test: " + source
-        log.info("model %s: self-test in each fresh worker: %s", settings.name, source)
-        emit(
-            {
-                "event": "model",
-                "name": settings.name,
-                "ok": True,
-                "inputs": _specs_json(inputs),
-                "outputs": _specs_json(outputs),
-            }
-        )
-
-    def apply(self, message: Mapping[str, Any], emit: Emit) -> None:
-        op = message.get("op")
-        if op == "load":
-            self.live_load(str(message["path"]), emit, message.get("overrides") or {})
-        elif op == "unload":
-            name = str(message["name"])
-            self.models.pop(name, None)
-            self.examples.pop(name, None)
-            self.sources.pop(name, None)
-            emit({"event": "unloaded", "name": name})
-
-    def live_load(self, path: str, emit: Emit, overrides: Mapping[str, Any]) -> None:
-        """Loads the model of a settings file, with the fields a load's config
-        overrode (``max_batch_size``, ``extra``) set over the file's."""
-        from dataclasses import replace
-
-        from poolserve.service.contract.repository import parse_model_settings
-        from poolserve.service.contract.settings import ConfigError
-
-        try:
-            settings = parse_model_settings(Path(path))
-        except ConfigError as exc:
-            name = Path(path).parent.name
-            emit({"event": "model", "name": name, "ok": False, "reason": str(exc)})
-            return
-        if overrides:
-            settings = replace(settings, **overrides)
-        self.load_one(settings, emit)
-
-    def handler(self) -> worker.Handler:
-        return worker.inference_handler(self.models)
-
-    def warmups(self, skip: Collection[str]) -> list[worker.Warmup]:
-        found: list[worker.Warmup] = []
-        for name, model in self.models.items():
-            example = self.examples.get(name)
-            if name not in skip and example is not None:
-                found.append((name, functools.partial(_warm_up, model, example)))
-        return found
-
-    def start_fresh(self, sock: socket.socket, skip: Collection[str], heartbeat_s: float) -> int:
-        if self.start_method != "spawn":
-            return 0
-        argv = [
-            sys.executable,
-            *_interpreter_flags(),
-            "-m",
-            "poolserve.service.inference.spawned",
-            "--sock-fd",
-            str(sock.fileno()),
-            "--zygote-pid",
-            str(os.getpid()),
-            "--heartbeat",
-            str(heartbeat_s),
-        ]
-        for path in self.sources.values():
-            argv += ["--model", str(path)]
-        for name in skip:
-            argv += ["--skip", name]
-        sock.set_inheritable(True)  # the one descriptor the new process gets
-        try:
-            return os.posix_spawn(sys.executable, argv, os.environ)
-        finally:
-            sock.set_inheritable(False)
-
-    def close(self) -> None:
-        pass
-
-
-def _warm_up(model: Model, example: Mapping[str, Array]) -> None:
-    from poolserve.service.inference.model import check_outputs
-
-    check_outputs(model.settings.name, model.predict(dict(example), {}))
 
 
 class _Zygote:
@@ -370,16 +232,13 @@ class _Zygote:
             self.apply(message)
 
 
-def _zygote_main(
-    ctrl: socket.socket,
-    settings: Sequence[ModelSettings],
-    pool_pid: int,
-    heartbeat_s: float,
-    start_method: str,
+def _forked_main(
+    ctrl: socket.socket, cargo: Callable[[], Cargo], parent_pid: int, heartbeat_s: float
 ) -> NoReturn:
+    """The life of a zygote forked by :class:`ForkedZygote`: it builds its cargo, then loops."""
     code = 0
     try:
-        die_with_parent(pool_pid)
+        die_with_parent(parent_pid)
         set_process_name("poolserve-zyg")
         # The pool server owns the stop: a SIGTERM to the whole process group (a
         # supervisor's stop) must not take workers away while the pool drains. The
@@ -388,8 +247,7 @@ def _zygote_main(
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         # The pool set the thread variables; a no-op unless numpy came in first.
         sync_loaded_runtimes("zygote")
-        cargo = InferenceCargo(settings, start_method)
-        _Zygote(ctrl, cargo, heartbeat_s).loop()
+        _Zygote(ctrl, cargo(), heartbeat_s).loop()
     except BaseException:
         code = 1
     os._exit(code)
@@ -516,42 +374,33 @@ class ZygoteControl:
             self._sock = None
 
 
-class ZygoteLink(ZygoteControl):
-    """The pool server's zygote: forked, with the inference cargo."""
+class ForkedZygote(ZygoteControl):
+    """A zygote forked from this process, with the cargo ``cargo()`` builds in the child.
 
-    def __init__(
-        self,
-        settings: Sequence[ModelSettings],
-        heartbeat_s: float = 1.0,
-        start_method: str = "fork",
-    ) -> None:
+    For the pool server, whose process has no thread or gRPC object yet when
+    it forks (the cargo factory runs after the fork, so the cargo's imports
+    and loads happen in the zygote only).
+    """
+
+    def __init__(self, cargo: Callable[[], Cargo], heartbeat_s: float = 1.0) -> None:
         super().__init__()
-        self._settings = settings
+        self._cargo = cargo
         self._heartbeat_s = heartbeat_s
-        self._start_method = start_method
 
     def start(self, close_in_child: Sequence[int] = ()) -> None:
         """Forks the zygote. Call before any gRPC object or thread exists."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        pool_pid = os.getpid()
+        parent_pid = os.getpid()
         pid = os.fork()
         if pid == 0:
             ours.close()
             for fd in close_in_child:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-            _zygote_main(theirs, self._settings, pool_pid, self._heartbeat_s, self._start_method)
+            _forked_main(theirs, self._cargo, parent_pid, self._heartbeat_s)
         theirs.close()
         self.pid = pid
         self._sock = ours
-
-    def load(self, settings_path: Path, overrides: Mapping[str, Any] | None = None) -> None:
-        """Asks the zygote to (re)load the model of this settings file, with
-        ``overrides`` (JSON values) set over the file's fields."""
-        message: dict[str, Any] = {"op": "load", "path": str(settings_path)}
-        if overrides:
-            message["overrides"] = dict(overrides)
-        self.command(message)
 
     async def wait(self, timeout: float) -> str:
         """Reaps the zygote, killing it after ``timeout``; returns its decoded status."""
@@ -560,7 +409,7 @@ class ZygoteLink(ZygoteControl):
         return await wait_child(self.pid, timeout)
 
 
-def _interpreter_flags() -> list[str]:
+def interpreter_flags() -> list[str]:
     """The host interpreter's flags (-O, -B, -X ..., -W ...), as multiprocessing passes them."""
     flags: Callable[[], list[str]] = getattr(subprocess, "_args_from_interpreter_flags", lambda: [])
     return list(flags())
@@ -599,7 +448,7 @@ class ExecZygote(ZygoteControl):
             fd = theirs.fileno()
             argv = [
                 self._python,
-                *_interpreter_flags(),
+                *interpreter_flags(),
                 "-m",
                 self._module,
                 "--ctrl-fd",

@@ -52,11 +52,12 @@ from poolserve.service.grpcserver.health import Health
 from poolserve.service.grpcserver.pacing import Fingerprint, Pacer, Rescanner, fingerprint
 from poolserve.service.grpcserver.sockets import bind_private_unix
 from poolserve.service.grpcserver.tracing import Tracing
+from poolserve.service.inference.cargo import InferenceZygote
 from poolserve.service.lane import LANE_OVERHEAD, LaneServer, Trace, lane_path
 from poolserve.service.lifecycle.procutil import pss_bytes
 from poolserve.service.poolcore.dispatcher import Dispatcher, WorkerGone
 from poolserve.service.poolcore.respawn import Respawner
-from poolserve.service.poolcore.zygote import ZygoteEvents, ZygoteLink
+from poolserve.service.poolcore.zygote import ZygoteEvents
 from poolserve.service.poolserver.catalog import Catalog, ModelEntry, ModelState
 from poolserve.service.poolserver.inline import InlineRunner, is_inline
 from poolserve.service.poolserver.load_request import LoadRequest, parse_load_request
@@ -197,7 +198,7 @@ class PoolServer:
         self.inline_models = [m for m in self.models if self._runs_inline(m)]
         self.worker_models = [m for m in self.models if not self._runs_inline(m)]
         self.start_method = start_method(settings, gid, self.worker_models)
-        self.zygote = ZygoteLink(
+        self.zygote = InferenceZygote(
             self.worker_models, settings.heartbeat_interval_s, self.start_method
         )
         self.catalog = Catalog.from_settings(self.models)

@@ -1,0 +1,221 @@
+"""The pool server's cargo: what its zygote loads and what its workers run.
+
+The zygote (:mod:`poolserve.service.poolcore.zygote`) knows only the
+:class:`~poolserve.service.poolcore.zygote.Cargo` protocol; this module is the
+inference side of that seam: runtime models loaded from their
+``model-settings.json`` (live loads and unloads included), a worker's handler
+that answers serialized ModelInferRequests (:func:`handle`), each model's
+warm-up for a fresh worker's self-test, and the exec of a fresh interpreter
+per worker for ``start_method: "spawn"`` (:mod:`poolserve.service.inference.spawned`).
+The pool server starts it as an :class:`InferenceZygote`, forked before any
+gRPC object exists; the cargo is built in the child.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import socket
+import sys
+from collections.abc import Collection, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from poolserve.service.contract.errors import Failure, ModelNotFound, ServingError, clip
+from poolserve.service.contract.repository import ModelSettings
+from poolserve.service.poolcore import worker
+from poolserve.service.poolcore.frames import error_frame, reply_frame
+from poolserve.service.poolcore.stats import Timings
+from poolserve.service.poolcore.zygote import (
+    Emit,
+    ForkedZygote,
+    interpreter_flags,
+    specs_json,
+    truncate_reason,
+)
+
+if TYPE_CHECKING:
+    from poolserve.service.inference.model import Array, Model
+
+log = logging.getLogger(__name__)
+
+
+def handle(models: Mapping[str, Model], body: bytes, seq: int) -> bytes:
+    """The inference handler: one serialized ModelInferRequest, one frame."""
+    # Imported here, in the worker: the pool server imports this module for
+    # InferenceZygote and must not load protobuf, the codec or numpy itself.
+    from poolserve.service.contract.wire import peek_model
+    from poolserve.service.inference.infer import infer
+
+    try:
+        name, version = peek_model(body)
+        model = models.get(name)
+        if model is None or (version and version != model.settings.version):
+            raise ModelNotFound(f"model '{clip(name)}' is not loaded in this worker")
+        response, timings = infer(model, body)
+        return reply_frame(seq, timings, response)
+    except ServingError as exc:
+        return error_frame(seq, Timings(), exc.failure, exc.message)
+    except Exception as exc:  # a bug in our own path: report it, keep serving
+        return error_frame(seq, Timings(), Failure.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
+def inference_handler(models: Mapping[str, Model]) -> worker.Handler:
+    return functools.partial(handle, models)
+
+
+class InferenceCargo:
+    """The pool server's cargo: runtime models from their settings.
+
+    With ``start_method`` "spawn", workers are fresh interpreters that load
+    the models themselves (:mod:`poolserve.service.inference.spawned`): the zygote loads
+    each model once to check it and learn its metadata, then lets it go, and
+    keeps only where its settings are.
+    """
+
+    def __init__(self, settings: Sequence[ModelSettings], start_method: str = "fork") -> None:
+        self.settings = settings
+        self.start_method = start_method
+        self.models: dict[str, Model] = {}
+        self.examples: dict[str, dict[str, Array] | None] = {}
+        self.sources: dict[str, Path] = {}  # spawn: what a fresh worker loads
+
+    def load_initial(self, emit: Emit) -> None:
+        # The request path's modules (protobuf, codec, numpy), imported here once
+        # so that every worker shares their pages instead of importing its own.
+        import poolserve.service.contract.wire  # noqa: F401
+
+        for s in self.settings:
+            self.load_one(s, emit)
+
+    def load_one(self, settings: ModelSettings, emit: Emit) -> None:
+        """Loads (or reloads) one model; a failure leaves the previous one in place."""
+        from poolserve.service.inference.model import instantiate, tensor_specs
+        from poolserve.service.inference.warmup import warmup_inputs
+
+        try:
+            model = instantiate(settings)
+            model.load()
+        except BaseException as exc:  # a model's load may raise anything, even SystemExit
+            reason = truncate_reason(
+                f"load failed: {type(exc).__name__}: {exc} (model {settings.source})"
+            )
+            emit({"event": "model", "name": settings.name, "ok": False, "reason": reason})
+            return
+        self.models[settings.name] = model
+        inputs, outputs = tensor_specs(model)
+        try:
+            example, source = warmup_inputs(model, inputs)
+        except Exception as exc:  # a model's example() or settings example is broken
+            example, source = None, f"no warm-up: its example failed: {type(exc).__name__}: {exc}"
+        self.examples[settings.name] = example
+        if self.start_method == "spawn":  # each worker loads its own copy
+            self.sources[settings.name] = settings.source
+            del self.models[settings.name], model
+            self.examples.pop(settings.name, None)
+            source = "loaded by each spawned worker; its self-test: " + source
+        log.info("model %s: self-test in each fresh worker: %s", settings.name, source)
+        emit(
+            {
+                "event": "model",
+                "name": settings.name,
+                "ok": True,
+                "inputs": specs_json(inputs),
+                "outputs": specs_json(outputs),
+            }
+        )
+
+    def apply(self, message: Mapping[str, Any], emit: Emit) -> None:
+        op = message.get("op")
+        if op == "load":
+            self.live_load(str(message["path"]), emit, message.get("overrides") or {})
+        elif op == "unload":
+            name = str(message["name"])
+            self.models.pop(name, None)
+            self.examples.pop(name, None)
+            self.sources.pop(name, None)
+            emit({"event": "unloaded", "name": name})
+
+    def live_load(self, path: str, emit: Emit, overrides: Mapping[str, Any]) -> None:
+        """Loads the model of a settings file, with the fields a load's config
+        overrode (``max_batch_size``, ``extra``) set over the file's."""
+        from dataclasses import replace
+
+        from poolserve.service.contract.repository import parse_model_settings
+        from poolserve.service.contract.settings import ConfigError
+
+        try:
+            settings = parse_model_settings(Path(path))
+        except ConfigError as exc:
+            name = Path(path).parent.name
+            emit({"event": "model", "name": name, "ok": False, "reason": str(exc)})
+            return
+        if overrides:
+            settings = replace(settings, **overrides)
+        self.load_one(settings, emit)
+
+    def handler(self) -> worker.Handler:
+        return inference_handler(self.models)
+
+    def warmups(self, skip: Collection[str]) -> list[worker.Warmup]:
+        found: list[worker.Warmup] = []
+        for name, model in self.models.items():
+            example = self.examples.get(name)
+            if name not in skip and example is not None:
+                found.append((name, functools.partial(_warm_up, model, example)))
+        return found
+
+    def start_fresh(self, sock: socket.socket, skip: Collection[str], heartbeat_s: float) -> int:
+        if self.start_method != "spawn":
+            return 0
+        argv = [
+            sys.executable,
+            *interpreter_flags(),
+            "-m",
+            "poolserve.service.inference.spawned",
+            "--sock-fd",
+            str(sock.fileno()),
+            "--zygote-pid",
+            str(os.getpid()),
+            "--heartbeat",
+            str(heartbeat_s),
+        ]
+        for path in self.sources.values():
+            argv += ["--model", str(path)]
+        for name in skip:
+            argv += ["--skip", name]
+        sock.set_inheritable(True)  # the one descriptor the new process gets
+        try:
+            return os.posix_spawn(sys.executable, argv, os.environ)
+        finally:
+            sock.set_inheritable(False)
+
+    def close(self) -> None:
+        pass
+
+
+def _warm_up(model: Model, example: Mapping[str, Array]) -> None:
+    from poolserve.service.inference.model import check_outputs
+
+    check_outputs(model.settings.name, model.predict(dict(example), {}))
+
+
+class InferenceZygote(ForkedZygote):
+    """The pool server's zygote: forked, with the inference cargo built in the child."""
+
+    def __init__(
+        self,
+        settings: Sequence[ModelSettings],
+        heartbeat_s: float = 1.0,
+        start_method: str = "fork",
+    ) -> None:
+        super().__init__(functools.partial(InferenceCargo, settings, start_method), heartbeat_s)
+
+    def load(self, settings_path: Path, overrides: Mapping[str, Any] | None = None) -> None:
+        """Asks the zygote to (re)load the model of this settings file, with
+        ``overrides`` (JSON values) set over the file's fields."""
+        message: dict[str, Any] = {"op": "load", "path": str(settings_path)}
+        if overrides:
+            message["overrides"] = dict(overrides)
+        self.command(message)
