@@ -141,3 +141,13 @@ def test_old_module_paths_are_the_new_modules_with_a_deprecation_warning() -> No
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[0] == str([("DeprecationWarning", "<string>")] * 3)
+
+
+def test_zygotes_and_spawned_workers_get_the_host_interpreter_flags() -> None:
+    """ExecZygote and start_method spawn pass -O, -X ... on, as multiprocessing does."""
+    probe = "from poolserve.service.lifecycle.procutil import interpreter_flags as f; print(f())"
+    out = subprocess.run(
+        [sys.executable, "-O", "-X", "dev", "-c", probe], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert "'-O'" in out.stdout and "'dev'" in out.stdout

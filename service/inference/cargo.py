@@ -24,16 +24,12 @@ from typing import TYPE_CHECKING, Any
 
 from poolserve.service.contract.errors import Failure, ModelNotFound, ServingError, clip
 from poolserve.service.contract.repository import ModelSettings
+from poolserve.service.lifecycle.procutil import interpreter_flags
 from poolserve.service.poolcore import worker
 from poolserve.service.poolcore.frames import error_frame, reply_frame
 from poolserve.service.poolcore.stats import Timings
-from poolserve.service.poolcore.zygote import (
-    Emit,
-    ForkedZygote,
-    interpreter_flags,
-    specs_json,
-    truncate_reason,
-)
+from poolserve.service.poolcore.zygote import Emit, specs_json, truncate_reason
+from poolserve.service.poolcore.zygote_control import ForkedZygote
 
 if TYPE_CHECKING:
     from poolserve.service.inference.model import Array, Model

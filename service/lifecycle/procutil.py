@@ -5,6 +5,8 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import subprocess
+from collections.abc import Callable
 
 from poolserve.service.lifecycle.exitcodes import ExitStatus
 
@@ -61,3 +63,9 @@ async def wait_child(pid: int, timeout: float) -> str:
     await wait_exit(pid, timeout)
     _, status = os.waitpid(pid, 0)  # noqa: ASYNC222 (the pidfd said it exited: no wait)
     return describe_status(status)
+
+
+def interpreter_flags() -> list[str]:
+    """The host interpreter's flags (-O, -B, -X ..., -W ...), as multiprocessing passes them."""
+    flags: Callable[[], list[str]] = getattr(subprocess, "_args_from_interpreter_flags", lambda: [])
+    return list(flags())

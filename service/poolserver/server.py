@@ -57,7 +57,7 @@ from poolserve.service.lane import LANE_OVERHEAD, LaneServer, Trace, lane_path
 from poolserve.service.lifecycle.procutil import pss_bytes
 from poolserve.service.poolcore.dispatcher import Dispatcher, WorkerGone
 from poolserve.service.poolcore.respawn import Respawner
-from poolserve.service.poolcore.zygote import ZygoteEvents
+from poolserve.service.poolcore.zygote_control import ZygoteEvents
 from poolserve.service.poolserver.catalog import Catalog, ModelEntry, ModelState
 from poolserve.service.poolserver.inline import InlineRunner, is_inline
 from poolserve.service.poolserver.load_request import LoadRequest, parse_load_request

@@ -79,7 +79,7 @@ from poolserve.service.contract.errors import (
 from poolserve.service.poolcore.dispatcher import Dispatcher, Result, Worker, WorkerGone
 from poolserve.service.poolcore.respawn import Respawner
 from poolserve.service.poolcore.threads import thread_environment
-from poolserve.service.poolcore.zygote import ExecZygote, ZygoteEvents
+from poolserve.service.poolcore.zygote_control import ExecZygote, ZygoteEvents
 from poolserve.service.workerpool.payload import SHM_THRESHOLD, SegmentDir
 from poolserve.service.workerpool.scoring import (
     MAX_CODE,
