@@ -9,9 +9,9 @@
 - the Dockerfile: it parses, names only files that exist and are not
   dockerignored, and its commands are valid poolserve command lines.
 
-The manifests are read with a small parser for the block-style YAML subset
-they use (PyYAML is not a dependency); when PyYAML or `kubectl kustomize` is
-at hand, both must read them the same way.
+The manifests are read with PyYAML, refusing what YAML readers disagree on
+(duplicate keys, plain yes/no/on/off); when `kubectl kustomize` is at hand,
+it must read them the same way.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from typing import Any
 
 import grpc
 import pytest
+import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from poolserve.service.contract.settings import ServerSettings, load_server_settings
@@ -75,191 +76,46 @@ def stop_bound(grace: float, pools: int = POOLS_SIZED_FOR) -> float:
 # -- a YAML subset reader ------------------------------------------------------------
 
 
-class YamlSubsetError(ValueError):
-    pass
-
-
-_PLAIN_INT = re.compile(r"^[-+]?[0-9]+$")
-_PLAIN_FLOAT = re.compile(r"^[-+]?([0-9]+\.[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$")
-# YAML 1.1 readers (PyYAML, Kubernetes' go-yaml) take these for booleans or null.
-_AMBIGUOUS = {
+# YAML 1.1 readers (PyYAML, Kubernetes' go-yaml) take these for booleans or null;
+# YAML 1.2 readers take them for strings. A manifest must quote them.
+AMBIGUOUS = {
     *("yes", "no", "on", "off", "y", "n", "Yes", "No", "On", "Off", "YES", "NO", "ON", "OFF"),
     *("Y", "N", "True", "TRUE", "False", "FALSE", "Null", "NULL"),
 }
 
 
-def _strip_comment(line: str) -> str:
-    quote = ""
-    for i, ch in enumerate(line):
-        if quote:
-            if ch == quote:
-                quote = ""
-        elif ch in "\"'" and (i == 0 or line[i - 1] in " -:[{,"):
-            quote = ch
-        elif ch == "#" and (i == 0 or line[i - 1] in " \t"):
-            return line[:i].rstrip()
-    return line.rstrip()
+def _nodes(node: yaml.Node) -> Iterator[yaml.Node]:
+    yield node
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            yield from _nodes(key)
+            yield from _nodes(value)
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            yield from _nodes(item)
 
 
-def _scalar(text: str) -> Any:
-    text = text.strip()
-    if text.startswith('"'):
-        return json.loads(text)
-    if text.startswith("'"):
-        if not text.endswith("'") or len(text) < 2:
-            raise YamlSubsetError(f"unterminated string {text!r}")
-        return text[1:-1].replace("''", "'")
-    if text.startswith(("[", "{")):
-        return json.loads(text)  # flow collections only in their JSON form
-    if text.startswith(("|", ">", "&", "*", "!", "%", "@", "`")):
-        raise YamlSubsetError(f"unsupported YAML construct {text!r}")
-    if text in ("null", "~", ""):
-        return None
-    if text in ("true", "false"):
-        return text == "true"
-    if text in _AMBIGUOUS:
-        raise YamlSubsetError(f"ambiguous plain scalar {text!r}: quote it")
-    if _PLAIN_INT.match(text):
-        return int(text)
-    if _PLAIN_FLOAT.match(text):
-        return float(text)
-    return text
+def load_yaml(text: str) -> list[Any]:
+    """The documents of a manifest; refuses what YAML readers disagree on
+    (a duplicate key, a plain yes/no/on/off)."""
+    for document in yaml.compose_all(text, Loader=yaml.SafeLoader):
+        for node in _nodes(document) if document is not None else ():
+            if isinstance(node, yaml.MappingNode):
+                keys = [key.value for key, _ in node.value]
+                assert len(keys) == len(set(keys)), f"duplicate key {node.start_mark}"
+            elif isinstance(node, yaml.ScalarNode) and node.style is None:
+                assert node.value not in AMBIGUOUS, f"quote {node.value!r} {node.start_mark}"
+    return [doc for doc in yaml.safe_load_all(text) if doc is not None]
 
 
-def _split_key(content: str) -> tuple[str, str] | None:
-    """'key: value' / 'key:' -> (key, value); None when not a mapping entry."""
-    if content.startswith(('"', "'")):
-        end = content.index(content[0], 1)
-        key, rest = _scalar(content[: end + 1]), content[end + 1 :]
-        if rest == ":" or rest.startswith(": "):
-            return str(key), rest[1:].strip()
-        return None
-    match = re.match(r"^([^\s:#][^:#]*?):(?: (.*)|)$", content)
-    if match is None:
-        return None
-    return match.group(1), (match.group(2) or "").strip()
-
-
-class _Reader:
-    def __init__(self, lines: list[tuple[int, str]]) -> None:
-        self.lines = lines
-        self.pos = 0
-
-    def peek(self) -> tuple[int, str] | None:
-        return self.lines[self.pos] if self.pos < len(self.lines) else None
-
-    def block(self, indent: int) -> Any:
-        line = self.peek()
-        assert line is not None and line[0] == indent
-        if line[1] == "-" or line[1].startswith("- "):
-            return self.sequence(indent)
-        return self.mapping(indent)
-
-    def value_after_key(self, indent: int, rest: str) -> Any:
-        if rest:
-            return _scalar(rest)
-        nxt = self.peek()
-        if nxt is None:
-            return None
-        if nxt[0] > indent:
-            return self.block(nxt[0])
-        if nxt[0] == indent and (nxt[1] == "-" or nxt[1].startswith("- ")):
-            return self.sequence(indent)  # an indentless sequence
-        return None
-
-    def mapping(self, indent: int) -> dict[str, Any]:
-        result: dict[str, Any] = {}
-        while (line := self.peek()) is not None and line[0] == indent:
-            if line[1].startswith("- ") or line[1] == "-":
-                break
-            entry = _split_key(line[1])
-            if entry is None:
-                raise YamlSubsetError(f"expected 'key: value', got {line[1]!r}")
-            key, rest = entry
-            if key in result:
-                raise YamlSubsetError(f"duplicate key {key!r}")
-            self.pos += 1
-            result[key] = self.value_after_key(indent, rest)
-        if (line := self.peek()) is not None and line[0] > indent:
-            raise YamlSubsetError(f"unexpected indentation at {line[1]!r}")
-        return result
-
-    def sequence(self, indent: int) -> list[Any]:
-        result: list[Any] = []
-        while (line := self.peek()) is not None and line[0] == indent:
-            if not (line[1] == "-" or line[1].startswith("- ")):
-                break
-            content = line[1][1:].lstrip()
-            if not content:
-                self.pos += 1
-                nxt = self.peek()
-                result.append(self.block(nxt[0]) if nxt and nxt[0] > indent else None)
-                continue
-            inner = indent + len(line[1]) - len(content)
-            if _split_key(content) is not None:
-                self.lines[self.pos] = (inner, content)  # a mapping starting on the dash line
-                result.append(self.mapping(inner))
-            else:
-                self.pos += 1
-                result.append(_scalar(content))
-        return result
-
-
-def parse_yaml(text: str) -> list[Any]:
-    """The documents of a block-style YAML file (the subset the manifests use)."""
-    documents: list[list[tuple[int, str]]] = [[]]
-    for raw in text.splitlines():
-        if "\t" in raw[: len(raw) - len(raw.lstrip())]:
-            raise YamlSubsetError("tab in indentation")
-        if raw.rstrip() == "---":
-            documents.append([])
-            continue
-        line = _strip_comment(raw)
-        if line.strip():
-            documents[-1].append((len(line) - len(line.lstrip(" ")), line.strip()))
-    parsed = []
-    for lines in documents:
-        if not lines:
-            continue
-        reader = _Reader(lines)
-        parsed.append(reader.block(lines[0][0]))
-        if reader.peek() is not None:
-            raise YamlSubsetError(f"unexpected line {reader.peek()!r}")
-    return parsed
-
-
-def test_the_yaml_reader_reads_what_it_claims() -> None:
-    text = """
-# comment
-a: 1
-b: "8081"
-c:
-  - x
-  - "y # not a comment"
-  - name: v   # comment
-    value: '0.0.0.0'
-d:
-- 1.5
-- true
-e: ""
-f: pvc://host/path
----
-g: {}
-"""
-    assert parse_yaml(text) == [
-        {
-            "a": 1,
-            "b": "8081",
-            "c": ["x", "y # not a comment", {"name": "v", "value": "0.0.0.0"}],
-            "d": [1.5, True],
-            "e": "",
-            "f": "pvc://host/path",
-        },
-        {"g": {}},
+def test_the_manifest_reader_refuses_what_yaml_readers_disagree_on() -> None:
+    assert load_yaml("a: 'yes'\nb: [1, on_call]\n---\nc: 1\n") == [
+        {"a": "yes", "b": [1, "on_call"]},
+        {"c": 1},
     ]
-    for bad in ("a: yes\n", "a: |\n  x\n", "a: 1\na: 2\n", "a:\n  b: 1\n c: 2\n"):
-        with pytest.raises((YamlSubsetError, ValueError)):
-            parse_yaml(bad)
+    for bad in ("a: yes\n", "a: [1, off]\n", "a: 1\na: 2\n"):
+        with pytest.raises(AssertionError):
+            load_yaml(bad)
 
 
 def manifest_files() -> list[Path]:
@@ -270,7 +126,7 @@ def load_manifests() -> dict[tuple[str, str, str], dict[str, Any]]:
     """(file name, kind, metadata.name) -> object, for every manifest."""
     found: dict[tuple[str, str, str], dict[str, Any]] = {}
     for path in manifest_files():
-        for doc in parse_yaml(path.read_text()):
+        for doc in load_yaml(path.read_text()):
             assert isinstance(doc, dict), path
             if doc.get("kind") == "Kustomization":
                 continue
@@ -300,14 +156,8 @@ def test_manifests_parse_with_the_expected_kinds() -> None:
         assert set(doc) >= {"apiVersion", "kind", "metadata", "spec"}
 
 
-def test_pyyaml_reads_the_manifests_the_same_way() -> None:
-    yaml = pytest.importorskip("yaml", reason="PyYAML is not installed: the subset reader alone")
-    for path in [*manifest_files(), K8S / "kustomization.yaml"]:
-        assert list(yaml.safe_load_all(path.read_text())) == parse_yaml(path.read_text()), path
-
-
 def test_kustomize_builds_the_same_objects() -> None:
-    """`kubectl kustomize` (a real YAML reader, offline) agrees with ours."""
+    """`kubectl kustomize` (go-yaml, offline) agrees with PyYAML."""
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("kubectl is not installed")
@@ -315,11 +165,11 @@ def test_kustomize_builds_the_same_objects() -> None:
         [kubectl, "kustomize", str(K8S)], capture_output=True, text=True, timeout=120
     )
     assert built.returncode == 0, built.stderr
-    theirs = {(d["kind"], d["metadata"]["name"]): d for d in parse_yaml(built.stdout)}
-    kustomization = parse_yaml((K8S / "kustomization.yaml").read_text())[0]
+    theirs = {(d["kind"], d["metadata"]["name"]): d for d in load_yaml(built.stdout)}
+    kustomization = load_yaml((K8S / "kustomization.yaml").read_text())[0]
     ours = {}
     for name in kustomization["resources"]:
-        for doc in parse_yaml((K8S / name).read_text()):
+        for doc in load_yaml((K8S / name).read_text()):
             ours[(doc["kind"], doc["metadata"]["name"])] = doc
     assert theirs == ours
 
