@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
-from harness import EXAMPLES
 
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service.contract.errors import ServingError
@@ -29,6 +28,8 @@ from poolserve.service.contract.wire import peek_model, peek_routing
 from poolserve.service.grpcserver.status import grpc_status
 from poolserve.service.inference.infer import infer
 from poolserve.service.inference.model import Model, instantiate
+
+from harness import EXAMPLES
 
 DATATYPES = (
     "BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",

@@ -126,6 +126,17 @@ def children_of(pid: int) -> list[int]:
     return kids
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` now (children first, then theirs)."""
+    found: list[int] = []
+    stack = [pid]
+    while stack:
+        for kid in children_of(stack.pop()):
+            found.append(kid)
+            stack.append(kid)
+    return found
+
+
 def rss_bytes(pid: int) -> int:
     """Resident set size of ``pid`` (0 when it is gone)."""
     try:
@@ -271,7 +282,13 @@ def take_census(supervisor: int, expected: Mapping[str, int], run_dir: Path) -> 
 
 
 class Tree:
-    """One ``poolserve serve`` tree. Kills every PID it saw (by PID) on close."""
+    """One ``poolserve serve`` tree. Kills every PID it saw (by PID) on close.
+
+    The one start-and-wait helper of the reliability suite and of the tests
+    (tests/serving.py's ``Serving`` is this class with the tests' calling
+    convention). ``env`` is added to this process's environment, ``env_replace``
+    replaces all of it; ``NOTIFY_SOCKET`` is dropped unless ``keep_notify_socket``.
+    """
 
     def __init__(
         self,
@@ -282,12 +299,16 @@ class Tree:
         port: int = 0,
         extra: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
+        env_replace: Mapping[str, str] | None = None,
+        keep_notify_socket: bool = False,
         log_path: Path | None = None,
     ) -> None:
         self.repo = repo
         self.run_dir = run_dir
         self.workers = workers
         self.env = env
+        self.env_replace = env_replace
+        self.keep_notify_socket = keep_notify_socket
         self.log_path = log_path or run_dir.parent / f"{run_dir.name}.log"
         self.argv = [
             str(BIN / "poolserve"),
@@ -303,14 +324,16 @@ class Tree:
         ]
         self.proc: subprocess.Popen[str] | None = None
         self.address = ""
+        self.listening_line = ""
         self.seen: set[int] = set()
 
     # -- lifecycle -----------------------------------------------------------
 
     def start(self, timeout: float = 60.0) -> Tree:
-        env = None if self.env is None else {**os.environ, **self.env}
-        env = dict(os.environ if env is None else env)
-        env.pop("NOTIFY_SOCKET", None)
+        env = dict(os.environ if self.env_replace is None else self.env_replace)
+        env.update(self.env or {})
+        if not self.keep_notify_socket:
+            env.pop("NOTIFY_SOCKET", None)
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
                 self.argv, stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1, env=env
@@ -331,6 +354,7 @@ class Tree:
                 if not line:
                     break
                 if line.startswith(LISTENING_PREFIX):
+                    self.listening_line = line.strip()
                     return line[len(LISTENING_PREFIX) :].split(" (")[0].strip()
         raise RuntimeError(f"poolserve serve did not become ready:\n{self.log()[-4000:]}")
 
@@ -341,12 +365,7 @@ class Tree:
 
     def snapshot(self) -> list[int]:
         """The supervisor's descendants now; remembers them for the final kill."""
-        found: list[int] = []
-        stack = [self.pid]
-        while stack:
-            for kid in children_of(stack.pop()):
-                found.append(kid)
-                stack.append(kid)
+        found = descendants(self.pid)
         self.seen.update(found)
         return found
 

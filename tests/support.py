@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,41 +72,6 @@ def run_client(script: str, *args: str, timeout: float = 120) -> Any:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def pid_alive(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-def children_of(pid: int) -> list[int]:
-    kids: list[int] = []
-    task_dir = Path(f"/proc/{pid}/task")
-    try:
-        tasks = list(task_dir.iterdir())
-    except OSError:
-        return kids
-    for task in tasks:
-        try:
-            kids.extend(int(x) for x in (task / "children").read_text().split())
-        except OSError:
-            continue
-    return kids
-
-
-def descendants(pid: int) -> list[int]:
-    found: list[int] = []
-    stack = [pid]
-    while stack:
-        for kid in children_of(stack.pop()):
-            found.append(kid)
-            stack.append(kid)
-    return found
-
-
 def wait_until(predicate: Any, timeout: float, interval: float = 0.02) -> bool:
     """Polls a condition that has no event to wait on (e.g. /proc); True if it held."""
     end = time.monotonic() + timeout
@@ -118,12 +80,6 @@ def wait_until(predicate: Any, timeout: float, interval: float = 0.02) -> bool:
             return True
         time.sleep(interval)
     return bool(predicate())
-
-
-def kill_all(pids: Sequence[int]) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
 
 
 def iter_lines(stream: Any, deadline: float) -> Iterator[str]:

@@ -14,7 +14,6 @@ import asyncio
 import json
 import socket
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -23,8 +22,6 @@ import pytest
 
 from poolserve.protos import inference_pb2 as pb
 from poolserve.protos import inference_pb2_grpc as pbg
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "reliability"))
 
 from harness import (
     BIN,

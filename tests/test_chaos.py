@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sys
 from pathlib import Path
 
 import grpc
@@ -20,8 +19,6 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from poolserve.protos import inference_pb2 as pb
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "reliability"))
 
 import chaos
 from harness import Tree, make_repo, pool_status, wait_serving

@@ -37,8 +37,9 @@ from poolserve.service.lifecycle.limits import SHORT_RATIO, WARN_EVERY_S, Descri
 from poolserve.service.router.replybudget import RepliesUnread, ReplyBudget
 from poolserve.service.router.router import server_options
 
+from harness import kill_pids
 from serving import Serving, wait_serving
-from support import CLIENTS, copy_example, infer_request, kill_all, wait_until
+from support import CLIENTS, copy_example, infer_request, wait_until
 
 WAIT = 60.0  # generous: CI is a loaded two-core machine
 MIB = 1024 * 1024
@@ -252,7 +253,7 @@ class UnreadClient:
         return value
 
     def kill(self) -> None:
-        kill_all([self.proc.pid])
+        kill_pids([self.proc.pid])
         self.proc.wait(timeout=WAIT)
         self.selector.close()
         if self.proc.stdout is not None:

@@ -41,17 +41,9 @@ from poolserve.service.contract.settings import ServerSettings, load_server_sett
 from poolserve.supervisor.cli import build_parser
 from poolserve.supervisor.probe import Check, build_probe_parser, options_from_args
 
+from harness import descendants, kill_pids, pid_alive
 from serving import Serving, env_without_notify, wait_serving
-from support import (
-    BIN,
-    ROOT,
-    copy_example,
-    descendants,
-    kill_all,
-    pid_alive,
-    wait_until,
-    write_model,
-)
+from support import BIN, ROOT, copy_example, wait_until, write_model
 
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "kubernetes"
@@ -615,7 +607,7 @@ def test_unit_execstart_speaks_notify_from_the_main_process(tmp_path: Path) -> N
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=30)
-            kill_all(sorted(seen))
+            kill_pids(sorted(seen))
             wait_until(lambda: not any(pid_alive(p) for p in seen), timeout=30)
 
 

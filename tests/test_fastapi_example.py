@@ -24,7 +24,8 @@ from typing import Any
 
 import pytest
 
-from support import BIN, ROOT, descendants, kill_all, pid_alive, wait_until
+from harness import descendants, kill_pids, pid_alive
+from support import BIN, ROOT, wait_until
 
 pytest.importorskip("fastapi", reason="the example needs fastapi (test extra)")
 pytest.importorskip("uvicorn", reason="the example needs uvicorn (test extra)")
@@ -118,7 +119,7 @@ def uvicorn(workers: int = 2) -> Iterator[Uvicorn]:
         proc.wait(timeout=30)
         if proc.stderr is not None:
             proc.stderr.close()
-        kill_all(sorted(server.seen))
+        kill_pids(sorted(server.seen))
         wait_until(lambda: not any(pid_alive(p) for p in server.seen), timeout=30)
 
 

@@ -18,10 +18,8 @@ import contextlib
 import itertools
 import random
 import struct
-import sys
 import tracemalloc
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import numpy as np
@@ -35,8 +33,6 @@ from poolserve.service.contract.errors import InvalidInput, ServingError
 from poolserve.service.contract.wire import peek_model, peek_routing
 from poolserve.service.inference.codec import decode_inputs
 from poolserve.service.inference.infer import infer
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "reliability"))
 
 import fuzz
 import fuzzing

@@ -24,8 +24,9 @@ from poolserve.protos import inference_pb2 as pb
 from poolserve.protos import inference_pb2_grpc as pbg
 from poolserve.service.inference.codec import encode_inputs
 
+from harness import pid_alive
 from serving import Serving, pool_status, wait_serving
-from support import copy_example, pid_alive, write_model
+from support import copy_example, write_model
 
 pytestmark = pytest.mark.e2e
 Stub = pbg.GRPCInferenceServiceStub

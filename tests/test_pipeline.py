@@ -21,16 +21,9 @@ from poolserve.protos import inference_pb2 as pb
 from poolserve.protos import inference_pb2_grpc as pbg
 from poolserve.service.inference.codec import decode_outputs, encode_inputs
 
+from harness import children_of, pid_alive
 from serving import Serving, comm
-from support import (
-    children_of,
-    copy_example,
-    pid_alive,
-    run_client,
-    train_iris,
-    wait_until,
-    write_model,
-)
+from support import copy_example, run_client, train_iris, wait_until, write_model
 
 pytestmark = pytest.mark.e2e
 

@@ -17,9 +17,10 @@ from poolserve.protos import inference_pb2 as pb
 from poolserve.protos import inference_pb2_grpc as pbg
 from poolserve.service.inference.codec import encode_inputs
 
+from harness import children_of
 from otlp_receiver import Receiver, attributes
 from serving import Serving, pool_status, wait_serving
-from support import children_of, copy_example
+from support import copy_example
 from test_tracing import otel_env
 
 pytestmark = pytest.mark.e2e

@@ -27,18 +27,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service.contract.rundir import LOCK_FILE, MAX_UNIX_PATH
 
+from harness import descendants, kill_pids, pid_alive
 from serving import LISTENING_PREFIX, Serving, wait_serving
-from support import (
-    BIN,
-    EXAMPLES,
-    copy_example,
-    descendants,
-    infer_request,
-    kill_all,
-    pid_alive,
-    wait_until,
-    write_model,
-)
+from support import BIN, EXAMPLES, copy_example, infer_request, wait_until, write_model
 
 pytestmark = pytest.mark.e2e
 
@@ -85,7 +76,7 @@ def run_to_exit(
     except subprocess.TimeoutExpired:
         kids = descendants(proc.pid)
         proc.kill()
-        kill_all(kids)
+        kill_pids(kids)
         out, err = proc.communicate()
         raise AssertionError(f"{argv[1]} still running after {timeout} s:\n{err[-3000:]}") from None
     return subprocess.CompletedProcess(list(argv), proc.returncode, out, err)
@@ -190,7 +181,7 @@ class Standalone:
         pids = []
         for proc in self.procs:
             pids += [proc.pid, *descendants(proc.pid)]
-        kill_all(pids)
+        kill_pids(pids)
         for proc in self.procs:
             proc.wait(timeout=30)
         wait_until(lambda: not any(pid_alive(p) for p in pids), timeout=10)
@@ -269,7 +260,7 @@ def test_a_pool_started_alone_cleans_a_stale_socket(tmp_path: Path, standalone: 
     kids = descendants(pool.pid)
     pool.send_signal(signal.SIGKILL)  # leaves its sockets behind
     pool.wait(timeout=WAIT)
-    kill_all(kids)
+    kill_pids(kids)
     assert stat.S_ISSOCK((run_dir / "pool-default.sock").lstat().st_mode)
     standalone.start("pool", str(repo), "--gid", "default", *common)
     asyncio.run(pool_serving(target))

@@ -11,7 +11,6 @@ import asyncio
 import os
 import stat
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,8 +18,6 @@ import grpc
 import pytest
 
 from poolserve.protos import inference_pb2 as pb
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "reliability"))
 
 from harness import (
     BIN,

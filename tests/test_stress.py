@@ -8,12 +8,9 @@ machine): the issue's +20 ms is asserted by ``stress.py --assert-bound``.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "reliability"))
 
 import stress
 

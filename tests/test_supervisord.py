@@ -43,8 +43,9 @@ from poolserve.supervisor.supervisord_config import (
     render_config,
 )
 
+from harness import descendants, kill_pids, pid_alive
 from serving import comm, env_without_notify
-from support import BIN, ROOT, copy_example, descendants, kill_all, pid_alive, wait_until
+from support import BIN, ROOT, copy_example, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -156,7 +157,7 @@ class Supervisord:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=30)
-        kill_all(sorted(self.seen))
+        kill_pids(sorted(self.seen))
         wait_until(lambda: not any(pid_alive(p) for p in self.seen), timeout=30)
 
 

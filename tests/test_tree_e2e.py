@@ -46,8 +46,9 @@ from poolserve.supervisor.process import process_child
 from poolserve.supervisor.spec import SupervisorSpec
 from poolserve.supervisor.tree import Supervisor
 
+from harness import children_of, kill_pids, pid_alive
 from serving import Serving, cmdline, pool_status, wait_serving
-from support import BIN, children_of, copy_example, kill_all, pid_alive, wait_until, write_model
+from support import BIN, copy_example, wait_until, write_model
 
 pytestmark = pytest.mark.e2e
 
@@ -616,7 +617,7 @@ def test_a_child_that_ignores_sigterm_is_killed_with_its_group(tmp_path: Path) -
         assert took >= stop_timeout
     finally:
         if out.exists():  # only what is still ours: a pid that died may be reused
-            kill_all([p for p in map(int, out.read_text().split()) if str(out) in cmdline(p)])
+            kill_pids([p for p in map(int, out.read_text().split()) if str(out) in cmdline(p)])
 
 
 def test_a_hundred_crashes_leave_no_zombie() -> None:

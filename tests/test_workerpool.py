@@ -38,7 +38,8 @@ from poolserve.service.contract.errors import (
     Unavailable,
 )
 
-from support import descendants, kill_all, pid_alive, wait_until
+from harness import descendants, kill_pids, pid_alive
+from support import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -100,7 +101,7 @@ def pool_pids(pool: WorkerPool) -> set[int]:
 def assert_all_gone(pids: set[int]) -> None:
     gone = wait_until(lambda: not any(pid_alive(p) for p in pids), timeout=30)
     left = [p for p in pids if pid_alive(p)]
-    kill_all(left)
+    kill_pids(left)
     assert gone, f"processes left behind: {left}"
 
 
@@ -769,4 +770,4 @@ def test_host_killed_leaves_no_process_or_segment_behind(tmp_path: Path) -> None
         for stream in (proc.stdin, proc.stdout):
             if stream is not None:
                 stream.close()
-        kill_all(seen)
+        kill_pids(seen)
