@@ -1,4 +1,8 @@
-"""The data plane: settings and repository, codec, runtime API, workers, pools, router.
+"""The data plane: one folder per process and layer (docs/architecture.md).
+
+contract/ and lifecycle/ (standard library only), poolcore/ (zygote, workers,
+dispatcher: no gRPC), inference/ and grpcserver/, and the doors: poolserver/,
+router/, workerpool/, runtimes/.
 
 Model authors need only :class:`Model`, :data:`Array` and :class:`InvalidInput`;
 clients of the Open Inference Protocol :func:`encode_inputs` and

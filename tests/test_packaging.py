@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 import tomllib
@@ -151,3 +152,29 @@ def test_zygotes_and_spawned_workers_get_the_host_interpreter_flags() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert "'-O'" in out.stdout and "'dev'" in out.stdout
+
+
+def test_every_source_folder_says_what_lives_there_and_imports_nothing() -> None:
+    """A folder's __init__ is its docstring (what lives there, what it may import)
+    and no import, so that `python -m` of a module inside it starts light.
+    runtimes/ is the exception: its import path is public (model-settings.json)."""
+    folders = [init.parent for init in (ROOT / "service").glob("*/__init__.py")]
+    assert {f.name for f in folders} >= {"contract", "lifecycle", "poolcore", "workerpool"}
+    for folder in folders:
+        tree = ast.parse((folder / "__init__.py").read_text())
+        doc = ast.get_docstring(tree) or ""
+        assert "May import" in doc or "may import" in doc, f"{folder.name}: no import rule"
+        imports = [
+            node
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Import | ast.ImportFrom)
+            and not (isinstance(node, ast.ImportFrom) and node.module == "__future__")
+        ]
+        assert folder.name == "runtimes" or imports == [], f"{folder.name} imports"
+
+
+def test_architecture_document_names_every_folder() -> None:
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    for init in (ROOT / "service").glob("*/__init__.py"):
+        assert f"**{init.parent.name}/**" in text, init.parent.name
+    assert "(docs/architecture.md)" in (ROOT / "README.md").read_text()

@@ -1,3 +1,9 @@
-"""What every process agrees on: settings, the model repository, errors (without their gRPC codes),
-the wire formats and the run directory. Imports only the standard library and itself.
+"""What every poolserve process agrees on: settings and where each value comes
+from (``settings``), the model repository (``repository``, ``schedule``), the
+errors as values without any transport (``errors``), the peek at a request's
+model name in its wire bytes (``wire``), the run directory and its sockets
+(``rundir``).
+
+May import: the standard library only (no numpy, no protobuf, no grpc, nothing
+of poolserve's processes), so the supervisor and the router carry none of them.
 """

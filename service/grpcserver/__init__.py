@@ -1,4 +1,8 @@
-"""What the router and the pool server share as gRPC servers: errors to statuses, guarded handlers,
-health, tracing, private sockets, model-control pacing. Never the pool core or the inference
-folder.
+"""What the router and the pool server share as gRPC servers: the one table
+from errors to gRPC statuses (``status``), guarded handlers and deadlines
+(``handlers``), health (``health``), tracing (``tracing``), private unix
+sockets (``sockets``), model-control pacing (``pacing``).
+
+May import: ``contract``, ``lifecycle``, grpc and the generated protos; never
+``poolcore``, ``inference`` or numpy (the router never parses tensors).
 """

@@ -1,4 +1,8 @@
-"""How a poolserve process starts, signals readiness, dies with its parent, logs and exits, and how
-restarts back off: Linux process helpers that the supervisor and every service process share.
-Imports only the standard library.
+"""How a poolserve process lives and dies, shared by the supervisor and every
+service process: exit statuses as a protocol (``exitcodes``), die-with-parent
+and the readiness pipe with its heartbeats (``child``, ``linux``), restart
+back-off arithmetic (``backoff``), process names and wait statuses
+(``procutil``), descriptor limits (``limits``), the log line format (``logs``).
+
+May import: the standard library only.
 """

@@ -1,4 +1,12 @@
-"""The pool core: zygote, workers, frames, dispatcher, respawn and the fleet of workers. Runs in
-the pool server and in WorkerPool's host; imports contract and lifecycle, never grpc, protobuf,
-the generated protos or the inference folder.
+"""The pool core, one for both doors (the pool server and WorkerPool): the
+zygote process and its ``Cargo`` protocol (``zygote``), the pool's end of it
+(``zygote_control``), workers and their frames (``worker``, ``frames``), the
+dispatcher that owns the queue and which job runs on which worker
+(``dispatcher``), crash back-off (``respawn``), counters (``stats``), native
+thread limits (``threads``). It moves opaque bytes and knows nothing of
+gRPC or of models.
+
+May import: ``contract`` and ``lifecycle``; never grpc, protobuf, the
+generated protos or ``inference`` (import-linter checks it, and a test checks
+a live WorkerPool zygote's ``sys.modules``).
 """

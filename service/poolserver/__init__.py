@@ -1,3 +1,9 @@
-"""The `poolserve pool` process: the gRPC servicer, the lane server, inline models and live model
-control over the pool core (and `serve-inprocess`).
+"""The ``poolserve pool`` process (``main``, ``server``): start-up order (zygote
+first, then gRPC), the Open Inference Protocol servicer over a catalog
+(``servicer``, ``catalog``, ``metadata``, ``statistics``), live model load
+(``load_request``), inline models (``inline``); and ``serve-inprocess``, the
+same servicer without workers (``inprocess``).
+
+May import: every lower layer (``grpcserver``, ``inference``, ``poolcore``,
+``contract``, ``lifecycle``); never another door (``router``, ``workerpool``).
 """

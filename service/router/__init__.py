@@ -1,3 +1,8 @@
-"""The `poolserve router` process, the one door clients see. It never parses tensors: it imports
-neither the pool core nor the inference folder.
+"""The ``poolserve router`` process (``main``, ``router``), the one door
+clients see: it routes by model name, forwards bytes over each pool's lane
+with the remaining deadline, follows every pool's health, and bounds what slow
+clients hold (``replybudget``).
+
+May import: ``grpcserver``, ``contract``, ``lifecycle``; never ``poolcore``,
+``inference`` or numpy (it never parses tensors), nor another door.
 """

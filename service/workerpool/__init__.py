@@ -1,3 +1,10 @@
-"""WorkerPool: pre-forked scoring inside your own process, on the pool core. Never grpc or
-protobuf; its zygote is `python -m poolserve.service.workerpool.scoring`.
+"""WorkerPool, the library: the pool core inside your own process, with
+``score()`` calls instead of gRPC (``pool``). Its cargo (``scoring``) runs
+your pickled ``load``/``score`` functions in a zygote started as ``python -m
+poolserve.service.workerpool.scoring``; ``payload`` moves large arrays
+through shared memory.
+
+May import: ``poolcore``, ``contract``, ``lifecycle``; never grpc, protobuf,
+the generated protos or ``inference``. This file imports nothing, so that the
+zygote's ``python -m`` starts light.
 """
