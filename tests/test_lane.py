@@ -22,20 +22,18 @@ from poolserve.service.contract.errors import (
     ServingError,
     Unavailable,
 )
-from poolserve.service.lane import (
+from poolserve.service.contract.framing import HEADER, Batcher, FrameBuffer
+from poolserve.service.contract.lane import (
     CANCEL,
     ERROR,
-    HEADER,
     INFER,
-    Batcher,
-    FrameBuffer,
-    LaneClient,
-    LaneServer,
     Trace,
     infer_frame,
     lane_path,
     parse_infer,
 )
+from poolserve.service.poolserver.lane_server import LaneServer
+from poolserve.service.router.lane_client import LaneClient
 
 Handler = Callable[[bytes, float, Trace], Awaitable[bytes]]
 

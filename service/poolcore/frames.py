@@ -1,7 +1,8 @@
 """The frame protocol between a pool server and one of its workers.
 
-A frame is a 13-byte header (payload length u32, kind u8, sequence u64, all
-little-endian) and the payload. The pool sends REQUEST frames holding the
+A frame is the 13-byte header of :mod:`poolserve.service.contract.framing`
+(payload length u32, kind u8, sequence u64, all little-endian, the lane's
+too) and the payload. The pool sends REQUEST frames holding the
 serialized ModelInferRequest; the worker answers with exactly one REPLY or
 ERROR frame carrying the same sequence number, and its timings. The
 sequence number lets the pool recognise a reply that belongs to a request it
@@ -20,9 +21,9 @@ import struct
 from dataclasses import dataclass
 
 from poolserve.service.contract.errors import Failure
+from poolserve.service.contract.framing import HEADER
 from poolserve.service.poolcore.stats import Timings
 
-HEADER = struct.Struct("<IBQ")
 TIMINGS = struct.Struct("<QQQ")
 ERROR_HEAD = struct.Struct("<B")
 

@@ -27,8 +27,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import BinaryIO, NoReturn
 
+from poolserve.service.contract.framing import HEADER
 from poolserve.service.poolcore.frames import (
-    HEADER,
     REQUEST,
     heartbeat_frame,
     loading_frame,

@@ -1,7 +1,8 @@
 """The ``poolserve pool`` process (``main``, ``server``): start-up order (zygote
 first, then gRPC), the Open Inference Protocol servicer over a catalog
 (``servicer``, ``catalog``, ``metadata``, ``statistics``), live model load
-(``load_request``), inline models (``inline``); and ``serve-inprocess``, the
+(``load_request``), inline models (``inline``), the pool's end of the lane
+(``lane_server``); and ``serve-inprocess``, the
 same servicer without workers (``inprocess``).
 
 May import: every lower layer (``grpcserver``, ``inference``, ``poolcore``,

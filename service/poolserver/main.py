@@ -8,6 +8,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from poolserve.service.contract.lane import lane_path
 from poolserve.service.contract.repository import scan
 from poolserve.service.contract.rundir import (
     CLAIM_WAIT_S,
@@ -18,7 +19,6 @@ from poolserve.service.contract.rundir import (
     pool_socket_path,
 )
 from poolserve.service.contract.settings import ConfigError, load_server_settings
-from poolserve.service.lane import lane_path
 from poolserve.service.lifecycle.child import (
     announce_ready,
     beating,

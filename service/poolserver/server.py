@@ -36,6 +36,7 @@ from poolserve.service.contract.errors import (
     clip,
     load_failed,
 )
+from poolserve.service.contract.lane import LANE_OVERHEAD, Trace, lane_path
 from poolserve.service.contract.repository import (
     ModelSettings,
     Repository,
@@ -53,13 +54,13 @@ from poolserve.service.grpcserver.pacing import Fingerprint, Pacer, Rescanner, f
 from poolserve.service.grpcserver.sockets import bind_private_unix
 from poolserve.service.grpcserver.tracing import Tracing
 from poolserve.service.inference.cargo import InferenceZygote
-from poolserve.service.lane import LANE_OVERHEAD, LaneServer, Trace, lane_path
 from poolserve.service.lifecycle.procutil import pss_bytes
 from poolserve.service.poolcore.dispatcher import Dispatcher, WorkerGone
 from poolserve.service.poolcore.respawn import Respawner
 from poolserve.service.poolcore.zygote_control import ZygoteEvents
 from poolserve.service.poolserver.catalog import Catalog, ModelEntry, ModelState
 from poolserve.service.poolserver.inline import InlineRunner, is_inline
+from poolserve.service.poolserver.lane_server import LaneServer
 from poolserve.service.poolserver.load_request import LoadRequest, parse_load_request
 from poolserve.service.poolserver.servicer import InferenceServicer, Observer
 

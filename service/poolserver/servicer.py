@@ -21,11 +21,11 @@ import grpc
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service import __version__
 from poolserve.service.contract.errors import Failure, ServingError, Unimplemented
+from poolserve.service.contract.lane import Trace
 from poolserve.service.contract.wire import Routing, encode_len_field, peek_routing
 from poolserve.service.grpcserver.handlers import EXTENSIONS, SERVICE, deadline_from, guarded
 from poolserve.service.grpcserver.status import grpc_status
 from poolserve.service.grpcserver.tracing import Tracing, deadline_event
-from poolserve.service.lane import Trace
 from poolserve.service.poolserver.catalog import Catalog, ModelEntry
 from poolserve.service.poolserver.metadata import model_config, model_metadata
 from poolserve.service.poolserver.statistics import model_statistics

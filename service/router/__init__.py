@@ -1,6 +1,6 @@
 """The ``poolserve router`` process (``main``, ``router``), the one door
 clients see: it routes by model name, forwards bytes over each pool's lane
-with the remaining deadline, follows every pool's health, and bounds what slow
+with the remaining deadline (``lane_client``), follows every pool's health, and bounds what slow
 clients hold (``replybudget``).
 
 May import: ``grpcserver``, ``contract``, ``lifecycle``; never ``poolcore``,

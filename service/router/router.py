@@ -38,6 +38,7 @@ from poolserve.service.contract.errors import (
     clip,
     load_failed,
 )
+from poolserve.service.contract.lane import lane_path
 from poolserve.service.contract.repository import Repository, scan
 from poolserve.service.contract.rundir import (
     ADDRESS_FILE,
@@ -55,12 +56,12 @@ from poolserve.service.grpcserver.pacing import Rescanner
 from poolserve.service.grpcserver.sockets import bind_private_unix
 from poolserve.service.grpcserver.status import STAGE_METADATA, from_upstream, grpc_status
 from poolserve.service.grpcserver.tracing import Tracing, carried, deadline_event, strip_carried
-from poolserve.service.lane import LaneClient, lane_path
 from poolserve.service.lifecycle.limits import (
     return_large_frees,
     trim_freed_memory,
     watch_descriptors,
 )
+from poolserve.service.router.lane_client import LaneClient
 from poolserve.service.router.replybudget import TRACKED_REPLY, ReplyBudget
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,96 @@
+"""The lane: ModelInfer from the router to a pool as frames on a unix stream socket.
+
+A second gRPC hop (an HTTP/2 client in the router, an HTTP/2 server in the
+pool) cost more CPU per request than a whole single-process server spends on
+a light model, so the hot path uses this instead: one stream connection per
+pool, length-prefixed frames, many calls in flight on it at once.
+
+Frames are the worker protocol's header (payload length u32, kind u8,
+sequence u64, little-endian) and a payload:
+
+- INFER (router -> pool): absolute deadline on CLOCK_MONOTONIC (f64, both
+  ends are on one host), the trace context length (u16) and text
+  (``traceparent`` and ``tracestate`` as ``key=value`` lines), then the
+  serialized ModelInferRequest, untouched.
+- CANCEL (router -> pool): no payload; the caller gave up on that sequence.
+- PING (router -> pool): no payload; the pool's event loop answers it at once
+  with an empty REPLY of the same sequence (the router's liveness check).
+- REPLY (pool -> router): the serialized ModelInferResponse.
+- ERROR (pool -> router): the :class:`Failure` (u8), the stage length (u8)
+  and text, then the message.
+
+The frames are cut by :mod:`poolserve.service.contract.framing`; the router's
+end is :mod:`poolserve.service.router.lane_client`, the pool's
+:mod:`poolserve.service.poolserver.lane_server`. One party owns each side's
+table of calls in flight: the router's protocol
+object pops a sequence number when its reply, its cancel or the connection's
+end arrives, whichever is first, and a reply for a sequence it no longer
+holds is dropped; the pool's connection object cancels the task of a
+cancelled sequence. GRPC stays on the pool's other socket for health, model
+control, metadata and streaming.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from pathlib import Path
+
+from poolserve.service.contract.errors import (
+    Failure,
+    ServingError,
+    error_for,
+)
+from poolserve.service.contract.framing import HEADER
+
+INFER_HEAD = struct.Struct("<dH")
+ERROR_HEAD = struct.Struct("<BB")
+
+INFER = 1
+CANCEL = 2
+REPLY = 3
+ERROR = 4
+PING = 5
+
+LANE_OVERHEAD = 64 * 1024  # an INFER frame's head and trace context, beyond the request
+Trace = Sequence[tuple[str, str]]
+
+
+def lane_path(pool_socket: Path) -> Path:
+    """The lane socket beside a pool's gRPC socket (same length, so same limit)."""
+    return pool_socket.with_name(pool_socket.stem + ".lane")
+
+
+def infer_frame(seq: int, deadline: float, trace: Trace, body: bytes) -> bytes:
+    text = "\n".join(f"{k}={v}" for k, v in trace).encode()
+    head = INFER_HEAD.pack(deadline, len(text))
+    return HEADER.pack(len(head) + len(text) + len(body), INFER, seq) + head + text + body
+
+
+def parse_infer(payload: bytes) -> tuple[float, list[tuple[str, str]], bytes]:
+    deadline, size = INFER_HEAD.unpack_from(payload)
+    start = INFER_HEAD.size
+    trace: list[tuple[str, str]] = []
+    if size:
+        for line in payload[start : start + size].decode("utf-8", "replace").split("\n"):
+            key, _, value = line.partition("=")
+            trace.append((key, value))
+    return deadline, trace, payload[start + size :]
+
+
+def error_frame(seq: int, error: ServingError) -> bytes:
+    stage = error.stage.encode()[:255]
+    payload = ERROR_HEAD.pack(int(error.failure), len(stage)) + stage + error.message.encode()
+    return HEADER.pack(len(payload), ERROR, seq) + payload
+
+
+def parse_error(payload: bytes) -> ServingError:
+    code, size = ERROR_HEAD.unpack_from(payload)
+    start = ERROR_HEAD.size
+    try:
+        failure = Failure(code)
+    except ValueError:
+        failure = Failure.INTERNAL
+    error = error_for(failure, payload[start + size :].decode("utf-8", "replace"))
+    error.stage = payload[start : start + size].decode("utf-8", "replace")
+    return error

@@ -1,0 +1,189 @@
+"""The pool's end of its lane: every INFER frame runs as a task of the pool's
+task group; CANCEL cancels it, PING is answered at once from the event loop
+(the frames: :mod:`poolserve.service.contract.lane`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import struct
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from google.protobuf.message import DecodeError
+
+from poolserve.service.contract.errors import ServingError, Unavailable
+from poolserve.service.contract.framing import HEADER, MAX_FRAME, Batcher, FrameBuffer
+from poolserve.service.contract.lane import (
+    CANCEL,
+    INFER,
+    PING,
+    REPLY,
+    Trace,
+    error_frame,
+    parse_infer,
+)
+from poolserve.service.contract.rundir import FileId, claim_socket, file_id, remove_own
+from poolserve.service.grpcserver.status import as_serving_error
+
+log = logging.getLogger(__name__)
+
+# Runs one request; raises ServingError (or anything, mapped to INTERNAL).
+Handler = Callable[[bytes, float, Trace], Awaitable[bytes]]
+# Optionally, first: the answer on the spot, or None when the call has to wait.
+Immediate = Callable[[bytes, float, Trace], bytes | None]
+
+
+class _ServerProtocol(asyncio.Protocol):
+    def __init__(self, server: LaneServer) -> None:
+        self.server = server
+        self.frames = FrameBuffer(server.max_frame)
+        self.running: dict[int, asyncio.Task[None]] = {}
+        self.transport: asyncio.Transport | None = None
+        self.batcher: Batcher | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self.batcher = Batcher(transport)
+        self.server.connections.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            frames = self.frames.feed(data)
+        except ValueError as exc:
+            return self._refuse(str(exc))
+        for kind, seq, payload in frames:
+            if kind == INFER:
+                self._start(seq, payload)
+            elif kind == CANCEL:
+                task = self.running.pop(seq, None)
+                if task is not None:
+                    task.cancel()
+            elif kind == PING:
+                self._send(HEADER.pack(0, REPLY, seq))
+            else:
+                return self._refuse(f"unexpected frame kind {kind}")
+
+    def _refuse(self, why: str) -> None:
+        """Whoever sent this is not our router: end that connection, nothing else."""
+        log.warning("%s lane: %s; closing the connection", self.server.where, why)
+        if self.transport is not None:
+            self.transport.close()
+
+    def _start(self, seq: int, payload: bytes) -> None:
+        server = self.server
+        if server.draining:
+            self._send(error_frame(seq, Unavailable(f"{server.where} is stopping")))
+            return
+        try:
+            deadline, trace, body = parse_infer(payload)
+        except (struct.error, ValueError):
+            self._send(error_frame(seq, ServingError("lane: malformed INFER frame")))
+            return
+        if server.immediate is not None:
+            try:
+                reply = server.immediate(body, deadline, trace)
+            except Exception as exc:
+                self._send(self._error(seq, exc))
+                return
+            if reply is not None:  # answered on the spot: no task, no await
+                self._send(HEADER.pack(len(reply), REPLY, seq) + reply)
+                return
+        self.running[seq] = server.tasks.create_task(self._run(seq, body, deadline, trace))
+
+    async def _run(self, seq: int, body: bytes, deadline: float, trace: Trace) -> None:
+        try:
+            reply = await self.server.handler(body, deadline, trace)
+            frame = HEADER.pack(len(reply), REPLY, seq) + reply
+        except asyncio.CancelledError:
+            return  # the caller gave up or the connection went: nobody to answer
+        except Exception as exc:
+            frame = self._error(seq, exc)
+        finally:
+            self.running.pop(seq, None)
+            self.server.settle()
+        self._send(frame)
+
+    @staticmethod
+    def _error(seq: int, exc: Exception) -> bytes:
+        if not isinstance(exc, (ServingError, DecodeError)):
+            log.exception("lane: unexpected error running a request")
+        return error_frame(seq, as_serving_error(exc))
+
+    def _send(self, frame: bytes) -> None:
+        if self.batcher is not None and not self.batcher.transport.is_closing():
+            self.batcher.write(frame)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        self.server.connections.discard(self)
+        running, self.running = self.running, {}
+        for task in running.values():
+            task.cancel()
+        self.server.settle()
+
+
+class LaneServer:
+    """The pool's lane: every request runs as a task of the pool's task group."""
+
+    def __init__(
+        self,
+        path: Path,
+        handler: Handler,
+        where: str,
+        max_frame: int = MAX_FRAME,
+        immediate: Immediate | None = None,
+    ) -> None:
+        self.path = path
+        self.handler = handler
+        self.immediate = immediate
+        self.where = where
+        self.max_frame = max_frame
+        self.connections: set[_ServerProtocol] = set()
+        self.draining = False
+        self._server: asyncio.base_events.Server | None = None
+        self._tasks: asyncio.TaskGroup | None = None
+        self._idle: asyncio.Event | None = None
+        self._bound: FileId | None = None  # the socket we bound, the one we remove
+
+    @property
+    def tasks(self) -> asyncio.TaskGroup:
+        assert self._tasks is not None
+        return self._tasks
+
+    async def start(self, tasks: asyncio.TaskGroup) -> None:
+        self._tasks = tasks
+        claim_socket(self.path)  # a live lane of another process: SocketInUse
+        old = os.umask(0o177)  # 0600 from its first instant, as the gRPC socket
+        try:
+            self._server = await asyncio.get_running_loop().create_unix_server(
+                lambda: _ServerProtocol(self), str(self.path)
+            )
+        finally:
+            os.umask(old)
+        self._bound = file_id(self.path)
+
+    def in_flight(self) -> int:
+        return sum(len(c.running) for c in self.connections)
+
+    def settle(self) -> None:
+        if self._idle is not None and self.in_flight() == 0:
+            self._idle.set()
+
+    async def stop(self, grace_s: float) -> None:
+        """Refuses new calls, lets running ones finish within ``grace_s``, then closes."""
+        self.draining = True
+        if self._server is not None:
+            self._server.close()
+        self._idle = asyncio.Event()
+        self.settle()
+        try:
+            await asyncio.wait_for(self._idle.wait(), grace_s)
+        except TimeoutError:
+            log.warning("lane: %d calls still running after %.1f s", self.in_flight(), grace_s)
+        for connection in list(self.connections):
+            if connection.transport is not None:
+                connection.transport.close()
+        remove_own(self.path, self._bound)

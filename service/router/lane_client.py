@@ -1,0 +1,135 @@
+"""The router's end of a pool's lane: one connection per pool, many calls in
+flight, each with its deadline (the frames: :mod:`poolserve.service.contract.lane`)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from pathlib import Path
+
+from poolserve.service.contract.errors import DeadlineExceeded, Unavailable
+from poolserve.service.contract.framing import HEADER, Batcher, FrameBuffer
+from poolserve.service.contract.lane import CANCEL, PING, REPLY, Trace, infer_frame, parse_error
+
+
+class _ClientProtocol(asyncio.Protocol):
+    def __init__(self, lane: LaneClient) -> None:
+        self.lane = lane
+        self.frames = FrameBuffer()
+
+    def data_received(self, data: bytes) -> None:
+        pending = self.lane.pending
+        for kind, seq, payload in self.frames.feed(data):
+            future = pending.pop(seq, None)
+            if future is None or future.done():
+                continue  # its caller gave up: nobody to tell
+            if kind == REPLY:
+                future.set_result(payload)
+            else:
+                future.set_exception(parse_error(payload))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lane.lost(self)
+
+
+class LaneClient:
+    """The router's connection to one pool's lane, opened on first use."""
+
+    def __init__(self, path: Path, where: str) -> None:
+        self.path = path
+        self.where = where
+        self.pending: dict[int, asyncio.Future[bytes]] = {}
+        self._seq = itertools.count(1)
+        self._transport: Batcher | None = None
+        self._protocol: _ClientProtocol | None = None
+        self._connecting: asyncio.Future[None] | None = None
+        self._closed = False
+
+    async def _connect(self) -> Batcher:
+        while self._transport is None:
+            if self._closed:
+                raise Unavailable(f"{self.where} is no longer routed")
+            if self._connecting is not None:  # one connect at a time; the rest wait for it
+                await asyncio.shield(self._connecting)
+                continue
+            loop = asyncio.get_running_loop()
+            self._connecting = loop.create_future()
+            try:
+                transport, protocol = await loop.create_unix_connection(
+                    lambda: _ClientProtocol(self), str(self.path)
+                )
+            except OSError as exc:
+                raise Unavailable(f"{self.where} is not reachable: {exc.strerror}") from None
+            finally:
+                self._connecting.set_result(None)
+                self._connecting = None
+            self._transport, self._protocol = Batcher(transport), protocol
+        return self._transport
+
+    async def call(self, body: bytes, deadline: float, trace: Trace) -> bytes:
+        """Runs one ModelInfer in the pool, waiting for it until ``deadline`` (monotonic).
+
+        The pool ends its own part a margin earlier and answers DEADLINE_EXCEEDED
+        itself, saying where the time went; this timer only fires when it cannot.
+        """
+        transport = self._transport or await self._connect()
+        loop = asyncio.get_running_loop()
+        seq = next(self._seq)
+        future: asyncio.Future[bytes] = loop.create_future()
+        self.pending[seq] = future
+        transport.write(infer_frame(seq, deadline, trace, body))
+        timer = loop.call_at(deadline, _time_out, future)  # asyncio's clock is time.monotonic
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self._cancel(seq)
+            raise
+        except _Timeout:
+            self._cancel(seq)
+            raise DeadlineExceeded(
+                f"deadline exceeded waiting for {self.where} to answer", stage="pool"
+            ) from None
+        finally:
+            timer.cancel()
+
+    async def ping(self) -> None:
+        """Returns once the pool's event loop has answered a PING (no timeout here:
+        the caller bounds it). Raises Unavailable when the lane is down."""
+        transport = self._transport or await self._connect()
+        seq = next(self._seq)
+        future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self.pending[seq] = future
+        transport.write(HEADER.pack(0, PING, seq))
+        try:
+            await future
+        finally:
+            self.pending.pop(seq, None)
+
+    def _cancel(self, seq: int) -> None:
+        if self.pending.pop(seq, None) is not None and self._transport is not None:
+            self._transport.write(HEADER.pack(0, CANCEL, seq))
+
+    def lost(self, protocol: _ClientProtocol) -> None:
+        if protocol is not self._protocol:
+            return
+        self._transport = self._protocol = None
+        pending, self.pending = self.pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(
+                    Unavailable(f"{self.where} closed its lane while the call was in flight")
+                )
+
+    def close(self) -> None:
+        self._closed = True
+        if self._transport is not None:
+            self._transport.transport.close()
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _time_out(future: asyncio.Future[bytes]) -> None:
+    if not future.done():
+        future.set_exception(_Timeout())
