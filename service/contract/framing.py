@@ -2,9 +2,10 @@
 and a worker's socket (pool <-> worker) both carry length-prefixed frames with
 this header (payload length u32, kind u8, sequence u64, little-endian).
 
-:class:`FrameBuffer` cuts a stream into frames with one copy of each payload;
-a reader that wants a frame in another form (a worker's replies, whose timings
-head is unpacked straight from the buffer) overrides :meth:`FrameBuffer.cut`.
+:class:`FrameReader` cuts a stream into frames; :class:`FrameBuffer` (the
+lane's) makes each a (kind, sequence, payload) with one copy of the payload,
+and the worker socket's reader (:class:`poolserve.service.poolcore.frames.ReplyBuffer`)
+unpacks a reply's timings head straight from the buffer instead.
 :class:`Batcher` sends the frames written during one event-loop turn in one
 write.
 """
@@ -13,39 +14,63 @@ from __future__ import annotations
 
 import asyncio
 import struct
+from typing import Generic, TypeVar
 
 HEADER = struct.Struct("<IBQ")
 MAX_FRAME = (1 << 32) - 1
 
 
-class FrameBuffer:
+Frame = tuple[int, int, bytes]
+"""A frame as :class:`FrameBuffer` cuts it: (kind, sequence, payload)."""
+
+T = TypeVar("T")
+
+
+class FrameReader(Generic[T]):
     """Cuts a byte stream into frames; keeps an incomplete tail for the next read.
 
-    A frame announcing more than ``max_frame`` bytes is refused (ValueError)
-    before any of it is buffered.
+    Each complete frame becomes what :meth:`cut` makes of it, straight from
+    the buffer (None: the frame is consumed, e.g. a heartbeat). A frame
+    announcing more than ``max_frame`` bytes is refused (ValueError) before
+    any of it is buffered.
     """
 
     def __init__(self, max_frame: int = MAX_FRAME) -> None:
         self._buf = bytearray()
         self.max_frame = max_frame
 
-    def feed(self, data: bytes) -> list[tuple[int, int, bytes]]:
+    def feed(self, data: bytes) -> list[T]:
         buf = self._buf
         buf += data
-        frames: list[tuple[int, int, bytes]] = []
+        frames: list[T] = []
+        cut = self.cut
         pos, end = 0, len(buf)
         while end - pos >= HEADER.size:
             length, kind, seq = HEADER.unpack_from(buf, pos)
             if length > self.max_frame:
                 raise ValueError(f"a frame of {length} bytes is over the limit of {self.max_frame}")
-            stop = pos + HEADER.size + length
+            start = pos + HEADER.size
+            stop = start + length
             if stop > end:
                 break
-            frames.append((kind, seq, bytes(buf[pos + HEADER.size : stop])))
+            frame = cut(kind, seq, buf, start, stop)
+            if frame is not None:
+                frames.append(frame)
             pos = stop
         if pos:
             del buf[:pos]
         return frames
+
+    def cut(self, kind: int, seq: int, buf: bytearray, start: int, stop: int) -> T | None:
+        """The frame ``kind``/``seq`` whose payload is ``buf[start:stop]``."""
+        raise NotImplementedError
+
+
+class FrameBuffer(FrameReader[Frame]):
+    """Frames as (kind, sequence, payload): one copy of each payload."""
+
+    def cut(self, kind: int, seq: int, buf: bytearray, start: int, stop: int) -> Frame:
+        return (kind, seq, bytes(buf[start:stop]))
 
 
 class Batcher:

@@ -21,7 +21,7 @@ import struct
 from dataclasses import dataclass
 
 from poolserve.service.contract.errors import Failure
-from poolserve.service.contract.framing import HEADER
+from poolserve.service.contract.framing import HEADER, FrameReader
 from poolserve.service.poolcore.stats import Timings
 
 TIMINGS = struct.Struct("<QQQ")
@@ -81,7 +81,7 @@ def ready_frame(report: bytes) -> bytes:
     return HEADER.pack(len(report), READY, 0) + report
 
 
-class ReplyBuffer:
+class ReplyBuffer(FrameReader[Reply]):
     """Cuts a worker's byte stream into replies; keeps an incomplete tail.
 
     A REPLY's body is cut straight out of the buffer, so the response bytes go
@@ -89,31 +89,15 @@ class ReplyBuffer:
     Heartbeats are consumed (the caller notes that bytes arrived at all).
     """
 
-    def __init__(self) -> None:
-        self._buf = bytearray()
-
-    def feed(self, data: bytes) -> list[Reply]:
-        buf = self._buf
-        buf += data
-        replies: list[Reply] = []
-        pos, end = 0, len(buf)
-        while end - pos >= HEADER.size:
-            length, kind, seq = HEADER.unpack_from(buf, pos)
-            start = pos + HEADER.size
-            stop = start + length
-            if stop > end:
-                break
-            if kind == REPLY and length >= TIMINGS.size:
-                timings = Timings(*TIMINGS.unpack_from(buf, start))
-                replies.append(Reply(seq, timings, bytes(buf[start + TIMINGS.size : stop])))
-            elif kind in SELF_TEST:
-                replies.append(Reply(seq, Timings(), bytes(buf[start:stop]), kind=kind))
-            elif kind != HEARTBEAT:
-                replies.append(parse_reply(kind, seq, bytes(buf[start:stop])))
-            pos = stop
-        if pos:
-            del buf[:pos]
-        return replies
+    def cut(self, kind: int, seq: int, buf: bytearray, start: int, stop: int) -> Reply | None:
+        if kind == REPLY and stop - start >= TIMINGS.size:
+            timings = Timings(*TIMINGS.unpack_from(buf, start))
+            return Reply(seq, timings, bytes(buf[start + TIMINGS.size : stop]))
+        if kind in SELF_TEST:
+            return Reply(seq, Timings(), bytes(buf[start:stop]), kind=kind)
+        if kind == HEARTBEAT:
+            return None
+        return parse_reply(kind, seq, bytes(buf[start:stop]))
 
 
 def parse_reply(kind: int, seq: int, payload: bytes) -> Reply:
