@@ -2,7 +2,8 @@
 zygote process and its ``Cargo`` protocol (``zygote``), the pool's end of it
 (``zygote_control``), workers and their frames (``worker``, ``frames``), the
 dispatcher that owns the queue and which job runs on which worker
-(``dispatcher``), crash back-off (``respawn``), counters (``stats``), native
+(``dispatcher``), the rolling replacement and worker deaths of both doors
+(``fleet``), crash back-off (``respawn``), counters (``stats``), native
 thread limits (``threads``). It moves opaque bytes and knows nothing of
 gRPC or of models.
 

@@ -56,7 +56,7 @@ from poolserve.service.grpcserver.tracing import Tracing
 from poolserve.service.inference.cargo import InferenceZygote
 from poolserve.service.lifecycle.procutil import pss_bytes
 from poolserve.service.poolcore.dispatcher import Dispatcher, WorkerGone
-from poolserve.service.poolcore.respawn import Respawner
+from poolserve.service.poolcore.fleet import Fleet
 from poolserve.service.poolcore.zygote_control import ZygoteEvents
 from poolserve.service.poolserver.catalog import Catalog, ModelEntry, ModelState
 from poolserve.service.poolserver.inline import InlineRunner, is_inline
@@ -207,19 +207,21 @@ class PoolServer:
         self.dispatcher = Dispatcher(
             f"{gid}",
             settings.max_queue,
-            on_change=self._sync_health,
+            on_change=self._on_workers_changed,
             on_worker_gone=self._on_worker_gone,
             heartbeat_timeout=settings.heartbeat_timeout_s,
             warmup_timeout=settings.warmup_timeout_s,
             abandon_grace=settings.abandon_grace_s,
-            on_worker_ready=self._on_worker_ready,
         )
-        self.respawner = Respawner(
-            self._spawn,
-            self._mark_failed,
+        self.fleet = Fleet(
+            f"pool {gid}",
+            self.workers,
+            self.dispatcher,
+            self.zygote.spawn,
+            mark_failed=self._mark_failed,
             retry_model=self._retry_model,
-            clock=time.monotonic,
             spawned=self.start_method == "spawn",
+            on_change=self._sync_health,
         )
         self.inline = InlineRunner(self.catalog, gid, settings.max_queue, settings.max_message_size)
         self.backend = PoolBackend(
@@ -246,7 +248,6 @@ class PoolServer:
         )
         self._stop = asyncio.Event()
         self.exit_code = 0
-        self.generation = 0  # bumped by every live load or unload; workers carry theirs
         self._model_ops = asyncio.Lock()  # one rolling replacement at a time
         # One load per (name, config override): concurrent ones share it.
         self._flights: dict[tuple[str, str], asyncio.Task[ServingError | None]] = {}
@@ -255,7 +256,6 @@ class PoolServer:
         self._rescan_task: asyncio.Task[None] | None = None
         self._reloads = Pacer(settings.repository_rescan_s)
         self._loaded_from: dict[str, Fingerprint | None] = {}  # the files each model came from
-        self._arrival: asyncio.Future[int] | None = None
         self._tasks: asyncio.TaskGroup | None = None
 
     def _lane_now(self, request: bytes, deadline: float, trace: Trace) -> bytes | None:
@@ -298,26 +298,17 @@ class PoolServer:
             log.error("pool %s: model %s: %s", self.gid, name, reason)
             self.catalog.set_state(name, ModelState.UNAVAILABLE, reason)
 
-    def _spawn(self) -> None:
-        """Forks a worker whose self-test leaves out models that failed it before."""
-        self.zygote.spawn(self.respawner.failed_warmup)
-
     def _on_loaded(self) -> None:
         if not self.worker_models:
             return  # only inline models: no worker to fork
-        for _ in range(self.workers):
-            self._spawn()
+        self.fleet.start()
 
     def _on_worker(self, pid: int, sock: socket.socket) -> None:
         log.info("pool %s: worker %d started", self.gid, pid)
-        self.dispatcher.add_worker(pid, sock, self.generation)
+        self.fleet.arrived(pid, sock)
 
-    def _on_worker_ready(self, pid: int) -> None:
-        """A fresh worker passed its self-test and takes requests."""
-        if self._arrival is not None and not self._arrival.done():
-            self._arrival.set_result(pid)
-        elif self._arrival is None and not self._model_ops.locked():
-            self._trim_workers()
+    def _on_workers_changed(self) -> None:
+        self.fleet.reconcile()  # then health, through the fleet's on_change
 
     def _on_unloaded(self, name: str) -> None:
         waiting = self._model_replies.pop(f"unload:{name}", None)
@@ -339,15 +330,7 @@ class PoolServer:
     def _on_worker_gone(self, gone: WorkerGone) -> None:
         if gone.retired:
             log.info("pool %s: worker %d retired (%s)", self.gid, gone.pid, gone.status)
-            return
-        running = f" while running model '{gone.tag}'" if gone.tag else ""
-        killed = f" (killed: {gone.reason})" if gone.reason else ""
-        log.warning("pool %s: worker %d %s%s%s", self.gid, gone.pid, gone.status, running, killed)
-        delay = self.respawner.worker_lost(
-            gone.tag, gone.reason or gone.status, warmup=gone.warmup, hung=bool(gone.reason)
-        )
-        if delay:
-            log.info("pool %s: next worker in %.2f s (crash back-off)", self.gid, delay)
+        self.fleet.gone(gone)
 
     def _mark_failed(self, name: str, reason: str) -> None:
         log.error("pool %s: model %s marked failed: %s", self.gid, name, reason)
@@ -492,10 +475,10 @@ class PoolServer:
                     self.catalog.set_state(name, ModelState.UNAVAILABLE, outcome.reason)
                 kept = "; the previous version keeps serving" if was_ready else ""
                 raise FailedPrecondition(f"model '{name}' {outcome.reason}{kept}")
-            self.respawner.forgive(name)  # a new version: its own self-test and crash record
+            self.fleet.respawner.forgive(name)  # a new version: its own self-test and crash record
             await self._roll_workers()
             entry.settings, entry.version = settings, settings.version
-            failed = self.respawner.failed_warmup.get(name)
+            failed = self.fleet.respawner.failed_warmup.get(name)
             if failed is not None:  # the fresh workers of the roll could not warm it up
                 self.catalog.set_state(name, ModelState.UNAVAILABLE, failed)
                 raise FailedPrecondition(f"model '{name}' {failed}")
@@ -504,35 +487,11 @@ class PoolServer:
             log.info("pool %s: model %s loaded live", self.gid, name)
 
     async def _roll_workers(self) -> None:
-        """Replaces every worker, one at a time, by a fresh fork of the zygote.
-
-        A replacement starts before its predecessor retires, so the pool never
-        serves with fewer workers than it had; the retiring one finishes its
-        current request first.
-        """
-        self.generation += 1
-        old = [w.pid for w in self.dispatcher.workers() if w.generation < self.generation]
-        loop = asyncio.get_running_loop()
-        for pid in old:
-            self._arrival = loop.create_future()
-            self._spawn()
-            try:
-                await asyncio.wait_for(self._arrival, ROLL_TIMEOUT_S)
-            except TimeoutError:
-                raise Unavailable(
-                    f"pool '{self.gid}': no new worker within {ROLL_TIMEOUT_S} s"
-                ) from None
-            finally:
-                self._arrival = None
-            self.dispatcher.retire(pid)
-        self._trim_workers()
-
-    def _trim_workers(self) -> None:
-        """Outside a roll, never more than ``workers``: a crash replacement that
-        arrived mid-roll counted as one of ours, so a later arrival is one too many."""
-        extra = [w for w in self.dispatcher.workers() if not w.retiring][self.workers :]
-        for worker in extra:
-            self.dispatcher.retire(worker.pid)
+        """Replaces every worker by a fresh fork of the zygote (the fleet's roll:
+        a replacement passes its self-test before its predecessor retires, so
+        the pool never serves with fewer workers; the retiring one finishes its
+        current request first)."""
+        await self.fleet.roll(ROLL_TIMEOUT_S)
 
     # -- health --------------------------------------------------------------
 
@@ -645,7 +604,7 @@ class PoolServer:
         # Stop taking calls, let in-flight calls finish within the grace period.
         grace = self.settings.stop_grace_s
         await asyncio.gather(server.stop(grace), self.lane.stop(grace))
-        self.respawner.close()
+        self.fleet.stop()
         self.inline.close()
         for flight in list(self._flights.values()):
             flight.cancel()

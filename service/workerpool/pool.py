@@ -76,8 +76,8 @@ from poolserve.service.contract.errors import (
     QueueFull,
     Unavailable,
 )
-from poolserve.service.poolcore.dispatcher import Dispatcher, Result, Worker, WorkerGone
-from poolserve.service.poolcore.respawn import Respawner
+from poolserve.service.poolcore.dispatcher import Dispatcher, Result, WorkerGone
+from poolserve.service.poolcore.fleet import Fleet
 from poolserve.service.poolcore.threads import thread_environment
 from poolserve.service.poolcore.zygote_control import ExecZygote, ZygoteEvents
 from poolserve.service.workerpool.payload import SHM_THRESHOLD, SegmentDir
@@ -272,7 +272,7 @@ class WorkerPool:
         self._zygote: ExecZygote | None = None
         self._zygote_started = False
         self._dispatcher: Dispatcher | None = None
-        self._respawner: Respawner | None = None
+        self._fleet: Fleet | None = None
         self._segments: SegmentDir | None = None
         self._main: asyncio.Task[None] | None = None
         self._janitor_task: asyncio.Task[None] | None = None
@@ -282,8 +282,6 @@ class WorkerPool:
         self._closed = asyncio.Event()
         self._cancel_reason = ""
         self._broken = ""
-        self._gen = 0
-        self._roll_inflight = 0
         self._jobs = itertools.count(1)
         self._live_jobs: set[int] = set()
 
@@ -492,13 +490,20 @@ class WorkerPool:
         self._dispatcher = Dispatcher(
             self.name,
             self.max_queue,
-            on_change=self._reconcile,
+            on_change=self._on_workers_changed,
             on_worker_gone=self._on_worker_gone,
             heartbeat_timeout=self._heartbeat_timeout,
             warmup_timeout=self._warmup_timeout,
             abandon_grace=self._abandon_grace,
         )
-        self._respawner = Respawner(self._spawn_worker, self._disable, clock=time.monotonic)
+        self._fleet = Fleet(
+            f"workerpool {self.name}",
+            self.size,
+            self._dispatcher,
+            zygote.spawn,
+            mark_failed=self._disable,
+            on_change=self._settle,
+        )
         started = asyncio.Event()
         self._main = asyncio.create_task(self._run(started.set), name=f"workerpool-{self.name}")
         self._main.add_done_callback(self._main_done)
@@ -518,14 +523,7 @@ class WorkerPool:
         self._zygote_started = True
         for model in self._models.values():
             self._send_load(model)
-        for _ in range(self.size):
-            self._spawn_worker()
-
-    def _spawn_worker(self) -> None:
-        """Forks a worker whose self-test leaves out models that failed it before."""
-        if self._zygote is not None:
-            skip = self._respawner.failed_warmup if self._respawner is not None else {}
-            self._zygote.spawn(skip)
+        self._fleet.start()
 
     @staticmethod
     def _prepare_message() -> dict[str, Any]:
@@ -580,6 +578,8 @@ class WorkerPool:
             await self._closed.wait()
             return
         self._state = _State.CLOSING
+        if self._fleet is not None:
+            self._fleet.stop()  # no more forks, no respawns while calls drain
         try:
             await self._drain(grace)
         finally:
@@ -604,8 +604,8 @@ class WorkerPool:
 
     async def _shutdown(self) -> None:
         self._state = _State.CLOSING
-        if self._respawner is not None:
-            self._respawner.close()
+        if self._fleet is not None:
+            self._fleet.stop()
         if self._janitor_task is not None:
             self._janitor_task.cancel()
         if self._dispatcher is not None:
@@ -874,7 +874,7 @@ class WorkerPool:
             queue_depth=d.queue_depth() if d is not None else 0,
             late_replies_dropped=d.late_replies if d is not None else 0,
             expired_in_queue=d.expired_in_queue if d is not None else 0,
-            respawns=self._respawner.respawns if self._respawner is not None else 0,
+            respawns=self._fleet.respawner.respawns if self._fleet is not None else 0,
             segment_dir=str(self._segments.path) if self._segments is not None else "",
             models={name: m.describe() for name, m in self._models.items()},
         )
@@ -892,13 +892,13 @@ class WorkerPool:
             return
         model.pending = max(0, model.pending - 1)
         if ok:
-            self._gen += 1  # workers whose event comes after this were forked after the load
+            assert self._fleet is not None  # models load only in a started pool
             model.loaded = True
-            model.ready_gen = self._gen
             model.load_error = ""
             model.disabled = ""
-            if self._respawner is not None:
-                self._respawner.forgive(name)
+            self._fleet.respawner.forgive(name)
+            # Workers whose event comes after this were forked after the load.
+            model.ready_gen = self._fleet.new_generation()
             if reason:
                 log.warning("workerpool %s: model %s: %s", self.name, name, reason)
             log.info("workerpool %s: model %s loaded", self.name, name)
@@ -906,18 +906,23 @@ class WorkerPool:
             model.load_error = reason
             kept = "; the previous version keeps serving" if model.loaded else ""
             log.error("workerpool %s: model %s: %s%s", self.name, name, reason, kept)
-        self._reconcile()
+        self._on_workers_changed()
 
     def _on_unloaded(self, name: str) -> None:
-        self._gen += 1  # fresh forks no longer carry it: replace the workers that do
-        self._reconcile()
+        if self._fleet is not None:  # fresh forks no longer carry it: replace those that do
+            self._fleet.new_generation()
+            self._fleet.reconcile()
 
     def _on_worker(self, pid: int, sock: socket.socket) -> None:
-        assert self._dispatcher is not None
-        self._roll_inflight = max(0, self._roll_inflight - 1)
+        assert self._fleet is not None
         log.debug("workerpool %s: worker %d started", self.name, pid)
-        self._dispatcher.add_worker(pid, sock, self._gen)
-        self._reconcile()
+        self._fleet.arrived(pid, sock)
+
+    def _on_workers_changed(self) -> None:
+        if self._fleet is not None:
+            self._fleet.reconcile()  # then _settle, through the fleet's on_change
+        else:
+            self._settle()
 
     def _on_exit(self, pid: int, status: str) -> None:
         if self._dispatcher is not None:
@@ -933,20 +938,8 @@ class WorkerPool:
         )
 
     def _on_worker_gone(self, gone: WorkerGone) -> None:
-        if gone.retired or self._respawner is None:
-            return
-        if self._state not in (_State.STARTING, _State.RUNNING):
-            return
-        running = f" while running model '{gone.tag}'" if gone.tag else ""
-        killed = f" (killed: {gone.reason})" if gone.reason else ""
-        log.warning(
-            "workerpool %s: worker %d %s%s%s", self.name, gone.pid, gone.status, running, killed
-        )
-        delay = self._respawner.worker_lost(
-            gone.tag, gone.reason or gone.status, warmup=gone.warmup, hung=bool(gone.reason)
-        )
-        if delay:
-            log.info("workerpool %s: next worker in %.2f s (crash back-off)", self.name, delay)
+        if self._fleet is not None:
+            self._fleet.gone(gone)
 
     def _disable(self, name: str, reason: str) -> None:
         model = self._models.get(name)
@@ -962,8 +955,8 @@ class WorkerPool:
             return
         log.error("%s", reason)
         self._broken = reason
-        if self._respawner is not None:
-            self._respawner.close()
+        if self._fleet is not None:
+            self._fleet.stop()
         self._cancel_calls(reason)
         self._wake()
 
@@ -972,38 +965,10 @@ class WorkerPool:
         for call in list(self._calls):
             call.cancel()
 
-    # -- worker generations: the rolling replacement --------------------------------
-
-    def _reconcile(self) -> None:
-        """Keeps ``size`` workers of the current generation.
-
-        After a load (or unload) bumps the generation, one extra worker is
-        forked at a time, and each arrival retires one stale worker (it
-        finishes its current call first), so capacity never drops. Surplus
-        workers (a respawn racing a roll) are retired too.
-        """
-        d, zygote = self._dispatcher, self._zygote
-        if d is None or zygote is None or self._state not in (_State.STARTING, _State.RUNNING):
-            self._settle()
-            return
-        live = [w for w in d.workers() if not w.retiring]
-        stale = [w for w in live if w.generation < self._gen]
-        surplus = len(live) - self.size
-        if surplus > 0:
-            fresh = [w for w in live if w.generation >= self._gen]
-            for worker in (_idle_first(stale) + _idle_first(fresh))[:surplus]:
-                d.retire(worker.pid)
-            stale = [w for w in stale if not w.retiring]
-        if stale and self._roll_inflight == 0 and not self._broken:
-            self._roll_inflight = 1
-            self._spawn_worker()
-        self._settle()
+    # -- worker generations (the rolling replacement is the fleet's) ---------------
 
     def _has_stale(self, generation: int) -> bool:
-        d = self._dispatcher
-        if d is None:
-            return False
-        return any(w.generation < generation for w in d.workers() if not w.retiring)
+        return self._fleet is not None and self._fleet.is_stale(generation)
 
     def _settle(self) -> None:
         for model in self._models.values():
@@ -1117,7 +1082,3 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
         return asyncio.get_running_loop()
     except RuntimeError:
         return None
-
-
-def _idle_first(workers: list[Worker]) -> list[Worker]:
-    return sorted(workers, key=lambda w: w.current is not None)
