@@ -1,6 +1,8 @@
 """WorkerPool, the library: the pool core inside your own process, with
-``score()`` calls instead of gRPC (``pool``). Its cargo (``scoring``) runs
-your pickled ``load``/``score`` functions in a zygote started as ``python -m
+``score()`` calls instead of gRPC (``pool``; its models in ``models``, its
+counters and status in ``status``, the bridge to its event loop in
+``loop``). Its cargo (``scoring``) runs your pickled ``load``/``score``
+functions in a zygote started as ``python -m
 poolserve.service.workerpool.scoring``; ``payload`` moves large arrays
 through shared memory.
 

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import concurrent.futures
 import contextlib
 import dataclasses
 import enum
@@ -63,7 +62,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, TypeVar
@@ -80,9 +78,10 @@ from poolserve.service.poolcore.dispatcher import Dispatcher, Result, WorkerGone
 from poolserve.service.poolcore.fleet import Fleet
 from poolserve.service.poolcore.threads import thread_environment
 from poolserve.service.poolcore.zygote_control import ExecZygote, ZygoteEvents
+from poolserve.service.workerpool.loop import LoopBridge, run_loop
+from poolserve.service.workerpool.models import PoolModel, pickle_callables, pickle_example
 from poolserve.service.workerpool.payload import SHM_THRESHOLD, SegmentDir
 from poolserve.service.workerpool.scoring import (
-    MAX_CODE,
     ModelLoadError,
     ScoreError,
     decode_outcome,
@@ -90,6 +89,7 @@ from poolserve.service.workerpool.scoring import (
     in_zygote,
     job_of_segment,
 )
+from poolserve.service.workerpool.status import PoolStatus, ScoreStats, WorkerInfo
 
 __all__ = [
     "ModelLoadError",
@@ -110,55 +110,6 @@ JANITOR_PERIOD_S = 1.0  # how often segments of abandoned calls are swept
 ZYGOTE_EXIT_S = 5.0  # after the control socket closes, then SIGKILL
 
 
-@dataclass
-class ScoreStats:
-    """One model's counters; durations in nanoseconds, summed over ``executed`` calls."""
-
-    calls: int = 0  # score() calls for this model
-    succeeded: int = 0
-    raised: int = 0  # score raised: ScoreError
-    deadline_exceeded: int = 0
-    queue_full: int = 0
-    cancelled: int = 0  # the caller went away (or the pool closed first)
-    failed: int = 0  # anything else: worker died, model not ready, bad arguments...
-    executed: int = 0  # calls a worker ran to the end (succeeded + raised)
-    queue_ns: int = 0  # waiting for a worker
-    decode_ns: int = 0  # unpickling the arguments, in the worker
-    compute_ns: int = 0  # score itself
-    encode_ns: int = 0  # pickling the result, in the worker
-
-    @property
-    def mean_queue_s(self) -> float:
-        return self.queue_ns / self.executed / 1e9 if self.executed else 0.0
-
-    @property
-    def mean_compute_s(self) -> float:
-        return self.compute_ns / self.executed / 1e9 if self.executed else 0.0
-
-
-@dataclass(frozen=True)
-class WorkerInfo:
-    pid: int
-    state: str
-    served: int
-    generation: int
-    retiring: bool
-
-
-@dataclass(frozen=True)
-class PoolStatus:
-    name: str
-    state: str
-    zygote_pid: int
-    workers: tuple[WorkerInfo, ...]
-    queue_depth: int
-    late_replies_dropped: int
-    expired_in_queue: int
-    respawns: int
-    segment_dir: str
-    models: dict[str, str]  # name -> "serving", "loading", "failed: ...", "disabled: ..."
-
-
 class _State(enum.Enum):
     NEW = "new"
     STARTING = "starting"
@@ -167,42 +118,7 @@ class _State(enum.Enum):
     CLOSED = "closed"
 
 
-@dataclass(eq=False)
-class _Model:
-    name: str
-    code: bytes  # pickle of (load, score)
-    idempotent: bool
-    max_compute_s: float | None
-    example: bytes | None = None  # pickle of score's arguments for the warm-up
-    stats: ScoreStats = field(default_factory=ScoreStats)
-    pending: int = 0  # loads sent to the zygote, reply not in yet
-    loaded: bool = False  # a version of it is in the zygote
-    ready_gen: int = 0  # workers of this generation or later hold the latest version
-    serving: bool = False  # calls may go to any non-retiring worker
-    load_error: str = ""  # why the latest load failed ("" if it did not)
-    disabled: str = ""  # why it was taken out of service (it kept killing workers)
-    removed: bool = False
-
-    def describe(self) -> str:
-        if self.disabled:
-            return f"disabled: {self.disabled}"
-        if self.serving:
-            return "serving"
-        if self.pending:
-            return "loading"
-        return f"failed: {self.load_error}" if self.load_error else "loading"
-
-
-def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
-    asyncio.set_event_loop(loop)
-    try:
-        loop.run_forever()
-    finally:
-        loop.run_until_complete(loop.shutdown_asyncgens())
-        loop.close()
-
-
-class WorkerPool:
+class WorkerPool(LoopBridge):
     """A zygote and ``workers`` pre-forked worker processes that run ``score`` calls.
 
     Constructing one has no side effect; processes start in :meth:`astart`
@@ -266,7 +182,7 @@ class WorkerPool:
         self._warmup_timeout = warmup_timeout
         self._abandon_grace = abandon_grace
         self._state = _State.NEW
-        self._models: dict[str, _Model] = {}
+        self._models: dict[str, PoolModel] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._zygote: ExecZygote | None = None
@@ -319,58 +235,15 @@ class WorkerPool:
         """
         if not callable(load) or not callable(score):
             raise TypeError(f"add_model('{name}'): load and score must be callables")
-        code = self._pickle_callables(name, load, score)
-        model = _Model(name, code, idempotent, max_compute_s, self._pickle_example(name, example))
+        code = pickle_callables(name, load, score)
+        model = PoolModel(name, code, idempotent, max_compute_s, pickle_example(name, example))
         self._in_loop_soon(self._add_in_loop, model)
 
     def remove_model(self, name: str) -> None:
         """Takes a model out: calls for it raise ModelNotFound; workers are replaced."""
         self._in_loop_soon(self._remove_in_loop, name)
 
-    @staticmethod
-    def _pickle_callables(name: str, load: Callable[[], Any], score: Callable[..., Any]) -> bytes:
-        try:
-            code = pickle.dumps((load, score), protocol=5)
-        except (pickle.PicklingError, AttributeError, TypeError) as exc:
-            raise TypeError(
-                f"add_model('{name}'): load and score must be picklable by reference: "
-                "module-level functions, or functools.partial of them with picklable "
-                "arguments, because they are imported by name in the pool's zygote (a fresh "
-                f"interpreter, started by exec). Lambdas and nested functions are not. ({exc})"
-            ) from exc
-        if len(code) > MAX_CODE:
-            raise TypeError(
-                f"add_model('{name}'): load and score pickle to {len(code)} bytes, more than "
-                f"{MAX_CODE}: bind a path or a small config with partial, not the data itself"
-            )
-        main = sys.modules.get("__main__")
-        if b"__main__" in code and not getattr(main, "__file__", None):
-            spec = getattr(main, "__spec__", None)
-            if spec is None:
-                raise TypeError(
-                    f"add_model('{name}'): load or score is defined in an interactive "
-                    "session's __main__, which the pool's zygote cannot import: move it to a "
-                    "module"
-                )
-        return code
-
-    @staticmethod
-    def _pickle_example(name: str, example: tuple[Any, ...] | None) -> bytes | None:
-        if example is None:
-            return None
-        if not isinstance(example, tuple):
-            raise TypeError(f"add_model('{name}'): example must be a tuple of score's arguments")
-        try:
-            data = pickle.dumps(example, protocol=5)
-        except Exception as exc:
-            raise TypeError(f"add_model('{name}'): example cannot be pickled: {exc}") from exc
-        if len(data) > MAX_CODE:
-            raise TypeError(
-                f"add_model('{name}'): example pickles to {len(data)} bytes, more than {MAX_CODE}"
-            )
-        return data
-
-    def _add_in_loop(self, model: _Model) -> None:
+    def _add_in_loop(self, model: PoolModel) -> None:
         if self._state in (_State.CLOSING, _State.CLOSED):
             log.warning("workerpool %s: add_model(%r) after close ignored", self.name, model.name)
             return
@@ -398,7 +271,7 @@ class WorkerPool:
             self._zygote.unload(name)
         self._wake()
 
-    def _send_load(self, model: _Model) -> None:
+    def _send_load(self, model: PoolModel) -> None:
         assert self._zygote is not None
         model.pending += 1
         message = {"op": "load", "name": model.name, "code": base64.b64encode(model.code).decode()}
@@ -628,7 +501,7 @@ class WorkerPool:
             raise RuntimeError(f"WorkerPool '{self.name}' was started already")
         loop = asyncio.new_event_loop()
         thread = threading.Thread(
-            target=_run_loop, args=(loop,), name=f"workerpool-{self.name}", daemon=True
+            target=run_loop, args=(loop,), name=f"workerpool-{self.name}", daemon=True
         )
         thread.start()
         self._thread = thread
@@ -723,7 +596,7 @@ class WorkerPool:
                 self._idle.set()
 
     async def _call(
-        self, model: _Model, args: tuple[Any, ...], kwargs: dict[str, Any], deadline: float
+        self, model: PoolModel, args: tuple[Any, ...], kwargs: dict[str, Any], deadline: float
     ) -> Any:
         stats = model.stats
         stats.calls += 1
@@ -749,7 +622,7 @@ class WorkerPool:
         return value
 
     async def _run_job(
-        self, model: _Model, args: tuple[Any, ...], kwargs: dict[str, Any], deadline: float
+        self, model: PoolModel, args: tuple[Any, ...], kwargs: dict[str, Any], deadline: float
     ) -> Any:
         assert self._dispatcher is not None
         job = next(self._jobs)
@@ -789,14 +662,14 @@ class WorkerPool:
         stats.compute_ns += result.timings.compute_ns
         stats.encode_ns += result.timings.encode_ns
 
-    def _lookup(self, name: str) -> _Model:
+    def _lookup(self, name: str) -> PoolModel:
         model = self._models.get(name)
         if model is None or model.removed:
             known = ", ".join(sorted(self._models)) or "none"
             raise ModelNotFound(f"workerpool '{self.name}' has no model '{name}' (models: {known})")
         return model
 
-    async def _until_serving(self, model: _Model, deadline: float) -> None:
+    async def _until_serving(self, model: PoolModel, deadline: float) -> None:
         loop = asyncio.get_running_loop()
         while True:
             self._raise_if_broken()
@@ -840,7 +713,7 @@ class WorkerPool:
             if model.disabled:
                 raise ModelNotReady(f"model '{name}' is disabled: {model.disabled}")
 
-    def _settled(self, model: _Model) -> bool:
+    def _settled(self, model: PoolModel) -> bool:
         if model.pending or model.removed:
             return model.removed
         if model.load_error or model.disabled:
@@ -1018,67 +891,3 @@ class WorkerPool:
             )
         if self._state in (_State.CLOSING, _State.CLOSED):
             raise Unavailable(f"workerpool '{self.name}' is {self._state.value}")
-
-    def _in_loop_soon(self, fn: Callable[[T], None], arg: T) -> None:
-        """Runs ``fn(arg)`` on the pool's loop: now if we are on it, else soon."""
-        loop = self._loop
-        if loop is None or _running_loop() is loop:
-            fn(arg)
-        else:
-            loop.call_soon_threadsafe(fn, arg)
-
-    def _on_pool_loop(self, fn: Callable[[], T]) -> T:
-        """``fn()``, run on the pool's loop (which owns the state it reads)."""
-        loop = self._loop
-        if loop is None or loop.is_closed() or _running_loop() is loop:
-            return fn()
-
-        async def run() -> T:
-            return fn()
-
-        return asyncio.run_coroutine_threadsafe(run(), loop).result()
-
-    async def _in_pool_loop(self, coro: Coroutine[Any, Any, T]) -> T:
-        loop = self._loop
-        if loop is None or _running_loop() is loop:
-            return await coro
-        if loop.is_closed():
-            coro.close()
-            raise Unavailable(f"workerpool '{self.name}' is closed")
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
-
-    def _sync(self, coro: Coroutine[Any, Any, T], method: str, instead: str) -> T:
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            coro.close()
-            if loop is None:
-                raise RuntimeError(
-                    f"WorkerPool '{self.name}' is not started: use `with` or start() first"
-                )
-            raise Unavailable(f"workerpool '{self.name}' is closed")
-        try:
-            self._refuse_pool_thread(method, f"await pool.{instead}(...)")
-        except RuntimeError:
-            coro.close()
-            raise
-        future = asyncio.run_coroutine_threadsafe(coro, loop)
-        try:
-            return future.result()
-        except concurrent.futures.CancelledError:
-            raise Cancelled(f"{method} was cancelled") from None
-        except BaseException:
-            future.cancel()  # e.g. KeyboardInterrupt: the call leaves the queue
-            raise
-
-    def _refuse_pool_thread(self, method: str, instead: str) -> None:
-        if self._loop is not None and _running_loop() is self._loop:
-            raise RuntimeError(
-                f"{method} would block the event loop the pool runs on; use `{instead}` there"
-            )
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
