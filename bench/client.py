@@ -6,6 +6,7 @@ Each command prints one JSON line on stdout.
 
   client.py ready ADDR --models echo,burn [--timeout S] [--warm N]
   client.py overload ADDR --model burn --rate R --duration S --deadline S
+  client.py closed ADDR --model burn --concurrency C --duration S
   client.py stats ADDR --model burn
 """
 
@@ -132,6 +133,29 @@ async def overload(
     }
 
 
+async def closed(address: str, model: str, concurrency: int, duration: float) -> dict[str, Any]:
+    """Closed-loop load: ``concurrency`` callers, each sending its next call on a reply;
+    the throughput of the second half of ``duration`` (the first half warms up)."""
+    body = payload(model)
+    async with grpc.aio.insecure_channel(address) as channel:
+        rpc: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(
+            METHOD + "ModelInfer"
+        )
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        window = (start + duration / 2, start + duration)
+        done = [0]
+
+        async def caller() -> None:
+            while loop.time() < window[1]:
+                await rpc(body, timeout=30.0)
+                if window[0] <= loop.time() <= window[1]:
+                    done[0] += 1
+
+        await asyncio.gather(*(caller() for _ in range(concurrency)))
+    return {"throughput": done[0] / (window[1] - window[0]), "concurrency": concurrency}
+
+
 async def statistics(address: str, model: str) -> dict[str, Any]:
     async with grpc.aio.insecure_channel(address) as channel:
         body = await Stub(channel).call("ModelStatistics", pbwire.name_request(model), 5.0)
@@ -152,6 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     load.add_argument("--rate", type=float, required=True)
     load.add_argument("--duration", type=float, required=True)
     load.add_argument("--deadline", type=float, required=True)
+    closed_loop = commands.add_parser("closed")
+    closed_loop.add_argument("address")
+    closed_loop.add_argument("--model", required=True)
+    closed_loop.add_argument("--concurrency", type=int, default=16)
+    closed_loop.add_argument("--duration", type=float, required=True)
     stats = commands.add_parser("stats")
     stats.add_argument("address")
     stats.add_argument("--model", required=True)
@@ -164,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         result = asyncio.run(
             overload(args.address, args.model, args.rate, args.duration, args.deadline)
         )
+    elif args.command == "closed":
+        result = asyncio.run(closed(args.address, args.model, args.concurrency, args.duration))
     else:
         result = asyncio.run(statistics(args.address, args.model))
     print(json.dumps(result), flush=True)

@@ -3,6 +3,8 @@
   python bench/run.py --mode full    # make bench: 3 runs per cell, about 15 minutes on 2 cores
   python bench/run.py --mode quick   # make bench-quick: 1 run per cell, about 3 minutes
   python bench/run.py --render       # rewrite latest.md, latest.png and README from latest.json
+  python bench/run.py --only overload --servers poolserve --repeat 3
+                                     # the overload part alone (mode's duration), never published
 
 Phases: install the peers (once, under bench/.peers); calibrate ``burn``;
 start every server with the same models; perf_analyzer rounds with the
@@ -47,6 +49,9 @@ WORK = install.PEERS / "work"
 CLIENT = BENCH / "client.py"
 DEADLINE_S = 0.2
 OVERLOAD_FACTOR = 2.0
+CAPACITY_PROBE_S = 8.0  # closed loop, c16, the bench's client: measured over the second half
+OVERLOAD_RETRIES = 2  # an overload measured again when other processes loaded the machine
+OVERLOAD_SEGMENTS = 4  # overload in segments between capacity probes: the host drifts
 
 
 @dataclass(frozen=True)
@@ -348,42 +353,198 @@ def settle(path: Path, quiet_s: float = 1.0, limit_s: float = 25.0) -> int:
     return last
 
 
-def overload(server: servers.Running, capacity: float, seconds: float) -> dict[str, Any]:
+def closed_capacity(server: servers.Running) -> float:
+    """Burn throughput at concurrency 16 from the bench's own client, right now."""
+    done = client("closed", server.address, "--model", "burn", "--concurrency", "16",
+                  "--duration", str(CAPACITY_PROBE_S), timeout=CAPACITY_PROBE_S + 120)  # fmt: skip
+    return float(done["throughput"])
+
+
+def overload(
+    server: servers.Running,
+    seconds: float,
+    calibration: dict[str, float],
+    reference: float | None = None,
+    retries: int = 0,
+) -> dict[str, Any]:
+    """2x overload, measured again (up to ``retries`` times) when other processes loaded
+    the machine meanwhile; the attempt with the least outside load is kept."""
+    attempts = [overload_once(server, seconds, calibration, reference)]
+    while attempts[-1]["foreign_cores"] > NOISY_CORES and len(attempts) <= retries:
+        log(f"  other processes used {attempts[-1]['foreign_cores']:.2f} cores during the "
+            "overload: measuring it again")  # fmt: skip
+        attempts.append(overload_once(server, seconds, calibration, reference))
+    best = min(attempts, key=lambda a: float(a["foreign_cores"]))
+    return {**best, "attempts": len(attempts)}
+
+
+def overload_once(
+    server: servers.Running,
+    seconds: float,
+    calibration: dict[str, float],
+    reference: float | None,
+) -> dict[str, Any]:
+    """Open-loop burn at 2x capacity with a 200 ms deadline, in segments.
+
+    Capacity is the burn throughput of the same client, closed loop at
+    concurrency 16, measured before, between and after the overload's
+    segments (their mean): on a shared host the cores left to the server
+    drift within seconds, so a capacity from another moment (or from another
+    client) measures the drift, not the server. Goodput is over the sending
+    time plus one deadline per segment (replies still come then), and counts
+    OK statuses:
+    gRPC ends a call at its deadline, so an OK arrived in time; the client's
+    own clock, which also counts its event loop's lag, is kept beside it
+    (ok_in_deadline).
+    """
     counter = server.workdir / "burn.count"
-    rate = OVERLOAD_FACTOR * capacity
-    before, cpu_before = settle(counter), server.cpu()
+    probes = [closed_capacity(server)]
+    busy, own, began = servers.machine_busy_seconds(), own_cpu_seconds(), time.monotonic()
+    server_began = server.cpu()
     stats_before = client("stats", server.address, "--model", "burn", timeout=30)
-    done = client("overload", server.address, "--model", "burn", "--rate", f"{rate:.3f}",
-                  "--duration", str(seconds), "--deadline", str(DEADLINE_S),
-                  timeout=seconds + 120)  # fmt: skip
-    after = settle(counter)
-    cpu = server.cpu() - cpu_before
+    segments: list[dict[str, Any]] = []
+    records: list[int] = []
+    cpu = 0.0
+    for _ in range(OVERLOAD_SEGMENTS):
+        rate = OVERLOAD_FACTOR * probes[-1]
+        before, cpu_before = settle(counter), server.cpu()
+        segments.append(
+            client(
+                "overload",
+                server.address,
+                "--model",
+                "burn",
+                "--rate",
+                f"{rate:.3f}",
+                "--duration",
+                str(seconds / OVERLOAD_SEGMENTS),
+                "--deadline",
+                str(DEADLINE_S),
+                timeout=seconds + 120,
+            )
+        )
+        records += workload.read_records(counter, before, settle(counter))
+        cpu += server.cpu() - cpu_before
+        probes.append(closed_capacity(server))
     stats_after = client("stats", server.address, "--model", "burn", timeout=30)
-    records = workload.read_records(counter, before, after)
+    wall = time.monotonic() - began
+    spent = (own_cpu_seconds() - own) + (server.cpu() - server_began)
+    foreign = max(0.0, servers.machine_busy_seconds() - busy - spent) / wall
+    capacity = statistics.mean(probes)
+    codes: dict[str, int] = {}
+    for segment in segments:
+        for code, n in segment["codes"].items():
+            codes[code] = codes.get(code, 0) + n
+    ok = codes.get("OK", 0)
+    ok_clock = sum(int(segment["ok_in_deadline"]) for segment in segments)
+    sending = sum(float(segment["send_s"]) for segment in segments) or seconds
+    offered = sum(int(segment["sent"]) for segment in segments) / sending
+    # a segment's replies keep coming for one deadline after its last send: count that time
+    duration = sending + len(segments) * DEADLINE_S
     executions = len(records)
-    ok = int(done["ok_in_deadline"])
     abandoned = max(0, executions - ok)
-    duration = float(done["send_s"]) or seconds
-    goodput = ok / duration
     success = [
         a["success_count"] - b["success_count"]
         for a, b in zip(stats_after["stats"], stats_before["stats"], strict=False)
     ]
     return {
-        **done,
+        "sent": sum(int(segment["sent"]) for segment in segments),
+        "codes": codes,
+        "ok": ok,
+        "ok_in_deadline": ok_clock,
+        "ok_p99_ms": max(float(segment["ok_p99_ms"]) for segment in segments),
+        "max_send_lag_s": max(float(segment["max_send_lag_s"]) for segment in segments),
+        "segments": len(segments),
         "capacity": capacity,
-        "offered_rate": rate,
+        "capacity_probes": probes,
+        "capacity_before": probes[0],
+        "capacity_after": probes[-1],
+        "capacity_perf_analyzer": reference,
+        "offered_rate": offered,
         "duration_s": duration,
+        "send_s": sending,
         "deadline_s": DEADLINE_S,
-        "goodput_per_s": goodput,
-        "goodput_ratio": goodput / capacity,
+        "goodput_per_s": ok / duration,
+        "goodput_ratio": ok / duration / capacity,
+        "goodput_ratio_client_clock": ok_clock / duration / capacity,
         "executions": executions,
         "abandoned_executions": abandoned,
         "abandoned_fraction": abandoned / executions if executions else None,
+        "foreign_cores": round(foreign, 3),
+        "burn_cpu_ms": calibration["burn_cpu_ms"],
+        "physical_limit": calibration["physical_limit"],
         "server_cpu_s": cpu,
         "model_cpu_s": sum(records) / 1e9,
+        "model_cpu_ms": statistics.median(records) / 1e6 if records else None,
         "server_stats_success": success[0] if success else None,
     }
+
+
+def overload_phase(
+    mode: Mode,
+    results: dict[str, Any],
+    running: Sequence[servers.Running],
+    calibration: dict[str, float],
+    repeat: int = 1,
+) -> dict[str, Any]:
+    """The overload of every server of the mode that serves burn; with ``repeat`` > 1
+    (overload only), each server's runs are kept under ``repeats``."""
+    overloads: dict[str, Any] = {}
+    for server in running:
+        if server.spec.key not in mode.overload_servers or "burn" not in server.layout.models:
+            continue
+        reference = report.capacity(results, server.spec.key)
+        runs = []
+        for _ in range(repeat):
+            wait_for_quiet(mode.quiet_wait_s)
+            o = overload(server, mode.overload_s, calibration, reference,
+                         min(mode.retries, OVERLOAD_RETRIES))  # fmt: skip
+            runs.append(o)
+            log(f"overload {server.spec.key}: goodput {o['goodput_ratio']:.2f} x capacity "
+                f"({o['capacity']:.1f}/s), {o['abandoned_executions']}/{o['executions']} "
+                f"executions for callers gone; burn {calibration['burn_cpu_ms']:.1f} ms CPU on "
+                f"this host, other processes {o['foreign_cores']:.2f} cores")  # fmt: skip
+        overloads[server.spec.key] = {**runs[-1], "repeats": runs} if repeat > 1 else runs[0]
+    return overloads
+
+
+def overload_only(mode: Mode, only: Sequence[str], repeat: int) -> dict[str, Any]:
+    """Calibration, the servers, and their overload runs: no perf_analyzer, no memory."""
+    chosen = [s for s in servers.SERVERS if (not only or s.key in only) and "burn" in s.models]
+    venvs = {
+        name: install.ensure_venv(install.PEER_VENVS[name]())
+        for name in sorted({s.venv for s in chosen if s.venv})
+    }
+    run_dir = WORK / datetime.datetime.now().strftime("overload-%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True)
+    wait_for_quiet(mode.quiet_wait_s)
+    calibration = calibrate()
+    log(f"burn: {calibration['iterations']:.0f} iterations, {calibration['burn_cpu_ms']:.2f} ms "
+        f"CPU on this host; physical limit {calibration['physical_limit']:.1f}/s")  # fmt: skip
+    load = servers.Workload(int(calibration["iterations"]), run_dir / "burn.count")
+    fleet = Fleet(run_dir, venvs, load)
+    results: dict[str, Any] = {
+        "meta": {
+            "mode": f"{mode.name}, overload only",
+            "cores": os.cpu_count(),
+            "cpu": cpu_model(),
+            **calibration,
+            "overload_s": mode.overload_s,
+            "work_dir": str(run_dir),
+        },
+        "servers": [{"key": s.key, "label": s.label} for s in chosen],
+    }
+    overload_mode = replace(mode, overload_servers=tuple(s.key for s in chosen))
+    try:
+        running = [fleet.start(s, servers.Layout(s.models), "overload") for s in chosen]
+        for server in running:
+            fleet.wait_ready(server)
+        results["overload"] = overload_phase(overload_mode, results, running, calibration, repeat)
+    finally:
+        fleet.stop_all()
+    (run_dir / "overload.json").write_text(json.dumps(results, indent=1) + "\n")
+    log(f"wrote {run_dir / 'overload.json'}")
+    return results
 
 
 # -- memory ---------------------------------------------------------------------------------
@@ -536,17 +697,8 @@ def run(mode: Mode, only: Sequence[str], publish_results: bool) -> dict[str, Any
         with phase("perf_analyzer rounds", timings):
             results["runs"] = perf_rounds(mode, running, installed.perf_analyzer, run_dir)
         report.summarize(results)
-        overloads: dict[str, Any] = {}
         with phase("overload", timings):
-            for server in running:
-                capacity = report.capacity(results, server.spec.key)
-                if server.spec.key not in mode.overload_servers or not capacity:
-                    continue
-                overloads[server.spec.key] = o = overload(server, capacity, mode.overload_s)
-                gone = f"{o['abandoned_executions']}/{o['executions']}"
-                log(f"overload {server.spec.key}: goodput {o['goodput_ratio']:.2f} x capacity, "
-                    f"{gone} executions for callers gone")  # fmt: skip
-        results["overload"] = overloads
+            results["overload"] = overload_phase(mode, results, running, calibration)
         fleet.stop_all()
         with phase("memory", timings):
             results["memory"] = measure_memory(fleet, mode, [s.key for s in chosen])
@@ -569,6 +721,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--render", action="store_true", help="only re-render bench/results from latest.json"
     )
     parser.add_argument(
+        "--only",
+        choices=["overload"],
+        help="run one part alone: overload (calibration, servers, overload; never published)",
+    )
+    parser.add_argument("--repeat", type=int, default=1, help="with --only overload: runs each")
+    parser.add_argument(
         "--publish",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -584,6 +742,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(report.console(results))
         return 0
     mode = MODES[args.mode]
+    if args.only == "overload":
+        print(report.overload_console(overload_only(mode, only, max(1, args.repeat))))
+        return 0
     publish_results = mode.publish if args.publish is None else args.publish
     results = run(mode, only, publish_results and not only)
     print(report.console(results))

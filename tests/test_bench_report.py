@@ -524,3 +524,25 @@ def test_peers_run_the_projects_xgboost_release() -> None:
     assert mlserver.no_deps == ("mlserver-xgboost==1.7.1",)  # not the GPU build of xgboost
     assert "--no-deps mlserver-xgboost==1.7.1" in mlserver.wanted()
     assert xgboost in install.PEER_VENVS["kserve"]().packages
+
+
+def test_overload_figures_say_the_host_and_each_repeat() -> None:
+    """The overload target and table carry the host's calibration (burn's CPU here,
+    the physical limit, the outside load), the capacity before and after, and
+    goodput on the client's own clock beside the one by status."""
+    results = sample_results()
+    one = {"goodput_ratio": 0.93, "goodput_per_s": 51.2, "goodput_ratio_client_clock": 0.9,
+           "abandoned_fraction": 0.01, "abandoned_executions": 6, "executions": 600,
+           "capacity": 55.0, "capacity_before": 50.0, "capacity_after": 60.0,
+           "burn_cpu_ms": 23.4, "physical_limit": 85.5, "foreign_cores": 0.61}  # fmt: skip
+    other = {**one, "goodput_ratio": 0.97, "capacity_before": 52.0}
+    results["overload"] = {"poolserve": {**other, "repeats": [one, other]}}
+    found = {t["key"]: t for t in report.summarize(results)["targets"]}
+    assert found["overload_goodput"]["passed"]
+    label = found["overload_goodput"]["label"]
+    assert "burn 23.4 ms CPU" in label and "85.5/s" in label and "0.61 cores" in label, label
+    assert found["overload_abandoned_cpu"]["passed"]  # 1 % < 5 %
+    table = report.overload_table(results)
+    assert table.count("poolserve (2 workers)") == 2  # one row per repeat
+    assert "55.0 (50.0 / 60.0)" in table and "0.93" in table and "0.97" in table
+    assert "23.4" in report.overload_console({**results, "meta": {"burn_cpu_ms": 23.4}})

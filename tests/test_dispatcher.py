@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from poolserve.service.contract.errors import DeadlineExceeded, Failure, QueueFull, Unavailable
-from poolserve.service.poolcore.dispatcher import Dispatcher, Job, JobQueue, WorkerGone
+from poolserve.service.poolcore.dispatcher import Dispatcher, Job, JobQueue, ServiceTime, WorkerGone
 from poolserve.service.poolcore.frames import (
     HEADER,
     REQUEST,
@@ -302,6 +302,52 @@ def test_a_job_that_cannot_finish_in_time_is_not_started() -> None:
         assert d.skipped_hopeless == 1
 
     with_dispatcher(body)
+
+
+def test_a_job_whose_caller_may_have_less_time_is_not_started() -> None:
+    """A deadline that came as a gRPC timeout may be later than the caller's own
+    by its precision: the start decision counts the caller's earliest deadline."""
+
+    async def body(d: Dispatcher, _: list[WorkerGone]) -> None:
+        w = FakeWorker(d, 1)
+        await w.connect()
+        await until(lambda: d.live_workers() == 1)
+        loop = asyncio.get_running_loop()
+        first = asyncio.ensure_future(d.submit(b"learn", loop.time() + 60, tag="m"))
+        seq, _ = await w.receive()
+        await asyncio.sleep(0.3)  # model m keeps the worker about 0.3 s: the pool learns it
+        w.reply(seq, b"ok")
+        await first  # m now needs about 0.6 s (the first sample, twice)
+        busy = asyncio.ensure_future(d.submit(b"busy", loop.time() + 60, tag="other"))
+        seq, _ = await w.receive()
+        now = loop.time()
+        vague = asyncio.ensure_future(d.submit(b"vague", now + 1.0, tag="m", precision=0.6))
+        exact = asyncio.ensure_future(d.submit(b"exact", now + 1.0, tag="m"))
+        await until(lambda: d.queue_depth() == 2)
+        w.reply(seq, b"done")
+        with pytest.raises(DeadlineExceeded, match="would pass before the request could finish"):
+            await vague
+        seq, got = await w.receive()
+        assert got == b"exact"
+        w.reply(seq, b"fine")
+        assert (await exact).body == b"fine"
+        assert (await busy).body == b"done"
+
+    with_dispatcher(body)
+
+
+def test_service_time_needs_about_the_mean_when_quiet_and_more_when_noisy() -> None:
+    quiet = ServiceTime(0.020)
+    for k in range(40):
+        quiet.add(0.020 * (1 + 0.02 * (-1) ** k))
+    assert 0.020 <= quiet.needs() <= 0.020 * 1.3  # a quiet host: little more than the mean
+    noisy = ServiceTime(0.020)
+    samples = [0.020, 0.045, 0.020, 0.030, 0.080, 0.025, 0.020, 0.060] * 6
+    for sample in samples:
+        noisy.add(sample)
+    ninetieth = sorted(samples)[int(0.9 * len(samples))]
+    assert noisy.needs() >= ninetieth  # a noisy one: room for the slower runs
+    assert noisy.needs() < max(samples) * 2
 
 
 @given(st.lists(st.integers(1, 40), min_size=1, max_size=30))

@@ -62,9 +62,7 @@ DEFAULT_PRIORITY = 1 << 30  # below every explicit priority (1 is the highest)
 RETRY_PRIORITY = -(1 << 62)  # a retried job goes before everything else
 STATUS_WAIT_S = 1.0  # how long a dead worker's job waits for the exit status
 ABORT_GRACE_S = 1.0  # SIGABRT (core dump, traceback) before SIGKILL
-SERVICE_EWMA = 0.2  # weight of the newest sample in a model's service-time average
-SERVICE_SLACK = 1.25  # a job starts only with this much more time left than it needs...
-RETURN_TRIP_S = 0.002  # ...plus the way back through the pool and the router
+RETURN_TRIP_S = 0.002  # a job needs its service time plus the way back through pool and router
 STUCK_AFTER_S = 1.0  # a worker this long in a job its caller left counts as stuck (health)
 
 
@@ -92,6 +90,7 @@ class Job:
     overtime: asyncio.TimerHandle | None = None
     worker: Worker | None = None  # the worker it runs on (RUNNING, ABANDONED)
     key: float = 0.0  # its place in the queue among its priority (see _order_key)
+    precision: float = 0.0  # its caller's own deadline may be this much earlier
 
 
 @dataclass(slots=True)
@@ -102,6 +101,32 @@ class Result:
     enqueued: float = 0.0  # loop (monotonic) times, for spans built after the fact
     started: float = 0.0
     finished: float = 0.0
+
+
+class ServiceTime:
+    """A model's recent service time and how much it varies, the way TCP tracks a
+    round trip (RFC 6298): a job is given the mean plus four mean deviations.
+
+    On a quiet host the deviation is small and a job needs about the mean; on
+    a noisy one (other processes taking the cores, a worker descheduled) the
+    deviation grows and jobs start only with room for the slower runs, so that
+    what is started finishes in time rather than for a caller already gone.
+    """
+
+    __slots__ = ("deviation", "mean")
+
+    GAIN, DEVIATION_GAIN, DEVIATIONS = 1 / 8, 1 / 4, 4
+
+    def __init__(self, first: float) -> None:
+        self.mean = first
+        self.deviation = first / 4  # until samples say otherwise: twice the first sample
+
+    def add(self, sample: float) -> None:
+        self.deviation += self.DEVIATION_GAIN * (abs(sample - self.mean) - self.deviation)
+        self.mean += self.GAIN * (sample - self.mean)
+
+    def needs(self) -> float:
+        return self.mean + self.DEVIATIONS * self.deviation
 
 
 class WorkerState(enum.StrEnum):
@@ -186,7 +211,7 @@ class Dispatcher:
         self.expired_in_queue = 0
         self.skipped_hopeless = 0
         self._refusal: ServingError | None = None
-        self._service_s: dict[str, float] = {}  # per tag: recent worker time per job
+        self._service: dict[str, ServiceTime] = {}  # per tag: recent worker time per job
 
     # -- lifecycle -------------------------------------------------------
 
@@ -301,6 +326,7 @@ class Dispatcher:
             timeout,
         )
         job.enqueued = now
+        job.precision = precision
         if self._idle and not self._queue:
             self._start(self._idle.pop(), job)
         else:
@@ -364,20 +390,21 @@ class Dispatcher:
         """The next job worth starting.
 
         A job that can no longer finish before its deadline (less time left than
-        its model's recent service time) is answered now instead of run: under
+        its model's recent service time, with room for the slower runs of a
+        noisy host and the way back) is answered now instead of run: under
         overload, running it would burn a worker on a reply nobody waits for,
-        and make the jobs behind it late too.
+        and make the jobs behind it late too. The deadline counted is the
+        earliest its caller may have set (see ``precision``).
         """
         now = asyncio.get_running_loop().time()
         while (job := self._queue.pop()) is not None:
-            needs = self._service_s.get(job.tag)
-            if needs is not None:
-                # room for the reply's trip back and for a slower run than usual
-                needs = needs * SERVICE_SLACK + RETURN_TRIP_S
-            if needs is not None and job.deadline - now < needs and not job.future.done():
+            service = self._service.get(job.tag)
+            needs = None if service is None else service.needs() + RETURN_TRIP_S
+            left = job.deadline - job.precision - now
+            if needs is not None and left < needs and not job.future.done():
                 self.skipped_hopeless += 1
                 job.state = JobState.DONE
-                left = max(0.0, job.deadline - now) * 1000
+                left = max(0.0, left) * 1000
                 self._finish(
                     job,
                     DeadlineExceeded(
@@ -392,10 +419,13 @@ class Dispatcher:
         return None
 
     def _learn_service_time(self, tag: str, took: float) -> None:
-        """A moving average of a model's service time: dispatch to reply, as the
-        dispatcher sees it (so it includes the hops and any wait for a CPU)."""
-        before = self._service_s.get(tag)
-        self._service_s[tag] = took if before is None else before + SERVICE_EWMA * (took - before)
+        """A model's service time: dispatch to reply, as the dispatcher sees it
+        (so it includes the hops and any wait for a CPU)."""
+        service = self._service.get(tag)
+        if service is None:
+            self._service[tag] = ServiceTime(took)
+        else:
+            service.add(took)
 
     def _worker_free(self, worker: Worker) -> None:
         worker.current = None
