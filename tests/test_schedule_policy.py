@@ -45,11 +45,24 @@ def with_levels(folder: Path, levels: int, default: int) -> None:
     path.write_text(json.dumps(settings))
 
 
+def copy_blocker(repo: Path) -> None:
+    """A second sleep model, "blocker", in the same one-worker pool: its long
+    call occupies the worker without teaching "sleep"'s service time a 5 s run
+    (the dispatcher would then refuse short deadlines as hopeless)."""
+    folder = copy_example(repo, "sleep")
+    target = folder.rename(repo / "blocker")
+    path = target / "model-settings.json"
+    settings = json.loads(path.read_text())
+    settings["name"] = "blocker"
+    path.write_text(json.dumps(settings))
+
+
 async def busy_worker(
     serving: Serving, call: grpc.aio.UnaryUnaryMultiCallable, timeout: float = 60
 ) -> asyncio.Future:
-    """Occupies the one worker of pool 'default' and returns once it runs."""
-    blocker = asyncio.ensure_future(call(request("sleep", -1.0, sleep_ms=1500), timeout=timeout))
+    """Occupies the one worker of pool 'default' and returns once it runs; 5 s
+    leaves room for a loaded CI host to queue the calls behind it."""
+    blocker = asyncio.ensure_future(call(request("blocker", -1.0, sleep_ms=5000), timeout=timeout))
     end = time.monotonic() + 30
     while time.monotonic() < end:  # the pool's status has no event to wait on
         status = await pool_status(serving)
@@ -88,6 +101,7 @@ def test_equal_deadlines_keep_arrival_order_despite_grpc_timeout_inflation(tmp_p
     deadline 0.44 s before first's and ran it first. Deadlines within the
     header's precision keep arrival order; a clearly earlier one goes first."""
     repo = tmp_path / "repo"
+    copy_blocker(repo)
     copy_example(repo, "sleep")
 
     async def main(serving: Serving) -> None:
@@ -110,6 +124,8 @@ def test_equal_deadlines_keep_arrival_order_despite_grpc_timeout_inflation(tmp_p
             )
             await queue_depth(serving, 2)
             urgent = asyncio.ensure_future(call_b(request("sleep", 3.0, sleep_ms=1), timeout=10))
+            await queue_depth(serving, 3)
+            assert not blocker.done(), "the blocker ended before the three calls were queued"
             order = await finish_order(
                 {"blocker": blocker, "first": first, "second": second, "urgent": urgent}
             )
@@ -121,6 +137,7 @@ def test_equal_deadlines_keep_arrival_order_despite_grpc_timeout_inflation(tmp_p
 
 def test_priority_levels_order_and_bounds(tmp_path: Path) -> None:
     repo = tmp_path / "repo"
+    copy_blocker(repo)
     with_levels(copy_example(repo, "sleep"), levels=3, default=2)
     copy_example(repo, "echo")  # declares no levels
 
@@ -141,6 +158,7 @@ def test_priority_levels_order_and_bounds(tmp_path: Path) -> None:
                 body = request("sleep", 1.0, sleep_ms=1, **params)
                 calls[name] = asyncio.ensure_future(call(body, timeout=timeout))
                 await queue_depth(serving, len(calls) - 1)  # arrival order, for level 2
+            assert not blocker.done(), "the blocker ended before the calls were queued"
             order = await finish_order(calls)
             assert order == ["blocker", "level 1", "default (0 -> 2)", "unset (-> 2)", "level 3"]
 
@@ -173,6 +191,7 @@ def test_timeout_parameter_caps_the_deadline(tmp_path: Path) -> None:
     """``timeout`` (microseconds) ends a call that long after it reached the pool,
     long before its own 60 s deadline; it never runs."""
     repo = tmp_path / "repo"
+    copy_blocker(repo)
     copy_example(repo, "sleep")
 
     async def main(serving: Serving) -> None:
@@ -190,7 +209,7 @@ def test_timeout_parameter_caps_the_deadline(tmp_path: Path) -> None:
             assert not blocker.done(), f"answered after {waited:.2f} s, not at its 0.2 s timeout"
             await blocker
             stats = await stub.ModelStatistics(pb.ModelStatisticsRequest(name="sleep"))
-            assert stats.model_stats[0].execution_count == 1  # the blocker alone
+            assert stats.model_stats[0].execution_count == 0  # the timed-out call never ran
 
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await call(request("sleep", 0.0, timeout=-5), timeout=30)
