@@ -3,7 +3,9 @@ reliability suite's :class:`harness.Tree` with the tests' calling convention."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 from pathlib import Path
 
 from poolserve.protos import control_pb2 as cpb
@@ -19,6 +21,7 @@ __all__ = [
     "comm",
     "env_without_notify",
     "pool_status",
+    "wait_idle_workers",
     "wait_serving",
 ]
 
@@ -62,3 +65,15 @@ def env_without_notify() -> dict[str, str]:
 
 async def pool_status(serving: Tree, gid: str = "default") -> cpb.PoolStatus:
     return await pool_status_at(serving.run_dir, gid)
+
+
+async def wait_idle_workers(serving: Tree, gid: str, count: int, timeout: float = 60) -> None:
+    """Until ``count`` workers of pool ``gid`` are idle: health turns SERVING
+    with one live worker, while the others may still be in their self-test."""
+    end = time.monotonic() + timeout
+    while True:  # the pool's status has no event to wait on
+        states = [w.state for w in (await pool_status(serving, gid)).workers]
+        if states.count("idle") >= count:
+            return
+        assert time.monotonic() < end, f"pool {gid!r} workers {states} after {timeout} s"
+        await asyncio.sleep(0.05)

@@ -19,7 +19,7 @@ from poolserve.service.inference.codec import encode_inputs
 
 from harness import children_of
 from otlp_receiver import Receiver, attributes
-from serving import Serving, pool_status, wait_serving
+from serving import Serving, pool_status, wait_idle_workers, wait_serving
 from support import copy_example
 from test_tracing import otel_env
 
@@ -193,6 +193,7 @@ def test_queue_bound_is_resource_exhausted_naming_the_pool(tmp_path: Path) -> No
     async def main(serving: Serving) -> None:
         async with grpc.aio.insecure_channel(serving.address) as channel:
             await wait_serving(channel)
+            await wait_idle_workers(serving, "other", 2)  # both take a call, not one
             stub = Stub(channel)
             sleep = pb.ModelInferRequest(model_name="sleep")
             encode_inputs({"INPUT0": np.ones((1, 4), np.float32)}, sleep, raw=True)
