@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable, Collection
 import pytest
 
 from poolserve.service.contract.errors import Unavailable
-from poolserve.service.poolcore.dispatcher import Dispatcher, WorkerGone, WorkerState
+from poolserve.service.poolcore.dispatcher import Dispatcher, Limits, WorkerState
 from poolserve.service.poolcore.fleet import Fleet
 from poolserve.service.poolcore.frames import ready_frame
 
@@ -69,24 +69,15 @@ def with_fleet(body: Callable[[Fleet, FakeZygote, Dispatcher], Awaitable[None]])
     async def main() -> None:
         zygote = FakeZygote()
         failed: list[tuple[str, str]] = []
-        fleet: Fleet | None = None
-
-        def gone(g: WorkerGone) -> None:
-            assert fleet is not None
-            fleet.gone(g)
-
-        def changed() -> None:
-            if fleet is not None:
-                fleet.reconcile()
-
-        d = Dispatcher("p", 100, on_change=changed, on_worker_gone=gone)
-        fleet = Fleet(
+        fleet = Fleet.with_dispatcher(
             "pool p",
+            "p",
             2,
-            d,
             zygote.spawn,
+            Limits(max_queue=100, heartbeat_timeout=30.0, warmup_timeout=10.0, abandon_grace=0.0),
             mark_failed=lambda name, why: failed.append((name, why)),
         )
+        d = fleet.dispatcher
         started = asyncio.Event()
         runner = asyncio.create_task(d.run(started.set))
         await started.wait()

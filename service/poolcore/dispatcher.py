@@ -173,6 +173,16 @@ class WorkerGone:
     warmup: bool = False  # it died (or was killed) in its self-test, warming up ``tag``
 
 
+@dataclass(frozen=True)
+class Limits:
+    """A dispatcher's bounds, as both doors configure them (see :class:`Dispatcher`)."""
+
+    max_queue: int
+    heartbeat_timeout: float
+    warmup_timeout: float
+    abandon_grace: float
+
+
 class Dispatcher:
     def __init__(
         self,

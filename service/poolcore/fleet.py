@@ -26,7 +26,13 @@ import time
 from collections.abc import Callable, Mapping
 
 from poolserve.service.contract.errors import Unavailable
-from poolserve.service.poolcore.dispatcher import Dispatcher, Worker, WorkerGone, WorkerState
+from poolserve.service.poolcore.dispatcher import (
+    Dispatcher,
+    Limits,
+    Worker,
+    WorkerGone,
+    WorkerState,
+)
 from poolserve.service.poolcore.respawn import Respawner
 
 log = logging.getLogger(__name__)
@@ -72,6 +78,56 @@ class Fleet:
         self._forking = 0  # the extra worker of a roll, asked for and not arrived yet
         self._active = False
         self._changed: asyncio.Event | None = None
+
+    @classmethod
+    def with_dispatcher(
+        cls,
+        label: str,
+        name: str,
+        size: int,
+        spawn: Callable[[Mapping[str, str]], None],
+        limits: Limits,
+        *,
+        mark_failed: Callable[[str, str], None],
+        on_worker_gone: Callable[[WorkerGone], None] | None = None,
+        retry_model: Callable[[str], None] = lambda name: None,
+        spawned: bool = False,
+        on_change: Callable[[], None] = lambda: None,
+    ) -> Fleet:
+        """A fleet and its dispatcher (``fleet.dispatcher``, named ``name``),
+        wired as both doors wire them: the dispatcher's changes reconcile the
+        fleet, its dead workers go to :meth:`gone` (or to ``on_worker_gone``,
+        which then calls it)."""
+        fleet: Fleet | None = None
+
+        def changed() -> None:
+            assert fleet is not None
+            fleet.reconcile()
+
+        def gone(worker: WorkerGone) -> None:
+            assert fleet is not None
+            fleet.gone(worker)
+
+        dispatcher = Dispatcher(
+            name,
+            limits.max_queue,
+            on_change=changed,
+            on_worker_gone=on_worker_gone or gone,
+            heartbeat_timeout=limits.heartbeat_timeout,
+            warmup_timeout=limits.warmup_timeout,
+            abandon_grace=limits.abandon_grace,
+        )
+        fleet = cls(
+            label,
+            size,
+            dispatcher,
+            spawn,
+            mark_failed=mark_failed,
+            retry_model=retry_model,
+            spawned=spawned,
+            on_change=on_change,
+        )
+        return fleet
 
     # -- life ----------------------------------------------------------------
 

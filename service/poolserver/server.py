@@ -48,7 +48,7 @@ from poolserve.service.grpcserver.sockets import bind_private_unix
 from poolserve.service.grpcserver.tracing import Tracing
 from poolserve.service.inference.cargo import InferenceZygote
 from poolserve.service.lifecycle.procutil import pss_bytes
-from poolserve.service.poolcore.dispatcher import Dispatcher, WorkerGone
+from poolserve.service.poolcore.dispatcher import Dispatcher, Limits, WorkerGone
 from poolserve.service.poolcore.fleet import Fleet
 from poolserve.service.poolcore.zygote_control import ZygoteEvents
 from poolserve.service.poolserver.catalog import Catalog, ModelEntry, ModelState
@@ -187,25 +187,25 @@ class PoolServer(LiveModels):
         )
         self.catalog = Catalog.from_settings(self.models)
         self.health = Health()
-        self.dispatcher = Dispatcher(
-            f"{gid}",
+        limits = Limits(
             settings.max_queue,
-            on_change=self._on_workers_changed,
-            on_worker_gone=self._on_worker_gone,
-            heartbeat_timeout=settings.heartbeat_timeout_s,
-            warmup_timeout=settings.warmup_timeout_s,
-            abandon_grace=settings.abandon_grace_s,
+            settings.heartbeat_timeout_s,
+            settings.warmup_timeout_s,
+            settings.abandon_grace_s,
         )
-        self.fleet = Fleet(
+        self.fleet = Fleet.with_dispatcher(
             f"pool {gid}",
+            gid,
             self.workers,
-            self.dispatcher,
             self.zygote.spawn,
+            limits,
             mark_failed=self._mark_failed,
+            on_worker_gone=self._on_worker_gone,
             retry_model=self._retry_model,
             spawned=self.start_method == "spawn",
             on_change=self._sync_health,
         )
+        self.dispatcher = self.fleet.dispatcher
         self.inline = InlineRunner(self.catalog, gid, settings.max_queue, settings.max_message_size)
         self.backend = PoolBackend(
             self.dispatcher,
@@ -289,9 +289,6 @@ class PoolServer(LiveModels):
     def _on_worker(self, pid: int, sock: socket.socket) -> None:
         log.info("pool %s: worker %d started", self.gid, pid)
         self.fleet.arrived(pid, sock)
-
-    def _on_workers_changed(self) -> None:
-        self.fleet.reconcile()  # then health, through the fleet's on_change
 
     def _on_unloaded(self, name: str) -> None:
         waiting = self._model_replies.pop(f"unload:{name}", None)

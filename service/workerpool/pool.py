@@ -74,7 +74,7 @@ from poolserve.service.contract.errors import (
     QueueFull,
     Unavailable,
 )
-from poolserve.service.poolcore.dispatcher import Dispatcher, Result, WorkerGone
+from poolserve.service.poolcore.dispatcher import Dispatcher, Limits, Result
 from poolserve.service.poolcore.fleet import Fleet
 from poolserve.service.poolcore.threads import thread_environment
 from poolserve.service.poolcore.zygote_control import ExecZygote, ZygoteEvents
@@ -360,23 +360,19 @@ class WorkerPool(LoopBridge):
             )
         zygote = ExecZygote(ZYGOTE_MODULE, args, self._heartbeat_interval, self._python, env)
         self._zygote = zygote
-        self._dispatcher = Dispatcher(
-            self.name,
-            self.max_queue,
-            on_change=self._on_workers_changed,
-            on_worker_gone=self._on_worker_gone,
-            heartbeat_timeout=self._heartbeat_timeout,
-            warmup_timeout=self._warmup_timeout,
-            abandon_grace=self._abandon_grace,
+        limits = Limits(
+            self.max_queue, self._heartbeat_timeout, self._warmup_timeout, self._abandon_grace
         )
-        self._fleet = Fleet(
+        self._fleet = Fleet.with_dispatcher(
             f"workerpool {self.name}",
+            self.name,
             self.size,
-            self._dispatcher,
             zygote.spawn,
+            limits,
             mark_failed=self._disable,
             on_change=self._settle,
         )
+        self._dispatcher = self._fleet.dispatcher
         started = asyncio.Event()
         self._main = asyncio.create_task(self._run(started.set), name=f"workerpool-{self.name}")
         self._main.add_done_callback(self._main_done)
@@ -809,10 +805,6 @@ class WorkerPool(LoopBridge):
             f"workerpool '{self.name}': its zygote (pid {pid}) exited unexpectedly, so no "
             "worker can be forked any more: close this pool and start a new one"
         )
-
-    def _on_worker_gone(self, gone: WorkerGone) -> None:
-        if self._fleet is not None:
-            self._fleet.gone(gone)
 
     def _disable(self, name: str, reason: str) -> None:
         model = self._models.get(name)
