@@ -15,7 +15,6 @@ import logging
 import os
 import signal
 import socket
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,13 +22,7 @@ from typing import Any
 import grpc
 
 from poolserve.protos import control_pb2 as cpb
-from poolserve.service.contract.errors import (
-    DeadlineExceeded,
-    InvalidInput,
-    MessageTooLarge,
-    ServingError,
-    Unavailable,
-)
+from poolserve.service.contract.errors import ServingError, Unavailable
 from poolserve.service.contract.lane import LANE_OVERHEAD, Trace, lane_path
 from poolserve.service.contract.repository import (
     ModelSettings,
@@ -38,9 +31,8 @@ from poolserve.service.contract.repository import (
     scan,
 )
 from poolserve.service.contract.rundir import claim_socket, remove_own
-from poolserve.service.contract.schedule import PriorityLevels, Schedule, schedule
 from poolserve.service.contract.settings import ServerSettings
-from poolserve.service.contract.wire import Routing, peek_routing
+from poolserve.service.contract.wire import peek_routing
 from poolserve.service.grpcserver.handlers import guarded
 from poolserve.service.grpcserver.health import Health
 from poolserve.service.grpcserver.pacing import Fingerprint, Pacer, Rescanner, fingerprint
@@ -48,14 +40,15 @@ from poolserve.service.grpcserver.sockets import bind_private_unix
 from poolserve.service.grpcserver.tracing import Tracing
 from poolserve.service.inference.cargo import InferenceZygote
 from poolserve.service.lifecycle.procutil import pss_bytes
-from poolserve.service.poolcore.dispatcher import Dispatcher, Limits, WorkerGone
+from poolserve.service.poolcore.dispatcher import Limits, WorkerGone
 from poolserve.service.poolcore.fleet import Fleet
 from poolserve.service.poolcore.zygote_control import ZygoteEvents
-from poolserve.service.poolserver.catalog import Catalog, ModelEntry, ModelState
+from poolserve.service.poolserver.backend import PoolBackend
+from poolserve.service.poolserver.catalog import Catalog, ModelState
 from poolserve.service.poolserver.inline import InlineRunner, is_inline
 from poolserve.service.poolserver.lane_server import LaneServer
 from poolserve.service.poolserver.model_control import LiveModels, ModelReply
-from poolserve.service.poolserver.servicer import InferenceServicer, Observer
+from poolserve.service.poolserver.servicer import InferenceServicer
 
 log = logging.getLogger(__name__)
 
@@ -67,101 +60,6 @@ def start_method(settings: ServerSettings, gid: str, models: Sequence[ModelSetti
     if any(m.extra.get("start_method") == "spawn" for m in models):
         return "spawn"
     return settings.start_method_for(gid)
-
-
-class PoolBackend:
-    """The InferBackend of a pool server: the dispatcher over forked workers."""
-
-    def __init__(
-        self,
-        dispatcher: Dispatcher,
-        inline: InlineRunner,
-        needs_workers: bool,
-        reject_hopeless: bool = False,
-        max_message_size: int = 64 * 1024 * 1024,
-    ) -> None:
-        self.max_message_size = max_message_size
-        self.dispatcher = dispatcher
-        self.inline = inline
-        self.needs_workers = needs_workers
-        self.reject_hopeless = reject_hopeless
-
-    def serving(self) -> bool:
-        return not self.needs_workers or self.dispatcher.live_workers() > 0
-
-    async def infer(
-        self,
-        entry: ModelEntry,
-        request: bytes,
-        deadline: float,
-        routing: Routing,
-        observe: Observer | None = None,
-    ) -> bytes:
-        plan = self._plan(entry, routing, deadline)
-        if self.reject_hopeless:
-            self._reject_if_hopeless(entry, plan.deadline)
-        if entry.name in self.inline:
-            return await self.inline.infer(entry, request, plan, observe)
-        began = time.monotonic_ns()
-        try:
-            result = await self.dispatcher.submit(
-                request,
-                plan.deadline,
-                priority=plan.priority,
-                idempotent=routing.idempotent,
-                tag=entry.name,
-                timeout=entry.settings.timeout_s if entry.settings is not None else None,
-                precision=plan.precision,
-            )
-        except DeadlineExceeded:
-            entry.stats.record_failure(time.monotonic_ns() - began)
-            raise
-        except ServingError:
-            entry.stats.record_failure(time.monotonic_ns() - began)
-            raise
-        if len(result.body) > self.max_message_size:
-            entry.stats.record_failure(time.monotonic_ns() - began)
-            raise MessageTooLarge.reply(entry.name, len(result.body), self.max_message_size)
-        entry.stats.record_success(result.queue_ns, result.timings, time.monotonic_ns() - began)
-        if observe is not None:
-            observe(result)
-        return result.body
-
-    def infer_now(
-        self, entry: ModelEntry, request: bytes, deadline: float, routing: Routing
-    ) -> bytes | None:
-        """The answer on the spot for an inline model declared fast; None for the rest."""
-        if not self.inline.runs_on_loop(entry.name):
-            return None
-        plan = self._plan(entry, routing, deadline)
-        if self.reject_hopeless:
-            self._reject_if_hopeless(entry, plan.deadline)
-        return self.inline.infer_now(entry, request, plan.deadline)
-
-    @staticmethod
-    def _plan(entry: ModelEntry, routing: Routing, deadline: float) -> Schedule:
-        """The request's queue level and deadline (schedule_policy: priority, timeout)."""
-        levels = entry.settings.priority if entry.settings is not None else PriorityLevels()
-        try:
-            return schedule(
-                entry.name, levels, routing.priority, routing.timeout_us, deadline, time.monotonic()
-            )
-        except InvalidInput:
-            entry.stats.record_failure(0)
-            raise
-
-    @staticmethod
-    def _reject_if_hopeless(entry: ModelEntry, deadline: float) -> None:
-        """Refuses at once a request that cannot finish in time (setting reject_hopeless)."""
-        p50 = entry.stats.p50_compute_s()
-        remaining = deadline - time.monotonic()
-        if p50 is not None and remaining < p50:
-            entry.stats.record_failure(0)
-            raise DeadlineExceeded(
-                f"rejected on arrival: {remaining * 1000:.1f} ms left, below model "
-                f"'{entry.name}' recent median compute time of {p50 * 1000:.1f} ms",
-                stage="pool",
-            )
 
 
 class PoolServer(LiveModels):
