@@ -17,11 +17,9 @@ import signal
 import socket
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import grpc
 
-from poolserve.protos import control_pb2 as cpb
 from poolserve.service.contract.errors import ServingError, Unavailable
 from poolserve.service.contract.lane import LANE_OVERHEAD, Trace, lane_path
 from poolserve.service.contract.repository import (
@@ -33,26 +31,23 @@ from poolserve.service.contract.repository import (
 from poolserve.service.contract.rundir import claim_socket, remove_own
 from poolserve.service.contract.settings import ServerSettings
 from poolserve.service.contract.wire import peek_routing
-from poolserve.service.grpcserver.handlers import guarded
 from poolserve.service.grpcserver.health import Health
 from poolserve.service.grpcserver.pacing import Fingerprint, Pacer, Rescanner, fingerprint
 from poolserve.service.grpcserver.sockets import bind_private_unix
 from poolserve.service.grpcserver.tracing import Tracing
 from poolserve.service.inference.cargo import InferenceZygote
-from poolserve.service.lifecycle.procutil import pss_bytes
 from poolserve.service.poolcore.dispatcher import Limits, WorkerGone
 from poolserve.service.poolcore.fleet import Fleet
 from poolserve.service.poolcore.zygote_control import ZygoteEvents
 from poolserve.service.poolserver.backend import PoolBackend
 from poolserve.service.poolserver.catalog import Catalog, ModelState
+from poolserve.service.poolserver.control import PoolControl
 from poolserve.service.poolserver.inline import InlineRunner, is_inline
 from poolserve.service.poolserver.lane_server import LaneServer
 from poolserve.service.poolserver.model_control import LiveModels, ModelReply
 from poolserve.service.poolserver.servicer import InferenceServicer
 
 log = logging.getLogger(__name__)
-
-CONTROL_SERVICE = "poolserve.control.v1.PoolControl"
 
 
 def start_method(settings: ServerSettings, gid: str, models: Sequence[ModelSettings]) -> str:
@@ -105,6 +100,9 @@ class PoolServer(LiveModels):
         )
         self.dispatcher = self.fleet.dispatcher
         self.inline = InlineRunner(self.catalog, gid, settings.max_queue, settings.max_message_size)
+        self.pool_control = PoolControl(
+            gid, self.zygote, self.dispatcher, self.inline, self.catalog
+        )
         self.backend = PoolBackend(
             self.dispatcher,
             self.inline,
@@ -229,39 +227,6 @@ class PoolServer(LiveModels):
         for e in self.catalog.entries():
             self.health.set(f"model:{e.name}", e.ready and serving)
 
-    # -- control service -----------------------------------------------------
-
-    async def status(self, _: cpb.PoolStatusRequest, __: Any) -> cpb.PoolStatus:
-        pids = [os.getpid(), self.zygote.pid] + [w.pid for w in self.dispatcher.workers()]
-        return cpb.PoolStatus(
-            gid=self.gid,
-            pid=os.getpid(),
-            zygote_pid=self.zygote.pid,
-            queue_depth=self.dispatcher.queue_depth() + self.inline.queue_depth(),
-            workers=[
-                cpb.WorkerStatus(pid=w.pid, state=str(w.state), requests_served=w.served)
-                for w in self.dispatcher.workers()
-            ],
-            pss_bytes=sum(pss_bytes(p) for p in pids),
-            models=[
-                cpb.ModelState(name=e.name, version=e.version, state=str(e.state), reason=e.reason)
-                for e in self.catalog.entries()
-            ],
-            late_replies_dropped=self.dispatcher.late_replies + self.inline.late_replies,
-        )
-
-    def _control_handler(self) -> grpc.GenericRpcHandler:
-        return grpc.method_handlers_generic_handler(
-            CONTROL_SERVICE,
-            {
-                "Status": grpc.unary_unary_rpc_method_handler(
-                    guarded(self.status),
-                    cpb.PoolStatusRequest.FromString,
-                    cpb.PoolStatus.SerializeToString,
-                ),
-            },
-        )
-
     # -- lifecycle -------------------------------------------------------------
 
     def request_stop(self) -> None:
@@ -286,7 +251,7 @@ class PoolServer(LiveModels):
             (
                 self.servicer.generic_handler(),
                 self.health.generic_handler(),
-                self._control_handler(),
+                self.pool_control.generic_handler(),
             )
         )
         claim_socket(self.lane.path)  # both paths checked before either is bound
