@@ -17,6 +17,7 @@ import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -24,7 +25,10 @@ import pytest
 
 from poolserve.protos import inference_pb2 as pb
 from poolserve.protos import inference_pb2_grpc as pbg
+from poolserve.service.contract.repository import scan
+from poolserve.service.contract.settings import ServerSettings
 from poolserve.service.contract.shm import Region, wrap
+from poolserve.service.poolserver.inprocess import InProcessServer
 
 from serving import Serving, pool_status, wait_serving
 from support import copy_example, run_client, write_model
@@ -72,10 +76,7 @@ def _io(datatype: str) -> dict[str, object]:
     }
 
 
-@pytest.fixture(scope="module")
-def serving(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
-    root = tmp_path_factory.mktemp("shm")
-    repo = root / "repo"
+def model_repository(repo: Path) -> Path:
     copy_example(repo, "echo")
     shutil.copytree(repo / "echo", repo / "echo_inline")
     inline = json.loads((repo / "echo" / "model-settings.json").read_text())
@@ -104,6 +105,13 @@ def serving(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
         },
         ADD_SUB,
     )
+    return repo
+
+
+@pytest.fixture(scope="module")
+def serving(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
+    root = tmp_path_factory.mktemp("shm")
+    repo = model_repository(root / "repo")
     with Serving(repo, root / "run", workers=2) as served:
         asyncio.run(_wait(served.address))
         yield served
@@ -221,7 +229,30 @@ async def worker_pids(serving: Serving) -> list[int]:
 
 def test_tritonclient_shared_memory_flows(serving: Serving) -> None:
     """simple_grpc_shm_client and simple_grpc_shm_string_client's calls, unchanged."""
-    report = run_client("triton_shm.py", serving.address, f"poolserve_t{uuid.uuid4().hex[:8]}")
+    check_client_report(run_client("triton_shm.py", serving.address, prefix()))
+
+
+def test_serve_inprocess_serves_shared_memory_through_the_same_code(tmp_path: Path) -> None:
+    repo = model_repository(tmp_path / "repo")
+
+    async def main() -> None:
+        server = InProcessServer(scan(repo), ServerSettings())
+        port = await server.start("127.0.0.1:0")
+        try:
+            address = f"127.0.0.1:{port}"
+            report = await asyncio.to_thread(run_client, "triton_shm.py", address, prefix())
+        finally:
+            await server.stop(0)
+        check_client_report(report)
+
+    asyncio.run(main())
+
+
+def prefix() -> str:
+    return f"poolserve_t{uuid.uuid4().hex[:8]}"
+
+
+def check_client_report(report: dict[str, Any]) -> None:
     assert "system_shared_memory" in report["extensions"]
     assert "cuda_shared_memory" not in report["extensions"]
     assert report["numeric"] == {
@@ -427,3 +458,22 @@ def test_a_pool_addressed_directly_has_a_registry_of_its_own(
         assert "direct" not in listed.regions
 
     run(serving.address, router_side)
+
+
+def test_a_stream_reads_regions_registered_at_the_router(
+    serving: Serving, objects: list[ShmObject]
+) -> None:
+    obj = make(objects, 64)
+    obj.write(floats(np.arange(16)))
+
+    async def body(stub: Stub) -> None:
+        await register(stub, "streamed", obj, 64)
+        requests = [echo_request("echo", "streamed", 16), echo_request("echo", "elsewhere", 16)]
+        replies = [reply async for reply in stub.ModelStreamInfer(iter(requests), timeout=30)]
+        first, second = replies
+        assert not first.error_message
+        values = np.frombuffer(first.infer_response.raw_output_contents[0], "<f4")
+        assert values.tolist() == list(range(16))
+        assert "'elsewhere', which is not registered" in second.error_message
+
+    run(serving.address, body)
