@@ -533,7 +533,7 @@ def test_an_input_in_shared_memory_takes_no_raw_entry_and_is_named(order: str) -
         codec.decode_inputs(_wire(request))
     message = caught.value.message
     assert message.startswith("input 'in_shm' names shared-memory region 'r0'"), message
-    assert "not supported yet" in message
+    assert "no shared memory is read here" in message
     assert "'a'" not in message and "'b'" not in message
 
 

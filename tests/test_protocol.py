@@ -146,7 +146,9 @@ def test_model_ready_of_a_missing_model_is_false_at_the_router_and_the_pool(
 
 
 @pytest.mark.parametrize("model", ["echo", "echo_inline"])
-def test_an_input_in_shared_memory_is_refused_by_its_own_name(serving: Serving, model: str) -> None:
+def test_an_input_in_an_unregistered_region_is_refused_by_its_own_name(
+    serving: Serving, model: str
+) -> None:
     request = pb.ModelInferRequest(model_name=model)
     in_region = request.inputs.add(name="INPUT_SHM", datatype="FP32", shape=[4])
     in_region.parameters["shared_memory_region"].string_param = "region0"
@@ -158,7 +160,7 @@ def test_an_input_in_shared_memory_is_refused_by_its_own_name(serving: Serving, 
         code, details = await status(stub.ModelInfer(request, timeout=30))
         assert code is grpc.StatusCode.INVALID_ARGUMENT
         assert details.startswith("input 'INPUT_SHM' names shared-memory region 'region0'")
-        assert "not supported yet" in details and "INPUT0" not in details
+        assert "which is not registered" in details and "INPUT0" not in details
 
     run(serving.address, body)
 

@@ -43,6 +43,7 @@ class Failure(enum.IntEnum):
     NOT_READY = 10
     UNIMPLEMENTED = 11
     FAILED_PRECONDITION = 12
+    ALREADY_EXISTS = 13
 
 
 class ServingError(Exception):
@@ -114,6 +115,16 @@ class FailedPrecondition(ServingError):
     failure = Failure.FAILED_PRECONDITION
 
 
+class NotFound(ServingError):
+    """Something other than a model that the client named does not exist."""
+
+    failure = Failure.NOT_FOUND
+
+
+class AlreadyExists(ServingError):
+    failure = Failure.ALREADY_EXISTS
+
+
 LOAD_FAILED = "failed to load '{}'"
 
 
@@ -148,4 +159,5 @@ _BY_FAILURE: tuple[type[ServingError], ...] = (
     ModelError,
     Unimplemented,
     FailedPrecondition,
+    AlreadyExists,
 )

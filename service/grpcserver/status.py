@@ -31,6 +31,7 @@ _STATUS: dict[Failure, grpc.StatusCode] = {
     Failure.NOT_READY: grpc.StatusCode.UNAVAILABLE,
     Failure.UNIMPLEMENTED: grpc.StatusCode.UNIMPLEMENTED,
     Failure.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
+    Failure.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
 }
 
 
@@ -63,6 +64,7 @@ _FAILURE_FOR_STATUS: dict[grpc.StatusCode, Failure] = {
     grpc.StatusCode.CANCELLED: Failure.CANCELLED,
     grpc.StatusCode.UNIMPLEMENTED: Failure.UNIMPLEMENTED,
     grpc.StatusCode.FAILED_PRECONDITION: Failure.FAILED_PRECONDITION,
+    grpc.StatusCode.ALREADY_EXISTS: Failure.ALREADY_EXISTS,
 }
 
 

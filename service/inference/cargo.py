@@ -41,15 +41,17 @@ def handle(models: Mapping[str, Model], body: bytes, seq: int) -> bytes:
     """The inference handler: one serialized ModelInferRequest, one frame."""
     # Imported here, in the worker: the pool server imports this module for
     # InferenceZygote and must not load protobuf, the codec or numpy itself.
+    from poolserve.service.contract.shm import unwrap
     from poolserve.service.contract.wire import peek_model
     from poolserve.service.inference.infer import infer
 
     try:
+        regions, body = unwrap(body)  # the shared-memory registrations it uses, if any
         name, version = peek_model(body)
         model = models.get(name)
         if model is None or (version and version != model.settings.version):
             raise ModelNotFound(f"model '{clip(name)}' is not loaded in this worker")
-        response, timings = infer(model, body)
+        response, timings = infer(model, body, regions)
         return reply_frame(seq, timings, response)
     except ServingError as exc:
         return error_frame(seq, Timings(), exc.failure, exc.message)

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Mapping, MutableSequence, Sequence
+from collections.abc import Callable, Mapping, MutableSequence, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import Any, NoReturn, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -77,6 +77,12 @@ _BY_NUMPY: dict[tuple[str, int], str] = {
 SHARED_MEMORY_REGION = "shared_memory_region"
 
 _LENGTH = struct.Struct("<I")
+# Reads an input that names a shared-memory region; writes an output requested
+# into one (see poolserve.service.inference.shm).
+SharedReader = Callable[[inference_pb2.ModelInferRequest.InferInputTensor], "npt.NDArray[Any]"]
+SharedWriter = Callable[
+    [inference_pb2.ModelInferRequest.InferRequestedOutputTensor, "npt.NDArray[Any]", str], None
+]
 # numpy refuses any shape whose byte size (zero dims aside) exceeds intp.
 _MAX_BYTES = int(np.iinfo(np.intp).max)
 
@@ -105,12 +111,15 @@ def uses_raw(request: inference_pb2.ModelInferRequest) -> bool:
     return len(request.raw_input_contents) > 0
 
 
-def decode_inputs(request: inference_pb2.ModelInferRequest) -> dict[str, npt.NDArray[Any]]:
+def decode_inputs(
+    request: inference_pb2.ModelInferRequest, shared: SharedReader | None = None
+) -> dict[str, npt.NDArray[Any]]:
     """The request's input tensors by name; raises InvalidInput for any malformed one.
 
-    Raw fixed-size inputs are read-only views of the request's bytes.
+    Raw fixed-size inputs are read-only views of the request's bytes; an
+    input that names a shared-memory region is read by ``shared``.
     """
-    return _decode(request.inputs, list(request.raw_input_contents), "input")
+    return _decode(request.inputs, list(request.raw_input_contents), "input", shared)
 
 
 def decode_outputs(response: inference_pb2.ModelInferResponse) -> dict[str, npt.NDArray[Any]]:
@@ -122,16 +131,41 @@ def encode_outputs(
     request: inference_pb2.ModelInferRequest,
     outputs: Mapping[str, npt.NDArray[Any]],
     response: inference_pb2.ModelInferResponse,
+    shared: SharedWriter | None = None,
 ) -> None:
     """Fills response.outputs with the requested outputs, in the requested order.
 
     Always in ``raw_output_contents``, whatever form the request used: Triton
-    answers raw, and tritonclient reads nothing else.
+    answers raw, and tritonclient reads nothing else. An output requested into
+    a shared-memory region is written there by ``shared`` and answered with
+    its metadata and an empty raw entry, as Triton does.
     """
+    placed = _placed_outputs(request) if shared is not None else {}
     for name, arr in _select(request, outputs):
         datatype = _datatype(name, arr, "output")
         tensor = response.outputs.add(name=name, datatype=datatype, shape=arr.shape)
+        requested = placed.get(name)
+        if requested is not None and shared is not None:
+            shared(requested, arr, datatype)
+            response.raw_output_contents.append(b"")
+            continue
         _put(tensor, arr, response.raw_output_contents, "output")
+
+
+def _placed_outputs(
+    request: inference_pb2.ModelInferRequest,
+) -> dict[str, inference_pb2.ModelInferRequest.InferRequestedOutputTensor]:
+    return {o.name: o for o in request.outputs if SHARED_MEMORY_REGION in o.parameters}
+
+
+def decode_raw(tensor: _Tensor, data: bytes | memoryview) -> npt.NDArray[Any]:
+    """One input from its raw bytes (BYTES: the length-prefixed form, as ``bytes``)."""
+    return _decode_raw(tensor, data, "input")
+
+
+def encode_raw(arr: npt.NDArray[Any], datatype: str, where: str) -> bytes:
+    """One tensor's raw bytes (BYTES: each element length-prefixed)."""
+    return _to_raw(arr, datatype, where)
 
 
 def encode_inputs(
@@ -169,7 +203,9 @@ def _where(role: str, tensor: _Tensor) -> str:
     return f"{role} '{clip(tensor.name)}'"
 
 
-def _decode(tensors: Sequence[_Tensor], raw: list[bytes], role: str) -> dict[str, npt.NDArray[Any]]:
+def _decode(
+    tensors: Sequence[_Tensor], raw: list[bytes], role: str, shared: SharedReader | None = None
+) -> dict[str, npt.NDArray[Any]]:
     # `raw` is a list because every index into a upb repeated bytes field copies.
     # Inputs in shared memory have no raw entry: the others take the entries in order.
     in_memory = [_in_shared_memory(t) for t in tensors] if role == "input" else []
@@ -179,7 +215,11 @@ def _decode(tensors: Sequence[_Tensor], raw: list[bytes], role: str) -> dict[str
         if tensor.name in arrays:
             raise InvalidInput(f"{_where(role, tensor)} appears more than once")
         if in_memory and in_memory[index]:
-            _refuse_shared_memory(tensor)
+            if shared is None:
+                _refuse_shared_memory(tensor)
+            assert isinstance(tensor, inference_pb2.ModelInferRequest.InferInputTensor)
+            arrays[tensor.name] = shared(tensor)
+            continue
         if raw:
             arrays[tensor.name] = _decode_raw(tensor, raw[slots[index]], role)
         else:
@@ -191,11 +231,11 @@ def _in_shared_memory(tensor: _Tensor) -> bool:
     return bool(tensor.parameters) and SHARED_MEMORY_REGION in tensor.parameters
 
 
-def _refuse_shared_memory(tensor: _Tensor) -> None:
+def _refuse_shared_memory(tensor: _Tensor) -> NoReturn:
     region = tensor.parameters[SHARED_MEMORY_REGION].string_param
     raise InvalidInput(
         f"{_where('input', tensor)} names shared-memory region '{clip(region)}' "
-        "(parameter shared_memory_region), but system shared memory is not supported yet: "
+        "(parameter shared_memory_region), but no shared memory is read here: "
         "send this input's bytes in raw_input_contents or contents"
     )
 
@@ -264,11 +304,11 @@ def _reshape(flat: npt.NDArray[Any], tensor: _Tensor, role: str) -> npt.NDArray[
         ) from None
 
 
-def _decode_raw(tensor: _Tensor, data: bytes, role: str) -> npt.NDArray[Any]:
+def _decode_raw(tensor: _Tensor, data: bytes | memoryview, role: str) -> npt.NDArray[Any]:
     kind = _kind_of(tensor, role)
     count = _element_count(tensor, kind, role)
     if tensor.datatype == "BYTES":
-        return _reshape(_split_bytes(tensor, data, count, role), tensor, role)
+        return _reshape(_split_bytes(tensor, bytes(data), count, role), tensor, role)
     size = kind.dtype.itemsize
     if len(data) % size:
         raise InvalidInput(

@@ -12,8 +12,10 @@ from google.protobuf.message import DecodeError
 
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service.contract.errors import InvalidInput, ModelError, ServingError
+from poolserve.service.contract.shm import Region, unwrap
 from poolserve.service.inference.codec import decode_inputs, encode_outputs, parameters_to_dict
 from poolserve.service.inference.model import Model, check_outputs
+from poolserve.service.inference.shm import SharedTensors
 from poolserve.service.poolcore.stats import Timings
 
 
@@ -24,11 +26,20 @@ def parse_request(data: bytes) -> pb.ModelInferRequest:
         raise InvalidInput(f"ModelInferRequest cannot be parsed: {exc}") from None
 
 
-def infer(model: Model, data: bytes) -> tuple[bytes, Timings]:
-    """Runs one serialized ModelInferRequest; raises ServingError subclasses only."""
+def infer(
+    model: Model, data: bytes, regions: dict[str, Region] | None = None
+) -> tuple[bytes, Timings]:
+    """Runs one serialized ModelInferRequest; raises ServingError subclasses only.
+
+    ``data`` may carry the shared-memory registrations it uses in front
+    (:mod:`poolserve.service.contract.shm`), or they come as ``regions``.
+    """
     t0 = time.perf_counter_ns()
+    if regions is None:
+        regions, data = unwrap(data)
     request = parse_request(data)
-    inputs = decode_inputs(request)
+    shared = SharedTensors(regions)
+    inputs = decode_inputs(request, shared.read)
     parameters = parameters_to_dict(request.parameters)
     t1 = time.perf_counter_ns()
     name = model.settings.name
@@ -42,7 +53,7 @@ def infer(model: Model, data: bytes) -> tuple[bytes, Timings]:
     response = pb.ModelInferResponse(
         model_name=name, model_version=model.settings.version, id=request.id
     )
-    encode_outputs(request, outputs, response)
+    encode_outputs(request, outputs, response, shared.write)
     body = response.SerializeToString()
     t3 = time.perf_counter_ns()
     return body, Timings(decode_ns=t1 - t0, compute_ns=t2 - t1, encode_ns=t3 - t2)

@@ -30,9 +30,11 @@ from poolserve.service.contract.repository import (
 )
 from poolserve.service.contract.rundir import claim_socket, remove_own
 from poolserve.service.contract.settings import ServerSettings
+from poolserve.service.contract.shm import unwrap
 from poolserve.service.contract.wire import peek_routing
 from poolserve.service.grpcserver.health import Health
 from poolserve.service.grpcserver.pacing import Fingerprint, Pacer, Rescanner, fingerprint
+from poolserve.service.grpcserver.shm import SharedMemory
 from poolserve.service.grpcserver.sockets import bind_private_unix
 from poolserve.service.grpcserver.tracing import Tracing
 from poolserve.service.inference.cargo import InferenceZygote
@@ -117,6 +119,8 @@ class PoolServer(LiveModels):
             default_timeout_s=settings.default_timeout_s,
             control=self,
             margin_s=settings.deadline_margin_ms / 1000,
+            # its socket is private: the router's calls come with their registrations
+            shared_memory=SharedMemory(accept_attached=True),
         )
         self.lane = LaneServer(
             lane_path(socket_path),
@@ -141,7 +145,7 @@ class PoolServer(LiveModels):
         """A lane call answered without a task: an inline model declared fast, untraced."""
         if self.servicer.tracing is not None or not self.inline.has_fast():
             return None
-        routing = peek_routing(request)
+        routing = peek_routing(unwrap(request)[1])
         entry = self.catalog.lookup_ready(routing.name, routing.version)
         deadline -= self.servicer.margin_s
         return self.backend.infer_now(entry, request, deadline, routing)

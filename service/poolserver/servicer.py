@@ -22,8 +22,10 @@ from poolserve.protos import inference_pb2 as pb
 from poolserve.service import __version__
 from poolserve.service.contract.errors import Failure, ServingError, Unimplemented
 from poolserve.service.contract.lane import Trace
+from poolserve.service.contract.shm import unwrap
 from poolserve.service.contract.wire import Routing, encode_len_field, peek_routing
 from poolserve.service.grpcserver.handlers import EXTENSIONS, SERVICE, deadline_from, guarded
+from poolserve.service.grpcserver.shm import SharedMemory
 from poolserve.service.grpcserver.status import grpc_status
 from poolserve.service.grpcserver.tracing import Tracing, deadline_event
 from poolserve.service.poolserver.catalog import Catalog, ModelEntry
@@ -76,8 +78,12 @@ class InferenceServicer:
         default_timeout_s: float = 60.0,
         control: ModelControl | None = None,
         margin_s: float = 0.0,
+        shared_memory: SharedMemory | None = None,
     ) -> None:
         self.catalog = catalog
+        # This server's own registry, for calls addressed to it directly (a
+        # pool's calls through the router come with the router's registrations).
+        self.shared_memory = shared_memory or SharedMemory()
         self.backend = backend
         self.control = control
         self.margin_s = margin_s
@@ -152,6 +158,7 @@ class InferenceServicer:
         self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]
     ) -> bytes:
         deadline = deadline_from(context, self.default_timeout_s, self.margin_s)
+        request = self.shared_memory.attach(request)
         if self.tracing is None:
             return await self.infer_bytes(request, deadline)
         metadata = context.invocation_metadata()
@@ -167,7 +174,7 @@ class InferenceServicer:
     async def infer_bytes(
         self, request: bytes, deadline: float, observe: Observer | None = None
     ) -> bytes:
-        routing = peek_routing(request)
+        routing = peek_routing(unwrap(request)[1])
         entry = self.catalog.lookup_ready(routing.name, routing.version)
         return await self.backend.infer(entry, request, deadline, routing, observe)
 
@@ -227,7 +234,7 @@ class InferenceServicer:
         async for request in requests:
             deadline = deadline_from(context, self.default_timeout_s)
             try:
-                body = await self.infer_bytes(request, deadline)
+                body = await self.infer_bytes(self.shared_memory.attach(request), deadline)
             except ServingError as exc:
                 yield pb.ModelStreamInferResponse(error_message=exc.message).SerializeToString()
                 continue
@@ -273,6 +280,7 @@ class InferenceServicer:
             # Bytes in, bytes out: no (de)serializer on the hot path.
             "ModelInfer": grpc.unary_unary_rpc_method_handler(guarded(self.model_infer)),
             "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(self.model_stream_infer),
+            **self.shared_memory.handlers(),
         }
         return grpc.method_handlers_generic_handler(SERVICE, handlers)
 

@@ -31,6 +31,7 @@ from poolserve.service.contract.errors import (
     DeadlineExceeded,
     FailedPrecondition,
     Failure,
+    InvalidInput,
     ModelNotFound,
     ModelNotReady,
     ServingError,
@@ -49,10 +50,12 @@ from poolserve.service.contract.rundir import (
     remove_own,
 )
 from poolserve.service.contract.settings import ConfigError, ServerSettings
+from poolserve.service.contract.shm import forged
 from poolserve.service.contract.wire import peek_model
 from poolserve.service.grpcserver.handlers import EXTENSIONS, NO_DEADLINE_S, SERVICE, guarded
 from poolserve.service.grpcserver.health import SERVING, Health
 from poolserve.service.grpcserver.pacing import Rescanner
+from poolserve.service.grpcserver.shm import SharedMemory
 from poolserve.service.grpcserver.sockets import bind_private_unix
 from poolserve.service.grpcserver.status import STAGE_METADATA, from_upstream, grpc_status
 from poolserve.service.grpcserver.tracing import Tracing, carried, deadline_event, strip_carried
@@ -175,6 +178,7 @@ class Router:
             for name in route.models:
                 self.routes[name] = route
         self.health = Health()
+        self.shared_memory = SharedMemory()  # the one registry of the whole server
         self.replies = ReplyBudget(
             settings.max_unread_reply_bytes,
             settings.max_unread_reply_bytes_total,
@@ -341,6 +345,8 @@ class Router:
         else:  # the pool may trace even when the router does not
             trace = carried(context.invocation_metadata())
         assert route.lane is not None
+        # the registrations of the regions it names go with it (no copy when it names none)
+        body = self.shared_memory.attach(body)
         return await route.lane.call(body, deadline, trace)
 
     async def _forward(
@@ -522,10 +528,12 @@ class Router:
             f"/{SERVICE}/ModelStreamInfer"
         )
 
+        attach = self._attach_in_stream
+
         async def upstream() -> AsyncIterator[bytes]:
-            yield first
+            yield attach(first)
             async for message in requests:
-                yield message
+                yield attach(message)
 
         try:
             async for reply in call(upstream(), timeout=timeout, metadata=self._metadata(context)):
@@ -533,6 +541,16 @@ class Router:
         except grpc.aio.AioRpcError as exc:
             error = from_upstream(exc.code(), exc.details() or "", route.where)
             yield pb.ModelStreamInferResponse(error_message=error.message).SerializeToString()
+
+    def _attach_in_stream(self, message: bytes) -> bytes:
+        """A streamed request with its registrations; one that names an unknown
+        region goes as it is, and the pool answers its error in the stream."""
+        try:
+            return self.shared_memory.attach(message)
+        except InvalidInput:
+            if forged(message):
+                raise
+            return message
 
     def _traced(self, method: str, fn: Handler) -> Handler:
         """A SERVER span per call, with the deadline budget and where it ran out."""
@@ -601,6 +619,7 @@ class Router:
                     "RepositoryModelUnload", self._routed_by_field2("RepositoryModelUnload")
                 ),
                 "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(self.model_stream_infer),
+                **self.shared_memory.handlers(),
             }
         )
         return grpc.method_handlers_generic_handler(SERVICE, handlers)

@@ -1,0 +1,89 @@
+"""System shared memory: a registered region, and how a request carries the
+registrations it uses to the worker that runs it.
+
+Triton's system shared-memory extension lets a client register a POSIX
+shared-memory object (``key``, ``/name`` as for ``shm_open``) with an offset
+and a byte size under a region name; inputs and outputs then name a region
+instead of carrying bytes. The registrations live in the router (one registry
+for the whole server); a ModelInfer that names regions travels to its pool
+with the registrations it names, as a small header in front of the request's
+bytes (:func:`wrap`), so that the pool core keeps moving opaque bytes and the
+worker maps the regions itself (:mod:`poolserve.service.inference.shm`).
+
+The header starts with a zero byte, which no serialized protobuf message
+does (field number 0 is invalid): a front door refuses a request that begins
+with it (:func:`forged`), so a client never chooses what a worker maps.
+
+Standard library only: the router and the supervisor carry no numpy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import asdict, dataclass
+
+from poolserve.service.contract.errors import InvalidInput, clip
+
+SHM_DIR = "/dev/shm"
+MARK = b"\x00shm1"  # a zero byte first: never the start of a protobuf message
+_LENGTH = struct.Struct("<I")
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """One registration: ``byte_size`` bytes at ``offset`` of the object ``key``.
+
+    ``generation`` is unique per registration (across router restarts too):
+    a worker's cached mapping is keyed by it, so an unregister and a new
+    register of the same name is never served from the old mapping.
+    """
+
+    name: str
+    key: str
+    offset: int
+    byte_size: int
+    generation: int
+
+
+def new_generation() -> int:
+    return int.from_bytes(os.urandom(8), "little") >> 1
+
+
+def shm_path(key: str) -> str:
+    """The file of a POSIX shared-memory key (``/name`` or ``name``), checked
+    to name one object directly under /dev/shm."""
+    name = key[1:] if key.startswith("/") else key
+    if not name or "/" in name or name in (".", "..") or "\x00" in name:
+        raise InvalidInput(
+            f"shared-memory key '{clip(key)}' is not a POSIX shared-memory name "
+            "('/name', with no other '/')"
+        )
+    return f"{SHM_DIR}/{name}"
+
+
+def wrap(regions: list[Region], request: bytes) -> bytes:
+    """The request with the registrations it uses in front (see the module doc)."""
+    table = json.dumps([asdict(region) for region in regions], separators=(",", ":")).encode()
+    return MARK + _LENGTH.pack(len(table)) + table + request
+
+
+def is_wrapped(data: bytes) -> bool:
+    return data[: len(MARK)] == MARK
+
+
+def forged(data: bytes) -> bool:
+    """Whether a request from a client starts as only :func:`wrap` may."""
+    return data[:1] == MARK[:1]
+
+
+def unwrap(data: bytes) -> tuple[dict[str, Region], bytes]:
+    """The registrations by name and the request; ``({}, data)`` when not wrapped."""
+    if not is_wrapped(data):
+        return {}, data
+    start = len(MARK) + _LENGTH.size
+    (size,) = _LENGTH.unpack_from(data, len(MARK))
+    rows = json.loads(bytes(data[start : start + size]))
+    regions = {row["name"]: Region(**row) for row in rows}
+    return regions, data[start + size :]

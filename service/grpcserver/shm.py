@@ -1,0 +1,245 @@
+"""Triton's shared-memory RPCs and the registry behind them.
+
+The router owns the one registry of a ``poolserve serve`` tree; a pool
+server addressed directly on its private socket and ``serve-inprocess`` each
+have their own, through this same code. Registering checks what can be
+checked at once: the key names an existing POSIX shared-memory object, the
+region lies within its current size, the name is free (ALREADY_EXISTS as
+Triton). A ModelInfer that names regions gets their registrations in front of
+its bytes (:meth:`SharedMemory.attach`, the wire format in
+:mod:`poolserve.service.contract.shm`): a request that does not mention
+``shared_memory_region`` costs one substring search and nothing else. The
+tensors themselves are never read here; the worker maps the regions.
+
+CUDA shared memory is not supported on CPU hosts: its register answers
+UNIMPLEMENTED, its status and unregister answer OK with nothing registered
+(Triton's examples call the CUDA unregister first, whatever memory they use).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from poolserve.protos import inference_pb2 as pb
+from poolserve.service.contract.errors import (
+    AlreadyExists,
+    InvalidInput,
+    NotFound,
+    Unimplemented,
+    clip,
+)
+from poolserve.service.contract.shm import (
+    Region,
+    forged,
+    is_wrapped,
+    new_generation,
+    shm_path,
+    wrap,
+)
+from poolserve.service.grpcserver.handlers import guarded
+
+SHARED_MEMORY_REGION = "shared_memory_region"
+_MENTION = SHARED_MEMORY_REGION.encode()
+
+
+def _object_size(name: str, key: str) -> int:
+    """The current size of the shared-memory object ``key``, opened as a worker will."""
+    path = shm_path(key)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        if exc.errno == errno.ENOENT:
+            raise NotFound(
+                f"cannot register shared-memory region '{clip(name)}': "
+                f"no shared-memory object '{clip(key)}' ({path}: {reason})"
+            ) from None
+        raise InvalidInput(
+            f"cannot register shared-memory region '{clip(name)}': cannot open "
+            f"shared-memory object '{clip(key)}' for reading and writing: {reason}"
+        ) from None
+    try:
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+
+
+class SharedMemory:
+    """One server's system shared-memory registrations and the RPCs over them.
+
+    ``accept_attached``: requests may arrive with registrations already in
+    front (a pool's private socket, where only the router and the owner
+    connect); elsewhere such a request is refused as malformed.
+    """
+
+    def __init__(self, accept_attached: bool = False) -> None:
+        self.regions: dict[str, Region] = {}
+        self.accept_attached = accept_attached
+
+    # -- the registry ----------------------------------------------------------
+
+    def register(self, name: str, key: str, offset: int, byte_size: int) -> Region:
+        if not name:
+            raise InvalidInput("a shared-memory region needs a name")
+        if name in self.regions:
+            raise AlreadyExists(
+                f"shared-memory region '{clip(name)}' is already registered "
+                f"(key '{clip(self.regions[name].key)}'); unregister it first"
+            )
+        if byte_size <= 0:
+            raise InvalidInput(f"shared-memory region '{clip(name)}': byte_size must be above 0")
+        size = _object_size(name, key)
+        if offset + byte_size > size:
+            raise InvalidInput(
+                f"shared-memory region '{clip(name)}': offset {offset} + byte_size {byte_size} "
+                f"= {offset + byte_size} bytes exceed the {size} bytes of shared-memory "
+                f"object '{clip(key)}'"
+            )
+        region = Region(name, key, offset, byte_size, new_generation())
+        self.regions[name] = region
+        return region
+
+    def unregister(self, name: str) -> None:
+        """One region, or all when ``name`` is empty; an unknown name is no error (as Triton)."""
+        if name:
+            self.regions.pop(name, None)
+        else:
+            self.regions.clear()
+
+    def status(self, name: str) -> list[Region]:
+        if not name:
+            return list(self.regions.values())
+        region = self.regions.get(name)
+        if region is None:
+            raise NotFound(f"no shared-memory region '{clip(name)}' is registered")
+        return [region]
+
+    def attach(self, body: bytes) -> bytes:
+        """The ModelInfer request with the registrations of the regions it names in front."""
+        if forged(body):
+            if self.accept_attached and is_wrapped(body):
+                return body
+            raise InvalidInput("ModelInferRequest cannot be parsed: it starts with a zero byte")
+        if _MENTION not in body:
+            return body
+        request = pb.ModelInferRequest.FromString(body)
+        used: dict[str, Region] = {}
+        tensors: list[tuple[str, Any]] = [
+            *(("input", tensor) for tensor in request.inputs),
+            *(("output", tensor) for tensor in request.outputs),
+        ]
+        for role, tensor in tensors:
+            if SHARED_MEMORY_REGION not in tensor.parameters:
+                continue
+            param = tensor.parameters[SHARED_MEMORY_REGION]
+            if param.WhichOneof("parameter_choice") != "string_param":
+                raise InvalidInput(
+                    f"{role} '{clip(tensor.name)}': parameter shared_memory_region "
+                    "must be a string_param"
+                )
+            name = param.string_param
+            region = self.regions.get(name)
+            if region is None:
+                raise InvalidInput(
+                    f"{role} '{clip(tensor.name)}' names shared-memory region '{clip(name)}', "
+                    "which is not registered"
+                )
+            used[name] = region
+        return wrap(list(used.values()), body) if used else body
+
+    # -- the RPCs --------------------------------------------------------------
+
+    async def system_status(
+        self, req: pb.SystemSharedMemoryStatusRequest, _: Any
+    ) -> pb.SystemSharedMemoryStatusResponse:
+        reply = pb.SystemSharedMemoryStatusResponse()
+        for region in self.status(req.name):
+            reply.regions[region.name].CopyFrom(
+                pb.SystemSharedMemoryStatusResponse.RegionStatus(
+                    name=region.name,
+                    key=region.key,
+                    offset=region.offset,
+                    byte_size=region.byte_size,
+                )
+            )
+        return reply
+
+    async def system_register(
+        self, req: pb.SystemSharedMemoryRegisterRequest, _: Any
+    ) -> pb.SystemSharedMemoryRegisterResponse:
+        self.register(req.name, req.key, req.offset, req.byte_size)
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    async def system_unregister(
+        self, req: pb.SystemSharedMemoryUnregisterRequest, _: Any
+    ) -> pb.SystemSharedMemoryUnregisterResponse:
+        self.unregister(req.name)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    async def cuda_status(
+        self, req: pb.CudaSharedMemoryStatusRequest, _: Any
+    ) -> pb.CudaSharedMemoryStatusResponse:
+        return pb.CudaSharedMemoryStatusResponse()
+
+    async def cuda_register(
+        self, req: pb.CudaSharedMemoryRegisterRequest, _: Any
+    ) -> pb.CudaSharedMemoryRegisterResponse:
+        raise Unimplemented(
+            f"cannot register CUDA shared-memory region '{clip(req.name)}': CUDA shared memory "
+            "is not supported on CPU hosts (use system shared memory)"
+        )
+
+    async def cuda_unregister(
+        self, req: pb.CudaSharedMemoryUnregisterRequest, _: Any
+    ) -> pb.CudaSharedMemoryUnregisterResponse:
+        return pb.CudaSharedMemoryUnregisterResponse()
+
+    def handlers(self) -> dict[str, grpc.RpcMethodHandler[Any, Any]]:
+        """The six RPCs by method name, for a server's generic handler."""
+
+        def unary(
+            fn: Callable[[Any, Any], Awaitable[Any]], req: Any, resp: Any
+        ) -> grpc.RpcMethodHandler[Any, Any]:
+            return grpc.unary_unary_rpc_method_handler(
+                guarded(fn),
+                request_deserializer=req.FromString,
+                response_serializer=resp.SerializeToString,
+            )
+
+        return {
+            "SystemSharedMemoryStatus": unary(
+                self.system_status,
+                pb.SystemSharedMemoryStatusRequest,
+                pb.SystemSharedMemoryStatusResponse,
+            ),
+            "SystemSharedMemoryRegister": unary(
+                self.system_register,
+                pb.SystemSharedMemoryRegisterRequest,
+                pb.SystemSharedMemoryRegisterResponse,
+            ),
+            "SystemSharedMemoryUnregister": unary(
+                self.system_unregister,
+                pb.SystemSharedMemoryUnregisterRequest,
+                pb.SystemSharedMemoryUnregisterResponse,
+            ),
+            "CudaSharedMemoryStatus": unary(
+                self.cuda_status,
+                pb.CudaSharedMemoryStatusRequest,
+                pb.CudaSharedMemoryStatusResponse,
+            ),
+            "CudaSharedMemoryRegister": unary(
+                self.cuda_register,
+                pb.CudaSharedMemoryRegisterRequest,
+                pb.CudaSharedMemoryRegisterResponse,
+            ),
+            "CudaSharedMemoryUnregister": unary(
+                self.cuda_unregister,
+                pb.CudaSharedMemoryUnregisterRequest,
+                pb.CudaSharedMemoryUnregisterResponse,
+            ),
+        }

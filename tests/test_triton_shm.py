@@ -1,0 +1,479 @@
+"""System shared memory end to end (issue 20 §2), through ``poolserve serve``.
+
+tritonclient's own flows (those of Triton's simple_grpc_shm_client and
+simple_grpc_shm_string_client) run in a process of their own
+(tests/clients/triton_shm.py); the edge cases use raw stubs here, with
+shared-memory objects made directly under /dev/shm. Every object a test makes
+is unlinked at its end; the tree's PIDs are the fixture's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import mmap
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from poolserve.protos import inference_pb2 as pb
+from poolserve.protos import inference_pb2_grpc as pbg
+from poolserve.service.contract.repository import scan
+from poolserve.service.contract.settings import ServerSettings
+from poolserve.service.contract.shm import Region, wrap
+from poolserve.service.poolserver.inprocess import InProcessServer
+
+from serving import Serving, pool_status, wait_serving
+from support import copy_example, run_client, write_model
+
+pytestmark = pytest.mark.e2e
+
+Stub = pbg.GRPCInferenceServiceStub
+
+ADD_SUB = '''
+import time
+
+import numpy as np
+
+from poolserve.service import Model
+
+
+class AddSub(Model):
+    """Triton's "simple" and "simple_string": the sum and the difference of two inputs."""
+
+    def predict(self, inputs, parameters):
+        a, b = inputs["INPUT0"], inputs["INPUT1"]
+        if a.dtype == object:
+            x = np.array([int(v) for v in a.ravel()]).reshape(a.shape)
+            y = np.array([int(v) for v in b.ravel()]).reshape(b.shape)
+            as_bytes = np.vectorize(lambda v: str(v).encode(), otypes=[object])
+            return {"OUTPUT0": as_bytes(x + y), "OUTPUT1": as_bytes(x - y)}
+        return {"OUTPUT0": a + b, "OUTPUT1": a - b}
+
+
+class SlowEcho(Model):
+    """INPUT0 as OUTPUT0, after sleep_ms (read before the sleep, written after it)."""
+
+    def predict(self, inputs, parameters):
+        copy = np.array(inputs["INPUT0"])
+        time.sleep(int(parameters.get("sleep_ms", 0)) / 1000)
+        return {"OUTPUT0": copy}
+'''
+
+
+def _io(datatype: str) -> dict[str, object]:
+    tensor = {"datatype": datatype, "shape": [1, 16]}
+    return {
+        "inputs": [{"name": f"INPUT{k}", **tensor} for k in (0, 1)],
+        "outputs": [{"name": f"OUTPUT{k}", **tensor} for k in (0, 1)],
+    }
+
+
+def model_repository(repo: Path) -> Path:
+    copy_example(repo, "echo")
+    shutil.copytree(repo / "echo", repo / "echo_inline")
+    inline = json.loads((repo / "echo" / "model-settings.json").read_text())
+    inline.update(name="echo_inline", parallel_workers=0)
+    (repo / "echo_inline" / "model-settings.json").write_text(json.dumps(inline))
+    write_model(
+        repo,
+        "simple",
+        {"name": "simple", "implementation": "model.AddSub", **_io("INT32")},
+        ADD_SUB,
+    )
+    write_model(
+        repo,
+        "simple_string",
+        {"name": "simple_string", "implementation": "model.AddSub", **_io("BYTES")},
+        ADD_SUB,
+    )
+    write_model(
+        repo,
+        "slow_echo",
+        {
+            "name": "slow_echo",
+            "implementation": "model.SlowEcho",
+            "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [-1]}],
+            "outputs": [{"name": "OUTPUT0", "datatype": "FP32", "shape": [-1]}],
+        },
+        ADD_SUB,
+    )
+    return repo
+
+
+@pytest.fixture(scope="module")
+def serving(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
+    root = tmp_path_factory.mktemp("shm")
+    repo = model_repository(root / "repo")
+    with Serving(repo, root / "run", workers=2) as served:
+        asyncio.run(_wait(served.address))
+        yield served
+
+
+async def _wait(address: str) -> None:
+    async with grpc.aio.insecure_channel(address) as channel:
+        await wait_serving(channel)
+
+
+class ShmObject:
+    """A POSIX shared-memory object of this test, unlinked at the end."""
+
+    def __init__(self, size: int) -> None:
+        self.name = f"poolserve_test_{uuid.uuid4().hex[:12]}"
+        self.key = "/" + self.name
+        self.path = Path("/dev/shm") / self.name
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self.memory = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+
+    def write(self, data: bytes, offset: int = 0) -> None:
+        self.memory[offset : offset + len(data)] = data
+
+    def read(self, size: int, offset: int = 0) -> bytes:
+        return bytes(self.memory[offset : offset + size])
+
+    def truncate(self, size: int) -> None:
+        self.memory.close()  # touching our own map past the new end would be SIGBUS
+        os.truncate(self.path, size)
+
+    def unlink(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        if not self.memory.closed:
+            self.memory.close()
+        self.unlink()
+
+
+@pytest.fixture
+def objects() -> Iterator[list[ShmObject]]:
+    made: list[ShmObject] = []
+    yield made
+    for obj in made:
+        obj.close()
+
+
+def make(objects: list[ShmObject], size: int) -> ShmObject:
+    obj = ShmObject(size)
+    objects.append(obj)
+    return obj
+
+
+def run(address: str, body: object) -> None:
+    async def main() -> None:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = Stub(channel)
+            try:
+                await body(stub)  # type: ignore[operator]
+            finally:
+                await stub.SystemSharedMemoryUnregister(pb.SystemSharedMemoryUnregisterRequest())
+
+    asyncio.run(main())
+
+
+async def status(call: object) -> tuple[grpc.StatusCode, str]:
+    try:
+        await call  # type: ignore[misc]
+    except grpc.aio.AioRpcError as exc:
+        return exc.code(), exc.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
+async def register(stub: Stub, name: str, obj: ShmObject, size: int, offset: int = 0) -> None:
+    request = pb.SystemSharedMemoryRegisterRequest(
+        name=name, key=obj.key, offset=offset, byte_size=size
+    )
+    await stub.SystemSharedMemoryRegister(request, timeout=30)
+
+
+def in_region(
+    tensor: pb.ModelInferRequest.InferInputTensor | pb.ModelInferRequest.InferRequestedOutputTensor,
+    region: str,
+    size: int,
+    offset: int = 0,
+) -> None:
+    tensor.parameters["shared_memory_region"].string_param = region
+    tensor.parameters["shared_memory_byte_size"].int64_param = size
+    if offset:
+        tensor.parameters["shared_memory_offset"].int64_param = offset
+
+
+def echo_request(model: str, region: str, count: int, out_region: str = "") -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name=model)
+    in_region(
+        request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, count]), region, count * 4
+    )
+    output = request.outputs.add(name="OUTPUT0")
+    if out_region:
+        in_region(output, out_region, count * 4)
+    return request
+
+
+def floats(values: np.ndarray) -> bytes:
+    return np.asarray(values, dtype="<f4").tobytes()
+
+
+async def worker_pids(serving: Serving) -> list[int]:
+    return sorted(w.pid for w in (await pool_status(serving)).workers)
+
+
+def test_tritonclient_shared_memory_flows(serving: Serving) -> None:
+    """simple_grpc_shm_client and simple_grpc_shm_string_client's calls, unchanged."""
+    check_client_report(run_client("triton_shm.py", serving.address, prefix()))
+
+
+def test_serve_inprocess_serves_shared_memory_through_the_same_code(tmp_path: Path) -> None:
+    repo = model_repository(tmp_path / "repo")
+
+    async def main() -> None:
+        server = InProcessServer(scan(repo), ServerSettings())
+        port = await server.start("127.0.0.1:0")
+        try:
+            address = f"127.0.0.1:{port}"
+            report = await asyncio.to_thread(run_client, "triton_shm.py", address, prefix())
+        finally:
+            await server.stop(0)
+        check_client_report(report)
+
+    asyncio.run(main())
+
+
+def prefix() -> str:
+    return f"poolserve_t{uuid.uuid4().hex[:8]}"
+
+
+def check_client_report(report: dict[str, Any]) -> None:
+    assert "system_shared_memory" in report["extensions"]
+    assert "cuda_shared_memory" not in report["extensions"]
+    assert report["numeric"] == {
+        "sum": True,
+        "diff": True,
+        "raw_entries": [0, 0],  # an empty entry per output in a region, as Triton
+        "shapes": [[1, 16], [1, 16]],
+    }
+    assert sorted(report["status"]) == ["input_data", "output_data"]
+    assert report["status"]["input_data"][1:] == [0, 128]
+    assert report["status_one"] == ["input_data"]
+    assert report["status_unknown"][0] == "StatusCode.NOT_FOUND"
+    assert "no_such_region" in report["status_unknown"][1]
+    assert report["register_twice"][0] == "StatusCode.ALREADY_EXISTS"
+    assert report["after_unregister"] == ["output_data"]
+    assert report["infer_unregistered"][0] == "StatusCode.INVALID_ARGUMENT"
+    assert "'input_data', which is not registered" in report["infer_unregistered"][1]
+    assert report["strings"] == {"sum": True, "diff": True, "datatypes": ["BYTES", "BYTES"]}
+    assert report["mixed"] == {"sum_in_region": True, "diff_raw": True}
+    assert report["cuda_unregister"] == ["OK", ""]
+    assert report["cuda_unregister_one"] == ["OK", ""]
+    assert report["cuda_status"] == {}
+    code, message = report["cuda_register"]
+    assert code == "StatusCode.UNIMPLEMENTED"
+    assert "not supported on CPU hosts" in message
+    assert report["left_registered"] == []
+
+
+@pytest.mark.parametrize("model", ["echo", "echo_inline"])
+def test_a_name_registered_again_is_never_served_from_the_old_mapping(
+    serving: Serving, objects: list[ShmObject], model: str
+) -> None:
+    first, second = make(objects, 64), make(objects, 4096)
+    first.write(floats(np.arange(16)))
+    second.write(floats(np.full(16, 7.0)), offset=1024)
+    out = make(objects, 64)
+
+    async def body(stub: Stub) -> None:
+        await register(stub, "in", first, 64)
+        await register(stub, "out", out, 64)
+        request = echo_request(model, "in", 16, out_region="out")
+        for _ in range(6):  # every worker maps the first object
+            reply = await stub.ModelInfer(request, timeout=30)
+            assert list(reply.raw_output_contents) == [b""]
+            assert np.frombuffer(out.read(64), "<f4").tolist() == list(range(16))
+        await stub.SystemSharedMemoryUnregister(pb.SystemSharedMemoryUnregisterRequest(name="in"))
+        await register(stub, "in", second, 64, offset=1024)
+        for _ in range(6):
+            await stub.ModelInfer(request, timeout=30)
+            assert np.frombuffer(out.read(64), "<f4").tolist() == [7.0] * 16
+
+    run(serving.address, body)
+
+
+def test_register_checks_the_object_and_the_name(
+    serving: Serving, objects: list[ShmObject]
+) -> None:
+    obj = make(objects, 100)
+
+    async def body(stub: Stub) -> None:
+        def call(name: str, key: str, offset: int, size: int) -> object:
+            request = pb.SystemSharedMemoryRegisterRequest(
+                name=name, key=key, offset=offset, byte_size=size
+            )
+            return stub.SystemSharedMemoryRegister(request, timeout=30)
+
+        code, message = await status(call("r", obj.key, 60, 41))
+        assert code is grpc.StatusCode.INVALID_ARGUMENT
+        assert "offset 60 + byte_size 41" in message and "the 100 bytes" in message
+        code, message = await status(call("r", "/poolserve_no_such_object", 0, 8))
+        assert code is grpc.StatusCode.NOT_FOUND and "poolserve_no_such_object" in message
+        code, message = await status(call("r", "/../etc/passwd", 0, 8))
+        assert (
+            code is grpc.StatusCode.INVALID_ARGUMENT and "not a POSIX shared-memory name" in message
+        )
+        assert (await status(call("r", obj.key, 60, 40)))[0] is grpc.StatusCode.OK
+        code, message = await status(call("r", obj.key, 0, 8))
+        assert code is grpc.StatusCode.ALREADY_EXISTS and "'r'" in message
+        listed = await stub.SystemSharedMemoryStatus(pb.SystemSharedMemoryStatusRequest())
+        assert {n: (r.key, r.offset, r.byte_size) for n, r in listed.regions.items()} == {
+            "r": (obj.key, 60, 40)
+        }
+
+    run(serving.address, body)
+
+
+@pytest.mark.parametrize("model", ["echo", "echo_inline"])
+def test_tensors_out_of_bounds_or_of_the_wrong_size_are_invalid_argument(
+    serving: Serving, objects: list[ShmObject], model: str
+) -> None:
+    obj = make(objects, 64)
+    obj.write(floats(np.arange(16)))
+    small = make(objects, 64)
+
+    async def body(stub: Stub) -> None:
+        await register(stub, "in", obj, 64)
+        await register(stub, "small", small, 32)
+        past = echo_request(model, "in", 16)
+        in_region(past.inputs[0], "in", 64, offset=8)
+        code, message = await status(stub.ModelInfer(past, timeout=30))
+        assert code is grpc.StatusCode.INVALID_ARGUMENT
+        assert "shared_memory_offset 8 + shared_memory_byte_size 64" in message
+        assert "'in'" in message
+        wrong = echo_request(model, "in", 16)
+        in_region(wrong.inputs[0], "in", 60)
+        code, message = await status(stub.ModelInfer(wrong, timeout=30))
+        assert code is grpc.StatusCode.INVALID_ARGUMENT
+        assert message == (
+            "input 'INPUT0': shared_memory_byte_size is 60 but shape [1, 16] of FP32 needs 64 bytes"
+        )
+        too_small = echo_request(model, "in", 16, out_region="small")
+        in_region(too_small.outputs[0], "small", 32)
+        code, message = await status(stub.ModelInfer(too_small, timeout=30))
+        assert code is grpc.StatusCode.INVALID_ARGUMENT
+        assert message.startswith("output 'OUTPUT0' needs 64 bytes but shared-memory region")
+        assert "'small' gives it 32" in message
+        unknown = echo_request(model, "nowhere", 16)
+        code, message = await status(stub.ModelInfer(unknown, timeout=30))
+        assert code is grpc.StatusCode.INVALID_ARGUMENT
+        assert (
+            message
+            == "input 'INPUT0' names shared-memory region 'nowhere', which is not registered"
+        )
+        ok = await stub.ModelInfer(echo_request(model, "in", 16), timeout=30)
+        assert np.frombuffer(ok.raw_output_contents[0], "<f4").tolist() == list(range(16))
+
+    run(serving.address, body)
+
+
+def test_an_object_truncated_or_unlinked_under_a_request_takes_no_worker_down(
+    serving: Serving, objects: list[ShmObject]
+) -> None:
+    source, target = make(objects, 4096), make(objects, 4096)
+    source.write(floats(np.arange(1024)))
+
+    async def body(stub: Stub) -> None:
+        before = await worker_pids(serving)
+        await register(stub, "src", source, 4096)
+        await register(stub, "dst", target, 4096)
+        request = echo_request("slow_echo", "src", 1024, out_region="dst")
+        request.inputs[0].shape[:] = [1024]
+        for _ in range(4):  # both workers map both regions
+            await stub.ModelInfer(request, timeout=30)
+        request.parameters["sleep_ms"].int64_param = 1500
+        # The output object shrinks while the model runs: checked before the write.
+        call = stub.ModelInfer(request, timeout=60)
+        await asyncio.sleep(0.5)  # the request is in the model's sleep (1.5 s)
+        target.truncate(16)
+        code, message = await status(call)
+        assert code is grpc.StatusCode.INVALID_ARGUMENT
+        assert "'dst'" in message and "is now 16 bytes" in message
+        # Unregistered and unlinked under a request: the worker's mapping holds the pages.
+        del request.parameters["sleep_ms"]
+        await register(stub, "dst2", make(objects, 4096), 4096)
+        in_region(request.outputs[0], "dst2", 4096)
+        request.parameters["sleep_ms"].int64_param = 1500
+        call = stub.ModelInfer(request, timeout=60)
+        await asyncio.sleep(0.5)
+        await stub.SystemSharedMemoryUnregister(pb.SystemSharedMemoryUnregisterRequest())
+        source.unlink()
+        assert (await status(call))[0] in (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT)
+        code, message = await status(stub.ModelInfer(request, timeout=30))
+        assert code is grpc.StatusCode.INVALID_ARGUMENT and "not registered" in message
+        assert await worker_pids(serving) == before
+
+    run(serving.address, body)
+
+
+def test_a_request_that_brings_its_own_registrations_is_refused(
+    serving: Serving, objects: list[ShmObject]
+) -> None:
+    """Only the router attaches registrations: a client cannot choose what a worker maps."""
+    obj = make(objects, 64)
+    body_bytes = echo_request("echo", "forged", 16).SerializeToString()
+    forged = wrap([Region("forged", obj.key, 0, 64, 1)], body_bytes)
+
+    obj.write(b"secret" * 10)
+
+    async def main() -> None:
+        async with grpc.aio.insecure_channel(serving.address) as channel:
+            infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+            code, _ = await status(infer(forged, timeout=30))
+            assert code is grpc.StatusCode.INVALID_ARGUMENT
+
+    asyncio.run(main())
+
+
+def test_a_pool_addressed_directly_has_a_registry_of_its_own(
+    serving: Serving, objects: list[ShmObject]
+) -> None:
+    obj = make(objects, 64)
+    obj.write(floats(np.arange(16)))
+
+    async def body(stub: Stub) -> None:
+        await register(stub, "direct", obj, 64)
+        reply = await stub.ModelInfer(echo_request("echo", "direct", 16), timeout=30)
+        assert np.frombuffer(reply.raw_output_contents[0], "<f4").tolist() == list(range(16))
+
+    run(f"unix:{serving.run_dir / 'pool-default.sock'}", body)
+
+    async def router_side(stub: Stub) -> None:
+        listed = await stub.SystemSharedMemoryStatus(pb.SystemSharedMemoryStatusRequest())
+        assert "direct" not in listed.regions
+
+    run(serving.address, router_side)
+
+
+def test_a_stream_reads_regions_registered_at_the_router(
+    serving: Serving, objects: list[ShmObject]
+) -> None:
+    obj = make(objects, 64)
+    obj.write(floats(np.arange(16)))
+
+    async def body(stub: Stub) -> None:
+        await register(stub, "streamed", obj, 64)
+        requests = [echo_request("echo", "streamed", 16), echo_request("echo", "elsewhere", 16)]
+        replies = [reply async for reply in stub.ModelStreamInfer(iter(requests), timeout=30)]
+        first, second = replies
+        assert not first.error_message
+        values = np.frombuffer(first.infer_response.raw_output_contents[0], "<f4")
+        assert values.tolist() == list(range(16))
+        assert "'elsewhere', which is not registered" in second.error_message
+
+    run(serving.address, body)
