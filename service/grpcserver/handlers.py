@@ -18,7 +18,13 @@ from poolserve.service.contract.errors import ServingError
 from poolserve.service.grpcserver.status import STAGE_METADATA, grpc_status
 
 SERVICE = "inference.GRPCInferenceService"
-EXTENSIONS = ("model_repository", "statistics", "model_configuration", "schedule_policy")
+EXTENSIONS = (
+    "model_repository",
+    "statistics",
+    "model_configuration",
+    "schedule_policy",
+    "classification",
+)
 NO_DEADLINE_S = 1e6  # grpc.aio reports a huge time_remaining() when the client set none
 
 log = logging.getLogger(__name__)
