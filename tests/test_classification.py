@@ -201,7 +201,7 @@ def test_label_files_read_as_triton_reads_them(tmp_path: Path) -> None:
         TensorSpec("r", "FP32", (3,)),
     ]
     assert read_labels(tmp_path, specs) == {"p": (b"a", b"", b"c\xff"), "q": (b"x", b"y")}
-    with pytest.raises(LabelFileError, match="label file 'gone.txt' of output 'p' cannot be read"):
+    with pytest.raises(LabelFileError, match=r"'gone\.txt' of output 'p' cannot be read"):
         read_labels(tmp_path, [TensorSpec("p", "FP32", (3,), label_filename="gone.txt")])
     with pytest.raises(LabelFileError, match="outside the model folder"):
         read_labels(tmp_path, [TensorSpec("p", "FP32", (3,), label_filename="../x.txt")])
@@ -255,7 +255,7 @@ def test_a_loaded_model_answers_classes_with_its_labels(tmp_path: Path) -> None:
     assert strings(decode_outputs(response)["probs"]) == ["0.500000:1:high", "0.300000:2"]
     named = pb.ModelInferRequest.FromString(infer_request("classifier", np.zeros((1, 3, 2, 2))))
     named.outputs.add(name="name").parameters["classification"].int64_param = 1
-    with pytest.raises(InvalidInput, match="output 'name'.*unsupported type 'BYTES'"):
+    with pytest.raises(InvalidInput, match=r"output 'name'.*unsupported type 'BYTES'"):
         infer(model, named.SerializeToString())
 
 
