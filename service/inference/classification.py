@@ -144,9 +144,8 @@ def top_classes(
     score = _integer if rows.dtype.kind in "iu" else _decimal
     found: list[bytes] = []
     for row in rows:
-        values = row.tolist()
         for index in _top_indices(row, kept):
-            text = f"{score(values[index])}:{index}".encode()
+            text = f"{score(row[index].item())}:{index}".encode()
             label = labels[index] if index < len(labels) else b""
             found.append(text + b":" + label if label else text)
     out = np.empty(len(found), dtype=object)
@@ -156,19 +155,27 @@ def top_classes(
 
 def _top_indices(row: npt.NDArray[Any], kept: int) -> list[int]:
     """The first ``kept`` indices of ``row`` in Triton's order (descending values)."""
+    size = row.shape[0]
     if kept == 0:
         return []
-    # Descending, equal values by index: a stable ascending sort of the reversed row.
-    size = row.shape[0]
-    order = (size - 1) - np.argsort(row[::-1], kind="stable")[::-1]
-    ordered = row[order[: kept + 1]]  # one past the kept: a tie there decides too
-    undecided = bool(np.any(ordered[:-1] == ordered[1:]))
+    # The kept + 1 highest, by value: a tie between the last kept and the next
+    # decides which index is kept, so it counts as a tie too.
+    if kept < size:
+        candidates = np.argpartition(row, size - kept - 1)[size - kept - 1 :]
+    else:
+        candidates = np.arange(size)
+    ordered = candidates[np.argsort(row[candidates], kind="stable")[::-1]]
+    values = row[ordered]
+    undecided = bool(np.any(values[:-1] == values[1:]))
     if row.dtype.kind == "f":
         undecided = undecided or bool(np.isnan(row).any())
-    if undecided and size <= REPLAY_LIMIT:
-        # Ties (or NaN) in the top: which index comes first is up to std::sort.
+    if not undecided:
+        return ordered[:kept].tolist()  # type: ignore[no-any-return]
+    if size <= REPLAY_LIMIT:  # equal values (or NaN) in the top: up to std::sort
         return triton_sort(row.tolist())[:kept]
-    return [int(i) for i in order[:kept]]
+    # Descending, equal values by index: a stable ascending sort of the reversed row.
+    order = (size - 1) - np.argsort(row[::-1], kind="stable")[::-1]
+    return order[:kept].tolist()  # type: ignore[no-any-return]
 
 
 def _integer(value: int) -> str:
