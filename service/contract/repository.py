@@ -42,11 +42,17 @@ _MODEL_FIELDS = {
 _PARAMETER_FIELDS = {"uri", "version", "inference_pool_gid", "extra", "environment_tarball"}
 
 
+# Triton's ModelInput.Format: how an image input lays out its dimensions.
+INPUT_FORMATS = ("FORMAT_NONE", "FORMAT_NHWC", "FORMAT_NCHW")
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     name: str
     datatype: str
     shape: tuple[int, ...]
+    format: str = "FORMAT_NONE"  # inputs: parameters.format
+    label_filename: str = ""  # outputs: parameters.label_filename, relative to the model folder
 
 
 @dataclass(frozen=True)
@@ -107,7 +113,9 @@ class Repository:
         return None
 
 
-def _tensor_specs(source: str, key: str, value: object) -> tuple[TensorSpec, ...]:
+def _tensor_specs(
+    source: str, key: str, value: object, batch_dims: int = 0
+) -> tuple[TensorSpec, ...]:
     if value is None:
         return ()
     if not isinstance(value, list):
@@ -125,8 +133,36 @@ def _tensor_specs(source: str, key: str, value: object) -> tuple[TensorSpec, ...
         datatype = item.get("datatype", "")
         if not isinstance(datatype, str):
             raise ConfigError(source, f"{where}.datatype", "expected a string")
-        specs.append(TensorSpec(item["name"], datatype, tuple(shape)))
+        fmt, labels = _tensor_parameters(source, where, key, item.get("parameters"))
+        if fmt != "FORMAT_NONE" and len(shape) - batch_dims != 3:
+            raise ConfigError(
+                source,
+                f"{where}.parameters.format",
+                f"{fmt} needs 3 dimensions besides the batch dimension, shape is {shape}",
+            )
+        specs.append(TensorSpec(item["name"], datatype, tuple(shape), fmt, labels))
     return tuple(specs)
+
+
+def _tensor_parameters(source: str, where: str, key: str, params: object) -> tuple[str, str]:
+    """A tensor's ``format`` (inputs) and ``label_filename`` (outputs); the other
+    parameters (MLServer's ``content_type``...) are left to the model."""
+    if params is None:
+        return "FORMAT_NONE", ""
+    fields: dict[str, Any] = _expect(source, f"{where}.parameters", params, dict)
+    fmt = fields.get("format", "FORMAT_NONE")
+    if fmt != "FORMAT_NONE" and key != "inputs":
+        raise ConfigError(source, f"{where}.parameters.format", "only inputs have a format")
+    if fmt not in INPUT_FORMATS:
+        raise ConfigError(
+            source, f"{where}.parameters.format", f"expected one of {', '.join(INPUT_FORMATS)}"
+        )
+    labels = fields.get("label_filename", "")
+    if labels and key != "outputs":
+        raise ConfigError(source, f"{where}.parameters.label_filename", "only outputs have labels")
+    if not isinstance(labels, str):
+        raise ConfigError(source, f"{where}.parameters.label_filename", "expected a file name")
+    return fmt, labels
 
 
 def _expect(source: str, key: str, value: object, kind: type | tuple[type, ...]) -> Any:
@@ -173,6 +209,8 @@ def parse_model_settings(path: Path) -> ModelSettings:
     if workers is not None:
         workers = _expect(source, "parallel_workers", workers, int)
     extra = _expect(source, "parameters.extra", params.get("extra", {}), dict)
+    max_batch_size = _expect(source, "max_batch_size", data.get("max_batch_size", 0), int)
+    batch_dims = 1 if max_batch_size > 0 else 0
     return ModelSettings(
         name=name,
         implementation=implementation,
@@ -182,9 +220,9 @@ def parse_model_settings(path: Path) -> ModelSettings:
         uri=uri,
         gid=gid,
         extra=extra,
-        inputs=_tensor_specs(source, "inputs", data.get("inputs")),
-        outputs=_tensor_specs(source, "outputs", data.get("outputs")),
-        max_batch_size=_expect(source, "max_batch_size", data.get("max_batch_size", 0), int),
+        inputs=_tensor_specs(source, "inputs", data.get("inputs"), batch_dims),
+        outputs=_tensor_specs(source, "outputs", data.get("outputs"), batch_dims),
+        max_batch_size=max_batch_size,
         max_batch_time=float(
             _expect(source, "max_batch_time", data.get("max_batch_time", 0), (int, float))
         ),

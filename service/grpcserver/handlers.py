@@ -24,6 +24,7 @@ EXTENSIONS = (
     "model_configuration",
     "schedule_policy",
     "system_shared_memory",
+    "classification",
 )
 NO_DEADLINE_S = 1e6  # grpc.aio reports a huge time_remaining() when the client set none
 

@@ -89,12 +89,11 @@ class InferenceCargo:
 
     def load_one(self, settings: ModelSettings, emit: Emit) -> None:
         """Loads (or reloads) one model; a failure leaves the previous one in place."""
-        from poolserve.service.inference.model import instantiate, tensor_specs
+        from poolserve.service.inference.model import load_model, tensor_specs
         from poolserve.service.inference.warmup import warmup_inputs
 
         try:
-            model = instantiate(settings)
-            model.load()
+            model = load_model(settings)
         except BaseException as exc:  # a model's load may raise anything, even SystemExit
             reason = truncate_reason(
                 f"load failed: {type(exc).__name__}: {exc} (model {settings.source})"

@@ -13,8 +13,9 @@ from google.protobuf.message import DecodeError
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service.contract.errors import InvalidInput, ModelError, ServingError
 from poolserve.service.contract.shm import Region, unwrap
+from poolserve.service.inference.classification import classify, requested_classes
 from poolserve.service.inference.codec import decode_inputs, encode_outputs, parameters_to_dict
-from poolserve.service.inference.model import Model, check_outputs
+from poolserve.service.inference.model import Model, check_outputs, class_labels
 from poolserve.service.inference.shm import SharedTensors
 from poolserve.service.poolcore.stats import Timings
 
@@ -41,6 +42,7 @@ def infer(
     shared = SharedTensors(regions)
     inputs = decode_inputs(request, shared.read)
     parameters = parameters_to_dict(request.parameters)
+    classes = requested_classes(request) if request.outputs else None
     t1 = time.perf_counter_ns()
     name = model.settings.name
     try:
@@ -50,6 +52,9 @@ def infer(
     except Exception as exc:
         raise ModelError.from_exception(name, exc) from exc
     t2 = time.perf_counter_ns()
+    if classes:  # Triton's classification extension, counted as encoding
+        batched = model.settings.max_batch_size > 0
+        outputs = classify(outputs, classes, class_labels(model), batched)
     response = pb.ModelInferResponse(
         model_name=name, model_version=model.settings.version, id=request.id
     )

@@ -14,6 +14,7 @@ import importlib
 import importlib.util
 import sys
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -30,6 +31,8 @@ class Model:
     # An inline model ("parallel_workers": 0) that declares itself fast runs its
     # predict on the pool's event loop; keep it well under a millisecond.
     inline_fast = False
+    # Set by load_model: the outputs' class labels (a name of ours, not the model's).
+    _poolserve_class_labels: Mapping[str, Sequence[bytes]] = MappingProxyType({})
 
     def __init__(self, settings: ModelSettings) -> None:
         self.settings = settings
@@ -106,6 +109,24 @@ def resolve_implementation(settings: ModelSettings) -> type[Model]:
 
 def instantiate(settings: ModelSettings) -> Model:
     return resolve_implementation(settings)(settings)
+
+
+def load_model(settings: ModelSettings) -> Model:
+    """A model instantiated and loaded, with the class labels its outputs name
+    (``parameters.label_filename``) read; a label file that cannot be read
+    fails the load like a raising ``load()``."""
+    from poolserve.service.inference.classification import read_labels
+
+    model = instantiate(settings)
+    model.load()
+    _, outputs = tensor_specs(model)
+    model._poolserve_class_labels = read_labels(settings.folder, outputs)
+    return model
+
+
+def class_labels(model: Model) -> Mapping[str, Sequence[bytes]]:
+    """The labels read by :func:`load_model`, by output name."""
+    return model._poolserve_class_labels
 
 
 def tensor_specs(model: Model) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:

@@ -90,13 +90,17 @@ class Cargo(Protocol):
 
 
 def specs_json(specs: Sequence[TensorSpec]) -> list[list[Any]]:
-    return [[s.name, s.datatype, list(s.shape)] for s in specs]
+    """[name, datatype, shape, format, label_filename] per tensor."""
+    return [[s.name, s.datatype, list(s.shape), s.format, s.label_filename] for s in specs]
 
 
 def specs_from_json(raw: list[list[Any]]) -> tuple[TensorSpec, ...]:
     from poolserve.service.contract.repository import TensorSpec
 
-    return tuple(TensorSpec(str(n), str(d), tuple(int(x) for x in s)) for n, d, s in raw)
+    return tuple(
+        TensorSpec(str(n), str(d), tuple(int(x) for x in s), str(f), str(label))
+        for n, d, s, f, label in raw
+    )
 
 
 def send(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ()) -> None:

@@ -294,11 +294,9 @@ def _abandon(inline: _Inline, job: Job) -> None:
 
 
 def _load(settings: ModelSettings) -> Model:
-    from poolserve.service.inference.model import instantiate
+    from poolserve.service.inference.model import load_model
 
-    model = instantiate(settings)
-    model.load()
-    return model
+    return load_model(settings)
 
 
 def _run(model: Model, request: bytes, deadline: float) -> tuple[bytes, Timings]:

@@ -21,17 +21,11 @@ from poolserve.service.contract.settings import ServerSettings
 from poolserve.service.contract.wire import Routing
 from poolserve.service.grpcserver.health import Health
 from poolserve.service.inference.infer import infer
-from poolserve.service.inference.model import Model, instantiate, tensor_specs
+from poolserve.service.inference.model import Model, load_model, tensor_specs
 from poolserve.service.poolserver.catalog import Catalog, ModelEntry, ModelState
 from poolserve.service.poolserver.servicer import InferenceServicer, Observer
 
 log = logging.getLogger(__name__)
-
-
-def load_model(settings: ModelSettings) -> Model:
-    model = instantiate(settings)
-    model.load()
-    return model
 
 
 class InProcessBackend:

@@ -28,7 +28,7 @@ from poolserve.service.poolserver.metadata import PLATFORM
 APPLIED = ("max_batch_size", "parameters")
 CHECKED = ("name", "platform", "backend", "input", "output")
 BACKEND = "python"  # what ModelConfig reports for every poolserve model
-_TENSOR_FIELDS = ("name", "data_type", "dims")
+_TENSOR_FIELDS = ("name", "data_type", "dims", "format", "label_filename")
 _INT = re.compile(r"^-?[0-9]+$")
 _MAX_INT32 = 2**31 - 1
 MAX_CONFIG_BYTES = 16 * 1024  # the override travels to the zygote in one 64 KiB message
@@ -202,6 +202,20 @@ def _check_tensors(
                 f"config field '{where}.data_type' is {clip(repr(item['data_type']))} but "
                 f"{key} '{spec.name}' is {spec.datatype}"
             )
+        for name, known_value, default in (
+            ("format", spec.format, "FORMAT_NONE"),
+            ("label_filename", spec.label_filename, ""),
+        ):
+            value = item.get(name, default)
+            if name == "format" and isinstance(value, int) and not isinstance(value, bool):
+                value = {number: text for text, number in pb.ModelInput.Format.items()}.get(
+                    value, value
+                )
+            if value != known_value:
+                raise InvalidInput(
+                    f"config field '{where}.{name}' is {clip(repr(item.get(name)))} but "
+                    f"{key} '{spec.name}' has {known_value!r}; poolserve cannot change it"
+                )
         if "dims" in item:
             dims = item["dims"]
             if not isinstance(dims, list):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from poolserve.protos import inference_pb2 as pb
-from poolserve.service.contract.repository import TensorSpec
+from poolserve.service.contract.repository import INPUT_FORMATS, TensorSpec
 
 PLATFORM = "poolserve_python"
 
@@ -69,6 +69,7 @@ def model_config(
             pb.ModelInput(
                 name=s.name,
                 data_type=_CONFIG_TYPES.get(s.datatype, pb.TYPE_INVALID),  # type: ignore[arg-type]
+                format=s.format if s.format in INPUT_FORMATS else "FORMAT_NONE",
                 dims=list(s.shape[skip:]),
             )
             for s in inputs
@@ -78,6 +79,7 @@ def model_config(
                 name=s.name,
                 data_type=_CONFIG_TYPES.get(s.datatype, pb.TYPE_INVALID),  # type: ignore[arg-type]
                 dims=list(s.shape[skip:]),
+                label_filename=s.label_filename,
             )
             for s in outputs
         ],
