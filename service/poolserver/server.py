@@ -279,8 +279,12 @@ class PoolServer(LiveModels):
                     self._on_unloaded,
                 )
             )
-            await server.start()
+            # The lane listens before the gRPC socket answers: the router follows
+            # health over the gRPC socket and sends calls down the lane as soon as
+            # a model says SERVING (a model that loads during server.start() would
+            # otherwise be routed to a lane that refuses connections).
             await self.lane.start(tasks)
+            await server.start()
             log.info("pool %s: serving on %s (pid %d)", self.gid, self.socket_path, os.getpid())
             if self.start_method == "spawn":
                 log.info("pool %s: workers start by spawn: each loads the models itself", self.gid)
