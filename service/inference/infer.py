@@ -13,7 +13,7 @@ from google.protobuf.message import DecodeError
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service.contract.errors import InvalidInput, ModelError, ServingError
 from poolserve.service.inference.codec import decode_inputs, encode_outputs, parameters_to_dict
-from poolserve.service.inference.model import Model, check_outputs
+from poolserve.service.inference.model import Model, WireModel, check_outputs
 from poolserve.service.poolcore.stats import Timings
 
 
@@ -26,6 +26,8 @@ def parse_request(data: bytes) -> pb.ModelInferRequest:
 
 def infer(model: Model, data: bytes) -> tuple[bytes, Timings]:
     """Runs one serialized ModelInferRequest; raises ServingError subclasses only."""
+    if isinstance(model, WireModel):  # an adapter converts with its own server's code
+        return model.infer_wire(data)
     t0 = time.perf_counter_ns()
     request = parse_request(data)
     inputs = decode_inputs(request)

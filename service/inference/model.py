@@ -10,16 +10,18 @@ under a private module name per model, so two models may both ship a
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from poolserve.service.contract.repository import ModelSettings, TensorSpec
+from poolserve.service.poolcore.stats import Timings
 
 Array = npt.NDArray[Any]
 
@@ -48,6 +50,34 @@ class Model:
         """Optional inputs for the warm-up prediction each fresh worker runs before
         it takes requests; by default zeros of the declared inputs."""
         return None
+
+
+class WireModel(Model):
+    """A model that answers the serialized ModelInferRequest itself: the
+    adapters of other servers' model APIs, which convert with their own code."""
+
+    def infer_wire(self, body: bytes) -> tuple[bytes, Timings]:
+        """The serialized ModelInferResponse and its timings; raises ServingError."""
+        raise NotImplementedError(f"{type(self).__name__}.infer_wire is not implemented")
+
+
+# Base classes of other servers' model APIs -> the adapter module that serves
+# their subclasses (its ``adapt(cls, settings) -> Model``). Named as strings:
+# an adapter and its server's package are imported only by models that use them.
+ADAPTERS = {
+    ("mlserver.model", "MLModel"): "poolserve.service.runtimes.mlmodel",
+}
+
+Factory = Callable[[ModelSettings], Model]
+
+
+def _adapter(cls: type) -> Factory | None:
+    for base in cls.__mro__:
+        name = ADAPTERS.get((base.__module__, base.__qualname__))
+        if name is not None:
+            adapt = importlib.import_module(name).adapt
+            return functools.partial(adapt, cls)  # type: ignore[no-any-return]
+    return None
 
 
 class ImplementationError(Exception):
@@ -80,7 +110,9 @@ def _import_from_folder(settings: ModelSettings, module_name: str) -> Any:
     return module
 
 
-def resolve_implementation(settings: ModelSettings) -> type[Model]:
+def resolve_implementation(settings: ModelSettings) -> Factory:
+    """What builds the model: its Model subclass, or the adapter of a model
+    written for another server (:data:`ADAPTERS`, e.g. an ``mlserver.MLModel``)."""
     module_name, _, class_name = settings.implementation.rpartition(".")
     if not module_name:
         raise ImplementationError(
@@ -97,11 +129,15 @@ def resolve_implementation(settings: ModelSettings) -> type[Model]:
             f"cannot import {settings.implementation!r}: {type(exc).__name__}: {exc}"
         ) from exc
     cls = getattr(module, class_name, None)
-    if not isinstance(cls, type) or not issubclass(cls, Model):
+    if isinstance(cls, type) and issubclass(cls, Model):
+        return cls
+    adapter = _adapter(cls) if isinstance(cls, type) else None
+    if adapter is None:
         raise ImplementationError(
-            f"{settings.implementation!r} is not a subclass of poolserve.service.Model"
+            f"{settings.implementation!r} is not a subclass of poolserve.service.Model "
+            "(nor of mlserver.MLModel)"
         )
-    return cls
+    return adapter
 
 
 def instantiate(settings: ModelSettings) -> Model:
