@@ -76,7 +76,7 @@ def _adapter(cls: type) -> Factory | None:
         name = ADAPTERS.get((base.__module__, base.__qualname__))
         if name is not None:
             adapt = importlib.import_module(name).adapt
-            return functools.partial(adapt, cls)  # type: ignore[no-any-return]
+            return functools.partial(adapt, cls)
     return None
 
 

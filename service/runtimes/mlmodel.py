@@ -105,7 +105,6 @@ class MLModelAdapter(WireModel):
         from mlserver.repository.load import load_model_settings
 
         ml_settings = load_model_settings(str(self.settings.source))
-        ml_settings.implementation = self.cls
         self.mlmodel = self.cls(ml_settings)
         loop = asyncio.new_event_loop()
         try:
