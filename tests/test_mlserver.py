@@ -75,6 +75,19 @@ class Broken(MLModel):
         raise RuntimeError("no weights in " + self.settings.parameters.uri)
 """
 
+SLEEPY = """
+import asyncio
+
+from mlserver import MLModel
+from mlserver.types import InferenceRequest, InferenceResponse
+
+
+class Sleepy(MLModel):
+    async def predict(self, payload: InferenceRequest) -> InferenceResponse:
+        await asyncio.sleep(60)
+        return InferenceResponse(model_name=self.name, outputs=[])
+"""
+
 NOT_READY = """
 from mlserver import MLModel
 
@@ -138,6 +151,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
     write_model(
         repo, "notready", {"name": "notready", "implementation": "model.NotReady"}, NOT_READY
     )
+    write_model(repo, "sleepy", {"name": "sleepy", "implementation": "model.Sleepy"}, SLEEPY)
     copy_example(repo, "echo")  # a native model in the same pool, so the same zygote
     # an MLServer repository's settings.json: read, with a notice for what is not supported
     (repo / "settings.json").write_text(
@@ -147,7 +161,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
 
         async def ready() -> None:
             async with grpc.aio.insecure_channel(serving.address) as channel:
-                for name in ("scaler", "iris", "wordcount", "echo"):
+                for name in ("scaler", "iris", "wordcount", "echo", "sleepy"):
                     await wait_serving(channel, f"model:{name}", timeout=WAIT)
 
         asyncio.run(ready())
@@ -274,7 +288,7 @@ def test_failed_loads_are_unavailable_with_reason_and_server_not_ready(served: S
     assert "w.bin" in states["broken"], states  # the uri, resolved by MLServer's settings
     assert "returned False" in states["notready"], states
     assert ready is False
-    for name in ("scaler", "iris", "wordcount", "echo"):
+    for name in ("scaler", "iris", "wordcount", "echo", "sleepy"):
         assert states[name].startswith("READY"), states
 
 
@@ -283,6 +297,25 @@ def test_mlserver_settings_json_is_read_with_notices(served: Serving) -> None:
     for field in ("http_port: not supported", "metrics_port: not supported", "debug: ignored"):
         assert f"settings.json: {field}" in log, log[-3000:]
     assert "Traceback" not in log
+
+
+def test_deadline_and_statistics_as_for_native_models(served: Serving) -> None:
+    async def main() -> tuple[grpc.StatusCode, pb.ModelStatisticsResponse]:
+        async with grpc.aio.insecure_channel(served.address) as channel:
+            stub = pbg.GRPCInferenceServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.ModelInfer(pb.ModelInferRequest(model_name="sleepy"), timeout=1.5)
+            # the other worker (and the replacement of the one left on sleepy) still serve
+            for _ in range(4):
+                await stub.ModelInfer(scaler_request([1.0]), timeout=60)
+            stats = await stub.ModelStatistics(pb.ModelStatisticsRequest(name="scaler"), timeout=10)
+            return info.value.code(), stats
+
+    code, stats = asyncio.run(main())
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    scaler = stats.model_stats[0].inference_stats
+    assert scaler.success.count >= 4
+    assert scaler.compute_infer.ns > 0  # the adapter's timings reach the statistics
 
 
 def test_native_model_shares_the_pool(served: Serving) -> None:
