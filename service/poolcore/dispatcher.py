@@ -38,6 +38,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 from poolserve.service.contract.errors import (
     DeadlineExceeded,
@@ -459,8 +460,9 @@ class Dispatcher:
             transport, _ = await loop.connect_accepted_socket(
                 lambda: _WorkerLink(self, worker, closed), sock=worker.sock
             )
-            assert isinstance(transport, asyncio.Transport)
-            worker.transport = transport
+            # uvloop's transports (uvicorn picks uvloop when installed) have the
+            # asyncio.Transport interface without subclassing it: no isinstance check.
+            worker.transport = cast(asyncio.Transport, transport)
             self._begin_warmup(worker)
             self._on_change()
             await closed  # the worker died or closed, or we closed it
