@@ -230,6 +230,19 @@ def test_poolserve_protos_and_mlserver_import_in_one_process() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+def test_poolserve_core_never_imports_mlserver() -> None:
+    """mlserver is imported by a process only when one of its models subclasses MLModel."""
+    code = (
+        "import sys\n"
+        "import poolserve.service.inference.cargo, poolserve.service.inference.infer\n"
+        "import poolserve.service.poolserver.server, poolserve.service.router.router\n"
+        "import poolserve.service.runtimes, poolserve.supervisor.cli\n"
+        "assert not [m for m in sys.modules if m.split('.')[0] == 'mlserver'], 'mlserver'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_custom_mlmodel_with_decode_args(served: Serving) -> None:
     reply = asyncio.run(call(served.address, scaler_request([1.0, 2.0, 4.0], tag="abc")))
     assert reply.model_name == "scaler" and reply.id == "r1"
