@@ -38,7 +38,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import cast
 
 from poolserve.service.contract.errors import (
     DeadlineExceeded,
@@ -462,7 +461,7 @@ class Dispatcher:
             )
             # uvloop's transports (uvicorn picks uvloop when installed) have the
             # asyncio.Transport interface without subclassing it: no isinstance check.
-            worker.transport = cast(asyncio.Transport, transport)
+            worker.transport = transport
             self._begin_warmup(worker)
             self._on_change()
             await closed  # the worker died or closed, or we closed it
