@@ -13,7 +13,7 @@ PROTOS := $(wildcard protos/*.proto)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test,dev,sklearn]'
+	$(BIN)/python -m pip install -q -e '.[test,dev,sklearn,mlserver]'
 	touch $@
 
 install: $(STAMP) ns

@@ -62,7 +62,8 @@ def project_xgboost() -> str:
 
 
 def mlserver_venv() -> VenvSpec:
-    """MLServer 1.7.1 and its XGBoost runtime, mlserver-xgboost 1.7.1.
+    """MLServer 1.7.1 and its XGBoost and scikit-learn runtimes (1.7.1; the
+    scikit-learn one for tests/test_mlserver.py's side-by-side).
 
     mlserver-xgboost asks for ``xgboost[scikit-learn]``, whose Linux wheel is
     the GPU build (with NCCL, hundreds of MB): it is installed without
@@ -75,7 +76,7 @@ def mlserver_venv() -> VenvSpec:
         "mlserver",
         ("mlserver==1.7.1", "uvloop==0.21.0", f"grpcio=={project_grpcio()}", project_xgboost(),
          sklearn),
-        no_deps=("mlserver-xgboost==1.7.1",),
+        no_deps=("mlserver-xgboost==1.7.1", "mlserver-sklearn==1.7.1"),
     )  # fmt: skip
 
 

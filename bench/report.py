@@ -596,8 +596,17 @@ def markdown(results: Results) -> str:
         "(throughput x duration of the perf_analyzer run), median of the runs.\n\n"
         + cpu_table(results),
         "## Overload\n\n" + overload_note(results) + "\n\n" + overload_table(results),
+        *(
+            [f"## MLServer runtimes under poolserve\n\n{dropin_table(results)}"]
+            * bool(dropin_table(results))
+        ),
     ]
     return "\n\n".join(parts) + "\n"
+
+
+def dropin_table(results: Results) -> str:
+    """bench/mlserver_dropin.py's table, rendered by that phase."""
+    return str((results.get("mlserver_dropin") or {}).get("table", ""))
 
 
 def xgb_note(results: Results) -> str:
@@ -679,6 +688,7 @@ def console(results: Results) -> str:
             memory_breakdown(results),
             cpu_table(results),
             overload_table(results),
+            dropin_table(results),
         ]
         if part
     )

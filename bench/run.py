@@ -38,6 +38,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH / "peers"))
 
 import install  # noqa: E402
+import mlserver_dropin  # noqa: E402
 import perf  # noqa: E402
 import report  # noqa: E402
 import servers  # noqa: E402
@@ -547,6 +548,24 @@ def overload_only(mode: Mode, only: Sequence[str], repeat: int) -> dict[str, Any
     return results
 
 
+def dropin_only(mode: Mode) -> dict[str, Any]:
+    """Calibration and bench/mlserver_dropin.py's phase alone (never published)."""
+    installed = install.ensure_all([install.PEER_VENVS["mlserver"]()])
+    run_dir = WORK / datetime.datetime.now().strftime("dropin-%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True)
+    wait_for_quiet(mode.quiet_wait_s)
+    calibration = calibrate()
+    load = servers.Workload(int(calibration["iterations"]), run_dir / "burn.count")
+    fleet = Fleet(run_dir, installed.venvs, load)
+    try:
+        data = mlserver_dropin.measure(fleet, mode, installed.perf_analyzer, run_dir, measure_cell)
+    finally:
+        fleet.stop_all()
+    (run_dir / "dropin.json").write_text(json.dumps({**calibration, **data}, indent=1) + "\n")
+    log(f"wrote {run_dir / 'dropin.json'}")
+    return data
+
+
 # -- memory ---------------------------------------------------------------------------------
 
 
@@ -702,6 +721,10 @@ def run(mode: Mode, only: Sequence[str], publish_results: bool) -> dict[str, Any
         fleet.stop_all()
         with phase("memory", timings):
             results["memory"] = measure_memory(fleet, mode, [s.key for s in chosen])
+        if servers.REFERENCE in [s.key for s in chosen]:
+            with phase("mlserver drop-in", timings):
+                results["mlserver_dropin"] = mlserver_dropin.measure(
+                    fleet, mode, installed.perf_analyzer, run_dir, measure_cell)  # fmt: skip
     finally:
         fleet.stop_all()
     timings["total"] = round(time.monotonic() - began, 1)
@@ -722,8 +745,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--only",
-        choices=["overload"],
-        help="run one part alone: overload (calibration, servers, overload; never published)",
+        choices=["overload", "mlserver-dropin"],
+        help="run one part alone: overload (calibration, servers, overload; never published), "
+        "mlserver-dropin (bench/mlserver_dropin.py)",
     )
     parser.add_argument("--repeat", type=int, default=1, help="with --only overload: runs each")
     parser.add_argument(
@@ -742,6 +766,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(report.console(results))
         return 0
     mode = MODES[args.mode]
+    if args.only == "mlserver-dropin":
+        print(dropin_only(mode)["table"])
+        return 0
     if args.only == "overload":
         print(report.overload_console(overload_only(mode, only, max(1, args.repeat))))
         return 0

@@ -33,7 +33,12 @@ from poolserve.service.contract.rundir import (
     ensure_private_dir,
     sweep_stale_sockets,
 )
-from poolserve.service.contract.settings import ConfigError, ServerSettings, load_server_settings
+from poolserve.service.contract.settings import (
+    ConfigError,
+    ServerSettings,
+    load_server_settings,
+    mlserver_notices,
+)
 from poolserve.service.lifecycle.exitcodes import EXIT_CONFIG, EXIT_OK, EXIT_UNRECOVERABLE
 from poolserve.service.lifecycle.limits import raise_open_file_limit
 from poolserve.service.lifecycle.logs import setup_logging
@@ -243,6 +248,8 @@ def run_serve(repo: Path, flags: Mapping[str, object]) -> int:
         return EXIT_CONFIG
     with lock:
         setup_logging("supervisor", settings.log_format)
+        for notice in mlserver_notices(repo):
+            log.warning("MLServer setting: %s", notice)
         before, after = raise_open_file_limit()  # the children inherit it
         if after != before:
             log.info("open file limit raised from %d to %d (the hard limit)", before, after)

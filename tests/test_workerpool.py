@@ -171,6 +171,20 @@ def test_scores_on_workers_forked_from_the_zygote_that_loaded_once(tmp_path: Pat
     asyncio.run(main())
 
 
+def test_scores_under_uvloop() -> None:
+    """Before: AssertionError (uvloop's transports do not subclass asyncio.Transport) and
+    the pool stopped: uvicorn runs apps on uvloop whenever it is installed."""
+    uvloop = pytest.importorskip("uvloop", reason="uvloop comes with the mlserver extra")
+
+    async def main() -> None:
+        pool = WorkerPool(workers=1)
+        pool.add_model("sum", load=counter("sum"), score=wm.add)
+        async with running(pool):
+            assert await pool.score("sum", 1, 2, scale=10.0, timeout=60) == 30.0
+
+    uvloop.run(main())
+
+
 def test_add_model_to_a_running_pool_replaces_workers_without_failing_calls(
     tmp_path: Path,
 ) -> None:

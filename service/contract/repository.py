@@ -38,8 +38,20 @@ _MODEL_FIELDS = {
     "versions",
     "parallel_workers",
     "warm_workers",
+    "cache_enabled",  # MLServer's; poolserve has no response cache
 }
-_PARAMETER_FIELDS = {"uri", "version", "inference_pool_gid", "extra", "environment_tarball"}
+_PARAMETER_FIELDS = {
+    "uri",
+    "version",
+    "inference_pool_gid",
+    "extra",
+    "environment_tarball",
+    # MLServer's, read by an mlserver.MLModel's own settings (runtimes/mlmodel.py)
+    "content_type",
+    "format",
+    "environment_path",
+    "autogenerate_inference_pool_gid",
+}
 
 
 # Triton's ModelInput.Format: how an image input lays out its dimensions.

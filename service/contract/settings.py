@@ -1,7 +1,9 @@
 """Server and model settings: parsing, validation, and where each value comes from.
 
-Server settings are layered: defaults < ``settings.json`` in the repository
-root < ``POOLSERVE_*`` environment variables < command-line flags. Model
+Server settings are layered: defaults < MLServer's ``MLSERVER_*`` variables <
+``settings.json`` in the repository root (poolserve's fields, or MLServer's:
+:mod:`poolserve.service.contract.mlserver_settings`) < ``POOLSERVE_*``
+environment variables < command-line flags. Model
 settings follow MLServer's ``model-settings.json`` so repositories move over.
 Every problem is a :class:`ConfigError` that names the file and the field.
 """
@@ -299,14 +301,9 @@ def load_server_settings(
     """Layers defaults, ``settings.json``, ``POOLSERVE_*`` and CLI flags."""
     if not repository.is_dir():
         raise ConfigError(str(repository), "(repository)", "not a directory")
-    settings = ServerSettings()
-    sources: dict[str, str] = {}  # field -> the layer that set it last
-    path = repository / "settings.json"
-    if path.exists():
-        values = read_json_object(path)
-        settings = apply_overrides(settings, values, str(path))
-        sources |= dict.fromkeys(values, str(path))
     env = os.environ if environ is None else environ
+    settings, sources, _ = _file_layers(repository, env)
+    path = repository / "settings.json"
     env_values = _env_values(env)
     settings = apply_overrides(settings, env_values, "environment")
     sources |= {name: "POOLSERVE_" + name.upper() for name in env_values}
@@ -316,6 +313,36 @@ def load_server_settings(
     check_tls(settings, str(path) if path.exists() else "environment")
     check_together(settings, sources)
     return settings
+
+
+def _file_layers(
+    repository: Path, environ: Mapping[str, str]
+) -> tuple[ServerSettings, dict[str, str], list[str]]:
+    """Defaults < MLServer's ``MLSERVER_*`` < ``settings.json`` (poolserve's or
+    MLServer's fields, :mod:`poolserve.service.contract.mlserver_settings`):
+    (settings, the layer of each field set, notices about MLServer's fields)."""
+    from poolserve.service.contract import mlserver_settings as mls
+
+    own = {f.name for f in fields(ServerSettings)}
+    settings = ServerSettings()
+    sources: dict[str, str] = {}  # field -> the layer that set it last
+    values, env_notices = mls.translate(mls.env_values(environ), own)
+    settings = apply_overrides(settings, values, "MLSERVER_* environment")
+    sources |= dict.fromkeys(values, "MLSERVER_* environment")
+    notices = [f"MLSERVER_* variables: {n}" for n in env_notices]
+    path = repository / "settings.json"
+    if path.exists():
+        values, file_notices = mls.translate(read_json_object(path), own)
+        settings = apply_overrides(settings, values, str(path))
+        sources |= dict.fromkeys(values, str(path))
+        notices += [f"{path}: {n}" for n in file_notices]
+    return settings, sources, notices
+
+
+def mlserver_notices(repository: Path, environ: Mapping[str, str] | None = None) -> list[str]:
+    """What of MLServer's settings poolserve reads, renames or leaves out: said
+    once, by ``poolserve serve``."""
+    return _file_layers(repository, os.environ if environ is None else environ)[2]
 
 
 def check_together(settings: ServerSettings, sources: Mapping[str, str]) -> None:

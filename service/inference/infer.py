@@ -15,7 +15,7 @@ from poolserve.service.contract.errors import InvalidInput, ModelError, ServingE
 from poolserve.service.contract.shm import Region, unwrap
 from poolserve.service.inference.classification import classify, requested_classes
 from poolserve.service.inference.codec import decode_inputs, encode_outputs, parameters_to_dict
-from poolserve.service.inference.model import Model, check_outputs, class_labels
+from poolserve.service.inference.model import Model, WireModel, check_outputs, class_labels
 from poolserve.service.inference.shm import SharedTensors
 from poolserve.service.poolcore.stats import Timings
 
@@ -35,9 +35,16 @@ def infer(
     ``data`` may carry the shared-memory registrations it uses in front
     (:mod:`poolserve.service.contract.shm`), or they come as ``regions``.
     """
-    t0 = time.perf_counter_ns()
     if regions is None:
         regions, data = unwrap(data)
+    if isinstance(model, WireModel):  # an adapter converts with its own server's code
+        if regions:
+            raise InvalidInput(
+                f"model '{model.settings.name}' is served through an adapter "
+                "that reads tensors from the request only: shared memory is not supported"
+            )
+        return model.infer_wire(data)
+    t0 = time.perf_counter_ns()
     request = parse_request(data)
     shared = SharedTensors(regions)
     inputs = decode_inputs(request, shared.read)

@@ -10,10 +10,11 @@ under a private module name per model, so two models may both ship a
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -21,6 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from poolserve.service.contract.repository import ModelSettings, TensorSpec
+from poolserve.service.poolcore.stats import Timings
 
 Array = npt.NDArray[Any]
 
@@ -53,6 +55,34 @@ class Model:
         return None
 
 
+class WireModel(Model):
+    """A model that answers the serialized ModelInferRequest itself: the
+    adapters of other servers' model APIs, which convert with their own code."""
+
+    def infer_wire(self, body: bytes) -> tuple[bytes, Timings]:
+        """The serialized ModelInferResponse and its timings; raises ServingError."""
+        raise NotImplementedError(f"{type(self).__name__}.infer_wire is not implemented")
+
+
+# Base classes of other servers' model APIs -> the adapter module that serves
+# their subclasses (its ``adapt(cls, settings) -> Model``). Named as strings:
+# an adapter and its server's package are imported only by models that use them.
+ADAPTERS = {
+    ("mlserver.model", "MLModel"): "poolserve.service.runtimes.mlmodel",
+}
+
+Factory = Callable[[ModelSettings], Model]
+
+
+def _adapter(cls: type) -> Factory | None:
+    for base in cls.__mro__:
+        name = ADAPTERS.get((base.__module__, base.__qualname__))
+        if name is not None:
+            adapt = importlib.import_module(name).adapt
+            return functools.partial(adapt, cls)
+    return None
+
+
 class ImplementationError(Exception):
     """The implementation cannot be imported or is not a Model subclass."""
 
@@ -83,7 +113,9 @@ def _import_from_folder(settings: ModelSettings, module_name: str) -> Any:
     return module
 
 
-def resolve_implementation(settings: ModelSettings) -> type[Model]:
+def resolve_implementation(settings: ModelSettings) -> Factory:
+    """What builds the model: its Model subclass, or the adapter of a model
+    written for another server (:data:`ADAPTERS`, e.g. an ``mlserver.MLModel``)."""
     module_name, _, class_name = settings.implementation.rpartition(".")
     if not module_name:
         raise ImplementationError(
@@ -100,11 +132,15 @@ def resolve_implementation(settings: ModelSettings) -> type[Model]:
             f"cannot import {settings.implementation!r}: {type(exc).__name__}: {exc}"
         ) from exc
     cls = getattr(module, class_name, None)
-    if not isinstance(cls, type) or not issubclass(cls, Model):
+    if isinstance(cls, type) and issubclass(cls, Model):
+        return cls
+    adapter = _adapter(cls) if isinstance(cls, type) else None
+    if adapter is None:
         raise ImplementationError(
-            f"{settings.implementation!r} is not a subclass of poolserve.service.Model"
+            f"{settings.implementation!r} is not a subclass of poolserve.service.Model "
+            "(nor of mlserver.MLModel)"
         )
-    return cls
+    return adapter
 
 
 def instantiate(settings: ModelSettings) -> Model:

@@ -459,7 +459,8 @@ class Dispatcher:
             transport, _ = await loop.connect_accepted_socket(
                 lambda: _WorkerLink(self, worker, closed), sock=worker.sock
             )
-            assert isinstance(transport, asyncio.Transport)
+            # uvloop's transports (uvicorn picks uvloop when installed) have the
+            # asyncio.Transport interface without subclassing it: no isinstance check.
             worker.transport = transport
             self._begin_warmup(worker)
             self._on_change()

@@ -1,0 +1,143 @@
+"""The MLServer drop-in row (issue 18): MLServer models served by poolserve, unchanged.
+
+The bench's echo and burn written as ``mlserver.MLModel`` runtimes
+(peers/mlserver_models.py: the very classes MLServer serves in the bench) are
+served by poolserve with 2 workers (service/runtimes/mlmodel.py adapts them)
+and by MLServer 1.7.1 with 2 workers, in the same run, interleaved: echo and
+burn at concurrency 16 (perf_analyzer), then the PSS of each process tree.
+Targets: echo c16 >= 2 x MLServer, burn c16 >= 1.0 x MLServer, PSS <= 0.5 x.
+
+Registered in run.py (a phase of ``make bench``, or alone with
+``python bench/run.py --only mlserver-dropin``); report.py shows the table
+this module renders into the results (``results["mlserver_dropin"]["table"]``).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import servers
+
+KEY = "poolserve-mlmodel"
+CONCURRENCY = 16
+TARGETS = {"echo": 2.0, "burn": 1.0}  # throughput x MLServer at c16, at least
+PSS_TARGET = 0.5  # x MLServer, at most
+
+
+def build(spec: servers.ServerSpec, ctx: servers.Context) -> servers.Launch:
+    """MLServer's repository (the model-settings.json MLServer gets) under ``poolserve serve``."""
+    repo = ctx.workdir / "repo"
+    for model in ctx.layout.models:
+        implementation = f"mlserver_models.{servers.MLSERVER_CLASSES[model]}"
+        servers.write_model_settings(repo / model, model, implementation, ctx)
+    run_dir = Path(os.environ.get("XDG_RUNTIME_DIR") or "/tmp") / f"psm-{os.getpid()}-{ctx.port}"
+    argv = [str(servers.POOLSERVE), "serve", str(repo), "--grpc-port", str(ctx.port)]
+    argv += ["--run-dir", str(run_dir), "--workers", str(spec.workers_for(ctx.layout))]
+    return servers.Launch(
+        argv,
+        env={"PYTHONPATH": str(servers.PEER_CODE)},
+        ready_line="poolserve: ready",
+        cleanup=(run_dir,),
+    )
+
+
+SPEC = servers.ServerSpec(
+    KEY,
+    "poolserve (2 workers) serving MLServer runtimes",
+    2,
+    build,
+    note="peers/mlserver_models.py (mlserver.MLModel subclasses) as they are, adapted by "
+    "service/runtimes/mlmodel.py",
+)
+
+# run.measure_cell(server, running, model, concurrency, mode, pa, env, csv_path, timeout)
+MeasureCell = Callable[..., dict[str, Any]]
+
+
+def measure(
+    fleet: Any, mode: Any, pa: Any, run_dir: Path, measure_cell: MeasureCell
+) -> dict[str, Any]:
+    """Both servers started together, ``mode.runs`` interleaved rounds, then PSS."""
+    specs = [SPEC, servers.spec(servers.REFERENCE)]
+    layout = servers.Layout(servers.BOTH)
+    running = [fleet.start(s, layout, "dropin") for s in specs]
+    for server in running:
+        fleet.wait_ready(server, warm=10)
+    env = {**os.environ, **pa.env}
+    timeout = 10 * mode.window_ms / 1000 + 30
+    cells: list[dict[str, Any]] = []
+    try:
+        for r in range(mode.runs):
+            order = running if r % 2 == 0 else running[::-1]
+            for model in servers.BOTH:
+                for server in order:
+                    csv_path = run_dir / "dropin" / f"r{r}-{server.spec.key}-{model}.csv"
+                    csv_path.parent.mkdir(parents=True, exist_ok=True)
+                    cell = measure_cell(server, running, model, CONCURRENCY, mode, pa, env,
+                                        csv_path, timeout)  # fmt: skip
+                    print(f"  drop-in round {r + 1} {model} c{CONCURRENCY} "
+                          f"{server.spec.key:<18} {cell['shown']}", flush=True)  # fmt: skip
+                    del cell["shown"]
+                    cells.append({"round": r, "server": server.spec.key, "model": model, **cell})
+        time.sleep(1.0)  # start-up garbage settles before smaps is read
+        pss = {s.spec.key: sum(b for _, b in s.pss_by_process()) for s in running}
+        processes = {s.spec.key: len(s.tree()) for s in running}
+    finally:
+        for server in running:
+            fleet.stop(server)
+    return summarize({"cells": cells, "pss_bytes": pss, "processes": processes})
+
+
+def _median(cells: Sequence[Mapping[str, Any]], server: str, model: str) -> float | None:
+    values = [
+        float(c["result"]["throughput"])
+        for c in cells
+        if c["server"] == server and c["model"] == model and "result" in c
+    ]
+    return statistics.median(values) if values else None
+
+
+def summarize(data: dict[str, Any]) -> dict[str, Any]:
+    """Medians, ratios to MLServer and the targets' verdicts, added to ``data``."""
+    ref = servers.REFERENCE
+    rows: list[dict[str, Any]] = []
+    for model, target in TARGETS.items():
+        ours, theirs = _median(data["cells"], KEY, model), _median(data["cells"], ref, model)
+        x = ours / theirs if ours and theirs else None
+        rows.append({"what": f"{model} c{CONCURRENCY} throughput", "poolserve": ours,
+                     "mlserver": theirs, "ratio": x, "target": f">= {target:g}x",
+                     "met": x is not None and x >= target})  # fmt: skip
+    ours_pss, theirs_pss = data["pss_bytes"].get(KEY), data["pss_bytes"].get(ref)
+    x = ours_pss / theirs_pss if ours_pss and theirs_pss else None
+    met = x is not None and x <= PSS_TARGET
+    rows.append({"what": "PSS (MiB)", "poolserve": ours_pss and ours_pss / 2**20,
+                 "mlserver": theirs_pss and theirs_pss / 2**20, "ratio": x,
+                 "target": f"<= {PSS_TARGET:g}x", "met": met})  # fmt: skip
+    data["summary"] = rows
+    data["table"] = table(data)  # report.py shows it as it is
+    return data
+
+
+def table(data: Mapping[str, Any] | None) -> str:
+    """The drop-in table (Markdown), or "" when the run had no drop-in phase."""
+    if not data:
+        return ""
+
+    def f(value: float | None) -> str:
+        return "-" if value is None else f"{value:,.1f}"
+
+    lines = [
+        "| MLServer runtimes | poolserve (2 workers) | MLServer 1.7.1 (2 workers) | x | target |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for row in data["summary"]:
+        verdict = "met" if row["met"] else "MISSED"
+        ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}"
+        lines.append(f"| {row['what']} | {f(row['poolserve'])} | {f(row['mlserver'])} | "
+                     f"{ratio} | {row['target']} {verdict} |")  # fmt: skip
+    return "\n".join(lines)

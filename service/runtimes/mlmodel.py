@@ -1,0 +1,195 @@
+"""MLServer models served unchanged (extra ``poolserve[mlserver]``).
+
+A model whose ``implementation`` is a subclass of ``mlserver.MLModel`` (a
+custom runtime in the model's folder, or a packaged one such as
+``mlserver_sklearn.SKLearnModel``) is served through :class:`MLModelAdapter`,
+a poolserve :class:`~poolserve.service.inference.model.Model` (resolution:
+:func:`poolserve.service.inference.model.resolve_implementation`, which names
+this module as a string: poolserve's core never imports mlserver).
+
+- Settings: the model's own ``model-settings.json`` parsed by MLServer's
+  ``load_model_settings`` (``ModelSettings``; relative ``uri`` resolved
+  against the model folder as MLServer does, ``MLSERVER_MODEL_*`` variables).
+- ``async load()`` runs once where poolserve loads models (the pool's
+  zygote), on an event loop closed before the zygote forks: workers share the
+  loaded model copy-on-write. A load that returns a false value fails, as
+  MLServer then never marks the model ready.
+- ``async predict`` runs in the worker, on an event loop of that worker (one
+  per process and thread), on the request converted by MLServer's own gRPC
+  converters from the wire bytes; the response goes back the same way (raw
+  output contents when the request used raw input contents, as MLServer).
+- Errors: ``MLServerError`` subclasses get the status MLServer gives them
+  (its HTTP status mapped as ``mlserver.grpc.utils`` does: 400
+  INVALID_ARGUMENT, e.g. ``InferenceError``; 404 NOT_FOUND; 422
+  FAILED_PRECONDITION; 500 INTERNAL; another status INTERNAL where MLServer
+  says UNKNOWN), anything else INTERNAL with the type and message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from poolserve.service.contract.errors import (
+    FailedPrecondition,
+    InvalidInput,
+    ModelError,
+    ModelNotFound,
+    ServingError,
+)
+from poolserve.service.contract.repository import ModelSettings, TensorSpec
+from poolserve.service.inference.model import Array, WireModel
+from poolserve.service.poolcore.stats import Timings
+
+# MLServer's MLServerError carries an HTTP status; its gRPC server maps it with
+# this table (mlserver.grpc.utils.STATUS_CODE_MAPPING) and anything else to UNKNOWN.
+_ERROR_FOR_HTTP: dict[int, type[ServingError]] = {
+    400: InvalidInput,
+    404: ModelNotFound,
+    422: FailedPrecondition,
+    500: ModelError,
+}
+
+
+def adapt(cls: type[Any], settings: ModelSettings) -> MLModelAdapter:
+    """The poolserve model serving ``cls``, a subclass of ``mlserver.MLModel``."""
+    return MLModelAdapter(settings, cls)
+
+
+def serving_error(model: str, exc: BaseException) -> ServingError:
+    """The error a client gets for what an MLModel raised, as MLServer maps it."""
+    from mlserver.errors import MLServerError
+
+    if isinstance(exc, ServingError):
+        return exc
+    if isinstance(exc, MLServerError):
+        kind = _ERROR_FOR_HTTP.get(int(exc.status_code))
+        if kind is None:  # MLServer answers UNKNOWN; poolserve has INTERNAL for it
+            return ModelError(f"model '{model}' raised {type(exc).__name__}: {exc}")
+        return kind(str(exc))
+    return ModelError.from_exception(model, exc)
+
+
+class _Loops(threading.local):
+    """One event loop per worker process and thread, made on first use.
+
+    A loop made before a fork belongs to the parent: the pid check makes a
+    forked worker build its own instead of running its parent's."""
+
+    loop: asyncio.AbstractEventLoop | None = None
+    pid: int = 0
+
+    def get(self) -> asyncio.AbstractEventLoop:
+        if self.loop is None or self.pid != os.getpid() or self.loop.is_closed():
+            self.loop = asyncio.new_event_loop()
+            self.pid = os.getpid()
+        return self.loop
+
+
+class MLModelAdapter(WireModel):
+    """An ``mlserver.MLModel`` as a poolserve model."""
+
+    def __init__(self, settings: ModelSettings, cls: type[Any]) -> None:
+        super().__init__(settings)
+        self.cls = cls
+        self.mlmodel: Any = None
+        self._loops = _Loops()
+
+    def load(self) -> None:
+        from mlserver.repository.load import load_model_settings
+
+        ml_settings = load_model_settings(str(self.settings.source))
+        self.mlmodel = self.cls(ml_settings)
+        loop = asyncio.new_event_loop()
+        try:
+            ready = loop.run_until_complete(self.mlmodel.load())
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.run_until_complete(loop.shutdown_default_executor())
+        finally:
+            loop.close()  # before the zygote forks: no worker inherits a live loop
+        if not ready:
+            raise RuntimeError(
+                f"{self.cls.__name__}.load() returned {ready!r}: MLServer never marks "
+                "such a model ready (load() must return True)"
+            )
+        self.mlmodel.ready = True
+
+    def metadata(self) -> tuple[Sequence[TensorSpec], Sequence[TensorSpec]]:
+        """Inputs and outputs as the MLModel sees them (its load may set them)."""
+        return _specs(self.mlmodel.inputs), _specs(self.mlmodel.outputs)
+
+    def _run(self, coroutine: Any) -> Any:
+        from mlserver.context import model_context
+
+        with model_context(self.mlmodel.settings):
+            return self._loops.get().run_until_complete(coroutine)
+
+    def infer_wire(self, body: bytes) -> tuple[bytes, Timings]:
+        from google.protobuf.message import DecodeError
+        from mlserver.grpc import dataplane_pb2
+        from mlserver.grpc.converters import (
+            ModelInferRequestConverter,
+            ModelInferResponseConverter,
+        )
+        from mlserver.utils import generate_uuid
+
+        name = self.settings.name
+        t0 = time.perf_counter_ns()
+        try:
+            request = dataplane_pb2.ModelInferRequest.FromString(body)
+            use_raw = bool(request.raw_input_contents)  # as MLServer's servicer
+            payload = ModelInferRequestConverter.to_types(request)
+        except DecodeError as exc:
+            raise InvalidInput(f"ModelInferRequest cannot be parsed: {exc}") from None
+        except Exception as exc:
+            raise serving_error(name, exc) from exc
+        if payload.id is None:
+            payload.id = generate_uuid()
+        t1 = time.perf_counter_ns()
+        try:
+            response = self._run(self.mlmodel.predict(payload))
+        except Exception as exc:
+            raise serving_error(name, exc) from exc
+        t2 = time.perf_counter_ns()
+        try:
+            response.id = payload.id  # as MLServer's data plane
+            message = ModelInferResponseConverter.from_types(response, use_raw=use_raw)
+            data = message.SerializeToString()
+        except Exception as exc:  # a response MLServer could not send either
+            raise serving_error(name, exc) from exc
+        t3 = time.perf_counter_ns()
+        return data, Timings(decode_ns=t1 - t0, compute_ns=t2 - t1, encode_ns=t3 - t2)
+
+    def predict(self, inputs: dict[str, Array], parameters: dict[str, object]) -> dict[str, Array]:
+        """A prediction on arrays (each fresh worker's warm-up): encoded with
+        MLServer's NumpyCodec, the outputs decoded with it."""
+        from mlserver.codecs import NumpyCodec
+        from mlserver.types import InferenceRequest
+
+        request = InferenceRequest(
+            inputs=[NumpyCodec.encode_input(k, np.asarray(v)) for k, v in inputs.items()]
+        )
+        response = self._run(self.mlmodel.predict(request))
+        return {out.name: _decoded(out) for out in response.outputs}
+
+
+def _decoded(output: Any) -> Array:
+    from mlserver.codecs import NumpyCodec
+
+    try:
+        return np.asarray(NumpyCodec.decode_output(output))
+    except Exception:  # not numeric (strings, JSON): the raw data
+        return np.asarray(output.data.root, dtype=object)
+
+
+def _specs(tensors: Sequence[Any] | None) -> tuple[TensorSpec, ...]:
+    return tuple(
+        TensorSpec(str(t.name), str(t.datatype), tuple(int(d) for d in t.shape or ()))
+        for t in tensors or ()
+    )

@@ -1,0 +1,429 @@
+"""MLServer models served unchanged (service/runtimes/mlmodel.py), with real
+workers and the real MLServer 1.7.1 of the test extra.
+
+One tree serves, in one pool (one zygote): a custom ``mlserver.MLModel``
+using ``decode_args``, ``mlserver_sklearn.SKLearnModel`` on a joblib model
+trained here, the example folder examples/models/wordcount as it is, an
+MLModel whose load raises, one whose load returns False, and a native
+poolserve model beside them. The last test sends the same requests to
+MLServer 1.7.1 itself (from the bench's peer environment) serving the same
+folders and wants the same replies; it alone is skipped when that
+environment is absent (``make bench`` installs it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import joblib
+import numpy as np
+import pytest
+from sklearn.datasets import load_iris
+from sklearn.linear_model import LogisticRegression
+
+from poolserve.protos import inference_pb2 as pb
+from poolserve.protos import inference_pb2_grpc as pbg
+
+from harness import free_port
+from serving import Serving, wait_serving
+from support import ROOT, copy_example, wait_until, write_model
+
+pytestmark = pytest.mark.e2e
+
+WAIT = 90.0
+MLSERVER_PEER = ROOT / "bench" / ".peers" / "mlserver" / "bin" / "mlserver"
+
+CUSTOM = """
+from typing import List
+
+import numpy as np
+from mlserver import MLModel
+from mlserver.codecs import decode_args
+from mlserver.errors import InferenceError
+
+
+class Scaler(MLModel):
+    async def load(self) -> bool:
+        self.scale = float(self.settings.parameters.extra["scale"])
+        return True
+
+    @decode_args
+    async def predict(self, x: np.ndarray, tag: List[str]) -> np.ndarray:
+        if (x < 0).any():
+            raise InferenceError(f"negative input for {tag[0]}")
+        if (x == 13).any():
+            raise ValueError("unlucky number")
+        return x * self.scale + len(tag[0])
+"""
+
+BROKEN = """
+from mlserver import MLModel
+
+
+class Broken(MLModel):
+    async def load(self) -> bool:
+        raise RuntimeError("no weights in " + self.settings.parameters.uri)
+"""
+
+SLEEPY = """
+import asyncio
+
+from mlserver import MLModel
+from mlserver.types import InferenceRequest, InferenceResponse
+
+
+class Sleepy(MLModel):
+    async def predict(self, payload: InferenceRequest) -> InferenceResponse:
+        await asyncio.sleep(60)
+        return InferenceResponse(model_name=self.name, outputs=[])
+"""
+
+NOT_READY = """
+from mlserver import MLModel
+
+
+class NotReady(MLModel):
+    async def load(self) -> bool:
+        return False
+"""
+
+
+def mlserver_folders(repo: Path) -> list[str]:
+    """The folders both servers get: MLServer models only."""
+    write_model(
+        repo,
+        "scaler",
+        {
+            "name": "scaler",
+            "implementation": "model.Scaler",
+            "parameters": {"extra": {"scale": 2.5}},
+            "inputs": [
+                {"name": "x", "datatype": "FP32", "shape": [-1]},
+                {
+                    "name": "tag",
+                    "datatype": "BYTES",
+                    "shape": [1],
+                    "parameters": {"content_type": "str"},
+                },
+            ],
+        },
+        CUSTOM,
+    )
+    iris = repo / "iris"
+    iris.mkdir(parents=True)
+    data = load_iris()
+    joblib.dump(LogisticRegression(max_iter=500).fit(data.data, data.target), iris / "m.joblib")
+    (iris / "model-settings.json").write_text(
+        json.dumps(
+            {
+                "name": "iris",
+                "implementation": "mlserver_sklearn.SKLearnModel",
+                # relative: resolved against the model's folder, as MLServer does
+                "parameters": {"uri": "./m.joblib", "version": "v2"},
+            }
+        )
+    )
+    copy_example(repo, "wordcount")
+    return ["scaler", "iris", "wordcount"]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
+    root = tmp_path_factory.mktemp("mlserver")
+    repo = root / "repo"
+    mlserver_folders(repo)
+    write_model(
+        repo,
+        "broken",
+        {"name": "broken", "implementation": "model.Broken", "parameters": {"uri": "w.bin"}},
+        BROKEN,
+    )
+    write_model(
+        repo, "notready", {"name": "notready", "implementation": "model.NotReady"}, NOT_READY
+    )
+    write_model(repo, "sleepy", {"name": "sleepy", "implementation": "model.Sleepy"}, SLEEPY)
+    copy_example(repo, "echo")  # a native model in the same pool, so the same zygote
+    # an MLServer repository's settings.json: read, with a notice for what is not supported
+    (repo / "settings.json").write_text(
+        json.dumps({"debug": True, "http_port": 8080, "metrics_port": 8082, "host": "127.0.0.1"})
+    )
+    with Serving(repo, root / "run", workers=2) as serving:
+
+        async def ready() -> None:
+            async with grpc.aio.insecure_channel(serving.address) as channel:
+                for name in ("scaler", "iris", "wordcount", "echo", "sleepy"):
+                    await wait_serving(channel, f"model:{name}", timeout=WAIT)
+
+        asyncio.run(ready())
+        yield serving
+
+
+def scaler_request(x: list[float], tag: str = "ab", request_id: str = "r1") -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name="scaler", id=request_id)
+    request.inputs.add(name="x", datatype="FP32", shape=[len(x)])
+    request.raw_input_contents.append(np.asarray(x, dtype=np.float32).tobytes())
+    tag_input = request.inputs.add(name="tag", datatype="BYTES", shape=[1])
+    tag_input.parameters["content_type"].string_param = "str"
+    request.raw_input_contents.append(len(tag).to_bytes(4, "little") + tag.encode())
+    return request
+
+
+def iris_request(rows: np.ndarray) -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name="iris", id="iris-1")
+    request.inputs.add(name="features", datatype="FP64", shape=list(rows.shape))
+    request.raw_input_contents.append(rows.astype(np.float64).tobytes())
+    request.outputs.add(name="predict")
+    request.outputs.add(name="predict_proba")
+    return request
+
+
+def wordcount_request() -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name="wordcount", id="wc-1")
+    text = request.inputs.add(name="text", datatype="BYTES", shape=[3])
+    text.contents.bytes_contents.extend([b"Hello big World", b"one", b"a b c d"])
+    return request
+
+
+async def call(address: str, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
+    async with grpc.aio.insecure_channel(address) as channel:
+        reply: pb.ModelInferResponse = await pbg.GRPCInferenceServiceStub(channel).ModelInfer(
+            request, timeout=30
+        )
+        return reply
+
+
+async def call_error(address: str, request: pb.ModelInferRequest) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call(address, request)
+    return info.value.code(), info.value.details() or ""
+
+
+def raw_output(reply: pb.ModelInferResponse, name: str, dtype: str) -> np.ndarray:
+    names = [o.name for o in reply.outputs]
+    index = names.index(name)
+    shape = tuple(reply.outputs[index].shape)
+    return np.frombuffer(reply.raw_output_contents[index], dtype=dtype).reshape(shape)
+
+
+def test_poolserve_protos_and_mlserver_import_in_one_process() -> None:
+    """Before the private descriptor pool: duplicate symbol 'inference.ServerLiveRequest'."""
+    code = (
+        "import poolserve.protos.inference_pb2 as pb, poolserve.protos.control_pb2\n"
+        "import mlserver\n"
+        "from mlserver.grpc import dataplane_pb2 as mpb\n"
+        "r = pb.ModelInferRequest(model_name='m', id='7')\n"
+        "assert mpb.ModelInferRequest.FromString(r.SerializeToString()).id == '7'\n"
+        "s = pb.DESCRIPTOR.services_by_name['GRPCInferenceService']\n"
+        "assert s.full_name == 'inference.GRPCInferenceService'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_poolserve_core_never_imports_mlserver() -> None:
+    """mlserver is imported by a process only when one of its models subclasses MLModel."""
+    code = (
+        "import sys\n"
+        "import poolserve.service.inference.cargo, poolserve.service.inference.infer\n"
+        "import poolserve.service.poolserver.server, poolserve.service.router.router\n"
+        "import poolserve.service.runtimes, poolserve.supervisor.cli\n"
+        "assert not [m for m in sys.modules if m.split('.')[0] == 'mlserver'], 'mlserver'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_custom_mlmodel_with_decode_args(served: Serving) -> None:
+    reply = asyncio.run(call(served.address, scaler_request([1.0, 2.0, 4.0], tag="abc")))
+    assert reply.model_name == "scaler" and reply.id == "r1"
+    out = raw_output(reply, "output-0", "<f4")
+    # decode_args: x with NumpyCodec, tag with StringCodec; the array back with NumpyCodec
+    np.testing.assert_allclose(out.ravel(), [1.0 * 2.5 + 3, 2.0 * 2.5 + 3, 4.0 * 2.5 + 3])
+
+
+def test_mlserver_sklearn_runtime_predict_and_proba(served: Serving) -> None:
+    data = load_iris()
+    rows = data.data[::15]
+    local = LogisticRegression(max_iter=500).fit(data.data, data.target)
+    reply = asyncio.run(call(served.address, iris_request(rows)))
+    assert [o.name for o in reply.outputs] == ["predict", "predict_proba"]
+    assert reply.model_version == "v2"
+    np.testing.assert_array_equal(raw_output(reply, "predict", "<i8").ravel(), local.predict(rows))
+    np.testing.assert_allclose(
+        raw_output(reply, "predict_proba", "<f8"), local.predict_proba(rows), rtol=1e-6
+    )
+
+
+def test_example_folder_serves_unchanged(served: Serving) -> None:
+    reply = asyncio.run(call(served.address, wordcount_request()))
+    assert list(reply.outputs[0].contents.int64_contents) == [3, 1, 4]
+    assert list(reply.outputs[0].shape) == [3, 1]
+
+
+def test_inference_error_is_invalid_argument(served: Serving) -> None:
+    code, details = asyncio.run(call_error(served.address, scaler_request([1.0, -1.0])))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert details == "negative input for ab"
+
+
+def test_other_exception_is_internal_with_type_and_message(served: Serving) -> None:
+    code, details = asyncio.run(call_error(served.address, scaler_request([13.0])))
+    assert code == grpc.StatusCode.INTERNAL
+    assert "ValueError: unlucky number" in details and "scaler" in details
+
+
+def test_failed_loads_are_unavailable_with_reason_and_server_not_ready(served: Serving) -> None:
+    async def look() -> tuple[dict[str, str], bool]:
+        async with grpc.aio.insecure_channel(served.address) as channel:
+            stub = pbg.GRPCInferenceServiceStub(channel)
+            index = await stub.RepositoryIndex(pb.RepositoryIndexRequest(), timeout=10)
+            ready = await stub.ServerReady(pb.ServerReadyRequest(), timeout=10)
+            states = {m.name: f"{m.state}: {m.reason}" for m in index.models}
+            return states, ready.ready
+
+    def failed_both() -> bool:
+        states, _ = asyncio.run(look())
+        return all("UNAVAILABLE" in states.get(n, "") for n in ("broken", "notready"))
+
+    assert wait_until(failed_both, WAIT, interval=0.2)
+    states, ready = asyncio.run(look())
+    assert "RuntimeError: no weights in" in states["broken"], states
+    assert "w.bin" in states["broken"], states  # the uri, resolved by MLServer's settings
+    assert "returned False" in states["notready"], states
+    assert ready is False
+    for name in ("scaler", "iris", "wordcount", "echo", "sleepy"):
+        assert states[name].startswith("READY"), states
+
+
+def test_mlserver_settings_json_is_read_with_notices(served: Serving) -> None:
+    log = served.log()
+    for field in ("http_port: not supported", "metrics_port: not supported", "debug: ignored"):
+        assert f"settings.json: {field}" in log, log[-3000:]
+    assert "Traceback" not in log
+
+
+def test_deadline_and_statistics_as_for_native_models(served: Serving) -> None:
+    async def main() -> tuple[grpc.StatusCode, pb.ModelStatisticsResponse]:
+        async with grpc.aio.insecure_channel(served.address) as channel:
+            stub = pbg.GRPCInferenceServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.ModelInfer(pb.ModelInferRequest(model_name="sleepy"), timeout=1.5)
+            # the other worker (and the replacement of the one left on sleepy) still serve
+            for _ in range(4):
+                await stub.ModelInfer(scaler_request([1.0]), timeout=60)
+            stats = await stub.ModelStatistics(pb.ModelStatisticsRequest(name="scaler"), timeout=10)
+            return info.value.code(), stats
+
+    code, stats = asyncio.run(main())
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    scaler = stats.model_stats[0].inference_stats
+    assert scaler.success.count >= 4
+    assert scaler.compute_infer.ns > 0  # the adapter's timings reach the statistics
+
+
+def test_native_model_shares_the_pool(served: Serving) -> None:
+    request = pb.ModelInferRequest(model_name="echo")
+    request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 16])
+    payload = np.arange(16, dtype=np.float32).reshape(1, 16)
+    request.raw_input_contents.append(payload.tobytes())
+    reply = asyncio.run(call(served.address, request))
+    assert reply.raw_output_contents[0] == payload.tobytes()
+
+
+# -- the same requests to MLServer 1.7.1 ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mlserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    if not MLSERVER_PEER.exists():
+        pytest.skip(
+            f"MLServer 1.7.1 is not installed at {MLSERVER_PEER} (the bench's peer "
+            "environment: `make bench`, or `python bench/install.py`)"
+        )
+    root = tmp_path_factory.mktemp("mlserver-peer")
+    repo = root / "repo"
+    mlserver_folders(repo)
+    port = free_port()
+    settings = {
+        "parallel_workers": 0,
+        "host": "127.0.0.1",
+        "grpc_port": port,
+        "http_port": free_port(),
+        "metrics_port": free_port(),
+    }
+    (repo / "settings.json").write_text(json.dumps(settings))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLSERVER", "PYTHON"))}
+    log = (root / "mlserver.log").open("w")
+    process = subprocess.Popen(
+        [str(MLSERVER_PEER), "start", str(repo)],
+        cwd=root,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    address = f"127.0.0.1:{port}"
+    try:
+
+        def ready() -> bool:
+            assert process.poll() is None, (root / "mlserver.log").read_text()[-3000:]
+
+            async def ask() -> bool:
+                async with grpc.aio.insecure_channel(address) as channel:
+                    stub = pbg.GRPCInferenceServiceStub(channel)
+                    try:
+                        reply = await stub.ServerReady(pb.ServerReadyRequest(), timeout=2)
+                    except grpc.aio.AioRpcError:
+                        return False
+                    return bool(reply.ready)
+
+            return asyncio.run(ask())
+
+        assert wait_until(ready, WAIT, interval=0.5), (root / "mlserver.log").read_text()[-3000:]
+        yield address
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)  # its own session: MLServer and its children
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+        log.close()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # its children leave the group too
+            try:
+                os.killpg(process.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        shutil.rmtree(repo, ignore_errors=True)
+
+
+def test_same_replies_as_mlserver(served: Serving, mlserver: str) -> None:
+    rows = load_iris().data[::10]
+    requests = [
+        scaler_request([0.5, 3.0], tag="xyz", request_id="cmp"),
+        scaler_request([7.0], request_id=""),  # MLServer keeps an empty id empty
+        iris_request(rows),
+        wordcount_request(),
+    ]
+    for request in requests:
+        ours = asyncio.run(call(served.address, request))
+        theirs = asyncio.run(call(mlserver, request))
+        assert ours == theirs, (ours, theirs)
+    for bad in (scaler_request([-2.0]), scaler_request([13.0])):
+        ours_error = asyncio.run(call_error(served.address, bad))
+        theirs_error = asyncio.run(call_error(mlserver, bad))
+        assert ours_error[0] == theirs_error[0]
+        if ours_error[0] == grpc.StatusCode.INVALID_ARGUMENT:
+            assert ours_error[1] == theirs_error[1]
