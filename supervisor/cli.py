@@ -16,6 +16,9 @@ def _server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("repo", type=Path, help="model repository folder")
     parser.add_argument("--host", help="router bind address (default 127.0.0.1)")
     parser.add_argument("--grpc-port", type=int, help="router port (default 8081)")
+    parser.add_argument(
+        "--metrics-port", type=int, help="router's HTTP /metrics port (default 8082; -1: off)"
+    )
     parser.add_argument("--workers", type=int, help="workers per pool (default 2)")
     parser.add_argument("--run-dir", help="private directory for internal sockets")
     parser.add_argument("--log-format", choices=("text", "json"))
@@ -25,6 +28,7 @@ def _flags(args: argparse.Namespace) -> dict[str, object]:
     return {
         "host": args.host,
         "grpc_port": args.grpc_port,
+        "metrics_port": args.metrics_port,
         "parallel_workers": args.workers,
         "run_dir": args.run_dir,
         "log_format": args.log_format,
