@@ -1,5 +1,5 @@
 """The ``poolserve`` command line: serve, pool, router, serve-inprocess, probe,
-supervisord-config, status, reload."""
+supervisord-config, status, reload, top."""
 
 from __future__ import annotations
 
@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_control_arguments(reload, DEFAULT_RELOAD_TIMEOUT)
     reload.add_argument("--json", action="store_true", help="one JSON object, for machines")
+    from poolserve.supervisor.top_cli import add_top_arguments
+
+    top = commands.add_parser("top", help="a live view of a running server, every second")
+    add_top_arguments(top)
     return parser
 
 
@@ -100,6 +104,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             user=args.user,
             log_stdout=args.log_stdout,
         )
+    if args.command == "top":
+        from poolserve.supervisor.top_cli import top_main
+
+        return top_main(args)
     if args.command in ("status", "reload"):
         from poolserve.supervisor.status_cli import reload_main, status_main
 
