@@ -80,6 +80,7 @@ def status_main(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         out.write("\n")
     else:
         out.write(render_tree(status.root))
+        out.write(ports_text(run_dir))
     everything_runs = all(node.state == "running" for node in walk(status.root))
     return EXIT_OK if everything_runs else EXIT_NOT_RUNNING
 
@@ -100,6 +101,22 @@ def reload_main(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     else:
         out.write(f"poolserve: reloaded: {response.summary}\n")
     return EXIT_OK if response.ok else EXIT_RELOAD_PROBLEMS
+
+
+def ports_text(run_dir: Path) -> str:
+    """Where the router listens (gRPC) and serves /metrics, from its address files."""
+    from poolserve.service.contract.rundir import ADDRESS_FILE, METRICS_ADDRESS_FILE
+
+    lines = ""
+    for name, template in (
+        (ADDRESS_FILE, "grpc     {}"),
+        (METRICS_ADDRESS_FILE, "metrics  http://{}/metrics"),
+    ):
+        try:
+            lines += template.format((run_dir / name).read_text().strip()) + "\n"
+        except OSError:
+            pass
+    return lines
 
 
 def _unreachable(run_dir: Path, error: Exception) -> int:
