@@ -29,6 +29,7 @@ from harness import (
     payload,
 )
 from serving import Serving, pool_status, wait_idle_workers, wait_serving
+from support import ROOT
 
 pytestmark = pytest.mark.e2e
 WAIT_S = 90.0
@@ -224,6 +225,12 @@ def test_prometheus_counts_match_calls_through_worker_and_pool_kills(
             }
             ready = prom.query("poolserve_pool_up")
             assert ready == {"a": 1.0, "b": 1.0}
+            # The Grafana dashboard's queries are PromQL this Prometheus accepts.
+            dashboard = json.loads((ROOT / "deploy/grafana/poolserve-dashboard.json").read_text())
+            for panel in dashboard["panels"]:
+                for target in panel["targets"]:
+                    expr = target["expr"].replace("$__rate_interval", "1m").replace("$pool", ".*")
+                    prom.query(expr)  # asserts status success
 
         asyncio.run(main())
     finally:
