@@ -28,9 +28,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "reliability"))
 
-from harness import INFER, Tree, comm, infer_bytes, make_repo, payload, pool_status  # noqa: E402
-
 from poolserve.service.lifecycle.procstat import proc_stat  # noqa: E402
+
+from harness import INFER, Tree, comm, infer_bytes, make_repo, payload, pool_status  # noqa: E402
 
 
 async def _wait_idle(run_dir: Path, gids: list[str], workers: int, timeout: float) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -112,10 +113,8 @@ def ports_text(run_dir: Path) -> str:
         (ADDRESS_FILE, "grpc     {}"),
         (METRICS_ADDRESS_FILE, "metrics  http://{}/metrics"),
     ):
-        try:
+        with contextlib.suppress(OSError):  # not written: metrics off, or no router yet
             lines += template.format((run_dir / name).read_text().strip()) + "\n"
-        except OSError:
-            pass
     return lines
 
 
