@@ -166,7 +166,7 @@ def build_poolserve(spec: ServerSpec, ctx: Context) -> Launch:
         else:
             write_model_settings(folder, model, implementation, ctx)
     run_dir = Path(os.environ.get("XDG_RUNTIME_DIR") or "/tmp") / f"psb-{os.getpid()}-{ctx.port}"
-    argv = [str(POOLSERVE), "serve", str(repo), "--grpc-port", str(ctx.port)]
+    argv = [str(POOLSERVE), "serve", str(repo), "--grpc-port", str(ctx.port), "--metrics-port", "0"]
     argv += ["--run-dir", str(run_dir), "--workers", str(spec.workers_for(ctx.layout))]
     return Launch(argv, ready_line="poolserve: ready", cleanup=(run_dir,))
 

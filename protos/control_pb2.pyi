@@ -54,6 +54,120 @@ class PoolStatus(_message.Message):
     late_replies_dropped: int
     def __init__(self, gid: _Optional[str] = ..., pid: _Optional[int] = ..., zygote_pid: _Optional[int] = ..., queue_depth: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., pss_bytes: _Optional[int] = ..., models: _Optional[_Iterable[_Union[ModelState, _Mapping]]] = ..., late_replies_dropped: _Optional[int] = ...) -> None: ...
 
+class Histogram(_message.Message):
+    __slots__ = ("buckets", "sum_ns")
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    SUM_NS_FIELD_NUMBER: _ClassVar[int]
+    buckets: _containers.RepeatedScalarFieldContainer[int]
+    sum_ns: int
+    def __init__(self, buckets: _Optional[_Iterable[int]] = ..., sum_ns: _Optional[int] = ...) -> None: ...
+
+class ModelMetrics(_message.Message):
+    __slots__ = ("name", "version", "ready", "success", "failures", "inference_count", "execution_count", "request_ns", "queue_ns", "compute_input_ns", "compute_infer_ns", "compute_output_ns", "request", "queue", "compute", "deadline_exceeded")
+    class FailuresEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class DeadlineExceededEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    INFERENCE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    EXECUTION_COUNT_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_NS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_NS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_INPUT_NS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_INFER_NS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_OUTPUT_NS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_EXCEEDED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: str
+    ready: bool
+    success: int
+    failures: _containers.ScalarMap[str, int]
+    inference_count: int
+    execution_count: int
+    request_ns: int
+    queue_ns: int
+    compute_input_ns: int
+    compute_infer_ns: int
+    compute_output_ns: int
+    request: Histogram
+    queue: Histogram
+    compute: Histogram
+    deadline_exceeded: _containers.ScalarMap[str, int]
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., ready: _Optional[bool] = ..., success: _Optional[int] = ..., failures: _Optional[_Mapping[str, int]] = ..., inference_count: _Optional[int] = ..., execution_count: _Optional[int] = ..., request_ns: _Optional[int] = ..., queue_ns: _Optional[int] = ..., compute_input_ns: _Optional[int] = ..., compute_infer_ns: _Optional[int] = ..., compute_output_ns: _Optional[int] = ..., request: _Optional[_Union[Histogram, _Mapping]] = ..., queue: _Optional[_Union[Histogram, _Mapping]] = ..., compute: _Optional[_Union[Histogram, _Mapping]] = ..., deadline_exceeded: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class ProcessMetrics(_message.Message):
+    __slots__ = ("pid", "kind", "state", "rss_bytes", "pss_bytes", "cpu_seconds")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    kind: str
+    state: str
+    rss_bytes: int
+    pss_bytes: int
+    cpu_seconds: float
+    def __init__(self, pid: _Optional[int] = ..., kind: _Optional[str] = ..., state: _Optional[str] = ..., rss_bytes: _Optional[int] = ..., pss_bytes: _Optional[int] = ..., cpu_seconds: _Optional[float] = ...) -> None: ...
+
+class PoolMetricsRequest(_message.Message):
+    __slots__ = ("pss",)
+    PSS_FIELD_NUMBER: _ClassVar[int]
+    pss: bool
+    def __init__(self, pss: _Optional[bool] = ...) -> None: ...
+
+class PoolMetrics(_message.Message):
+    __slots__ = ("gid", "instance", "queue_depth", "workers", "worker_restarts", "models", "processes", "bucket_bounds_s")
+    class WorkersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class WorkerRestartsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    GID_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_BOUNDS_S_FIELD_NUMBER: _ClassVar[int]
+    gid: str
+    instance: str
+    queue_depth: int
+    workers: _containers.ScalarMap[str, int]
+    worker_restarts: _containers.ScalarMap[str, int]
+    models: _containers.RepeatedCompositeFieldContainer[ModelMetrics]
+    processes: _containers.RepeatedCompositeFieldContainer[ProcessMetrics]
+    bucket_bounds_s: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, gid: _Optional[str] = ..., instance: _Optional[str] = ..., queue_depth: _Optional[int] = ..., workers: _Optional[_Mapping[str, int]] = ..., worker_restarts: _Optional[_Mapping[str, int]] = ..., models: _Optional[_Iterable[_Union[ModelMetrics, _Mapping]]] = ..., processes: _Optional[_Iterable[_Union[ProcessMetrics, _Mapping]]] = ..., bucket_bounds_s: _Optional[_Iterable[float]] = ...) -> None: ...
+
 class TreeNode(_message.Message):
     __slots__ = ("id", "pid", "state", "uptime_s", "restarts", "children", "pool", "last_exit", "pool_error")
     ID_FIELD_NUMBER: _ClassVar[int]

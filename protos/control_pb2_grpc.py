@@ -39,12 +39,23 @@ class PoolControlStub:
                 request_serializer=poolserve_dot_protos_dot_control__pb2.PoolStatusRequest.SerializeToString,
                 response_deserializer=poolserve_dot_protos_dot_control__pb2.PoolStatus.FromString,
                 _registered_method=True)
+        self.Metrics = channel.unary_unary(
+                '/poolserve.control.v1.PoolControl/Metrics',
+                request_serializer=poolserve_dot_protos_dot_control__pb2.PoolMetricsRequest.SerializeToString,
+                response_deserializer=poolserve_dot_protos_dot_control__pb2.PoolMetrics.FromString,
+                _registered_method=True)
 
 
 class PoolControlServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Status(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Metrics(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -57,6 +68,11 @@ def add_PoolControlServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=poolserve_dot_protos_dot_control__pb2.PoolStatusRequest.FromString,
                     response_serializer=poolserve_dot_protos_dot_control__pb2.PoolStatus.SerializeToString,
+            ),
+            'Metrics': grpc.unary_unary_rpc_method_handler(
+                    servicer.Metrics,
+                    request_deserializer=poolserve_dot_protos_dot_control__pb2.PoolMetricsRequest.FromString,
+                    response_serializer=poolserve_dot_protos_dot_control__pb2.PoolMetrics.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -86,6 +102,33 @@ class PoolControl:
             '/poolserve.control.v1.PoolControl/Status',
             poolserve_dot_protos_dot_control__pb2.PoolStatusRequest.SerializeToString,
             poolserve_dot_protos_dot_control__pb2.PoolStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Metrics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/poolserve.control.v1.PoolControl/Metrics',
+            poolserve_dot_protos_dot_control__pb2.PoolMetricsRequest.SerializeToString,
+            poolserve_dot_protos_dot_control__pb2.PoolMetrics.FromString,
             options,
             channel_credentials,
             insecure,

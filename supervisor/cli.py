@@ -1,5 +1,5 @@
 """The ``poolserve`` command line: serve, pool, router, serve-inprocess, probe,
-supervisord-config, status, reload."""
+supervisord-config, status, reload, top."""
 
 from __future__ import annotations
 
@@ -16,6 +16,9 @@ def _server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("repo", type=Path, help="model repository folder")
     parser.add_argument("--host", help="router bind address (default 127.0.0.1)")
     parser.add_argument("--grpc-port", type=int, help="router port (default 8081)")
+    parser.add_argument(
+        "--metrics-port", type=int, help="router's HTTP /metrics port (default 8082; -1: off)"
+    )
     parser.add_argument("--workers", type=int, help="workers per pool (default 2)")
     parser.add_argument("--run-dir", help="private directory for internal sockets")
     parser.add_argument("--log-format", choices=("text", "json"))
@@ -25,6 +28,7 @@ def _flags(args: argparse.Namespace) -> dict[str, object]:
     return {
         "host": args.host,
         "grpc_port": args.grpc_port,
+        "metrics_port": args.metrics_port,
         "parallel_workers": args.workers,
         "run_dir": args.run_dir,
         "log_format": args.log_format,
@@ -75,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_control_arguments(reload, DEFAULT_RELOAD_TIMEOUT)
     reload.add_argument("--json", action="store_true", help="one JSON object, for machines")
+    from poolserve.supervisor.top_cli import add_top_arguments
+
+    top = commands.add_parser("top", help="a live view of a running server, every second")
+    add_top_arguments(top)
     return parser
 
 
@@ -96,6 +104,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             user=args.user,
             log_stdout=args.log_stdout,
         )
+    if args.command == "top":
+        from poolserve.supervisor.top_cli import top_main
+
+        return top_main(args)
     if args.command in ("status", "reload"):
         from poolserve.supervisor.status_cli import reload_main, status_main
 

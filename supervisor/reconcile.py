@@ -71,6 +71,7 @@ POOL_SETTINGS = (
 ROUTER_SETTINGS = (
     "host",
     "grpc_port",
+    "metrics_port",
     "max_message_size",
     "default_timeout_s",
     "deadline_margin_ms",

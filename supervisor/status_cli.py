@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -80,6 +81,7 @@ def status_main(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         out.write("\n")
     else:
         out.write(render_tree(status.root))
+        out.write(ports_text(run_dir))
     everything_runs = all(node.state == "running" for node in walk(status.root))
     return EXIT_OK if everything_runs else EXIT_NOT_RUNNING
 
@@ -100,6 +102,20 @@ def reload_main(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     else:
         out.write(f"poolserve: reloaded: {response.summary}\n")
     return EXIT_OK if response.ok else EXIT_RELOAD_PROBLEMS
+
+
+def ports_text(run_dir: Path) -> str:
+    """Where the router listens (gRPC) and serves /metrics, from its address files."""
+    from poolserve.service.contract.rundir import ADDRESS_FILE, METRICS_ADDRESS_FILE
+
+    lines = ""
+    for name, template in (
+        (ADDRESS_FILE, "grpc     {}"),
+        (METRICS_ADDRESS_FILE, "metrics  http://{}/metrics"),
+    ):
+        with contextlib.suppress(OSError):  # not written: metrics off, or no router yet
+            lines += template.format((run_dir / name).read_text().strip()) + "\n"
+    return lines
 
 
 def _unreachable(run_dir: Path, error: Exception) -> int:

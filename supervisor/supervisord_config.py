@@ -55,6 +55,7 @@ PROGRAM_PREFIX = "poolserve"
 _FLAG_NAMES = (
     ("host", "--host"),
     ("grpc_port", "--grpc-port"),
+    ("metrics_port", "--metrics-port"),
     ("parallel_workers", "--workers"),
     ("log_format", "--log-format"),
 )

@@ -192,11 +192,24 @@ def env_of(container: dict[str, Any]) -> dict[str, str]:
 
 
 def container_port(container: dict[str, Any]) -> int:
+    """The router's gRPC port; the container's ports are it and, when one is
+    named ``metrics``, the metrics port its command line sets."""
     args = parse_cli(container["args"])
     env = env_of(container)
     port = args.grpc_port or int(env.get("POOLSERVE_GRPC_PORT", ServerSettings().grpc_port))
-    assert [p["containerPort"] for p in container["ports"]] == [port]
+    ports = container["ports"]
+    assert [p["containerPort"] for p in ports if p.get("name") != "metrics"] == [port]
+    for metrics in (p for p in ports if p.get("name") == "metrics"):
+        assert metrics["containerPort"] == metrics_port(container)
     return int(port)
+
+
+def metrics_port(container: dict[str, Any]) -> int:
+    args = parse_cli(container["args"])
+    env = env_of(container)
+    if args.metrics_port is not None:
+        return int(args.metrics_port)
+    return int(env.get("POOLSERVE_METRICS_PORT", ServerSettings().metrics_port))
 
 
 def exec_probe_options(command: Sequence[str]) -> Any:
@@ -309,9 +322,12 @@ def test_service_pdb_and_hpa_point_at_the_deployment() -> None:
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     ((_, service),) = objects("Service")
     assert service["spec"]["selector"] == selector
-    (port,) = service["spec"]["ports"]
-    assert port["targetPort"] in ("grpc", container_port(container))
-    assert port["port"] == container_port(container)
+    ports = {p["name"]: p for p in service["spec"]["ports"]}
+    assert set(ports) == {"grpc", "metrics"}
+    assert ports["grpc"]["targetPort"] in ("grpc", container_port(container))
+    assert ports["grpc"]["port"] == container_port(container)
+    assert ports["metrics"]["targetPort"] == "metrics"  # the name a ServiceMonitor uses
+    assert ports["metrics"]["port"] == metrics_port(container)
     ((_, pdb),) = objects("PodDisruptionBudget")
     assert pdb["spec"]["selector"]["matchLabels"] == selector
     ((_, hpa),) = objects("HorizontalPodAutoscaler")
@@ -787,3 +803,115 @@ def test_dockerfile_user_entrypoint_and_healthcheck() -> None:
     assert timeout > options.rpc_timeout
     assert "--start-period=" in health, "models take time to load"
     assert dockerfile_value("STOPSIGNAL") == "SIGTERM"
+
+
+# -- metrics: Prometheus, Grafana ------------------------------------------------------
+
+PROMETHEUS_DIR = DEPLOY / "prometheus"
+DASHBOARD = DEPLOY / "grafana" / "poolserve-dashboard.json"
+
+
+def test_deployments_expose_and_annotate_the_metrics_port() -> None:
+    for name, deployment in objects("Deployment"):
+        template = deployment["spec"]["template"]
+        (container,) = template["spec"]["containers"]
+        port = metrics_port(container)
+        assert port > 0, f"{name}: metrics are on"
+        names = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert names["metrics"] == port, name
+        annotations = template["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true", name
+        assert annotations["prometheus.io/port"] == str(port), name
+        assert annotations["prometheus.io/path"] == "/metrics", name
+
+
+def test_systemd_and_supervisord_set_the_metrics_port(tmp_path: Path) -> None:
+    env = dict(
+        line.split("=", 1)
+        for line in ENV_FILE.read_text().splitlines()
+        if line and not line.startswith("#")
+    )
+    settings = load_server_settings(tmp_path, environ=env)
+    assert settings.metrics_port == 8082 and settings.host == "0.0.0.0"
+    parser = configparser.ConfigParser(interpolation=None)
+    parser.read_string(SUPERVISORD_CONF.read_text())
+    command = shlex.split(parser["program:poolserve"]["command"])
+    args = parse_cli(command[1:])
+    assert args.metrics_port == settings.metrics_port
+
+
+def _scrape_configs(path: Path) -> dict[str, dict[str, Any]]:
+    (config,) = load_yaml(path.read_text())
+    scrape = config["global"]
+    assert scrape["scrape_timeout"] <= scrape["scrape_interval"]
+    return {job["job_name"]: job for job in config["scrape_configs"]}
+
+
+def test_prometheus_configs_scrape_the_metrics_port() -> None:
+    (job,) = _scrape_configs(PROMETHEUS_DIR / "prometheus.yml").values()
+    assert job["metrics_path"] == "/metrics"
+    assert job["static_configs"][0]["targets"] == [f"127.0.0.1:{ServerSettings().metrics_port}"]
+    (pods,) = _scrape_configs(PROMETHEUS_DIR / "prometheus-kubernetes.yml").values()
+    assert pods["kubernetes_sd_configs"] == [{"role": "pod"}]
+    sources = {tuple(r["source_labels"]) for r in pods["relabel_configs"]}
+    assert ("__meta_kubernetes_pod_annotation_prometheus_io_scrape",) in sources
+    promtool = shutil.which("promtool")
+    if promtool is not None:  # Debian's build has no Kubernetes discovery: the static one
+        done = subprocess.run(
+            [promtool, "check", "config", str(PROMETHEUS_DIR / "prometheus.yml")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+
+
+def exported_metric_names() -> set[str]:
+    """Every sample name the router's exposition holds for a pool with one model."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from poolserve.protos import control_pb2 as cpb
+    from poolserve.service.poolcore.stats import BUCKETS_S
+    from poolserve.service.router.metrics import (
+        Continuity,
+        RouterCounts,
+        Snapshot,
+        pool_counters,
+        render,
+    )
+
+    answer = cpb.PoolMetrics(
+        gid="a",
+        instance="1",
+        models=[cpb.ModelMetrics(name="m", version="1", request=cpb.Histogram(buckets=[0] * 16))],
+        processes=[cpb.ProcessMetrics(pid=1, kind="worker")],
+        bucket_bounds_s=BUCKETS_S,
+    )
+    answer.models[0].queue.buckets.extend([0] * 16)
+    answer.models[0].compute.buckets.extend([0] * 16)
+    state = Continuity()
+    state.update("1", pool_counters(answer))
+    text, _ = render(Snapshot({"a": answer}, {"a": state}, RouterCounts({})))
+    names = {s.name for f in text_string_to_metric_families(text.decode()) for s in f.samples}
+    return names | {n.removesuffix("_total") for n in names}  # Triton's counters keep theirs
+
+
+def dashboard_exprs() -> list[str]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    return [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+
+
+def test_grafana_dashboard_queries_only_exported_metrics() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert dashboard["uid"] == "poolserve"
+    exported = exported_metric_names()
+    used: set[str] = set()
+    for expr in dashboard_exprs():
+        names = set(re.findall(r"\b(?:nv|poolserve)_[a-z_]+\b", expr))
+        assert names, expr
+        assert names <= exported, f"{expr}: {names - exported} not exported"
+        used |= names
+    titles = " ".join(panel["title"].lower() for panel in dashboard["panels"])
+    for topic in ("throughput", "p50", "p99", "queue", "busy", "restarts", "deadline"):
+        assert topic in titles, topic
+    assert {"nv_inference_request_success", "poolserve_deadline_exceeded_total"} <= used

@@ -307,7 +307,7 @@ def test_failed_loads_are_unavailable_with_reason_and_server_not_ready(served: S
 
 def test_mlserver_settings_json_is_read_with_notices(served: Serving) -> None:
     log = served.log()
-    for field in ("http_port: not supported", "metrics_port: not supported", "debug: ignored"):
+    for field in ("http_port: not supported", "debug: ignored"):
         assert f"settings.json: {field}" in log, log[-3000:]
     assert "Traceback" not in log
 

@@ -48,6 +48,7 @@ class PoolOverride:
 class ServerSettings:
     host: str = "127.0.0.1"
     grpc_port: int = 8081
+    metrics_port: int = 8082  # the router's HTTP /metrics, on host; 0: any free port, -1: off
     parallel_workers: int = 2
     pools: Mapping[str, PoolOverride] = field(default_factory=dict)
     max_queue: int = 1024
@@ -116,6 +117,7 @@ class ServerSettings:
 
 _INT_FIELDS = {
     "grpc_port",
+    "metrics_port",
     "parallel_workers",
     "max_queue",
     "max_message_size",
@@ -172,8 +174,8 @@ def _check_value(source: str, name: str, value: object) -> object:
     if name in _INT_FIELDS:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(source, name, f"expected an integer, got {value!r}")
-        low = 0 if name in {"grpc_port", "parallel_workers"} else 1
-        if value < low or (name == "grpc_port" and value > 65535):
+        low = {"grpc_port": 0, "parallel_workers": 0, "metrics_port": -1}.get(name, 1)
+        if value < low or (name in {"grpc_port", "metrics_port"} and value > 65535):
             raise ConfigError(source, name, f"out of range: {value}")
         return value
     if name in _FLOAT_FIELDS:

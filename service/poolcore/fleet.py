@@ -23,6 +23,7 @@ import asyncio
 import logging
 import socket
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 
 from poolserve.service.contract.errors import Unavailable
@@ -38,6 +39,16 @@ from poolserve.service.poolcore.respawn import Respawner
 log = logging.getLogger(__name__)
 
 SERVING = (WorkerState.IDLE, WorkerState.BUSY)  # self-tested, taking jobs
+
+
+def death_cause(gone: WorkerGone) -> str:
+    """The ``cause`` label of a worker restart: roll (retired on purpose),
+    heartbeat or timeout (killed by the dispatcher), signal or exit (its own)."""
+    if gone.retired:
+        return "roll"
+    if gone.reason:
+        return "heartbeat" if "heartbeat" in gone.reason else "timeout"
+    return "signal" if gone.status.startswith("killed") else "exit"
 
 
 def _idle_first(workers: list[Worker]) -> list[Worker]:
@@ -78,6 +89,7 @@ class Fleet:
         self._forking = 0  # the extra worker of a roll, asked for and not arrived yet
         self._active = False
         self._changed: asyncio.Event | None = None
+        self.restarts: Counter[str] = Counter()  # workers replaced, by death_cause
 
     @classmethod
     def with_dispatcher(
@@ -157,6 +169,8 @@ class Fleet:
 
     def gone(self, gone: WorkerGone) -> None:
         """A worker is dead (its status known): log it once, count it, respawn."""
+        if self._active:
+            self.restarts[death_cause(gone)] += 1
         if gone.retired or not self._active:
             return
         running = f" while running model '{gone.tag}'" if gone.tag else ""

@@ -3,15 +3,58 @@
 Durations are nanoseconds. Queue time is measured by whoever queued the
 request (the pool's dispatcher); decode, compute and encode come from the
 worker's own timings, so they cost no extra clock reads on the hot path.
-Counting only: the message is built by :mod:`poolserve.service.poolserver.statistics`.
+Counting only: the message is built by :mod:`poolserve.service.poolserver.statistics`,
+the Prometheus metrics by the router from :mod:`poolserve.service.poolserver.metrics`.
+
+Histograms of request, queue and compute time are counted here too, on the
+same call as the sums (one ``bisect`` per duration, no lock: the pool's event
+loop is the only writer): ``*_buckets[i]`` counts the durations in
+``(BUCKETS_NS[i-1], BUCKETS_NS[i]]``, the last slot those above every bound.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections import deque
+from bisect import bisect_left
+from collections import Counter, deque
 from dataclasses import dataclass, field
+
+from poolserve.service.contract.errors import Failure, ServingError
+
+# The histograms' upper bounds, 0.5 ms to 30 s (Prometheus' `le`, in seconds).
+BUCKETS_S = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+BUCKETS_NS = tuple(round(b * 1e9) for b in BUCKETS_S)
+_REASON = {
+    Failure.DEADLINE: "deadline",
+    Failure.CANCELLED: "cancelled",
+    Failure.INVALID_INPUT: "invalid",
+    Failure.TOO_LARGE: "invalid",
+    Failure.NOT_FOUND: "invalid",
+    Failure.FAILED_PRECONDITION: "invalid",
+    Failure.UNIMPLEMENTED: "invalid",
+    Failure.UNAVAILABLE: "unavailable",
+    Failure.NOT_READY: "unavailable",
+    Failure.QUEUE_FULL: "exhausted",
+}
+# A DeadlineExceeded's stage as the metrics' `stage` label.
+_STAGE = {"router": "router", "pool": "pool", "pool queue": "queue", "worker": "worker"}
+
+
+def failure_reason(error: ServingError) -> str:
+    """The ``reason`` label of a failed request (``internal`` for model errors too)."""
+    return _REASON.get(error.failure, "internal")
+
+
+def deadline_stage(error: ServingError) -> str:
+    """The ``stage`` label of a deadline that ran out."""
+    return _STAGE.get(error.stage, "pool")
+
+
+def _buckets() -> list[int]:
+    return [0] * (len(BUCKETS_NS) + 1)
 
 
 @dataclass(slots=True)
@@ -40,6 +83,11 @@ class ModelStats:
     last_inference_ms: int = 0
     late_replies: int = 0
     recent_compute_ns: deque[int] = field(default_factory=lambda: deque(maxlen=64))
+    failures: Counter[str] = field(default_factory=Counter)  # by failure_reason
+    deadlines: Counter[str] = field(default_factory=Counter)  # by deadline_stage
+    request_buckets: list[int] = field(default_factory=_buckets)  # success and failure
+    queue_buckets: list[int] = field(default_factory=_buckets)
+    compute_buckets: list[int] = field(default_factory=_buckets)  # the model's compute only
 
     def p50_compute_s(self) -> float | None:
         """Median compute time of the recent executions (None before any)."""
@@ -50,13 +98,25 @@ class ModelStats:
     def record_success(self, queue_ns: int, timings: Timings, total_ns: int) -> None:
         self.success_count += 1
         self.success_ns += total_ns
+        self.request_buckets[bisect_left(BUCKETS_NS, total_ns)] += 1
         self._record_execution(queue_ns, timings)
 
     def record_failure(
-        self, total_ns: int, queue_ns: int = 0, timings: Timings | None = None
+        self,
+        total_ns: int,
+        queue_ns: int = 0,
+        timings: Timings | None = None,
+        error: ServingError | None = None,
     ) -> None:
         self.fail_count += 1
         self.fail_ns += total_ns
+        self.request_buckets[bisect_left(BUCKETS_NS, total_ns)] += 1
+        if error is None:
+            self.failures["internal"] += 1
+        else:
+            self.failures[failure_reason(error)] += 1
+            if error.failure is Failure.DEADLINE:
+                self.deadlines[deadline_stage(error)] += 1
         if timings is not None:
             self._record_execution(queue_ns, timings)
 
@@ -67,7 +127,10 @@ class ModelStats:
         self.input_ns += timings.decode_ns
         self.infer_ns += timings.compute_ns
         self.output_ns += timings.encode_ns
-        self.recent_compute_ns.append(timings.decode_ns + timings.compute_ns + timings.encode_ns)
+        compute_ns = timings.decode_ns + timings.compute_ns + timings.encode_ns
+        self.recent_compute_ns.append(compute_ns)
+        self.queue_buckets[bisect_left(BUCKETS_NS, queue_ns)] += 1
+        self.compute_buckets[bisect_left(BUCKETS_NS, timings.compute_ns)] += 1
         self.inference_count += 1
         self.execution_count += 1
         self.last_inference_ms = time.time_ns() // 1_000_000

@@ -65,15 +65,13 @@ class PoolBackend:
                 timeout=entry.settings.timeout_s if entry.settings is not None else None,
                 precision=plan.precision,
             )
-        except DeadlineExceeded:
-            entry.stats.record_failure(time.monotonic_ns() - began)
-            raise
-        except ServingError:
-            entry.stats.record_failure(time.monotonic_ns() - began)
+        except ServingError as exc:
+            entry.stats.record_failure(time.monotonic_ns() - began, error=exc)
             raise
         if len(result.body) > self.max_message_size:
-            entry.stats.record_failure(time.monotonic_ns() - began)
-            raise MessageTooLarge.reply(entry.name, len(result.body), self.max_message_size)
+            too_large = MessageTooLarge.reply(entry.name, len(result.body), self.max_message_size)
+            entry.stats.record_failure(time.monotonic_ns() - began, error=too_large)
+            raise too_large
         entry.stats.record_success(result.queue_ns, result.timings, time.monotonic_ns() - began)
         if observe is not None:
             observe(result)
@@ -98,8 +96,8 @@ class PoolBackend:
             return schedule(
                 entry.name, levels, routing.priority, routing.timeout_us, deadline, time.monotonic()
             )
-        except InvalidInput:
-            entry.stats.record_failure(0)
+        except InvalidInput as exc:
+            entry.stats.record_failure(0, error=exc)
             raise
 
     @staticmethod
@@ -108,9 +106,10 @@ class PoolBackend:
         p50 = entry.stats.p50_compute_s()
         remaining = deadline - time.monotonic()
         if p50 is not None and remaining < p50:
-            entry.stats.record_failure(0)
-            raise DeadlineExceeded(
+            hopeless = DeadlineExceeded(
                 f"rejected on arrival: {remaining * 1000:.1f} ms left, below model "
                 f"'{entry.name}' recent median compute time of {p50 * 1000:.1f} ms",
                 stage="pool",
             )
+            entry.stats.record_failure(0, error=hopeless)
+            raise hopeless

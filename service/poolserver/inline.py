@@ -144,8 +144,8 @@ class InlineRunner:
         try:
             result = await self._submit(inline, request, plan, enqueued)
             body = self._checked(entry.name, result.body)
-        except ServingError:
-            entry.stats.record_failure(int((loop.time() - enqueued) * 1e9))
+        except ServingError as exc:
+            entry.stats.record_failure(int((loop.time() - enqueued) * 1e9), error=exc)
             raise
         entry.stats.record_success(
             result.queue_ns, result.timings, int((result.finished - enqueued) * 1e9)
@@ -257,8 +257,8 @@ class InlineRunner:
         try:
             body, timings = _run(model, request, deadline)
             self._checked(entry.name, body)
-        except ServingError:
-            entry.stats.record_failure(int((time.monotonic() - started) * 1e9))
+        except ServingError as exc:
+            entry.stats.record_failure(int((time.monotonic() - started) * 1e9), error=exc)
             raise
         finished = time.monotonic()
         entry.stats.record_success(0, timings, int((finished - started) * 1e9))

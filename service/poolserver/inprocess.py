@@ -70,8 +70,8 @@ class InProcessBackend:
         loop = asyncio.get_running_loop()
         try:
             body, timings = await loop.run_in_executor(self._thread(), infer, model, request)
-        except ServingError:
-            entry.stats.record_failure(time.monotonic_ns() - queued)
+        except ServingError as exc:
+            entry.stats.record_failure(time.monotonic_ns() - queued, error=exc)
             raise
         entry.stats.record_success(0, timings, time.monotonic_ns() - queued)
         return body

@@ -103,7 +103,7 @@ class PoolServer(LiveModels):
         self.dispatcher = self.fleet.dispatcher
         self.inline = InlineRunner(self.catalog, gid, settings.max_queue, settings.max_message_size)
         self.pool_control = PoolControl(
-            gid, self.zygote, self.dispatcher, self.inline, self.catalog
+            gid, self.zygote, self.dispatcher, self.inline, self.catalog, self.fleet
         )
         self.backend = PoolBackend(
             self.dispatcher,

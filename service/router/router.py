@@ -15,6 +15,7 @@ import contextvars
 import logging
 import signal
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +44,7 @@ from poolserve.service.contract.lane import lane_path
 from poolserve.service.contract.repository import Repository, scan
 from poolserve.service.contract.rundir import (
     ADDRESS_FILE,
+    METRICS_ADDRESS_FILE,
     ROUTER_CONTROL_SOCKET,
     FileId,
     file_id,
@@ -65,6 +67,8 @@ from poolserve.service.lifecycle.limits import (
     watch_descriptors,
 )
 from poolserve.service.router.lane_client import LaneClient
+from poolserve.service.router.metrics import MetricsSource, RouterCounts
+from poolserve.service.router.metrics_http import MetricsServer
 from poolserve.service.router.replybudget import TRACKED_REPLY, ReplyBudget
 
 log = logging.getLogger(__name__)
@@ -197,6 +201,19 @@ class Router:
             initial=repository,
         )
         self.port = 0
+        self.metrics_port = 0  # bound by serve() when metrics_port is not -1
+        self.metrics_address_file = run_dir / METRICS_ADDRESS_FILE
+        self._metrics_written: FileId | None = None
+        # Deadlines spent before the router could forward, by (model, version, pool).
+        self.router_deadlines: Counter[tuple[str, str, str]] = Counter()
+        self.metrics = MetricsSource(
+            lambda: {gid: route.channel for gid, route in self.pools.items()},
+            lambda: RouterCounts(self.router_deadlines, self._routed_models()),
+        )
+
+    def _routed_models(self) -> list[tuple[str, str]]:
+        """(model, pool) of every route: the series the router's own counters cover."""
+        return [(name, route.gid) for name, route in self.routes.items()]
 
     # -- readiness -------------------------------------------------------------
 
@@ -389,14 +406,19 @@ class Router:
             if method == "ModelReady" and name not in self.routes:
                 # As Triton: a model that does not exist is not ready; no NOT_FOUND.
                 return pb.ModelReadyResponse(ready=False).SerializeToString()
-            if method == "ModelInfer":
-                if self.replies.total:  # someone is not reading: is it this connection?
-                    self.replies.check(context)
-                reply = await self._infer(self._route(name), body, context)
-                if len(reply) >= TRACKED_REPLY:
-                    self.replies.track(context, len(reply))
-                return reply
-            return await self._forward(self._route(name), method, body, context)
+            try:
+                if method == "ModelInfer":
+                    if self.replies.total:  # someone is not reading: is it this connection?
+                        self.replies.check(context)
+                    reply = await self._infer(self._route(name), body, context)
+                    if len(reply) >= TRACKED_REPLY:
+                        self.replies.track(context, len(reply))
+                    return reply
+                return await self._forward(self._route(name), method, body, context)
+            except DeadlineExceeded as exc:
+                if exc.stage == "router" and name in self.routes:
+                    self.router_deadlines[(name, version, self.routes[name].gid)] += 1
+                raise
 
         handler.__name__ = method
         return handler
@@ -728,6 +750,7 @@ class Router:
         if self.port == 0:
             raise ConfigError("router", "grpc_port", f"cannot listen on {address}: {reason}")
         control = self._control_server()
+        metrics = await self._start_metrics()
         async with asyncio.TaskGroup() as tasks:
             self._tasks = tasks
             fds = tasks.create_task(watch_descriptors("router", DESCRIPTOR_CHECK_S))
@@ -744,6 +767,8 @@ class Router:
             await self._stop.wait()
             began = time.monotonic()
             await control.stop(0)
+            if metrics is not None:
+                await metrics.stop()
             await server.stop(self.settings.stop_grace_s)
             log.info("router: drained in %.3f s", time.monotonic() - began)
             rescanner.cancel()
@@ -754,6 +779,7 @@ class Router:
         self._tasks = None
         remove_own(self.control_path, self._control_bound)
         remove_own(self.address_file, self._address_written)
+        remove_own(self.metrics_address_file, self._metrics_written)
         if self.tracing is not None:
             await asyncio.to_thread(self.tracing.shutdown)  # flushes, off the loop
         for route in self.pools.values():
@@ -763,12 +789,25 @@ class Router:
                 await route.channel.close()
 
     def _publish_address(self) -> None:
+        self._address_written = _publish(self.address_file, self.settings.host, self.port)
+
+    async def _start_metrics(self) -> MetricsServer | None:
+        """The HTTP /metrics port (metrics_port; -1: none), on this event loop."""
+        if self.settings.metrics_port < 0:
+            return None
+        metrics = MetricsServer(self.metrics)
         host = self.settings.host
-        text = f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
-        partial = self.address_file.with_suffix(".tmp")
-        partial.write_text(text + "\n")
-        partial.replace(self.address_file)
-        self._address_written = file_id(self.address_file)
+        try:
+            self.metrics_port = await metrics.start(host, self.settings.metrics_port)
+        except OSError as exc:
+            raise ConfigError(
+                "router",
+                "metrics_port",
+                f"cannot listen on {host}:{self.settings.metrics_port}: {exc}",
+            ) from None
+        self._metrics_written = _publish(self.metrics_address_file, host, self.metrics_port)
+        log.info("router: metrics on http://%s/metrics", _host_port(host, self.metrics_port))
+        return metrics
 
     def _watch_pool(self, route: PoolRoute) -> None:
         assert self._tasks is not None
@@ -782,3 +821,15 @@ class Router:
             return  # not serving yet: serve() starts every watcher
         applier = self._model_applier(route, name)
         route.watchers.append(self._tasks.create_task(self._watch(route, f"model:{name}", applier)))
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _publish(path: Path, host: str, port: int) -> FileId | None:
+    """Writes ``host:port`` to ``path`` at once (a reader never sees half of it)."""
+    partial = path.with_suffix(".tmp")
+    partial.write_text(_host_port(host, port) + "\n")
+    partial.replace(path)
+    return file_id(path)
