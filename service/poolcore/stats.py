@@ -24,6 +24,16 @@ class Timings:
 
 
 @dataclass(slots=True)
+class BatchStats:
+    """Executions of one batch size: how many, and their compute times."""
+
+    count: int = 0
+    input_ns: int = 0
+    infer_ns: int = 0
+    output_ns: int = 0
+
+
+@dataclass(slots=True)
 class ModelStats:
     success_count: int = 0
     success_ns: int = 0
@@ -40,6 +50,17 @@ class ModelStats:
     last_inference_ms: int = 0
     late_replies: int = 0
     recent_compute_ns: deque[int] = field(default_factory=lambda: deque(maxlen=64))
+    batches: dict[int, BatchStats] = field(default_factory=dict)  # per batch size (rows)
+
+    def record_batch(self, size: int, timings: Timings) -> None:
+        """One execution of ``size`` rows (Triton's batch_stats)."""
+        stats = self.batches.get(size)
+        if stats is None:
+            stats = self.batches[size] = BatchStats()
+        stats.count += 1
+        stats.input_ns += timings.decode_ns
+        stats.infer_ns += timings.compute_ns
+        stats.output_ns += timings.encode_ns
 
     def p50_compute_s(self) -> float | None:
         """Median compute time of the recent executions (None before any)."""
@@ -47,10 +68,13 @@ class ModelStats:
             return None
         return statistics.median(self.recent_compute_ns) / 1e9
 
-    def record_success(self, queue_ns: int, timings: Timings, total_ns: int) -> None:
+    def record_success(
+        self, queue_ns: int, timings: Timings, total_ns: int, execution: bool = True
+    ) -> None:
+        """``execution`` False: a request of a batch whose execution another counted."""
         self.success_count += 1
         self.success_ns += total_ns
-        self._record_execution(queue_ns, timings)
+        self._record_execution(queue_ns, timings, execution)
 
     def record_failure(
         self, total_ns: int, queue_ns: int = 0, timings: Timings | None = None
@@ -60,7 +84,7 @@ class ModelStats:
         if timings is not None:
             self._record_execution(queue_ns, timings)
 
-    def _record_execution(self, queue_ns: int, timings: Timings) -> None:
+    def _record_execution(self, queue_ns: int, timings: Timings, execution: bool = True) -> None:
         self.queue_count += 1
         self.queue_ns += queue_ns
         self.compute_count += 1
@@ -69,5 +93,5 @@ class ModelStats:
         self.output_ns += timings.encode_ns
         self.recent_compute_ns.append(timings.decode_ns + timings.compute_ns + timings.encode_ns)
         self.inference_count += 1
-        self.execution_count += 1
+        self.execution_count += execution
         self.last_inference_ms = time.time_ns() // 1_000_000

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 
+from poolserve.service.contract.batching import peek_batch
 from poolserve.service.contract.errors import (
     DeadlineExceeded,
     InvalidInput,
@@ -55,6 +56,17 @@ class PoolBackend:
         if entry.name in self.inline:
             return await self.inline.infer(entry, request, plan, observe)
         began = time.monotonic_ns()
+        policy = entry.settings.batching if entry.settings is not None else None
+        rows, key = 1, b""
+        if policy is not None:
+            try:
+                peeked = peek_batch(request, policy.safe_parameters)
+            except InvalidInput:
+                peeked = None  # malformed: it runs alone, and the worker says what is wrong
+            if peeked is None:
+                policy = None
+            else:
+                rows, key = peeked
         try:
             result = await self.dispatcher.submit(
                 request,
@@ -64,6 +76,9 @@ class PoolBackend:
                 tag=entry.name,
                 timeout=entry.settings.timeout_s if entry.settings is not None else None,
                 precision=plan.precision,
+                batch=policy,
+                rows=rows,
+                batch_key=key,
             )
         except DeadlineExceeded:
             entry.stats.record_failure(time.monotonic_ns() - began)
@@ -74,7 +89,11 @@ class PoolBackend:
         if len(result.body) > self.max_message_size:
             entry.stats.record_failure(time.monotonic_ns() - began)
             raise MessageTooLarge.reply(entry.name, len(result.body), self.max_message_size)
-        entry.stats.record_success(result.queue_ns, result.timings, time.monotonic_ns() - began)
+        entry.stats.record_success(
+            result.queue_ns, result.timings, time.monotonic_ns() - began, result.batch_report
+        )
+        if result.batch_report:
+            entry.stats.record_batch(result.batch_size, result.timings)
         if observe is not None:
             observe(result)
         return result.body
