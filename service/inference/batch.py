@@ -96,7 +96,12 @@ def _compatibility(model: Model, member: _Member) -> tuple[Any, ...] | None:
         return None
     safe = model.settings.batch_safe_parameters | _SCHEDULING
     tensors = tuple(
-        (t.name, t.datatype, tuple(t.shape[1:]), sorted(t.parameters.items()))
+        (
+            t.name,
+            t.datatype,
+            tuple(t.shape[1:]),
+            tuple((k, v.SerializeToString()) for k, v in sorted(t.parameters.items())),
+        )
         for t in member.request.inputs
     )
     params = tuple(sorted((k, repr(v)) for k, v in member.parameters.items() if k not in safe))

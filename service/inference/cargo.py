@@ -61,7 +61,11 @@ def handle_batch(models: Mapping[str, Model], bodies: list[bytes]) -> list[bytes
     """The batch handler: several serialized ModelInferRequests, one frame each."""
     from poolserve.service.inference.batch import run_batch
 
-    return run_batch(models, bodies)
+    try:
+        return run_batch(models, bodies)
+    except Exception as exc:  # a bug in our own path: report it, keep serving
+        message = f"{type(exc).__name__}: {exc}"
+        return [error_frame(i, Timings(), Failure.INTERNAL, message) for i in range(len(bodies))]
 
 
 def inference_handler(models: Mapping[str, Model]) -> worker.Handler:
