@@ -11,6 +11,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import batching
+
 README_START = "<!-- bench:start -->"
 README_END = "<!-- bench:end -->"
 MODELS = ("echo", "burn")
@@ -596,7 +598,9 @@ def markdown(results: Results) -> str:
         "(throughput x duration of the perf_analyzer run), median of the runs.\n\n"
         + cpu_table(results),
         "## Overload\n\n" + overload_note(results) + "\n\n" + overload_table(results),
-    ]
+        *(["## Batching\n\n" + batching.markdown(results["batching"])]
+          if results.get("batching") else []),
+    ]  # fmt: skip
     return "\n\n".join(parts) + "\n"
 
 
@@ -679,6 +683,7 @@ def console(results: Results) -> str:
             memory_breakdown(results),
             cpu_table(results),
             overload_table(results),
+            batching.markdown(results.get("batching") or {}),
         ]
         if part
     )

@@ -290,6 +290,35 @@ def test_worker_killed_during_a_batch_retries_it_once(tmp_path: Path) -> None:
         asyncio.run(main(serving))
 
 
+def test_inline_model_batches_the_same_way(tmp_path: Path) -> None:
+    """parallel_workers 0: calls queued while the model's thread is busy run
+    as one batch, each caller with its own rows and outputs."""
+    repo = tmp_path / "repo"
+    log = tmp_path / "rows.log"
+    folder = rows_model(repo, "rows", log)
+    settings = json.loads((folder / "model-settings.json").read_text())
+    (folder / "model-settings.json").write_text(json.dumps({**settings, "parallel_workers": 0}))
+
+    async def main(serving: Serving) -> None:
+        async with grpc.aio.insecure_channel(serving.address) as channel:
+            await wait_serving(channel)
+            call = channel.unary_unary(INFER)
+            hold = request("rows", np.full((1, 4), -1.0, np.float32), hold_ms=4000)
+            blocker = asyncio.ensure_future(call(hold.SerializeToString(), timeout=60))
+            await wait_for(lambda: -1.0 in ran_rows(log), "the blocker never ran")
+            callers = make_callers(random.Random(7), 12, ["ok"])
+            futures = [asyncio.ensure_future(call(body_of(c), timeout=60)) for c in callers]
+            await queued(serving, len(callers))
+            assert not blocker.done(), "the blocker ended before the calls were queued"
+            sizes = [check_own_rows(c, await f) for c, f in zip(callers, futures, strict=True)]
+            batches = [line for line in logged(log) if len(line["rows"]) > 1]  # type: ignore[arg-type]
+            assert any(len(line["rows"]) > 3 for line in batches), (sizes, batches)  # type: ignore[arg-type]
+            assert not any(-1.0 in line["rows"] for line in batches)  # type: ignore[operator]
+
+    with Serving(repo, tmp_path / "run", workers=1) as serving:
+        asyncio.run(main(serving))
+
+
 # -- the batch key and the settings, without processes -----------------------
 
 

@@ -461,17 +461,9 @@ class Dispatcher:
         policy = job.batch
         if policy is None or job.rows >= policy.max_size:
             return [job]
-        jobs, rows = [job], job.rows
         now = asyncio.get_running_loop().time()
-        for other in self._queue.compatible(job):
-            if rows + other.rows > policy.max_size:
-                continue
-            if self._hopeless(other, now):
-                continue
-            jobs.append(other)
-            rows += other.rows
-            if rows >= policy.max_size:
-                break
+        jobs = gather_batch(self._queue, job, lambda other: not self._hopeless(other, now))
+        rows = sum(j.rows for j in jobs)
         if not policy.full(rows) and policy.max_time > 0 and self._runs(job.tag):
             service = self._service.get(job.tag)
             needs = RETURN_TRIP_S + (service.needs() if service is not None else 0.0)
@@ -947,6 +939,32 @@ class JobQueue:
         del keys[bisect.bisect_left(keys, job.key)]
         if not keys:
             del self._keys[job.priority]
+
+
+def gather_batch(queue: JobQueue, job: Job, worth: Callable[[Job], bool]) -> list[Job]:
+    """``job`` (already out of ``queue``) and, in queue order, the queued jobs
+    that join its batch (``worth`` them; still in the queue), up to its
+    policy's ``max_size`` rows."""
+    policy = job.batch
+    jobs, rows = [job], job.rows
+    if policy is None:
+        return jobs
+    for other in queue.compatible(job):
+        if rows + other.rows > policy.max_size or not worth(other):
+            continue
+        jobs.append(other)
+        rows += other.rows
+        if rows >= policy.max_size:
+            break
+    return jobs
+
+
+def take_batch(queue: JobQueue, job: Job) -> list[Job]:
+    """As :func:`gather_batch`, the batch out of the queue at once (no wait)."""
+    jobs = gather_batch(queue, job, lambda other: True)
+    for other in jobs[1:]:
+        queue.remove(other)
+    return jobs
 
 
 def _live(entry: tuple[int, float, int, int, Job]) -> bool:

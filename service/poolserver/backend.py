@@ -53,9 +53,6 @@ class PoolBackend:
         plan = self._plan(entry, routing, deadline)
         if self.reject_hopeless:
             self._reject_if_hopeless(entry, plan.deadline)
-        if entry.name in self.inline:
-            return await self.inline.infer(entry, request, plan, observe)
-        began = time.monotonic_ns()
         policy = entry.settings.batching if entry.settings is not None else None
         rows, key = 1, b""
         if policy is not None:
@@ -67,6 +64,10 @@ class PoolBackend:
                 policy = None
             else:
                 rows, key = peeked
+        if entry.name in self.inline:
+            batch = None if policy is None else (policy, rows, key)
+            return await self.inline.infer(entry, request, plan, observe, batch)
+        began = time.monotonic_ns()
         try:
             result = await self.dispatcher.submit(
                 request,
