@@ -6,7 +6,8 @@ synthetic features), trained once per run by its own train.py; FP32 [1, 20]
 per request. Servers, 2 workers each: poolserve without batching; poolserve
 with ``max_batch_size`` 32 and ``max_batch_time`` 0.002; MLServer 1.7.1 with
 its own scikit-learn runtime (mlserver-sklearn) with the same batching
-settings, and without. perf_analyzer at concurrency 1, 16 and 64, the servers
+settings, and without (OMP_NUM_THREADS=1 and the like, as poolserve's workers
+have by default). perf_analyzer at concurrency 1, 16 and 64, the servers
 interleaved per cell. perf_analyzer checks no values, so each server then
 gets a correctness pass: 64 concurrent callers, distinct random rows, every
 reply's ``predict`` compared with the model scored locally. The model's own
@@ -41,6 +42,7 @@ CONCURRENCIES = (1, 16, 64)
 BATCH = {"max_batch_size": 32, "max_batch_time": 0.002}
 FEATURES = 20
 CHECK_CALLS = 512  # per server, in the correctness pass
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 TARGETS = (
     # (what, numerator server, denominator server, concurrency, measure, bound, higher is better)
@@ -92,7 +94,10 @@ def build_mlserver(model_file: Path, batched: bool, spec: servers.ServerSpec,
     servers.write_json(repo / MODEL / "model-settings.json", settings)
     python = ctx.venvs[spec.venv]
     argv = [str(python), str(servers.PEER_CODE / "mlserver_addon.py"), "start", str(repo)]
-    return servers.Launch(argv, env={"PYTHONPATH": str(servers.PEER_CODE)})
+    # one native thread per worker, as poolserve's workers have (threads_per_worker 1): the
+    # model's OpenMP pool would otherwise start a thread per core in each worker
+    env = {"PYTHONPATH": str(servers.PEER_CODE), **ONE_THREAD}
+    return servers.Launch(argv, env=env)
 
 
 def specs(model_file: Path) -> list[servers.ServerSpec]:
