@@ -28,11 +28,11 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import install
-import perf
-import servers
+if TYPE_CHECKING:  # imported where used: report.py loads this module by path, alone
+    import install
+    import servers
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -70,6 +70,8 @@ def _settings(
 def build_poolserve(model_file: Path, batched: bool, spec: servers.ServerSpec,
                     ctx: servers.Context) -> servers.Launch:  # fmt: skip
     """A batched model declares [-1, 20]: its ModelConfig (max_batch_size 32) has dims [20]."""
+    import servers
+
     folder = ctx.workdir / "repo" / MODEL
     folder.mkdir(parents=True)
     shape = [-1, FEATURES] if batched else [1, FEATURES]
@@ -84,6 +86,8 @@ def build_poolserve(model_file: Path, batched: bool, spec: servers.ServerSpec,
 
 def build_mlserver(model_file: Path, batched: bool, spec: servers.ServerSpec,
                    ctx: servers.Context) -> servers.Launch:  # fmt: skip
+    import servers
+
     repo = ctx.workdir / "repo"
     (repo / MODEL).mkdir(parents=True)
     servers.write_json(repo / "settings.json", {
@@ -101,6 +105,8 @@ def build_mlserver(model_file: Path, batched: bool, spec: servers.ServerSpec,
 
 
 def specs(model_file: Path) -> list[servers.ServerSpec]:
+    import servers
+
     def spec(key: str, label: str, build: Callable[..., servers.Launch], batched: bool,
              venv: str = "") -> servers.ServerSpec:  # fmt: skip
         return servers.ServerSpec(key, label, 2, functools.partial(build, model_file, batched),
@@ -126,6 +132,8 @@ def train(run_dir: Path) -> Path:
 def perf_cell(pa: install.PerfAnalyzer, address: str, concurrency: int, window_ms: int,
               csv_path: Path) -> dict[str, Any]:  # fmt: skip
     """One perf_analyzer cell; the shape comes from the model's config (no --shape)."""
+    import perf
+
     argv = perf.command(pa.binary, address, MODEL, concurrency, window_ms, csv_path)
     at = argv.index("--shape")
     del argv[at : at + 2]
@@ -167,6 +175,8 @@ def run_phase(
     log: Callable[[str], None],
 ) -> dict[str, Any]:  # fmt: skip
     """Everything of the batching part; ``fleet`` is run.py's Fleet (start, wait_ready, stop)."""
+    import servers
+
     model_file = train(run_dir)
     cost = model_cost(model_file)
     log(f"batching: model {MODEL}: 1 row {cost['one_ms']:.3f} ms, 32 rows {cost['batch_ms']:.3f} "
