@@ -21,9 +21,10 @@ started in batches: when a worker is free, the first job worth starting takes
 along the queued jobs of its model with the same batch key (compatible
 inputs, see :mod:`poolserve.service.contract.batching`), in queue order, up
 to ``max_size`` rows, as one BATCH frame. A lone job on an idle worker starts
-at once; a batch short of its size waits for more only while another batch of
-its model runs, and at most ``max_time`` after its first job came, never past
-the earliest deadline in it minus the model's service time. Each job of a
+at once; a batch short of its size (even of one job, with a worker idle) waits
+for more only while another batch of its model runs, and at most ``max_time``
+after its first job came, never past the earliest deadline in it minus the
+model's service time. Each job of a
 batch keeps its own state: a job that expires or is cancelled while the batch
 forms leaves the queue, a reply for a job whose caller left is dropped, and a
 worker death retries each job of the batch once, as a single job.
@@ -367,8 +368,8 @@ class Dispatcher:
         job.precision = precision
         if batch is not None and rows <= batch.max_size:
             job.batch, job.rows, job.batch_key = batch, rows, batch_key
-        if self._idle and not self._queue:
-            self._start(self._idle.pop(), [job])
+        if self._idle and not self._queue and (job.batch is None or not self._runs(tag)):
+            self._start(self._idle.pop(), [job])  # a lone caller starts at once
         else:
             self._queue.push(job, precision)
             if self._idle:
