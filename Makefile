@@ -42,6 +42,7 @@ protos: install
 
 run: install
 	@test -f examples/models/iris/model.joblib || $(BIN)/python examples/models/iris/train.py
+	@test -f examples/models/boosted/model.joblib || $(BIN)/python examples/models/boosted/train.py
 	@echo "poolserve: serving $(REPO) on 127.0.0.1:8081 (Ctrl-C stops it)."
 	@echo "  try: $(BIN)/python examples/client.py 127.0.0.1:8081"
 	$(BIN)/poolserve serve $(REPO)

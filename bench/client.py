@@ -28,7 +28,7 @@ import pbwire
 
 METHOD = "/" + pbwire.SERVICE + "/"
 PAYLOAD_SHAPE = (1, 16)
-PAYLOAD_SHAPES = {"xgb": (1, 20)}  # the XGBoost model's 20 features
+PAYLOAD_SHAPES = {"xgb": (1, 20), "boosted": (1, 20)}  # xgb and boosted: 20 features
 
 
 def payload(model: str) -> bytes:

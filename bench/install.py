@@ -43,6 +43,9 @@ class VenvSpec:
     name: str
     packages: tuple[str, ...]
     no_deps: tuple[str, ...] = ()  # installed after, without their dependencies
+    # name==version, without dependencies, into the venv as it is when missing (no rebuild:
+    # the stamp, and so the other packages, stay as they were)
+    additions: tuple[str, ...] = ()
 
     def wanted(self) -> str:
         return "\n".join(self.packages + tuple(f"--no-deps {p}" for p in self.no_deps))
@@ -62,8 +65,10 @@ def project_xgboost() -> str:
 
 
 def mlserver_venv() -> VenvSpec:
-    """MLServer 1.7.1 and its XGBoost and scikit-learn runtimes (1.7.1; the
-    scikit-learn one for tests/test_mlserver.py's side-by-side).
+    """MLServer 1.7.1, its XGBoost runtime, mlserver-xgboost 1.7.1, and its
+    scikit-learn runtime, mlserver-sklearn 1.7.1 (needs only mlserver,
+    scikit-learn and joblib, all there; the batching bench's peer and
+    tests/test_mlserver.py's side-by-side).
 
     mlserver-xgboost asks for ``xgboost[scikit-learn]``, whose Linux wheel is
     the GPU build (with NCCL, hundreds of MB): it is installed without
@@ -76,7 +81,8 @@ def mlserver_venv() -> VenvSpec:
         "mlserver",
         ("mlserver==1.7.1", "uvloop==0.21.0", f"grpcio=={project_grpcio()}", project_xgboost(),
          sklearn),
-        no_deps=("mlserver-xgboost==1.7.1", "mlserver-sklearn==1.7.1"),
+        no_deps=("mlserver-xgboost==1.7.1",),
+        additions=("mlserver-sklearn==1.7.1",),  # installed when missing, stamp unchanged
     )  # fmt: skip
 
 
@@ -113,6 +119,7 @@ def ensure_venv(spec: VenvSpec) -> Path:
     stamp = spec.path / ".bench-installed"
     wanted = spec.wanted()
     if stamp.exists() and stamp.read_text() == wanted and spec.python.exists():
+        _add_missing(spec)
         return spec.python
     log(f"installing {', '.join(spec.packages)} into {spec.path} (once)")
     subprocess.run([sys.executable, "-m", "venv", "--clear", str(spec.path)], check=True)
@@ -122,7 +129,17 @@ def ensure_venv(spec: VenvSpec) -> Path:
     if spec.no_deps:
         subprocess.run([*pip, "--no-deps", *spec.no_deps], check=True)
     stamp.write_text(wanted)
+    _add_missing(spec)
     return spec.python
+
+
+def _add_missing(spec: VenvSpec) -> None:
+    for requirement in spec.additions:
+        name, _, version = requirement.partition("==")
+        if package_version(spec.python, name) != version:
+            log(f"installing {requirement} into {spec.path} (once)")
+            pip = [str(spec.python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+            subprocess.run([*pip, "--no-deps", requirement], check=True)
 
 
 @dataclass(frozen=True)

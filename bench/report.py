@@ -6,10 +6,28 @@ that tests/test_bench_report.py can check them on a recorded sample.
 
 from __future__ import annotations
 
+import importlib.util
 import statistics
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import ModuleType
 from typing import Any
+
+
+def _sibling(name: str) -> ModuleType:
+    """A bench module beside this one, loaded by path (the tests load report.py so too)."""
+    key = f"_bench_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
+        assert spec is not None and spec.loader is not None
+        sys.modules[key] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[key])
+    return sys.modules[key]
+
+
+batching = _sibling("batching")
 
 README_START = "<!-- bench:start -->"
 README_END = "<!-- bench:end -->"
@@ -600,7 +618,9 @@ def markdown(results: Results) -> str:
             [f"## MLServer runtimes under poolserve\n\n{dropin_table(results)}"]
             * bool(dropin_table(results))
         ),
-    ]
+        *(["## Batching\n\n" + batching.markdown(results["batching"])]
+          if results.get("batching") else []),
+    ]  # fmt: skip
     return "\n\n".join(parts) + "\n"
 
 
@@ -689,6 +709,7 @@ def console(results: Results) -> str:
             cpu_table(results),
             overload_table(results),
             dropin_table(results),
+            batching.markdown(results.get("batching") or {}),
         ]
         if part
     )

@@ -5,6 +5,7 @@
   python bench/run.py --render       # rewrite latest.md, latest.png and README from latest.json
   python bench/run.py --only overload --servers poolserve --repeat 3
                                      # the overload part alone (mode's duration), never published
+  python bench/run.py --only batching  # the batching part alone (bench/batching.py)
 
 Phases: install the peers (once, under bench/.peers); calibrate ``burn``;
 start every server with the same models; perf_analyzer rounds with the
@@ -37,6 +38,7 @@ from typing import Any
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH / "peers"))
 
+import batching  # noqa: E402
 import install  # noqa: E402
 import mlserver_dropin  # noqa: E402
 import perf  # noqa: E402
@@ -566,6 +568,23 @@ def dropin_only(mode: Mode) -> dict[str, Any]:
     return data
 
 
+def batching_only(mode: Mode) -> str:
+    """The batching part alone: its four servers, perf_analyzer, the checks; markdown."""
+    installed = install.ensure_all([install.PEER_VENVS["mlserver"]()])
+    run_dir = WORK / datetime.datetime.now().strftime("batching-%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True)
+    wait_for_quiet(mode.quiet_wait_s)
+    fleet = Fleet(run_dir, installed.venvs, servers.Workload(0, run_dir / "burn.count"))
+    try:
+        found = batching.run_phase(fleet, installed.perf_analyzer, mode.runs, mode.window_ms,
+                                   run_dir, log)  # fmt: skip
+    finally:
+        fleet.stop_all()
+    (run_dir / "batching.json").write_text(json.dumps(found, indent=1) + "\n")
+    log(f"wrote {run_dir / 'batching.json'}")
+    return batching.markdown(found)
+
+
 # -- memory ---------------------------------------------------------------------------------
 
 
@@ -725,6 +744,12 @@ def run(mode: Mode, only: Sequence[str], publish_results: bool) -> dict[str, Any
             with phase("mlserver drop-in", timings):
                 results["mlserver_dropin"] = mlserver_dropin.measure(
                     fleet, mode, installed.perf_analyzer, run_dir, measure_cell)  # fmt: skip
+        if "mlserver" in installed.venvs:
+            with phase("batching", timings):
+                pa = installed.perf_analyzer
+                results["batching"] = batching.run_phase(
+                    fleet, pa, mode.runs, mode.window_ms, run_dir, log
+                )
     finally:
         fleet.stop_all()
     timings["total"] = round(time.monotonic() - began, 1)
@@ -745,9 +770,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--only",
-        choices=["overload", "mlserver-dropin"],
-        help="run one part alone: overload (calibration, servers, overload; never published), "
-        "mlserver-dropin (bench/mlserver_dropin.py)",
+        choices=["overload", "mlserver-dropin", "batching"],
+        help="run one part alone: overload (calibration, servers, overload), "
+        "mlserver-dropin (bench/mlserver_dropin.py) or batching (bench/batching.py); "
+        "never published",
     )
     parser.add_argument("--repeat", type=int, default=1, help="with --only overload: runs each")
     parser.add_argument(
@@ -771,6 +797,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.only == "overload":
         print(report.overload_console(overload_only(mode, only, max(1, args.repeat))))
+        return 0
+    if args.only == "batching":
+        print(batching_only(mode))
         return 0
     publish_results = mode.publish if args.publish is None else args.publish
     results = run(mode, only, publish_results and not only)

@@ -546,3 +546,34 @@ def test_overload_figures_say_the_host_and_each_repeat() -> None:
     assert table.count("poolserve (2 workers)") == 2  # one row per repeat
     assert "55.0 (50.0 / 60.0)" in table and "0.93" in table and "0.97" in table
     assert "23.4" in report.overload_console({**results, "meta": {"burn_cpu_ms": 23.4}})
+
+
+def test_batching_targets_and_table_from_cells() -> None:
+    batching = report.batching
+
+    def cell(server: str, c: int, thr: float, p99_ms: float) -> dict[str, Any]:
+        return {"server": server, "concurrency": c, "round": 0,
+                "result": {"throughput": thr, "p99_us": p99_ms * 1000}}  # fmt: skip
+
+    ok = {"ok": batching.CHECK_CALLS, "wrong": 0, "errors": 0}
+    found = {
+        "servers": [{"key": k, "label": k} for k in
+                    ("poolserve", "poolserve-batched", "mlserver", "mlserver-batched")],
+        "cells": [cell("poolserve", 64, 700, 100), cell("poolserve-batched", 64, 2500, 80),
+                  cell("mlserver-batched", 64, 2000, 90), cell("poolserve", 1, 300, 10),
+                  cell("poolserve-batched", 1, 290, 13)],
+        "checks": {"poolserve": ok, "poolserve-batched": {**ok, "wrong": 1}},
+        "model_cost": {"one_ms": 1.0, "batch_ms": 1.2, "ratio": 1.2},
+    }  # fmt: skip
+    met = {t["what"]: t["met"] for t in batching.targets(found)}
+    assert met == {
+        "c64 throughput, batched vs unbatched": True,  # 3.57
+        "c64 throughput, batched vs MLServer batched": False,  # 1.25
+        "c1 p99, batched vs unbatched": False,  # 1.3
+        "every reply correct (all servers)": False,  # one wrong value
+        "model: 32 rows cost < 3x one row": True,
+    }
+    table = batching.markdown(found)
+    assert "| poolserve-batched | 290.0/s, p99 13.00 ms | n/a/s, p99 n/a ms | 2,500.0/s" in table
+    assert "| NO |" in table and f"| 0/{batching.CHECK_CALLS} correct |" in table
+    assert batching.markdown({}) == ""

@@ -82,6 +82,10 @@ def model_repository(repo: Path) -> Path:
     inline = json.loads((repo / "echo" / "model-settings.json").read_text())
     inline.update(name="echo_inline", parallel_workers=0)
     (repo / "echo_inline" / "model-settings.json").write_text(json.dumps(inline))
+    shutil.copytree(repo / "echo", repo / "echo_batched")  # a request naming regions runs alone
+    batched = json.loads((repo / "echo" / "model-settings.json").read_text())
+    batched.update(name="echo_batched", max_batch_size=32, max_batch_time=0.002)
+    (repo / "echo_batched" / "model-settings.json").write_text(json.dumps(batched))
     write_model(
         repo,
         "simple",
@@ -281,7 +285,7 @@ def check_client_report(report: dict[str, Any]) -> None:
     assert report["left_registered"] == []
 
 
-@pytest.mark.parametrize("model", ["echo", "echo_inline"])
+@pytest.mark.parametrize("model", ["echo", "echo_inline", "echo_batched"])
 def test_a_name_registered_again_is_never_served_from_the_old_mapping(
     serving: Serving, objects: list[ShmObject], model: str
 ) -> None:

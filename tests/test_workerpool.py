@@ -785,3 +785,56 @@ def test_host_killed_leaves_no_process_or_segment_behind(tmp_path: Path) -> None
             if stream is not None:
                 stream.close()
         kill_pids(seen)
+
+
+def test_batched_model_gives_each_call_its_own_rows(tmp_path: Path) -> None:
+    """add_model(max_batch_size=...): calls queued behind a busy worker run as
+    one stacked score; each caller gets exactly its own rows; a call that
+    does not fit (float64, keyword arguments) runs alone; a score whose
+    result has the wrong rows fails only its batch, clearly."""
+    gate = fifo(tmp_path)
+
+    def call_args(n: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        x = (1000.0 * (n + 1) + np.arange(rows * 3)).reshape(rows, 3).astype(np.float32)
+        names = np.array([f"c{n}r{r}" for r in range(rows)], dtype=object)
+        return x, names
+
+    async def main() -> None:
+        async with running(WorkerPool(workers=1)) as pool:
+            pool.add_model("m", load=counter("m"), score=wm.touch_then_gate)
+            pool.add_model("rows", load=counter("rows"), score=wm.stacked, max_batch_size=16,
+                           max_batch_time=0.002)  # fmt: skip
+            pool.add_model("short", load=counter("short"), score=wm.stacked_short,
+                           max_batch_size=16)  # fmt: skip
+            await pool.wait_ready(timeout=60)
+            started = tmp_path / "started"
+            blocker = asyncio.create_task(pool.score("m", str(started), str(gate), "done"))
+            await until(started.exists)
+            calls = [call_args(n, 1 + n % 3) for n in range(10)]
+            futures = [asyncio.create_task(pool.score("rows", *a, timeout=60)) for a in calls]
+            wide = (calls[0][0].astype(np.float64), calls[0][1])
+            odd = asyncio.create_task(pool.score("rows", *wide, timeout=60))
+            short = [
+                asyncio.create_task(pool.score("short", *call_args(n, 2), timeout=60))
+                for n in range(3)
+            ]
+            await until(lambda: pool.status().queue_depth == 14)
+            await release(gate)
+            assert await blocker == "done"
+            batches = set()
+            for (x, names), future in zip(calls, futures, strict=True):
+                got = await future
+                np.testing.assert_array_equal(got["double"], x * 2)
+                assert list(got["names"]) == [n.upper() for n in names]
+                assert len(got["batch"]) == len(x)
+                batches.add(int(got["batch"][0]))
+            assert max(batches) > 3, batches
+            with pytest.raises(ScoreError) as info:
+                await odd
+            assert "float32" in str(info.value)  # it ran alone: the others were not failed
+            for future in short:
+                with pytest.raises(ScoreError) as short_info:
+                    await future
+                assert "batch of 6 rows" in str(short_info.value), short_info.value
+
+    asyncio.run(main())

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from poolserve.service.contract.batching import BatchPolicy, batch_settings
 from poolserve.service.contract.schedule import PriorityLevels, priority_levels
 from poolserve.service.contract.settings import (
     DEFAULT_POOL,
@@ -85,6 +86,21 @@ class ModelSettings:
     parallel_workers: int | None = None
     # parameters.extra.priority_levels and default_priority_level
     priority: PriorityLevels = field(default_factory=PriorityLevels)
+    # parameters.extra.preferred_batch_sizes and batch_safe_parameters
+    preferred_batch_sizes: tuple[int, ...] = ()
+    batch_safe_parameters: frozenset[str] = frozenset()
+
+    @property
+    def batching(self) -> BatchPolicy | None:
+        """How the dispatcher batches this model's requests; None: one at a time."""
+        if self.max_batch_size <= 1:
+            return None
+        return BatchPolicy(
+            self.max_batch_size,
+            self.max_batch_time,
+            self.preferred_batch_sizes,
+            self.batch_safe_parameters,
+        )
 
     @property
     def key(self) -> str:
@@ -221,8 +237,10 @@ def parse_model_settings(path: Path) -> ModelSettings:
     if workers is not None:
         workers = _expect(source, "parallel_workers", workers, int)
     extra = _expect(source, "parameters.extra", params.get("extra", {}), dict)
-    max_batch_size = _expect(source, "max_batch_size", data.get("max_batch_size", 0), int)
-    batch_dims = 1 if max_batch_size > 0 else 0
+    batch_size, batch_time, preferred, safe = batch_settings(
+        source, data.get("max_batch_size", 0), data.get("max_batch_time", 0), extra
+    )
+    batch_dims = 1 if batch_size > 0 else 0
     return ModelSettings(
         name=name,
         implementation=implementation,
@@ -234,13 +252,13 @@ def parse_model_settings(path: Path) -> ModelSettings:
         extra=extra,
         inputs=_tensor_specs(source, "inputs", data.get("inputs"), batch_dims),
         outputs=_tensor_specs(source, "outputs", data.get("outputs"), batch_dims),
-        max_batch_size=max_batch_size,
-        max_batch_time=float(
-            _expect(source, "max_batch_time", data.get("max_batch_time", 0), (int, float))
-        ),
+        max_batch_size=batch_size,
+        max_batch_time=batch_time,
         platform=_expect(source, "platform", data.get("platform", ""), str),
         parallel_workers=workers,
         priority=priority_levels(source, extra),
+        preferred_batch_sizes=preferred,
+        batch_safe_parameters=safe,
     )
 
 

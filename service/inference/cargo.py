@@ -59,8 +59,21 @@ def handle(models: Mapping[str, Model], body: bytes, seq: int) -> bytes:
         return error_frame(seq, Timings(), Failure.INTERNAL, f"{type(exc).__name__}: {exc}")
 
 
+def handle_batch(models: Mapping[str, Model], bodies: list[bytes]) -> list[bytes]:
+    """The batch handler: several serialized ModelInferRequests, one frame each."""
+    from poolserve.service.inference.batch import run_batch
+
+    try:
+        return run_batch(models, bodies)
+    except Exception as exc:  # a bug in our own path: report it, keep serving
+        message = f"{type(exc).__name__}: {exc}"
+        return [error_frame(i, Timings(), Failure.INTERNAL, message) for i in range(len(bodies))]
+
+
 def inference_handler(models: Mapping[str, Model]) -> worker.Handler:
-    return functools.partial(handle, models)
+    handler = functools.partial(handle, models)
+    handler.batch = functools.partial(handle_batch, models)  # type: ignore[attr-defined]
+    return handler
 
 
 class InferenceCargo:

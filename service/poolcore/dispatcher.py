@@ -16,6 +16,19 @@ left (deadline or cancel) is stuck, most likely in native code, where the
 heartbeat thread cannot see it. A worker found hung, overtime or stuck is
 killed (SIGABRT, then SIGKILL) and handled like a death.
 
+A model with a batching policy (:class:`BatchPolicy`) has its queued jobs
+started in batches: when a worker is free, the first job worth starting takes
+along the queued jobs of its model with the same batch key (compatible
+inputs, see :mod:`poolserve.service.contract.batching`), in queue order, up
+to ``max_size`` rows, as one BATCH frame. A lone job on an idle worker starts
+at once; a batch short of its size (even of one job, with a worker idle) waits
+for more only while another batch of its model runs, and at most ``max_time``
+after its first job came, never past the earliest deadline in it minus the
+model's service time. Each job of a
+batch keeps its own state: a job that expires or is cancelled while the batch
+forms leaves the queue, a reply for a job whose caller left is dropped, and a
+worker death retries each job of the batch once, as a single job.
+
 A fresh worker takes no job before its self-test is done (the READY frame):
 one warm-up prediction per model, each within ``warmup_timeout``. A worker
 that hangs in it is killed; its death names the model it was warming up.
@@ -39,6 +52,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from poolserve.service.contract.batching import BatchPolicy
 from poolserve.service.contract.errors import (
     DeadlineExceeded,
     QueueFull,
@@ -52,6 +66,7 @@ from poolserve.service.poolcore.frames import (
     WARMUP,
     Reply,
     ReplyBuffer,
+    batch_frame,
     request_frame,
 )
 from poolserve.service.poolcore.stats import Timings
@@ -64,6 +79,7 @@ STATUS_WAIT_S = 1.0  # how long a dead worker's job waits for the exit status
 ABORT_GRACE_S = 1.0  # SIGABRT (core dump, traceback) before SIGKILL
 RETURN_TRIP_S = 0.002  # a job needs its service time plus the way back through pool and router
 STUCK_AFTER_S = 1.0  # a worker this long in a job its caller left counts as stuck (health)
+BATCH_WAIT_MIN_S = 0.0002  # a batch does not wait for less than this
 
 
 class JobState(enum.Enum):
@@ -91,6 +107,11 @@ class Job:
     worker: Worker | None = None  # the worker it runs on (RUNNING, ABANDONED)
     key: float = 0.0  # its place in the queue among its priority (see _order_key)
     precision: float = 0.0  # its caller's own deadline may be this much earlier
+    entry: int = 0  # which of its queue entries is live (a requeued job has a new one)
+    batch: BatchPolicy | None = None  # its model batches: with jobs of the same batch_key
+    rows: int = 1  # its rows along dimension 0, when its model batches
+    batch_key: bytes = b""
+    members: list[Job] | None = None  # the batch it leads on a worker (itself first)
 
 
 @dataclass(slots=True)
@@ -101,6 +122,8 @@ class Result:
     enqueued: float = 0.0  # loop (monotonic) times, for spans built after the fact
     started: float = 0.0
     finished: float = 0.0
+    batch_size: int = 1  # rows of the execution it was part of
+    batch_report: bool = True  # the one result of its execution that counts the execution
 
 
 class ServiceTime:
@@ -151,7 +174,7 @@ class Worker:
     last_seen: float = field(default_factory=time.monotonic)
     kill_reason: str = ""
     status: str | None = None
-    lost_job: Job | None = None
+    lost_jobs: list[Job] = field(default_factory=list)
     lost_tag: str = ""
     generation: int = 0
     retiring: bool = False
@@ -222,6 +245,8 @@ class Dispatcher:
         self.skipped_hopeless = 0
         self._refusal: ServingError | None = None
         self._service: dict[str, ServiceTime] = {}  # per tag: recent worker time per job
+        self._batch_timer: asyncio.TimerHandle | None = None
+        self.batches = 0  # executions of more than one job
 
     # -- lifecycle -------------------------------------------------------
 
@@ -306,6 +331,9 @@ class Dispatcher:
         tag: str = "",
         timeout: float | None = None,
         precision: float = 0.0,
+        batch: BatchPolicy | None = None,
+        rows: int = 1,
+        batch_key: bytes = b"",
     ) -> Result:
         """Runs ``body`` on a worker before ``deadline`` (loop time).
 
@@ -313,7 +341,8 @@ class Dispatcher:
         deadline, then the earliest arrival; a deadline within ``precision`` of
         one queued earlier counts as equal to it (deadlines that travelled as
         gRPC timeouts are that coarse), so calls with equal timeouts run in the
-        order they came.
+        order they came. With ``batch``, the job may run in a batch with queued
+        jobs of the same ``tag`` and ``batch_key``, ``rows`` counting its size.
         """
         if self._refusal is not None:
             raise self._refusal
@@ -337,10 +366,14 @@ class Dispatcher:
         )
         job.enqueued = now
         job.precision = precision
-        if self._idle and not self._queue:
-            self._start(self._idle.pop(), job)
+        if batch is not None and rows <= batch.max_size:
+            job.batch, job.rows, job.batch_key = batch, rows, batch_key
+        if self._idle and not self._queue and (job.batch is None or not self._runs(tag)):
+            self._start(self._idle.pop(), [job])  # a lone caller starts at once
         else:
             self._queue.push(job, precision)
+            if self._idle:
+                self._fill_idle()  # a batch waiting for more jobs may be complete now
         timer = loop.call_at(deadline, self._expire, job)
         try:
             return await job.future
@@ -384,17 +417,84 @@ class Dispatcher:
         else:
             job.future.set_exception(outcome)
 
-    def _start(self, worker: Worker, job: Job) -> None:
+    def _start(self, worker: Worker, jobs: list[Job]) -> None:
         loop = asyncio.get_running_loop()
-        job.state = JobState.RUNNING
-        job.started = loop.time()
-        job.worker = worker
+        now = loop.time()
+        for member in jobs:
+            member.state = JobState.RUNNING
+            member.started = now
+            member.worker = worker
+        job = jobs[0]
+        job.members = jobs if len(jobs) > 1 else None
         worker.current = job
         worker.state = WorkerState.BUSY
         if job.timeout is not None:
             job.overtime = loop.call_at(job.started + job.timeout, self._overtime, worker, job)
         assert worker.transport is not None
-        worker.transport.write(request_frame(job.seq, job.body))
+        if job.members is None:
+            worker.transport.write(request_frame(job.seq, job.body))
+        else:
+            self.batches += 1
+            worker.transport.write(batch_frame(job.seq, [m.body for m in jobs]))
+
+    def _fill_idle(self) -> None:
+        """Starts what is worth starting on idle workers (a batch may still wait)."""
+        while self._idle:
+            worker = self._idle.pop()
+            if not self._start_next(worker):
+                self._idle.append(worker)
+                return
+
+    def _start_next(self, worker: Worker) -> bool:
+        """Starts the next job, or batch, on ``worker``; False if none is to start now."""
+        job = self._next_job()
+        if job is None:
+            return False
+        jobs = self._gather(job)
+        if jobs is None:
+            return False
+        self._start(worker, jobs)
+        return True
+
+    def _gather(self, job: Job) -> list[Job] | None:
+        """``job`` and the queued jobs that join its batch; None: the batch waits
+        for more (``job`` is back in the queue, a timer will look again)."""
+        policy = job.batch
+        if policy is None or job.rows >= policy.max_size:
+            return [job]
+        now = asyncio.get_running_loop().time()
+        jobs = gather_batch(self._queue, job, lambda other: not self._hopeless(other, now))
+        rows = sum(j.rows for j in jobs)
+        if not policy.full(rows) and policy.max_time > 0 and self._runs(job.tag):
+            service = self._service.get(job.tag)
+            needs = RETURN_TRIP_S + (service.needs() if service is not None else 0.0)
+            until = min(
+                job.enqueued + policy.max_time,
+                min(j.deadline - j.precision for j in jobs) - needs,
+            )
+            if until > now + BATCH_WAIT_MIN_S:
+                self._queue.push(job, 0.0, bounded=False, key=job.key)
+                self._wake_at(until)
+                return None
+        for other in jobs[1:]:
+            self._queue.remove(other)
+        return jobs
+
+    def _runs(self, tag: str) -> bool:
+        """Whether a job of model ``tag`` is on a worker now (more are likely coming)."""
+        return any(w.current is not None and w.current.tag == tag for w in self._workers.values())
+
+    def _wake_at(self, when: float) -> None:
+        timer = self._batch_timer
+        if timer is not None and timer.when() <= when:
+            return
+        if timer is not None:
+            timer.cancel()
+        self._batch_timer = asyncio.get_running_loop().call_at(when, self._batch_due)
+
+    def _batch_due(self) -> None:
+        self._batch_timer = None
+        self._fill_idle()
 
     def _next_job(self) -> Job | None:
         """The next job worth starting.
@@ -408,25 +508,33 @@ class Dispatcher:
         """
         now = asyncio.get_running_loop().time()
         while (job := self._queue.pop()) is not None:
-            service = self._service.get(job.tag)
-            needs = None if service is None else service.needs() + RETURN_TRIP_S
-            left = job.deadline - job.precision - now
-            if needs is not None and left < needs and not job.future.done():
-                self.skipped_hopeless += 1
-                job.state = JobState.DONE
-                left = max(0.0, left) * 1000
-                self._finish(
-                    job,
-                    DeadlineExceeded(
-                        f"deadline would pass before the request could finish: {left:.1f} ms "
-                        f"left in pool '{self.name}', model '{job.tag}' takes about "
-                        f"{needs * 1000:.1f} ms",
-                        stage="pool queue",
-                    ),
-                )
+            if self._hopeless(job, now, queued=False):
                 continue
             return job
         return None
+
+    def _hopeless(self, job: Job, now: float, queued: bool = True) -> bool:
+        """Answers a job that cannot finish in time (``queued``: it leaves the queue)."""
+        service = self._service.get(job.tag)
+        needs = None if service is None else service.needs() + RETURN_TRIP_S
+        left = job.deadline - job.precision - now
+        if needs is None or left >= needs or job.future.done():
+            return False
+        if queued:
+            self._queue.remove(job)
+        self.skipped_hopeless += 1
+        job.state = JobState.DONE
+        left = max(0.0, left) * 1000
+        self._finish(
+            job,
+            DeadlineExceeded(
+                f"deadline would pass before the request could finish: {left:.1f} ms "
+                f"left in pool '{self.name}', model '{job.tag}' takes about "
+                f"{needs * 1000:.1f} ms",
+                stage="pool queue",
+            ),
+        )
+        return True
 
     def _learn_service_time(self, tag: str, took: float) -> None:
         """A model's service time: dispatch to reply, as the dispatcher sees it
@@ -442,12 +550,9 @@ class Dispatcher:
         if worker.retiring:
             self._close_worker(worker)
             return
-        job = self._next_job()
-        if job is None:
+        if not self._start_next(worker):
             worker.state = WorkerState.IDLE
             self._idle.append(worker)
-        else:
-            self._start(worker, job)
 
     # -- per-worker reader task -----------------------------------------
 
@@ -480,24 +585,40 @@ class Dispatcher:
         job = worker.current
         if job is None or job.seq != reply.seq:
             raise ValueError(f"reply for sequence {reply.seq} that this worker does not hold")
+        members = job.members or [job]
+        parts = reply.parts if reply.parts is not None else [reply]
+        if (reply.parts is None) != (job.members is None) or len(parts) != len(members):
+            raise ValueError(f"{len(parts)} replies for a batch of {len(members)} requests")
         worker.served += 1
-        if reply.failure is None and job.tag:
-            self._learn_service_time(job.tag, asyncio.get_running_loop().time() - job.started)
-        if job.state is JobState.RUNNING:
-            job.state = JobState.DONE
-            if reply.failure is None:
-                queue_ns = int((job.started - job.enqueued) * 1e9)
-                finished = asyncio.get_running_loop().time()
+        finished = asyncio.get_running_loop().time()
+        if job.tag and any(part.failure is None for part in parts):
+            self._learn_service_time(job.tag, finished - job.started)
+        rows = sum(m.rows for m in members)
+        report = True
+        for member, part in zip(members, parts, strict=True):
+            if member.state is not JobState.RUNNING:
+                self.late_replies += 1
+                continue
+            member.state = JobState.DONE
+            if part.failure is None:
+                queue_ns = int((member.started - member.enqueued) * 1e9)
                 result = Result(
-                    reply.body, reply.timings, queue_ns, job.enqueued, job.started, finished
+                    part.body,
+                    part.timings,
+                    queue_ns,
+                    member.enqueued,
+                    member.started,
+                    finished,
+                    batch_size=rows,
+                    batch_report=report,
                 )
-                self._finish(job, result)
+                report = False
+                self._finish(member, result)
             else:
-                self._finish(job, error_for(reply.failure, reply.message))
-        else:
-            if job.overtime is not None:
-                job.overtime.cancel()
-            self.late_replies += 1
+                self._finish(member, error_for(part.failure, part.message))
+        if job.overtime is not None:
+            job.overtime.cancel()
+            job.overtime = None
         was_stuck = worker.state is WorkerState.STUCK
         self._worker_free(worker)
         if was_stuck:
@@ -598,10 +719,20 @@ class Dispatcher:
             if worker.state is not WorkerState.STARTING and silent > self.heartbeat_timeout:
                 self._kill(worker, f"stopped heartbeating for {silent:.1f} s")
 
+    @staticmethod
+    def _holds(worker: Worker | None, job: Job) -> bool:
+        """Whether ``worker`` runs ``job`` now (alone or in a batch)."""
+        current = None if worker is None else worker.current
+        return current is not None and (current is job or job in (current.members or ()))
+
     def _stuck(self, job: Job, why: str) -> None:
-        """The job's caller left a while ago and its worker is still in it."""
+        """The job's caller left a while ago and its worker is still in it (and
+        in no job of a caller still waiting: a batch counts once all left)."""
         worker = job.worker
-        if worker is None or worker.current is not job or job.state is not JobState.ABANDONED:
+        if worker is None or not self._holds(worker, job) or job.state is not JobState.ABANDONED:
+            return
+        assert worker.current is not None
+        if any(m.state is JobState.RUNNING for m in worker.current.members or ()):
             return
         worker.state = WorkerState.STUCK
         self._on_change()
@@ -610,7 +741,7 @@ class Dispatcher:
 
     def _abandon_overdue(self, job: Job, why: str) -> None:
         worker = job.worker
-        if worker is not None and worker.current is job:
+        if worker is not None and self._holds(worker, job):
             self._kill(
                 worker,
                 f"model '{job.tag}' was still running {self.abandon_grace:g} s after its "
@@ -653,14 +784,19 @@ class Dispatcher:
             worker.transport.close()
         else:
             worker.sock.close()
-        job, worker.current = worker.current, None
-        worker.lost_tag = job.tag if job is not None else worker.warming
-        if (
-            job is not None
-            and job.state is JobState.RUNNING
-            and (worker.kill_reason or not self._retry(job))
-        ):
-            worker.lost_job = job  # answered once the exit status is known
+        lead, worker.current = worker.current, None
+        worker.lost_tag = lead.tag if lead is not None else worker.warming
+        members = [] if lead is None else lead.members or [lead]
+        retried = False
+        for job in members:
+            if job.state is not JobState.RUNNING:
+                continue
+            if not worker.kill_reason and self._retry(job):
+                retried = True
+            else:
+                worker.lost_jobs.append(job)  # answered once the exit status is known
+        if retried and self._idle:
+            self._fill_idle()
         status = self._statuses.pop(worker.pid, None)
         if status is not None:
             worker.status = status
@@ -679,8 +815,8 @@ class Dispatcher:
         if worker.pidfd >= 0:
             os.close(worker.pidfd)
             worker.pidfd = -1
-        job, worker.lost_job = worker.lost_job, None
-        if job is not None:
+        jobs, worker.lost_jobs = worker.lost_jobs, []
+        for job in jobs:
             self._fail_lost_job(job, worker)
         if not self._closing.is_set():
             self._on_worker_gone(
@@ -719,14 +855,8 @@ class Dispatcher:
         job.retried = True
         job.state = JobState.QUEUED
         job.priority = RETRY_PRIORITY
+        job.members = None
         self._queue.push(job, 0.0, bounded=False)
-        if self._idle:
-            worker = self._idle.pop()
-            next_job = self._next_job()
-            if next_job is None:
-                self._idle.append(worker)
-            else:
-                self._start(worker, next_job)
         return True
 
     def _close_worker(self, worker: Worker) -> None:
@@ -752,34 +882,54 @@ class JobQueue:
     def __init__(self, limit: int, where: str) -> None:
         self.limit = limit
         self.where = where
-        self._heap: list[tuple[int, float, int, Job]] = []
+        self._heap: list[tuple[int, float, int, int, Job]] = []
         self._keys: dict[int, list[float]] = {}  # per priority: queued jobs' keys, sorted
         self._count = 0
 
     def __len__(self) -> int:
         return self._count
 
-    def push(self, job: Job, precision: float, bounded: bool = True) -> None:
-        """Queues ``job``, QueueFull past the limit; see :func:`_order_key` for ``precision``."""
+    def push(
+        self, job: Job, precision: float, bounded: bool = True, key: float | None = None
+    ) -> None:
+        """Queues ``job``, QueueFull past the limit; see :func:`_order_key` for
+        ``precision``; ``key``: its place as before (a batch that waits puts its
+        first job back where it was)."""
         if bounded and self._count >= self.limit:
             raise QueueFull(f"{self.where} queue is full ({self.limit} requests waiting)")
         keys = self._keys.setdefault(job.priority, [])
-        job.key = _order_key(keys, job.deadline, precision)
+        job.key = _order_key(keys, job.deadline, precision) if key is None else key
         bisect.insort(keys, job.key)
-        heapq.heappush(self._heap, (job.priority, job.key, job.seq, job))
+        job.entry += 1
+        heapq.heappush(self._heap, (job.priority, job.key, job.seq, job.entry, job))
         self._count += 1
         if len(self._heap) > 2 * self.limit + 64:
-            self._heap = [e for e in self._heap if e[3].state is JobState.QUEUED]
+            self._heap = [e for e in self._heap if _live(e)]
             heapq.heapify(self._heap)
 
     def pop(self) -> Job | None:
         """The first queued job, out of the queue (still in state QUEUED)."""
         while self._heap:
-            job = heapq.heappop(self._heap)[3]
-            if job.state is JobState.QUEUED:
+            entry = heapq.heappop(self._heap)
+            if _live(entry):
+                job = entry[4]
                 self._forget(job)
                 return job
         return None
+
+    def compatible(self, lead: Job) -> list[Job]:
+        """The queued jobs that may join ``lead``'s batch, in queue order."""
+        found = [
+            e
+            for e in self._heap
+            if _live(e)
+            and e[4] is not lead
+            and e[4].batch is not None
+            and e[4].tag == lead.tag
+            and e[4].batch_key == lead.batch_key
+        ]
+        found.sort(key=lambda e: e[:3])
+        return [e[4] for e in found]
 
     def remove(self, job: Job) -> None:
         """A queued job leaves for good (the caller sets its new state)."""
@@ -791,6 +941,38 @@ class JobQueue:
         del keys[bisect.bisect_left(keys, job.key)]
         if not keys:
             del self._keys[job.priority]
+
+
+def gather_batch(queue: JobQueue, job: Job, worth: Callable[[Job], bool]) -> list[Job]:
+    """``job`` (already out of ``queue``) and, in queue order, the queued jobs
+    that join its batch (``worth`` them; still in the queue), up to its
+    policy's ``max_size`` rows."""
+    policy = job.batch
+    jobs, rows = [job], job.rows
+    if policy is None:
+        return jobs
+    for other in queue.compatible(job):
+        if rows + other.rows > policy.max_size or not worth(other):
+            continue
+        jobs.append(other)
+        rows += other.rows
+        if rows >= policy.max_size:
+            break
+    return jobs
+
+
+def take_batch(queue: JobQueue, job: Job) -> list[Job]:
+    """As :func:`gather_batch`, the batch out of the queue at once (no wait)."""
+    jobs = gather_batch(queue, job, lambda other: True)
+    for other in jobs[1:]:
+        queue.remove(other)
+    return jobs
+
+
+def _live(entry: tuple[int, float, int, int, Job]) -> bool:
+    """A heap entry of a queued job that was not removed (nor queued again since)."""
+    job = entry[4]
+    return job.state is JobState.QUEUED and job.entry == entry[3]
 
 
 def _order_key(keys: list[float], deadline: float, precision: float) -> float:

@@ -13,6 +13,11 @@ names each model as its warm-up prediction starts, and one READY frame (JSON:
 the models whose warm-up raised, which is no failure) says it takes requests.
 A spawned worker (start_method spawn) first loads its models, each announced
 by a LOADING frame.
+
+A batch (adaptive batching) is one BATCH frame whose payload is the batch's
+REQUEST frames, each with its index in the batch as sequence number; the
+worker answers one BATCH_REPLY frame (the batch's sequence number) whose
+payload is one REPLY or ERROR frame per request, in the same order.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ HEARTBEAT = 4  # worker -> pool, from the worker's heartbeat thread; seq 0, no p
 WARMUP = 5  # worker -> pool: the warm-up of this model (payload: its name) starts now
 READY = 6  # worker -> pool: self-test done, requests welcome (payload: JSON report)
 LOADING = 7  # worker -> pool: a spawned worker loads this model (payload: its name) now
+BATCH = 8  # pool -> worker: several requests of one model, run as one batch
+BATCH_REPLY = 9  # worker -> pool: one REPLY or ERROR frame per request of the batch
 SELF_TEST = (WARMUP, READY, LOADING)
 
 
@@ -45,10 +52,53 @@ class Reply:
     failure: Failure | None = None
     message: str = ""
     kind: int = REPLY
+    parts: list[Reply] | None = None  # a BATCH_REPLY's replies, one per request
 
 
 def request_frame(seq: int, body: bytes) -> bytes:
     return HEADER.pack(len(body), REQUEST, seq) + body
+
+
+def batch_frame(seq: int, bodies: list[bytes]) -> bytes:
+    payload = b"".join(request_frame(i, body) for i, body in enumerate(bodies))
+    return HEADER.pack(len(payload), BATCH, seq) + payload
+
+
+def batch_reply_frame(seq: int, frames: list[bytes]) -> bytes:
+    payload = b"".join(frames)
+    return HEADER.pack(len(payload), BATCH_REPLY, seq) + payload
+
+
+def split_frames(payload: bytes, kind: int) -> list[tuple[int, bytes]]:
+    """The (sequence, payload) of each frame in a BATCH (``kind`` REQUEST) payload."""
+    out: list[tuple[int, bytes]] = []
+    pos = 0
+    view = memoryview(payload)
+    while pos < len(payload):
+        if pos + HEADER.size > len(payload):
+            raise ValueError("truncated frame inside a batch")
+        length, got, seq = HEADER.unpack_from(payload, pos)
+        pos += HEADER.size
+        if got != kind or pos + length > len(payload):
+            raise ValueError(f"unexpected frame kind {got} or short payload inside a batch")
+        out.append((seq, bytes(view[pos : pos + length])))
+        pos += length
+    return out
+
+
+def parse_batch_reply(seq: int, payload: bytes) -> Reply:
+    parts: list[Reply] = []
+    pos = 0
+    while pos < len(payload):
+        if pos + HEADER.size > len(payload):
+            raise ValueError("truncated reply inside a batch reply")
+        length, kind, index = HEADER.unpack_from(payload, pos)
+        pos += HEADER.size
+        if pos + length > len(payload) or index != len(parts):
+            raise ValueError(f"reply {index} out of order or short inside a batch reply")
+        parts.append(parse_reply(kind, index, payload[pos : pos + length]))
+        pos += length
+    return Reply(seq, Timings(), kind=BATCH_REPLY, parts=parts)
 
 
 def reply_frame(seq: int, timings: Timings, body: bytes) -> bytes:
@@ -97,6 +147,8 @@ class ReplyBuffer(FrameReader[Reply]):
             return Reply(seq, Timings(), bytes(buf[start:stop]), kind=kind)
         if kind == HEARTBEAT:
             return None
+        if kind == BATCH_REPLY:
+            return parse_batch_reply(seq, bytes(buf[start:stop]))
         return parse_reply(kind, seq, bytes(buf[start:stop]))
 
 

@@ -67,6 +67,16 @@ class Timings:
 
 
 @dataclass(slots=True)
+class BatchStats:
+    """Executions of one batch size: how many, and their compute times."""
+
+    count: int = 0
+    input_ns: int = 0
+    infer_ns: int = 0
+    output_ns: int = 0
+
+
+@dataclass(slots=True)
 class ModelStats:
     success_count: int = 0
     success_ns: int = 0
@@ -88,6 +98,17 @@ class ModelStats:
     request_buckets: list[int] = field(default_factory=_buckets)  # success and failure
     queue_buckets: list[int] = field(default_factory=_buckets)
     compute_buckets: list[int] = field(default_factory=_buckets)  # the model's compute only
+    batches: dict[int, BatchStats] = field(default_factory=dict)  # per batch size (rows)
+
+    def record_batch(self, size: int, timings: Timings) -> None:
+        """One execution of ``size`` rows (Triton's batch_stats)."""
+        stats = self.batches.get(size)
+        if stats is None:
+            stats = self.batches[size] = BatchStats()
+        stats.count += 1
+        stats.input_ns += timings.decode_ns
+        stats.infer_ns += timings.compute_ns
+        stats.output_ns += timings.encode_ns
 
     def p50_compute_s(self) -> float | None:
         """Median compute time of the recent executions (None before any)."""
@@ -95,11 +116,14 @@ class ModelStats:
             return None
         return statistics.median(self.recent_compute_ns) / 1e9
 
-    def record_success(self, queue_ns: int, timings: Timings, total_ns: int) -> None:
+    def record_success(
+        self, queue_ns: int, timings: Timings, total_ns: int, execution: bool = True
+    ) -> None:
+        """``execution`` False: a request of a batch whose execution another counted."""
         self.success_count += 1
         self.success_ns += total_ns
         self.request_buckets[bisect_left(BUCKETS_NS, total_ns)] += 1
-        self._record_execution(queue_ns, timings)
+        self._record_execution(queue_ns, timings, execution)
 
     def record_failure(
         self,
@@ -120,7 +144,7 @@ class ModelStats:
         if timings is not None:
             self._record_execution(queue_ns, timings)
 
-    def _record_execution(self, queue_ns: int, timings: Timings) -> None:
+    def _record_execution(self, queue_ns: int, timings: Timings, execution: bool = True) -> None:
         self.queue_count += 1
         self.queue_ns += queue_ns
         self.compute_count += 1
@@ -132,5 +156,5 @@ class ModelStats:
         self.queue_buckets[bisect_left(BUCKETS_NS, queue_ns)] += 1
         self.compute_buckets[bisect_left(BUCKETS_NS, timings.compute_ns)] += 1
         self.inference_count += 1
-        self.execution_count += 1
+        self.execution_count += execution
         self.last_inference_ms = time.time_ns() // 1_000_000

@@ -29,15 +29,32 @@ from typing import BinaryIO, NoReturn
 
 from poolserve.service.contract.framing import HEADER
 from poolserve.service.poolcore.frames import (
+    BATCH,
     REQUEST,
+    batch_reply_frame,
     heartbeat_frame,
     loading_frame,
     ready_frame,
+    split_frames,
     warmup_frame,
 )
 
 Handler = Callable[[bytes, int], bytes]
-"""A request handler: (request body, sequence number) -> one REPLY or ERROR frame."""
+"""A request handler: (request body, sequence number) -> one REPLY or ERROR frame.
+
+A handler that batches has a ``batch`` attribute: (the batch's request bodies)
+-> one REPLY or ERROR frame per request, each with its index as sequence
+number. Without one, a batch's requests run one after the other."""
+
+BatchHandler = Callable[[list[bytes]], list[bytes]]
+
+
+def run_batch(handler: Handler, bodies: list[bytes]) -> list[bytes]:
+    batch: BatchHandler | None = getattr(handler, "batch", None)
+    if batch is not None:
+        return batch(bodies)
+    return [handler(body, i) for i, body in enumerate(bodies)]
+
 
 Warmup = tuple[str, Callable[[], object]]
 """A model's warm-up: (model name, one prediction on an example input)."""
@@ -58,9 +75,14 @@ def serve(sock: socket.socket, handler: Handler, send_lock: threading.Lock) -> N
             return
         length, kind, seq = HEADER.unpack(header)
         body = _read_exact(stream, length)
-        if body is None or kind != REQUEST:
+        if body is None or kind not in (REQUEST, BATCH):
             return
-        frame = handler(body, seq)
+        if kind == BATCH:
+            bodies = [part for _, part in split_frames(body, REQUEST)]
+            frame = batch_reply_frame(seq, run_batch(handler, bodies))
+            del bodies
+        else:
+            frame = handler(body, seq)
         del body  # a large request is not kept alive while we wait for the next
         with send_lock:
             sock.sendall(frame)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 
+from poolserve.service.contract.batching import peek_batch
 from poolserve.service.contract.errors import (
     DeadlineExceeded,
     InvalidInput,
@@ -14,6 +15,7 @@ from poolserve.service.contract.errors import (
     ServingError,
 )
 from poolserve.service.contract.schedule import PriorityLevels, Schedule, schedule
+from poolserve.service.contract.shm import is_wrapped
 from poolserve.service.contract.wire import Routing
 from poolserve.service.poolcore.dispatcher import Dispatcher
 from poolserve.service.poolserver.catalog import ModelEntry
@@ -52,8 +54,22 @@ class PoolBackend:
         plan = self._plan(entry, routing, deadline)
         if self.reject_hopeless:
             self._reject_if_hopeless(entry, plan.deadline)
+        policy = entry.settings.batching if entry.settings is not None else None
+        rows, key = 1, b""
+        if policy is not None and is_wrapped(request):
+            policy = None  # it names shared-memory regions: it runs alone (not a batch member)
+        if policy is not None:
+            try:
+                peeked = peek_batch(request, policy.safe_parameters)
+            except InvalidInput:
+                peeked = None  # malformed: it runs alone, and the worker says what is wrong
+            if peeked is None:
+                policy = None
+            else:
+                rows, key = peeked
         if entry.name in self.inline:
-            return await self.inline.infer(entry, request, plan, observe)
+            batch = None if policy is None else (policy, rows, key)
+            return await self.inline.infer(entry, request, plan, observe, batch)
         began = time.monotonic_ns()
         try:
             result = await self.dispatcher.submit(
@@ -64,6 +80,9 @@ class PoolBackend:
                 tag=entry.name,
                 timeout=entry.settings.timeout_s if entry.settings is not None else None,
                 precision=plan.precision,
+                batch=policy,
+                rows=rows,
+                batch_key=key,
             )
         except ServingError as exc:
             entry.stats.record_failure(time.monotonic_ns() - began, error=exc)
@@ -72,7 +91,11 @@ class PoolBackend:
             too_large = MessageTooLarge.reply(entry.name, len(result.body), self.max_message_size)
             entry.stats.record_failure(time.monotonic_ns() - began, error=too_large)
             raise too_large
-        entry.stats.record_success(result.queue_ns, result.timings, time.monotonic_ns() - began)
+        entry.stats.record_success(
+            result.queue_ns, result.timings, time.monotonic_ns() - began, result.batch_report
+        )
+        if result.batch_report:
+            entry.stats.record_batch(result.batch_size, result.timings)
         if observe is not None:
             observe(result)
         return result.body

@@ -8,6 +8,13 @@ the class, or ``parameters.extra.inline_fast``); otherwise on one thread of
 its own, so a slow inline model cannot stall the pool's dispatcher or the
 other models.
 
+A batching model (``max_batch_size`` above 1) on its own thread batches as a
+worker model does: when its thread frees, the call it takes next brings the
+compatible calls queued behind it (same batch key, up to ``max_batch_size``
+rows) into one ``predict`` (:mod:`poolserve.service.inference.batch`). A
+model declared fast runs each call the moment it comes: nothing waits, so
+nothing batches.
+
 The pool's promises hold for them as for worker models: calls waiting for a
 model's thread sit in a queue of their own, bounded by ``max_queue``
 (RESOURCE_EXHAUSTED beyond it) and ordered as the dispatcher's (priority,
@@ -29,16 +36,19 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from poolserve.service.contract.batching import BatchPolicy
 from poolserve.service.contract.errors import (
     DeadlineExceeded,
     MessageTooLarge,
     ServingError,
     Unavailable,
+    error_for,
 )
 from poolserve.service.contract.repository import ModelSettings
 from poolserve.service.contract.schedule import Schedule
 from poolserve.service.grpcserver.status import as_serving_error
-from poolserve.service.poolcore.dispatcher import Job, JobQueue, JobState, Result
+from poolserve.service.poolcore.dispatcher import Job, JobQueue, JobState, Result, take_batch
+from poolserve.service.poolcore.frames import Reply, parse_batch_reply
 from poolserve.service.poolcore.stats import Timings
 from poolserve.service.poolserver.catalog import Catalog, ModelEntry, ModelState
 
@@ -50,6 +60,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Ran = tuple[float, bytes, Timings]  # what the model's thread hands back: started, reply, timings
+RanBatch = tuple[float, list[Reply]]  # a batch: started, one reply per call
 
 
 def is_inline(settings: ModelSettings) -> bool:
@@ -135,26 +146,40 @@ class InlineRunner:
         request: bytes,
         plan: Schedule,
         observe: Callable[[Result], None] | None,
+        batch: tuple[BatchPolicy, int, bytes] | None = None,
     ) -> bytes:
+        """``batch``: (policy, rows, batch key) when the call may run in a batch."""
         inline = self._models[entry.name]
         if inline.thread is None:
             return self.infer_now(entry, request, plan.deadline, observe)
         loop = asyncio.get_running_loop()
         enqueued = loop.time()
         try:
-            result = await self._submit(inline, request, plan, enqueued)
+            result = await self._submit(inline, request, plan, enqueued, batch)
             body = self._checked(entry.name, result.body)
         except ServingError as exc:
             entry.stats.record_failure(int((loop.time() - enqueued) * 1e9), error=exc)
             raise
         entry.stats.record_success(
-            result.queue_ns, result.timings, int((result.finished - enqueued) * 1e9)
+            result.queue_ns,
+            result.timings,
+            int((result.finished - enqueued) * 1e9),
+            result.batch_report,
         )
+        if result.batch_report:
+            entry.stats.record_batch(result.batch_size, result.timings)
         if observe is not None:
             observe(result)
         return body
 
-    async def _submit(self, inline: _Inline, request: bytes, plan: Schedule, now: float) -> Result:
+    async def _submit(
+        self,
+        inline: _Inline,
+        request: bytes,
+        plan: Schedule,
+        now: float,
+        batch: tuple[BatchPolicy, int, bytes] | None = None,
+    ) -> Result:
         """As the dispatcher's submit, with the model's thread as the one worker."""
         if plan.deadline <= now:
             raise DeadlineExceeded(
@@ -164,8 +189,10 @@ class InlineRunner:
         tag = inline.model.settings.name
         job = Job(request, plan.deadline, plan.priority, next(self._seq), loop.create_future(), tag)
         job.enqueued = now
+        if batch is not None and batch[1] <= batch[0].max_size:
+            job.batch, job.rows, job.batch_key = batch
         if inline.running is None and not inline.queue:
-            self._start(inline, job)
+            self._start(inline, [job])
         else:
             inline.queue.push(job, plan.precision)
         timer = loop.call_at(plan.deadline, self._expire, inline, job)
@@ -175,16 +202,52 @@ class InlineRunner:
             timer.cancel()
             _abandon(inline, job)
 
-    def _start(self, inline: _Inline, job: Job) -> None:
+    def _start(self, inline: _Inline, jobs: list[Job]) -> None:
         assert inline.thread is not None
         loop = asyncio.get_running_loop()
-        job.state = JobState.RUNNING
-        job.started = loop.time()
-        inline.running = job
+        for job in jobs:
+            job.state = JobState.RUNNING
+            job.started = loop.time()
+        inline.running = job = jobs[0]
+        if len(jobs) > 1:
+            bodies = [j.body for j in jobs]
+            batch = loop.run_in_executor(inline.thread, _timed_batch, inline.model, bodies)
+            batch.add_done_callback(functools.partial(self._ran_batch, inline, jobs))
+            return
         future = loop.run_in_executor(
             inline.thread, _timed_run, inline.model, job.body, job.deadline
         )
         future.add_done_callback(functools.partial(self._ran, inline, job))
+
+    def _ran_batch(
+        self, inline: _Inline, jobs: list[Job], future: asyncio.Future[RanBatch]
+    ) -> None:
+        inline.running = None
+        finished = asyncio.get_running_loop().time()
+        rows = sum(j.rows for j in jobs)
+        report = True
+        for i, job in enumerate(jobs):
+            if job.state is not JobState.RUNNING:
+                self.late_replies += not future.cancelled()
+                continue
+            job.state = JobState.DONE
+            if future.cancelled():
+                job.future.set_exception(Unavailable(f"pool '{self.pool}' is stopping"))
+            elif (exc := future.exception()) is not None:
+                job.future.set_exception(as_serving_error(exc))
+            else:
+                started, parts = future.result()
+                part = parts[i]
+                if part.failure is not None:
+                    job.future.set_exception(error_for(part.failure, part.message))
+                    continue
+                queue_ns = int((started - job.enqueued) * 1e9)
+                job.future.set_result(
+                    Result(part.body, part.timings, queue_ns, job.enqueued, started, finished,
+                           batch_size=rows, batch_report=report)
+                )  # fmt: skip
+                report = False
+        self._next(inline)
 
     def _ran(self, inline: _Inline, job: Job, future: asyncio.Future[Ran]) -> None:
         inline.running = None
@@ -210,7 +273,7 @@ class InlineRunner:
     def _next(self, inline: _Inline) -> None:
         job = inline.queue.pop()
         if job is not None:
-            self._start(inline, job)
+            self._start(inline, take_batch(inline.queue, job))
         elif inline.retired and inline.thread is not None:
             inline.thread.shutdown(wait=False)
 
@@ -308,6 +371,16 @@ def _run(model: Model, request: bytes, deadline: float) -> tuple[bytes, Timings]
     from poolserve.service.inference.infer import infer
 
     return infer(model, request)
+
+
+def _timed_batch(model: Model, bodies: list[bytes]) -> RanBatch:
+    from poolserve.service.inference.batch import run_batch
+
+    started = time.monotonic()
+    frames = run_batch({model.settings.name: model}, bodies)
+    parts = parse_batch_reply(0, b"".join(frames)).parts
+    assert parts is not None
+    return started, parts
 
 
 def _timed_run(model: Model, request: bytes, deadline: float) -> tuple[float, bytes, Timings]:

@@ -213,6 +213,7 @@ class InferenceServicer:
                     "poolserve.decode_ns": worker.decode_ns,
                     "poolserve.compute_ns": worker.compute_ns,
                     "poolserve.encode_ns": worker.encode_ns,
+                    "poolserve.batch_size": result.batch_size,
                 },
             )
 

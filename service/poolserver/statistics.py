@@ -27,4 +27,13 @@ def model_statistics(stats: ModelStats, name: str, version: str) -> pb.ModelStat
             compute_infer=d(stats.compute_count, stats.infer_ns),
             compute_output=d(stats.compute_count, stats.output_ns),
         ),
+        batch_stats=[
+            pb.InferBatchStatistics(
+                batch_size=size,
+                compute_input=d(b.count, b.input_ns),
+                compute_infer=d(b.count, b.infer_ns),
+                compute_output=d(b.count, b.output_ns),
+            )
+            for size, b in sorted(stats.batches.items())
+        ],
     )

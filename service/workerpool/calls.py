@@ -26,6 +26,7 @@ from poolserve.service.workerpool.runtime import PoolRuntime, State
 from poolserve.service.workerpool.scoring import (
     ModelLoadError,
     ScoreError,
+    batch_key,
     decode_outcome,
     encode_call,
 )
@@ -108,12 +109,16 @@ class CallPath(PoolRuntime):
                     f"{type(exc).__name__}: {exc}"
                 ) from exc
             try:
+                rows, key = batch_key(args, kwargs) if model.batch is not None else (0, b"")
                 result = await self._dispatcher.submit(
                     encoded.data,
                     deadline,
                     idempotent=model.idempotent,
                     tag=model.name,
                     timeout=model.max_compute_s,
+                    batch=model.batch if rows else None,
+                    rows=max(rows, 1),
+                    batch_key=key,
                 )
             finally:
                 if encoded.segments and self._segments is not None:

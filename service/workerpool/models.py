@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from poolserve.service.contract.batching import BatchPolicy
 from poolserve.service.workerpool.scoring import MAX_CODE
 from poolserve.service.workerpool.status import ScoreStats
 
@@ -22,6 +23,7 @@ class PoolModel:
     idempotent: bool
     max_compute_s: float | None
     example: bytes | None = None  # pickle of score's arguments for the warm-up
+    batch: BatchPolicy | None = None  # score takes stacked arrays: calls batch
     stats: ScoreStats = field(default_factory=ScoreStats)
     pending: int = 0  # loads sent to the zygote, reply not in yet
     loaded: bool = False  # a version of it is in the zygote

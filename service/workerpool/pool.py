@@ -56,7 +56,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from poolserve.service.contract.batching import BatchPolicy, batch_settings
 from poolserve.service.contract.errors import Unavailable
+from poolserve.service.contract.settings import ConfigError
 from poolserve.service.workerpool.calls import CallPath
 from poolserve.service.workerpool.loop import run_loop
 from poolserve.service.workerpool.models import PoolModel, pickle_callables, pickle_example
@@ -156,6 +158,8 @@ class WorkerPool(CallPath):
         idempotent: bool = True,
         max_compute_s: float | None = None,
         example: tuple[Any, ...] | None = None,
+        max_batch_size: int = 0,
+        max_batch_time: float = 0.0,
     ) -> None:
         """Registers a model: ``load()`` runs once in the zygote, ``score(model, ...)`` in workers.
 
@@ -171,13 +175,30 @@ class WorkerPool(CallPath):
         find a model that hangs or crashes after the fork (a native thread
         pool started in ``load``) before a caller does; small and picklable.
 
+        ``max_batch_size`` above 1: ``score`` takes stacked arrays (rows
+        along dimension 0 of every positional argument) and returns an array,
+        or a tuple, list or dict of arrays, with as many rows. Calls whose
+        positional arguments are all arrays with the same dtypes and
+        dimensions past the first, and no keyword arguments, then run
+        together, up to ``max_batch_size`` rows, waiting at most
+        ``max_batch_time`` seconds (only while another batch of the model
+        runs): each caller gets its own rows. Other calls run alone.
+
         Raises TypeError at once when ``load`` or ``score`` cannot be pickled
-        by reference (lambdas, nested functions).
+        by reference (lambdas, nested functions); ValueError for bad batching
+        settings.
         """
         if not callable(load) or not callable(score):
             raise TypeError(f"add_model('{name}'): load and score must be callables")
         code = pickle_callables(name, load, score)
         model = PoolModel(name, code, idempotent, max_compute_s, pickle_example(name, example))
+        try:
+            size, wait, _, _ = batch_settings(
+                f"add_model('{name}')", max_batch_size, max_batch_time, {}
+            )
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        model.batch = BatchPolicy(size, wait) if size > 1 else None
         self._in_loop_soon(self._add_in_loop, model)
 
     def remove_model(self, name: str) -> None:

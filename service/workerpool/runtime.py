@@ -102,6 +102,7 @@ class PoolRuntime(LoopBridge):
             existing.idempotent = model.idempotent
             existing.max_compute_s = model.max_compute_s
             existing.example = model.example
+            existing.batch = model.batch
             existing.load_error = ""
             model = existing
         else:
