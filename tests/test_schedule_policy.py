@@ -47,7 +47,7 @@ def with_levels(folder: Path, levels: int, default: int) -> None:
 
 def copy_blocker(repo: Path) -> None:
     """A second sleep model, "blocker", in the same one-worker pool: its long
-    call occupies the worker without teaching "sleep"'s service time a 5 s run
+    call occupies the worker without teaching "sleep"'s service time a 10 s run
     (the dispatcher would then refuse short deadlines as hopeless)."""
     folder = copy_example(repo, "sleep")
     target = folder.rename(repo / "blocker")
@@ -60,9 +60,9 @@ def copy_blocker(repo: Path) -> None:
 async def busy_worker(
     serving: Serving, call: grpc.aio.UnaryUnaryMultiCallable, timeout: float = 60
 ) -> asyncio.Future:
-    """Occupies the one worker of pool 'default' and returns once it runs; 5 s
+    """Occupies the one worker of pool 'default' and returns once it runs; 10 s
     leaves room for a loaded CI host to queue the calls behind it."""
-    blocker = asyncio.ensure_future(call(request("blocker", -1.0, sleep_ms=5000), timeout=timeout))
+    blocker = asyncio.ensure_future(call(request("blocker", -1.0, sleep_ms=10000), timeout=timeout))
     end = time.monotonic() + 30
     while time.monotonic() < end:  # the pool's status has no event to wait on
         status = await pool_status(serving)
@@ -123,7 +123,7 @@ def test_equal_deadlines_keep_arrival_order_despite_grpc_timeout_inflation(tmp_p
                 call_b(request("sleep", 2.0, sleep_ms=1), timeout=second_timeout)
             )
             await queue_depth(serving, 2)
-            urgent = asyncio.ensure_future(call_b(request("sleep", 3.0, sleep_ms=1), timeout=10))
+            urgent = asyncio.ensure_future(call_b(request("sleep", 3.0, sleep_ms=1), timeout=15))
             await queue_depth(serving, 3)
             assert not blocker.done(), "the blocker ended before the three calls were queued"
             order = await finish_order(
