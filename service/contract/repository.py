@@ -111,6 +111,19 @@ class ModelSettings:
         value = self.extra.get("timeout_s")
         return float(value) if isinstance(value, int | float) else None
 
+    @property
+    def decoupled(self) -> bool:
+        """parameters.extra.decoupled: any number of responses per request, on
+        ModelStreamInfer only (``Model.predict_stream``)."""
+        return self.extra.get("decoupled") is True
+
+    @property
+    def stream_window(self) -> int:
+        """parameters.extra.stream_window: a decoupled model's responses that a
+        worker sends ahead of what the client took (default 16)."""
+        value = self.extra.get("stream_window")
+        return value if isinstance(value, int) and value > 0 else 16
+
 
 @dataclass(frozen=True)
 class InvalidModel:

@@ -49,7 +49,7 @@ import signal
 import socket
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from poolserve.service.contract.batching import BatchPolicy
@@ -62,12 +62,16 @@ from poolserve.service.contract.errors import (
 )
 from poolserve.service.poolcore.frames import (
     LOADING,
+    PART,
     SELF_TEST,
     WARMUP,
     Reply,
     ReplyBuffer,
+    ack_frame,
     batch_frame,
+    cancel_frame,
     request_frame,
+    stream_frame,
 )
 from poolserve.service.poolcore.stats import Timings
 
@@ -112,6 +116,19 @@ class Job:
     rows: int = 1  # its rows along dimension 0, when its model batches
     batch_key: bytes = b""
     members: list[Job] | None = None  # the batch it leads on a worker (itself first)
+    stream: Parts | None = None  # a stream's parts, then its end (a decoupled model)
+
+
+@dataclass(slots=True, eq=False)
+class Parts:
+    """A stream job's way to its caller: the parts as they come, then its end
+    (a Result or a ServingError). The worker keeps at most ``window`` parts
+    unacknowledged; the caller acknowledges each part it took."""
+
+    window: int
+    queue: asyncio.Queue[bytes | Result | ServingError] = field(default_factory=asyncio.Queue)
+    taken: int = 0  # parts taken and not yet acknowledged to the worker
+    ended: bool = False
 
 
 @dataclass(slots=True)
@@ -381,6 +398,78 @@ class Dispatcher:
             timer.cancel()
             self._abandon(job, "it was cancelled")
 
+    async def submit_stream(
+        self,
+        body: bytes,
+        deadline: float,
+        *,
+        window: int,
+        priority: int | None = None,
+        tag: str = "",
+        timeout: float | None = None,
+        precision: float = 0.0,
+    ) -> AsyncIterator[bytes | Result]:
+        """Runs ``body`` on a worker as a stream (a decoupled model): yields each
+        part as the worker sends it, then the Result of the whole stream (its
+        final frame's body and timings); raises a ServingError instead.
+
+        ``deadline`` and ``timeout`` bound the whole stream; the worker sends at
+        most ``window`` parts ahead of what was taken from here. Closing the
+        iterator early (the caller went away) cancels the stream on the worker.
+        A stream is never retried on another worker: parts may have gone out.
+        """
+        if self._refusal is not None:
+            raise self._refusal
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if deadline <= now:
+            raise DeadlineExceeded(
+                f"deadline already spent on arrival at pool '{self.name}'", stage="pool"
+            )
+        job = Job(
+            body,
+            deadline,
+            DEFAULT_PRIORITY if priority is None else priority,
+            next(self._seq),
+            loop.create_future(),
+            tag,
+            False,
+            timeout,
+        )
+        job.enqueued = now
+        job.precision = precision
+        parts = job.stream = Parts(max(1, window))
+        if self._idle and not self._queue:
+            self._start(self._idle.pop(), [job])
+        else:
+            self._queue.push(job, precision)
+        timer = loop.call_at(deadline, self._expire, job)
+        try:
+            while True:
+                item = await parts.queue.get()
+                if isinstance(item, ServingError):
+                    raise item
+                yield item
+                if isinstance(item, Result):
+                    return
+                parts.taken += 1
+                self._acknowledge(job)
+        finally:
+            timer.cancel()
+            self._abandon(job, "it was cancelled")
+
+    def _acknowledge(self, job: Job) -> None:
+        """Tells the worker the parts its caller took once the caller has taken all
+        there are, or half a window: it never waits on parts already taken."""
+        parts, worker = job.stream, job.worker
+        if parts is None or parts.taken == 0 or job.state is not JobState.RUNNING:
+            return
+        if parts.queue.qsize() and parts.taken < max(1, parts.window // 2):
+            return
+        if worker is not None and worker.current is job and worker.transport is not None:
+            worker.transport.write(ack_frame(job.seq, parts.taken))
+        parts.taken = 0
+
     def _abandon(self, job: Job, why: str) -> None:
         """The caller is gone (result, deadline or cancel): no one will read a reply."""
         if job.state is JobState.QUEUED:
@@ -388,6 +477,10 @@ class Dispatcher:
             job.state = JobState.ABANDONED
         elif job.state is JobState.RUNNING:
             job.state = JobState.ABANDONED
+            worker = job.worker
+            if job.stream is not None and worker is not None and worker.current is job:
+                if worker.transport is not None:  # the worker closes the model's generator
+                    worker.transport.write(cancel_frame(job.seq))
             if self.abandon_grace > 0:
                 stuck_after = min(STUCK_AFTER_S, self.abandon_grace)
                 loop = asyncio.get_running_loop()
@@ -412,10 +505,15 @@ class Dispatcher:
             job.overtime = None
         if job.future.done():
             return
+        if job.stream is not None and not job.stream.ended:
+            job.stream.ended = True
+            job.stream.queue.put_nowait(outcome)
         if isinstance(outcome, Result):
             job.future.set_result(outcome)
         else:
             job.future.set_exception(outcome)
+            if job.stream is not None:
+                job.future.exception()  # the stream's caller reads it from the queue
 
     def _start(self, worker: Worker, jobs: list[Job]) -> None:
         loop = asyncio.get_running_loop()
@@ -431,7 +529,9 @@ class Dispatcher:
         if job.timeout is not None:
             job.overtime = loop.call_at(job.started + job.timeout, self._overtime, worker, job)
         assert worker.transport is not None
-        if job.members is None:
+        if job.stream is not None:
+            worker.transport.write(stream_frame(job.seq, job.stream.window, job.body))
+        elif job.members is None:
             worker.transport.write(request_frame(job.seq, job.body))
         else:
             self.batches += 1
@@ -585,13 +685,19 @@ class Dispatcher:
         job = worker.current
         if job is None or job.seq != reply.seq:
             raise ValueError(f"reply for sequence {reply.seq} that this worker does not hold")
+        if reply.kind == PART:
+            if job.stream is None:
+                raise ValueError(f"a stream's part for request {reply.seq}, not a stream")
+            if job.state is JobState.RUNNING:
+                job.stream.queue.put_nowait(reply.body)
+            return  # the worker stays in the stream until its final frame
         members = job.members or [job]
         parts = reply.parts if reply.parts is not None else [reply]
         if (reply.parts is None) != (job.members is None) or len(parts) != len(members):
             raise ValueError(f"{len(parts)} replies for a batch of {len(members)} requests")
         worker.served += 1
         finished = asyncio.get_running_loop().time()
-        if job.tag and any(part.failure is None for part in parts):
+        if job.tag and job.stream is None and any(part.failure is None for part in parts):
             self._learn_service_time(job.tag, finished - job.started)
         rows = sum(m.rows for m in members)
         report = True

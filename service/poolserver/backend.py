@@ -6,6 +6,7 @@ cannot finish in time is refused on arrival."""
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 
 from poolserve.service.contract.batching import peek_batch
 from poolserve.service.contract.errors import (
@@ -13,11 +14,12 @@ from poolserve.service.contract.errors import (
     InvalidInput,
     MessageTooLarge,
     ServingError,
+    Unimplemented,
 )
 from poolserve.service.contract.schedule import PriorityLevels, Schedule, schedule
 from poolserve.service.contract.shm import is_wrapped
 from poolserve.service.contract.wire import Routing
-from poolserve.service.poolcore.dispatcher import Dispatcher
+from poolserve.service.poolcore.dispatcher import Dispatcher, Result
 from poolserve.service.poolserver.catalog import ModelEntry
 from poolserve.service.poolserver.inline import InlineRunner
 from poolserve.service.poolserver.servicer import Observer
@@ -51,6 +53,10 @@ class PoolBackend:
         routing: Routing,
         observe: Observer | None = None,
     ) -> bytes:
+        if entry.settings is not None and entry.settings.decoupled:
+            refused = decoupled_refusal(entry.name)
+            entry.stats.record_failure(0, error=refused)
+            raise refused
         plan = self._plan(entry, routing, deadline)
         if self.reject_hopeless:
             self._reject_if_hopeless(entry, plan.deadline)
@@ -100,6 +106,43 @@ class PoolBackend:
             observe(result)
         return result.body
 
+    async def infer_stream(
+        self, entry: ModelEntry, request: bytes, deadline: float, routing: Routing
+    ) -> AsyncIterator[bytes]:
+        """A decoupled model's responses (serialized ModelInferResponses) as its
+        worker yields them; the stream's closing response last, if it has one.
+        Counted once in the statistics, when the stream ends."""
+        settings = entry.settings
+        assert settings is not None and settings.decoupled
+        if entry.name in self.inline:
+            raise Unimplemented(
+                f"decoupled model '{entry.name}' runs on workers only; "
+                "set parallel_workers to 1 or more"
+            )
+        plan = self._plan(entry, routing, deadline)
+        began = time.monotonic_ns()
+        try:
+            async for item in self.dispatcher.submit_stream(
+                request,
+                plan.deadline,
+                window=settings.stream_window,
+                priority=plan.priority,
+                tag=entry.name,
+                timeout=settings.timeout_s,
+                precision=plan.precision,
+            ):
+                if isinstance(item, Result):
+                    entry.stats.record_success(
+                        item.queue_ns, item.timings, time.monotonic_ns() - began
+                    )
+                    if item.body:
+                        yield item.body
+                    return
+                yield item
+        except ServingError as exc:
+            entry.stats.record_failure(time.monotonic_ns() - began, error=exc)
+            raise
+
     def infer_now(
         self, entry: ModelEntry, request: bytes, deadline: float, routing: Routing
     ) -> bytes | None:
@@ -136,3 +179,11 @@ class PoolBackend:
             )
             entry.stats.record_failure(0, error=hopeless)
             raise hopeless
+
+
+def decoupled_refusal(model: str) -> Unimplemented:
+    """What unary ModelInfer answers for a decoupled model (Triton: UNSUPPORTED)."""
+    return Unimplemented(
+        f"ModelInfer RPC doesn't support models with decoupled transaction policy: "
+        f"model '{model}' is decoupled (any number of responses); use ModelStreamInfer"
+    )
