@@ -24,6 +24,7 @@ from serving import Serving, wait_serving
 from support import copy_example, wait_until, write_model
 
 COUNTER = '''
+import os
 import time
 from pathlib import Path
 
@@ -46,6 +47,8 @@ class Counter(Model):
             while n < 0 or i < n:
                 if delay:
                     time.sleep(delay)
+                if parameters.get("die_at") == i:
+                    os._exit(3)
                 if tag:
                     (marks / f"{tag}.progress").write_text(str(i + 1))
                 yield {"IDX": np.array([i], np.int64), "PAD": np.zeros(size, np.uint8)}
@@ -210,8 +213,27 @@ def test_cancel_mid_stream_closes_the_generator_and_frees_the_worker(tmp_path: P
             assert await asyncio.to_thread(wait_until, (marks / "late.closed").exists, 60)
             assert (await success_count(channel))[1] == 1  # the late one failed, once
 
+            # the worker dies mid-stream: the stream ends with an error saying so
+            call = stream(one(counter_request(-1, die_at=5)), timeout=60)
+            got = [parse(reply) async for reply in _until_error(call)]
+            assert [idx(r.infer_response) for r in got[:-1]] == list(range(5))
+            assert got[-1].error_message.startswith("UNAVAILABLE"), got[-1]
+            assert "died" in got[-1].error_message
+            call.cancel()
+            # its replacement serves the next stream
+            call = stream(one(counter_request(1)), timeout=60)
+            assert idx(parse(await anext(call.__aiter__())).infer_response) == 0
+            call.cancel()
+
     with Serving(repo, tmp_path / "run", workers=1) as serving:
         asyncio.run(main(serving))
+
+
+async def _until_error(call: Any) -> Any:
+    async for reply in call:
+        yield reply
+        if parse(reply).error_message:
+            return
 
 
 def test_slow_reader_holds_the_worker_within_its_window(tmp_path: Path) -> None:
@@ -273,7 +295,10 @@ def test_tritonclient_stream_api_with_the_repeat_example(tmp_path: Path) -> None
             inputs[0].set_data_from_numpy(values)
             inputs[1].set_data_from_numpy(np.array([1, 2, 3, 4], dtype=np.uint32))
             inputs[2].set_data_from_numpy(np.array([5], dtype=np.uint32))
-            outputs = [grpcclient.InferRequestedOutput("OUT"), grpcclient.InferRequestedOutput("IDX")]
+            outputs = [
+                grpcclient.InferRequestedOutput("OUT"),
+                grpcclient.InferRequestedOutput("IDX"),
+            ]
             client.async_stream_infer(
                 "repeat_int32",
                 inputs,

@@ -18,7 +18,7 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Generator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -70,7 +70,9 @@ def handle_batch(models: Mapping[str, Model], bodies: list[bytes]) -> list[bytes
         return [error_frame(i, Timings(), Failure.INTERNAL, message) for i in range(len(bodies))]
 
 
-def handle_stream(models: Mapping[str, Model], body: bytes, seq: int) -> Iterator[bytes]:
+def handle_stream(
+    models: Mapping[str, Model], body: bytes, seq: int
+) -> Generator[bytes, None, None]:
     """The stream handler: one serialized ModelInferRequest to a decoupled model,
     its PART frames and then one REPLY or ERROR frame."""
     from poolserve.service.contract.shm import unwrap

@@ -479,8 +479,8 @@ class Dispatcher:
             job.state = JobState.ABANDONED
             worker = job.worker
             if job.stream is not None and worker is not None and worker.current is job:
-                if worker.transport is not None:  # the worker closes the model's generator
-                    worker.transport.write(cancel_frame(job.seq))
+                assert worker.transport is not None  # it runs a job: connected
+                worker.transport.write(cancel_frame(job.seq))  # it closes the model's generator
             if self.abandon_grace > 0:
                 stuck_after = min(STUCK_AFTER_S, self.abandon_grace)
                 loop = asyncio.get_running_loop()

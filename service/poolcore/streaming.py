@@ -19,7 +19,7 @@ from __future__ import annotations
 import select
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from typing import BinaryIO
 
 from poolserve.service.contract.errors import Failure
@@ -27,7 +27,7 @@ from poolserve.service.contract.framing import HEADER
 from poolserve.service.poolcore.frames import ACK, CANCEL, COUNT, PART, error_frame
 from poolserve.service.poolcore.stats import Timings
 
-StreamHandler = Callable[[bytes, int], Iterator[bytes]]
+StreamHandler = Callable[[bytes, int], Generator[bytes, None, None]]
 """(request body, sequence number) -> PART frames, then one REPLY or ERROR frame."""
 
 

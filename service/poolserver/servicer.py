@@ -260,12 +260,13 @@ class InferenceServicer:
         if infer_stream is None:
             raise Unimplemented(f"decoupled model '{entry.name}' needs a pool server's workers")
         try:
-            async with contextlib.aclosing(infer_stream(entry, request, deadline, routing)) as parts:
+            parts = infer_stream(entry, request, deadline, routing)
+            async with contextlib.aclosing(parts):
                 async for body in parts:
                     yield encode_len_field(2, body)
         except ServingError as exc:
-            name = grpc_status(exc)[0].name
-            yield pb.ModelStreamInferResponse(error_message=f"{name}: {exc.message}").SerializeToString()
+            message = f"{grpc_status(exc)[0].name}: {exc.message}"
+            yield pb.ModelStreamInferResponse(error_message=message).SerializeToString()
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
         def unary(
