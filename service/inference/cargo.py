@@ -92,10 +92,28 @@ def handle_stream(
         yield error_frame(seq, Timings(), Failure.INTERNAL, f"{type(exc).__name__}: {exc}")
 
 
+def handle_sequence_end(models: Mapping[str, Model], body: bytes, seq: int) -> bytes:
+    """A SEQUENCE_END notice: the model's ``sequence_ended`` hook, one REPLY frame."""
+    import json
+
+    try:
+        notice = json.loads(body)
+        model = models.get(str(notice["model"]))
+        if model is None:
+            raise ModelNotFound(f"model '{clip(str(notice['model']))}' is not loaded")
+        model.sequence_ended(notice["id"], str(notice["reason"]))
+        return reply_frame(seq, Timings(), b"")
+    except ServingError as exc:
+        return error_frame(seq, Timings(), exc.failure, exc.message)
+    except Exception as exc:  # the model's hook raised: said, and the worker serves on
+        return error_frame(seq, Timings(), Failure.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
 def inference_handler(models: Mapping[str, Model]) -> worker.Handler:
     handler = functools.partial(handle, models)
     handler.batch = functools.partial(handle_batch, models)  # type: ignore[attr-defined]
     handler.stream = functools.partial(handle_stream, models)  # type: ignore[attr-defined]
+    handler.sequence_end = functools.partial(handle_sequence_end, models)  # type: ignore[attr-defined]
     return handler
 
 

@@ -54,6 +54,12 @@ class Model:
         client that goes away closes the generator (GeneratorExit at its yield)."""
         raise NotImplementedError(f"{type(self).__name__}.predict_stream is not implemented")
 
+    def sequence_ended(self, sequence_id: int | str, reason: str) -> None:
+        """A sequence model's sequence ended (settings ``parameters.extra.sequence``):
+        ``reason`` "end" (its request with ``sequence_end`` ran) or "timeout" (idle
+        past ``idle_timeout_s``). Drop its state here. Runs in the worker that
+        ran the sequence's requests, after them."""
+
     def metadata(self) -> tuple[Sequence[TensorSpec], Sequence[TensorSpec]] | None:
         """Optional (inputs, outputs); by default they come from model-settings.json."""
         return None

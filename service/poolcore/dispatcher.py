@@ -71,6 +71,7 @@ from poolserve.service.poolcore.frames import (
     batch_frame,
     cancel_frame,
     request_frame,
+    sequence_end_frame,
     stream_frame,
 )
 from poolserve.service.poolcore.stats import Timings
@@ -117,6 +118,9 @@ class Job:
     batch_key: bytes = b""
     members: list[Job] | None = None  # the batch it leads on a worker (itself first)
     stream: Parts | None = None  # a stream's parts, then its end (a decoupled model)
+    pinned: bool = False  # it runs on the one worker given (a sequence's), after its others
+    sequence: str = ""  # the sequence it belongs to, for messages
+    notice: bool = False  # a SEQUENCE_END notice, not a request
 
 
 @dataclass(slots=True, eq=False)
@@ -199,6 +203,7 @@ class Worker:
     loading: bool = False
     warmup_timer: asyncio.TimerHandle | None = None
     died_warming: bool = False
+    pinned: deque[Job] = field(default_factory=deque)  # its sequences' jobs, in arrival order
 
 
 @dataclass(frozen=True)
@@ -458,6 +463,69 @@ class Dispatcher:
             timer.cancel()
             self._abandon(job, "it was cancelled")
 
+    async def submit_pinned(
+        self,
+        worker: Worker,
+        body: bytes,
+        deadline: float,
+        *,
+        sequence: str,
+        tag: str = "",
+        timeout: float | None = None,
+    ) -> Result:
+        """Runs ``body`` on ``worker`` (a sequence's), after the jobs already
+        pinned to it, in arrival order; never batched, never retried elsewhere."""
+        loop = asyncio.get_running_loop()
+        if deadline <= loop.time():
+            raise DeadlineExceeded(
+                f"deadline already spent on arrival at pool '{self.name}'", stage="pool"
+            )
+        job = self._pin(worker, body, deadline, sequence, tag, timeout)
+        timer = loop.call_at(deadline, self._expire, job)
+        try:
+            return await job.future
+        finally:
+            timer.cancel()
+            self._abandon(job, "it was cancelled")
+
+    def notify_sequence_end(self, worker: Worker, body: bytes, sequence: str, tag: str) -> None:
+        """Tells ``worker`` a sequence ended (a SEQUENCE_END frame), after its
+        pinned jobs; nobody waits for the answer."""
+        if worker.state is WorkerState.DEAD:
+            return
+        deadline = asyncio.get_running_loop().time() + 3600.0
+        job = self._pin(worker, body, deadline, sequence, tag, None, notice=True)
+        job.future.add_done_callback(lambda done: done.exception())
+
+    def _pin(
+        self,
+        worker: Worker,
+        body: bytes,
+        deadline: float,
+        sequence: str,
+        tag: str,
+        timeout: float | None,
+        notice: bool = False,
+    ) -> Job:
+        if worker.state is WorkerState.DEAD:
+            raise Unavailable(
+                f"sequence {sequence} of model '{tag}' is lost: worker pid {worker.pid} of "
+                f"pool '{self.name}' that held its state died"
+            )
+        loop = asyncio.get_running_loop()
+        job = Job(
+            body, deadline, DEFAULT_PRIORITY, next(self._seq), loop.create_future(), tag, False
+        )
+        job.timeout, job.pinned, job.sequence, job.notice = timeout, True, sequence, notice
+        job.enqueued = loop.time()
+        if worker.state is WorkerState.IDLE and not worker.pinned and not worker.retiring:
+            with contextlib.suppress(ValueError):
+                self._idle.remove(worker)
+            self._start(worker, [job])
+        else:
+            worker.pinned.append(job)
+        return job
+
     def _acknowledge(self, job: Job) -> None:
         """Tells the worker the parts its caller took once the caller has taken all
         there are, or half a window: it never waits on parts already taken."""
@@ -473,7 +541,8 @@ class Dispatcher:
     def _abandon(self, job: Job, why: str) -> None:
         """The caller is gone (result, deadline or cancel): no one will read a reply."""
         if job.state is JobState.QUEUED:
-            self._queue.remove(job)
+            if not job.pinned:  # a pinned one is skipped when its worker comes to it
+                self._queue.remove(job)
             job.state = JobState.ABANDONED
         elif job.state is JobState.RUNNING:
             job.state = JobState.ABANDONED
@@ -531,6 +600,8 @@ class Dispatcher:
         assert worker.transport is not None
         if job.stream is not None:
             worker.transport.write(stream_frame(job.seq, job.stream.window, job.body))
+        elif job.notice:
+            worker.transport.write(sequence_end_frame(job.seq, job.body))
         elif job.members is None:
             worker.transport.write(request_frame(job.seq, job.body))
         else:
@@ -647,6 +718,11 @@ class Dispatcher:
 
     def _worker_free(self, worker: Worker) -> None:
         worker.current = None
+        while worker.pinned:  # its sequences' jobs first, in arrival order
+            job = worker.pinned.popleft()
+            if job.state is JobState.QUEUED:
+                self._start(worker, [job])
+                return
         if worker.retiring:
             self._close_worker(worker)
             return
@@ -697,7 +773,12 @@ class Dispatcher:
             raise ValueError(f"{len(parts)} replies for a batch of {len(members)} requests")
         worker.served += 1
         finished = asyncio.get_running_loop().time()
-        if job.tag and job.stream is None and any(part.failure is None for part in parts):
+        if (
+            job.tag
+            and job.stream is None
+            and not job.notice
+            and any(part.failure is None for part in parts)
+        ):
             self._learn_service_time(job.tag, finished - job.started)
         rows = sum(m.rows for m in members)
         report = True
@@ -893,6 +974,11 @@ class Dispatcher:
         lead, worker.current = worker.current, None
         worker.lost_tag = lead.tag if lead is not None else worker.warming
         members = [] if lead is None else lead.members or [lead]
+        pinned, worker.pinned = worker.pinned, deque()
+        for job in pinned:  # their sequences' state died with the worker
+            if job.state is JobState.QUEUED:
+                job.state = JobState.RUNNING  # answered with the lost jobs
+                worker.lost_jobs.append(job)
         retried = False
         for job in members:
             if job.state is not JobState.RUNNING:
@@ -948,6 +1034,11 @@ class Dispatcher:
                 f"worker pid {worker.pid} of pool '{self.name}' died while running the "
                 f"request ({why})"
             )
+            if job.sequence:
+                error = Unavailable(
+                    f"sequence {job.sequence} of model '{job.tag}' is lost: worker pid "
+                    f"{worker.pid} of pool '{self.name}' that held its state died ({why})"
+                )
         self._finish(job, error)
 
     def _retry(self, job: Job) -> bool:

@@ -28,6 +28,11 @@ caller takes parts, and a CANCEL frame when the caller is gone, on which the
 worker closes the model's generator and answers its final frame at once.
 ACK and CANCEL frames carry the stream's sequence number; a worker ignores
 one for a stream it already finished.
+
+A sequence model's state lives in the worker that runs its sequence; a
+SEQUENCE_END frame (JSON: model, sequence id, reason) tells that worker the
+sequence ended (its end request ran, or it was idle too long) and is answered
+like a request, with an empty REPLY (or an ERROR).
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ STREAM = 10  # pool -> worker: a request to a decoupled model (window u32, then 
 PART = 11  # worker -> pool: one response of a stream
 ACK = 12  # pool -> worker: the caller took this many parts (u32)
 CANCEL = 13  # pool -> worker: the stream's caller is gone
+SEQUENCE_END = 14  # pool -> worker: a sequence ended (JSON: model, id, reason); answer: REPLY
 SELF_TEST = (WARMUP, READY, LOADING)
 COUNT = struct.Struct("<I")
 
@@ -130,6 +136,10 @@ def error_frame(seq: int, timings: Timings, failure: Failure, message: str) -> b
 
 def stream_frame(seq: int, window: int, body: bytes) -> bytes:
     return HEADER.pack(COUNT.size + len(body), STREAM, seq) + COUNT.pack(window) + body
+
+
+def sequence_end_frame(seq: int, body: bytes) -> bytes:
+    return HEADER.pack(len(body), SEQUENCE_END, seq) + body
 
 
 def part_frame(seq: int, body: bytes) -> bytes:

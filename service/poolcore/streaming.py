@@ -1,4 +1,5 @@
-"""A worker's side of a stream (a request to a decoupled model).
+"""A worker's side of a stream (a request to a decoupled model), and of a
+sequence's end notice (:func:`end_sequence`).
 
 The handler's ``stream`` attribute turns the request into an iterator of
 frames: one PART frame per response the model yields, then the final REPLY
@@ -92,3 +93,13 @@ def run_stream(
     finally:
         frames.close()
     return error_frame(seq, Timings(), Failure.CANCELLED, "the stream was cancelled")
+
+
+def end_sequence(handler: object, seq: int, body: bytes) -> bytes:
+    """A SEQUENCE_END notice to the handler's ``sequence_end`` (body -> frame)."""
+    notify: Callable[[bytes, int], bytes] | None = getattr(handler, "sequence_end", None)
+    if notify is None:
+        return error_frame(
+            seq, Timings(), Failure.UNIMPLEMENTED, "this worker does not serve sequences"
+        )
+    return notify(body, seq)

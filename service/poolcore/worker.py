@@ -33,6 +33,7 @@ from poolserve.service.poolcore.frames import (
     BATCH,
     CANCEL,
     REQUEST,
+    SEQUENCE_END,
     STREAM,
     batch_reply_frame,
     heartbeat_frame,
@@ -41,7 +42,7 @@ from poolserve.service.poolcore.frames import (
     split_frames,
     warmup_frame,
 )
-from poolserve.service.poolcore.streaming import run_stream
+from poolserve.service.poolcore.streaming import end_sequence, run_stream
 
 Handler = Callable[[bytes, int], bytes]
 """A request handler: (request body, sequence number) -> one REPLY or ERROR frame.
@@ -81,10 +82,12 @@ def serve(sock: socket.socket, handler: Handler, send_lock: threading.Lock) -> N
         body = _read_exact(stream, length)
         if kind in (ACK, CANCEL):
             continue  # for a stream that already ended
-        if body is None or kind not in (REQUEST, BATCH, STREAM):
+        if body is None or kind not in (REQUEST, BATCH, STREAM, SEQUENCE_END):
             return
         if kind == STREAM:
             frame = run_stream(sock, stream, handler, seq, body, send_lock)
+        elif kind == SEQUENCE_END:
+            frame = end_sequence(handler, seq, body)
         elif kind == BATCH:
             bodies = [part for _, part in split_frames(body, REQUEST)]
             frame = batch_reply_frame(seq, run_batch(handler, bodies))

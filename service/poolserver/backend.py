@@ -17,9 +17,11 @@ from poolserve.service.contract.errors import (
     Unimplemented,
 )
 from poolserve.service.contract.schedule import PriorityLevels, Schedule, schedule
-from poolserve.service.contract.shm import is_wrapped
+from poolserve.service.contract.sequence import peek_sequence
+from poolserve.service.contract.shm import is_wrapped, unwrap
 from poolserve.service.contract.wire import Routing
 from poolserve.service.poolcore.dispatcher import Dispatcher, Result
+from poolserve.service.poolcore.sequences import Sequences
 from poolserve.service.poolserver.catalog import ModelEntry
 from poolserve.service.poolserver.inline import InlineRunner
 from poolserve.service.poolserver.servicer import Observer
@@ -41,6 +43,7 @@ class PoolBackend:
         self.inline = inline
         self.needs_workers = needs_workers
         self.reject_hopeless = reject_hopeless
+        self.sequences: dict[str, Sequences] = {}  # per sequence model: its live sequences
 
     def serving(self) -> bool:
         return not self.needs_workers or self.dispatcher.live_workers() > 0
@@ -60,6 +63,9 @@ class PoolBackend:
         plan = self._plan(entry, routing, deadline)
         if self.reject_hopeless:
             self._reject_if_hopeless(entry, plan.deadline)
+        sequential = entry.settings is not None and entry.settings.sequence is not None
+        if sequential and entry.name not in self.inline:  # inline: one thread, every sequence
+            return await self._infer_in_sequence(entry, request, plan, observe)
         policy = entry.settings.batching if entry.settings is not None else None
         rows, key = 1, b""
         if policy is not None and is_wrapped(request):
@@ -102,6 +108,43 @@ class PoolBackend:
         )
         if result.batch_report:
             entry.stats.record_batch(result.batch_size, result.timings)
+        if observe is not None:
+            observe(result)
+        return result.body
+
+    async def _infer_in_sequence(
+        self, entry: ModelEntry, request: bytes, plan: Schedule, observe: Observer | None
+    ) -> bytes:
+        """A sequence model's request, on the worker that holds its sequence."""
+        settings = entry.settings
+        assert settings is not None and settings.sequence is not None
+        table = self.sequences.get(entry.name)
+        if table is None or table.policy != settings.sequence:
+            table = self.sequences[entry.name] = Sequences(
+                entry.name, settings.sequence, self.dispatcher
+            )
+        began = time.monotonic_ns()
+        try:
+            control = peek_sequence(unwrap(request)[1])
+            worker, name = table.route(control)
+        except ServingError as exc:
+            entry.stats.record_failure(0, error=exc)
+            raise
+        try:
+            result = await self.dispatcher.submit_pinned(
+                worker,
+                request,
+                plan.deadline,
+                sequence=name,
+                tag=entry.name,
+                timeout=settings.timeout_s,
+            )
+        except ServingError as exc:
+            entry.stats.record_failure(time.monotonic_ns() - began, error=exc)
+            raise
+        finally:
+            table.ran(control)
+        entry.stats.record_success(result.queue_ns, result.timings, time.monotonic_ns() - began)
         if observe is not None:
             observe(result)
         return result.body
