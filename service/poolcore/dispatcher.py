@@ -527,12 +527,13 @@ class Dispatcher:
         return job
 
     def _acknowledge(self, job: Job) -> None:
-        """Tells the worker the parts its caller took once the caller has taken all
-        there are, or half a window: it never waits on parts already taken."""
+        """Tells the worker the parts its caller took, half a window at a time: a
+        worker that waits has a whole window out, so its caller takes at least
+        that many and the worker hears of them."""
         parts, worker = job.stream, job.worker
-        if parts is None or parts.taken == 0 or job.state is not JobState.RUNNING:
+        if parts is None or job.state is not JobState.RUNNING:
             return
-        if parts.queue.qsize() and parts.taken < max(1, parts.window // 2):
+        if parts.taken < max(1, parts.window // 2):
             return
         if worker is not None and worker.current is job and worker.transport is not None:
             worker.transport.write(ack_frame(job.seq, parts.taken))
