@@ -18,8 +18,10 @@ import numpy as np
 import pytest
 
 from poolserve.protos import inference_pb2 as pb
+from poolserve.protos import inference_pb2_grpc as pbg
 from poolserve.service.inference.codec import decode_outputs, encode_inputs
 
+from harness import pid_alive
 from serving import Serving, wait_serving
 from support import copy_example, wait_until, write_model
 
@@ -225,3 +227,33 @@ def test_sequence_settings_are_validated() -> None:
     for bad in ({"idle_timeout_s": 0}, {"max_sequences": 0}, {"idle": 1}, [1]):
         with pytest.raises(ConfigError):
             sequence_policy("m", {"sequence": bad})
+
+
+def test_rolling_reload_keeps_a_live_sequence_on_its_worker_until_it_ends(
+    tmp_path: Path,
+) -> None:
+    repo, _ = tracked_repo(tmp_path, idle_timeout_s=60, max_sequences=100)
+
+    async def main(serving: Serving) -> None:
+        async with grpc.aio.insecure_channel(serving.address) as channel:
+            await wait_serving(channel)
+            infer = channel.unary_unary(INFER)
+            first = outputs(await infer(step("tracked", 5, 9, start=True), timeout=60))
+            old = int(first["PID"][0])
+            code = repo / "tracked" / "model.py"
+            code.write_text(code.read_text() + "\n# a new version\n")
+            await pbg.GRPCInferenceServiceStub(channel).RepositoryModelLoad(
+                pb.RepositoryModelLoadRequest(model_name="tracked"), timeout=90
+            )
+            # the reload rolled the workers; the live sequence stays where its state is
+            again = outputs(await infer(step("tracked", 3, 9), timeout=60))
+            assert (int(again["OUTPUT"][0, 0]), int(again["PID"][0])) == (8, old)
+            fresh = outputs(await infer(step("tracked", 1, 10, start=True), timeout=60))
+            assert int(fresh["PID"][0]) != old  # a new sequence goes to a fresh worker
+            last = outputs(await infer(step("tracked", 2, 9, end=True), timeout=60))
+            assert (int(last["OUTPUT"][0, 0]), int(last["PID"][0])) == (10, old)
+            # its last sequence ended: the retired worker exits
+            assert await asyncio.to_thread(wait_until, lambda: not pid_alive(old), 60)
+
+    with Serving(repo, tmp_path / "run", workers=1) as serving:
+        asyncio.run(main(serving))

@@ -204,6 +204,7 @@ class Worker:
     warmup_timer: asyncio.TimerHandle | None = None
     died_warming: bool = False
     pinned: deque[Job] = field(default_factory=deque)  # its sequences' jobs, in arrival order
+    sequences: int = 0  # live sequences whose state it holds (it retires after them)
 
 
 @dataclass(frozen=True)
@@ -322,8 +323,22 @@ class Dispatcher:
         if worker.state is WorkerState.IDLE:
             with contextlib.suppress(ValueError):
                 self._idle.remove(worker)
-            self._close_worker(worker)
+            if not worker.sequences:  # else it serves its sequences' jobs until they end
+                self._close_worker(worker)
         return True
+
+    def hold_sequences(self, worker: Worker, change: int) -> None:
+        """A sequence started (+1) or ended (-1) on ``worker``; a retiring worker
+        closes once it holds none and has nothing left to run."""
+        worker.sequences += change
+        if (
+            worker.retiring
+            and worker.sequences <= 0
+            and worker.state is WorkerState.IDLE
+            and worker.current is None
+            and not worker.pinned
+        ):
+            self._close_worker(worker)
 
     # -- status ----------------------------------------------------------
 
@@ -518,7 +533,7 @@ class Dispatcher:
         )
         job.timeout, job.pinned, job.sequence, job.notice = timeout, True, sequence, notice
         job.enqueued = loop.time()
-        if worker.state is WorkerState.IDLE and not worker.pinned and not worker.retiring:
+        if worker.state is WorkerState.IDLE and not worker.pinned:
             with contextlib.suppress(ValueError):
                 self._idle.remove(worker)
             self._start(worker, [job])
@@ -725,7 +740,10 @@ class Dispatcher:
                 self._start(worker, [job])
                 return
         if worker.retiring:
-            self._close_worker(worker)
+            if worker.sequences:  # waits, out of the idle list, for its sequences' jobs
+                worker.state = WorkerState.IDLE
+            else:
+                self._close_worker(worker)
             return
         if not self._start_next(worker):
             worker.state = WorkerState.IDLE

@@ -8,7 +8,9 @@ expired sequence without ``sequence_start`` is InvalidInput; a start beyond
 lost (its next request says so, and it is forgotten: a new start may reuse
 its id). A sequence idle past ``idle_timeout_s``, or whose end request ran,
 is released and its worker told (a SEQUENCE_END notice, after the jobs
-already pinned to it), so the model can drop its state.
+already pinned to it), so the model can drop its state. A worker retired by a
+rolling reload keeps serving the sequences it holds (on the model it had)
+and exits once they all ended or idled out; new sequences go to fresh workers.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ class Sequences:
                 )
             held = Live(ident, self._least_loaded(name))
             self.live[ident] = held
+            self.dispatcher.hold_sequences(held.worker, 1)
         self._touch(held)
         return held.worker, name
 
@@ -101,9 +104,9 @@ class Sequences:
     def _release(self, held: Live, reason: str) -> None:
         if self.live.get(held.ident) is not held:
             return
-        self._forget(held)
         body = json.dumps({"model": self.model, "id": held.ident, "reason": reason}).encode()
         self.dispatcher.notify_sequence_end(held.worker, body, f"{held.ident!r}", self.model)
+        self._forget(held)  # after the notice is pinned: a retiring worker waits for it
 
     def _forget(self, held: Live) -> None:
         if held.timer is not None:
@@ -111,3 +114,4 @@ class Sequences:
             held.timer = None
         if self.live.get(held.ident) is held:
             del self.live[held.ident]
+            self.dispatcher.hold_sequences(held.worker, -1)
