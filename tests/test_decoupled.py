@@ -325,3 +325,34 @@ def test_tritonclient_stream_api_with_the_repeat_example(tmp_path: Path) -> None
 async def ready(address: str) -> None:
     async with grpc.aio.insecure_channel(address) as channel:
         await wait_serving(channel)
+
+
+def test_in_process_server_refuses_a_decoupled_model_clearly(tmp_path: Path) -> None:
+    """No workers, no streams: unary is refused as in a pool, the stream says why."""
+    from poolserve.service.contract.repository import scan
+    from poolserve.service.contract.settings import ServerSettings
+    from poolserve.service.poolserver.inprocess import InProcessServer
+
+    repo, _ = counter_repo(tmp_path)
+
+    async def main() -> None:
+        server = InProcessServer(scan(repo), ServerSettings())
+        port = await server.start("127.0.0.1:0")
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await infer(counter_request(1), timeout=30)
+                assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+                assert "decoupled" in (info.value.details() or "")
+
+                async def one() -> Any:
+                    yield counter_request(1)
+
+                replies = [parse(r) async for r in channel.stream_stream(STREAM)(one(), timeout=30)]
+                assert len(replies) == 1
+                assert replies[0].error_message.startswith("UNIMPLEMENTED")
+        finally:
+            await server.stop(0)
+
+    asyncio.run(main())

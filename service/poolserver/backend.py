@@ -15,6 +15,7 @@ from poolserve.service.contract.errors import (
     MessageTooLarge,
     ServingError,
     Unimplemented,
+    decoupled_refusal,
 )
 from poolserve.service.contract.schedule import PriorityLevels, Schedule, schedule
 from poolserve.service.contract.sequence import peek_sequence
@@ -222,11 +223,3 @@ class PoolBackend:
             )
             entry.stats.record_failure(0, error=hopeless)
             raise hopeless
-
-
-def decoupled_refusal(model: str) -> Unimplemented:
-    """What unary ModelInfer answers for a decoupled model (Triton: UNSUPPORTED)."""
-    return Unimplemented(
-        f"ModelInfer RPC doesn't support models with decoupled transaction policy: "
-        f"model '{model}' is decoupled (any number of responses); use ModelStreamInfer"
-    )

@@ -257,9 +257,9 @@ class InferenceServicer:
         status name in ``error_message``. Leaving early (the client went
         away) closes the stream, which cancels it on the worker."""
         infer_stream = getattr(self.backend, "infer_stream", None)
-        if infer_stream is None:
-            raise Unimplemented(f"decoupled model '{entry.name}' needs a pool server's workers")
         try:
+            if infer_stream is None:
+                raise Unimplemented(f"decoupled model '{entry.name}' needs a pool server's workers")
             parts = infer_stream(entry, request, deadline, routing)
             async with contextlib.aclosing(parts):
                 async for body in parts:
