@@ -199,7 +199,7 @@ def test_cancel_mid_stream_closes_the_generator_and_frees_the_worker(tmp_path: P
 
             # a deadline mid-stream (the request's timeout) ends it with DEADLINE_EXCEEDED
             call = stream(
-                one(counter_request(-1, tag="late", delay_ms=5, timeout=500_000)), timeout=60
+                one(counter_request(-1, tag="late", delay_ms=5, timeout=2_000_000)), timeout=60
             )
             seen = 0
             async for reply in call:

@@ -22,7 +22,7 @@ from poolserve.protos import inference_pb2_grpc as pbg
 from poolserve.service.inference.codec import decode_outputs, encode_inputs
 
 from harness import pid_alive
-from serving import Serving, wait_serving
+from serving import Serving, wait_idle_workers, wait_serving
 from support import copy_example, wait_until, write_model
 
 INFER = "/inference.GRPCInferenceService/ModelInfer"
@@ -137,6 +137,7 @@ def test_interleaved_sequences_on_two_workers_each_keep_their_own_sum(tmp_path: 
     async def main(serving: Serving) -> None:
         async with grpc.aio.insecure_channel(serving.address) as channel:
             await wait_serving(channel)
+            await wait_idle_workers(serving, "default", 2)  # both take sequences
             ids: list[int | str] = [*range(1, 9), *(f"session-{k}" for k in range(8))]
             found = await asyncio.gather(*(client(channel, i, 25) for i in ids))
             assert len(set().union(*found)) == 2  # new sequences go to the least loaded
@@ -197,6 +198,7 @@ def test_worker_death_ends_its_sequences_with_an_error_naming_them(tmp_path: Pat
     async def main(serving: Serving) -> None:
         async with grpc.aio.insecure_channel(serving.address) as channel:
             await wait_serving(channel)
+            await wait_idle_workers(serving, "default", 2)
             infer = channel.unary_unary(INFER)
             first = outputs(await infer(step("tracked", 5, 41, start=True), timeout=60))
             pid = int(first["PID"][0])
