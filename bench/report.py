@@ -28,6 +28,7 @@ def _sibling(name: str) -> ModuleType:
 
 
 batching = _sibling("batching")
+decoupled = _sibling("decoupled")
 
 README_START = "<!-- bench:start -->"
 README_END = "<!-- bench:end -->"
@@ -620,6 +621,8 @@ def markdown(results: Results) -> str:
         ),
         *(["## Batching\n\n" + batching.markdown(results["batching"])]
           if results.get("batching") else []),
+        *(["## Decoupled models\n\n" + decoupled.markdown(results["decoupled"])]
+          if results.get("decoupled") else []),
     ]  # fmt: skip
     return "\n\n".join(parts) + "\n"
 
@@ -710,6 +713,7 @@ def console(results: Results) -> str:
             overload_table(results),
             dropin_table(results),
             batching.markdown(results.get("batching") or {}),
+            decoupled.markdown(results.get("decoupled") or {}),
         ]
         if part
     )

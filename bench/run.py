@@ -39,6 +39,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH / "peers"))
 
 import batching  # noqa: E402
+import decoupled  # noqa: E402
 import install  # noqa: E402
 import mlserver_dropin  # noqa: E402
 import perf  # noqa: E402
@@ -750,6 +751,8 @@ def run(mode: Mode, only: Sequence[str], publish_results: bool) -> dict[str, Any
                 results["batching"] = batching.run_phase(
                     fleet, pa, mode.runs, mode.window_ms, run_dir, log
                 )
+        with phase("decoupled", timings):
+            results["decoupled"] = decoupled.measure()
     finally:
         fleet.stop_all()
     timings["total"] = round(time.monotonic() - began, 1)
@@ -770,7 +773,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--only",
-        choices=["overload", "mlserver-dropin", "batching"],
+        choices=["overload", "mlserver-dropin", "batching", "decoupled"],
         help="run one part alone: overload (calibration, servers, overload), "
         "mlserver-dropin (bench/mlserver_dropin.py) or batching (bench/batching.py); "
         "never published",
@@ -800,6 +803,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.only == "batching":
         print(batching_only(mode))
+        return 0
+    if args.only == "decoupled":
+        print(decoupled.markdown(decoupled.measure()))
         return 0
     publish_results = mode.publish if args.publish is None else args.publish
     results = run(mode, only, publish_results and not only)

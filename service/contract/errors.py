@@ -161,3 +161,11 @@ _BY_FAILURE: tuple[type[ServingError], ...] = (
     FailedPrecondition,
     AlreadyExists,
 )
+
+
+def decoupled_refusal(model: str) -> Unimplemented:
+    """What unary ModelInfer answers for a decoupled model (Triton: UNSUPPORTED)."""
+    return Unimplemented(
+        f"ModelInfer RPC doesn't support models with decoupled transaction policy: "
+        f"model '{model}' is decoupled (any number of responses); use ModelStreamInfer"
+    )

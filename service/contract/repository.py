@@ -16,6 +16,7 @@ from typing import Any
 
 from poolserve.service.contract.batching import BatchPolicy, batch_settings
 from poolserve.service.contract.schedule import PriorityLevels, priority_levels
+from poolserve.service.contract.sequence import SequencePolicy, sequence_policy
 from poolserve.service.contract.settings import (
     DEFAULT_POOL,
     SAFE_ID,
@@ -89,6 +90,8 @@ class ModelSettings:
     # parameters.extra.preferred_batch_sizes and batch_safe_parameters
     preferred_batch_sizes: tuple[int, ...] = ()
     batch_safe_parameters: frozenset[str] = frozenset()
+    # parameters.extra.sequence: a sequence model (sticky routing, per-sequence state)
+    sequence: SequencePolicy | None = None
 
     @property
     def batching(self) -> BatchPolicy | None:
@@ -110,6 +113,19 @@ class ModelSettings:
     def timeout_s(self) -> float | None:
         value = self.extra.get("timeout_s")
         return float(value) if isinstance(value, int | float) else None
+
+    @property
+    def decoupled(self) -> bool:
+        """parameters.extra.decoupled: any number of responses per request, on
+        ModelStreamInfer only (``Model.predict_stream``)."""
+        return self.extra.get("decoupled") is True
+
+    @property
+    def stream_window(self) -> int:
+        """parameters.extra.stream_window: a decoupled model's responses that a
+        worker sends ahead of what the client took (default 16)."""
+        value = self.extra.get("stream_window")
+        return value if isinstance(value, int) and value > 0 else 16
 
 
 @dataclass(frozen=True)
@@ -257,6 +273,7 @@ def parse_model_settings(path: Path) -> ModelSettings:
         platform=_expect(source, "platform", data.get("platform", ""), str),
         parallel_workers=workers,
         priority=priority_levels(source, extra),
+        sequence=sequence_policy(source, extra),
         preferred_batch_sizes=preferred,
         batch_safe_parameters=safe,
     )

@@ -18,7 +18,7 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Generator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -70,9 +70,50 @@ def handle_batch(models: Mapping[str, Model], bodies: list[bytes]) -> list[bytes
         return [error_frame(i, Timings(), Failure.INTERNAL, message) for i in range(len(bodies))]
 
 
+def handle_stream(
+    models: Mapping[str, Model], body: bytes, seq: int
+) -> Generator[bytes, None, None]:
+    """The stream handler: one serialized ModelInferRequest to a decoupled model,
+    its PART frames and then one REPLY or ERROR frame."""
+    from poolserve.service.contract.shm import unwrap
+    from poolserve.service.contract.wire import peek_model
+    from poolserve.service.inference.stream import stream_infer
+
+    try:
+        regions, body = unwrap(body)
+        name, version = peek_model(body)
+        model = models.get(name)
+        if model is None or (version and version != model.settings.version):
+            raise ModelNotFound(f"model '{clip(name)}' is not loaded in this worker")
+        yield from stream_infer(model, body, regions, seq)
+    except ServingError as exc:
+        yield error_frame(seq, Timings(), exc.failure, exc.message)
+    except Exception as exc:  # a bug in our own path: report it, keep serving
+        yield error_frame(seq, Timings(), Failure.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
+def handle_sequence_end(models: Mapping[str, Model], body: bytes, seq: int) -> bytes:
+    """A SEQUENCE_END notice: the model's ``sequence_ended`` hook, one REPLY frame."""
+    import json
+
+    try:
+        notice = json.loads(body)
+        model = models.get(str(notice["model"]))
+        if model is None:
+            raise ModelNotFound(f"model '{clip(str(notice['model']))}' is not loaded")
+        model.sequence_ended(notice["id"], str(notice["reason"]))
+        return reply_frame(seq, Timings(), b"")
+    except ServingError as exc:
+        return error_frame(seq, Timings(), exc.failure, exc.message)
+    except Exception as exc:  # the model's hook raised: said, and the worker serves on
+        return error_frame(seq, Timings(), Failure.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
 def inference_handler(models: Mapping[str, Model]) -> worker.Handler:
     handler = functools.partial(handle, models)
     handler.batch = functools.partial(handle_batch, models)  # type: ignore[attr-defined]
+    handler.stream = functools.partial(handle_stream, models)  # type: ignore[attr-defined]
+    handler.sequence_end = functools.partial(handle_sequence_end, models)  # type: ignore[attr-defined]
     return handler
 
 
@@ -208,6 +249,17 @@ class InferenceCargo:
 def _warm_up(model: Model, example: Mapping[str, Array]) -> None:
     from poolserve.service.inference.model import check_outputs
 
+    if model.settings.extra.get("decoupled") is True:  # its first response, if any
+        produced = iter(model.predict_stream(dict(example), {}))
+        try:
+            first = next(produced, None)
+        finally:
+            close = getattr(produced, "close", None)
+            if close is not None:
+                close()
+        if first is not None:
+            check_outputs(model.settings.name, first)
+        return
     check_outputs(model.settings.name, model.predict(dict(example), {}))
 
 

@@ -14,7 +14,7 @@ import functools
 import importlib
 import importlib.util
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -44,6 +44,21 @@ class Model:
 
     def predict(self, inputs: dict[str, Array], parameters: dict[str, object]) -> dict[str, Array]:
         raise NotImplementedError(f"{type(self).__name__}.predict is not implemented")
+
+    def predict_stream(
+        self, inputs: dict[str, Array], parameters: dict[str, object]
+    ) -> Iterable[dict[str, Array]]:
+        """A decoupled model's answer (settings ``parameters.extra.decoupled: true``):
+        any number of output dicts, typically a generator, each sent to the
+        client as one ModelStreamInfer response as soon as it is yielded. A
+        client that goes away closes the generator (GeneratorExit at its yield)."""
+        raise NotImplementedError(f"{type(self).__name__}.predict_stream is not implemented")
+
+    def sequence_ended(self, sequence_id: int | str, reason: str) -> None:
+        """A sequence model's sequence ended (settings ``parameters.extra.sequence``):
+        ``reason`` "end" (its request with ``sequence_end`` ran) or "timeout" (idle
+        past ``idle_timeout_s``). Drop its state here. Runs in the worker that
+        ran the sequence's requests, after them."""
 
     def metadata(self) -> tuple[Sequence[TensorSpec], Sequence[TensorSpec]] | None:
         """Optional (inputs, outputs); by default they come from model-settings.json."""

@@ -49,7 +49,7 @@ import signal
 import socket
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from poolserve.service.contract.batching import BatchPolicy
@@ -62,12 +62,17 @@ from poolserve.service.contract.errors import (
 )
 from poolserve.service.poolcore.frames import (
     LOADING,
+    PART,
     SELF_TEST,
     WARMUP,
     Reply,
     ReplyBuffer,
+    ack_frame,
     batch_frame,
+    cancel_frame,
     request_frame,
+    sequence_end_frame,
+    stream_frame,
 )
 from poolserve.service.poolcore.stats import Timings
 
@@ -112,6 +117,22 @@ class Job:
     rows: int = 1  # its rows along dimension 0, when its model batches
     batch_key: bytes = b""
     members: list[Job] | None = None  # the batch it leads on a worker (itself first)
+    stream: Parts | None = None  # a stream's parts, then its end (a decoupled model)
+    pinned: bool = False  # it runs on the one worker given (a sequence's), after its others
+    sequence: str = ""  # the sequence it belongs to, for messages
+    notice: bool = False  # a SEQUENCE_END notice, not a request
+
+
+@dataclass(slots=True, eq=False)
+class Parts:
+    """A stream job's way to its caller: the parts as they come, then its end
+    (a Result or a ServingError). The worker keeps at most ``window`` parts
+    unacknowledged; the caller acknowledges each part it took."""
+
+    window: int
+    queue: asyncio.Queue[bytes | Result | ServingError] = field(default_factory=asyncio.Queue)
+    taken: int = 0  # parts taken and not yet acknowledged to the worker
+    ended: bool = False
 
 
 @dataclass(slots=True)
@@ -182,6 +203,8 @@ class Worker:
     loading: bool = False
     warmup_timer: asyncio.TimerHandle | None = None
     died_warming: bool = False
+    pinned: deque[Job] = field(default_factory=deque)  # its sequences' jobs, in arrival order
+    sequences: int = 0  # live sequences whose state it holds (it retires after them)
 
 
 @dataclass(frozen=True)
@@ -300,8 +323,22 @@ class Dispatcher:
         if worker.state is WorkerState.IDLE:
             with contextlib.suppress(ValueError):
                 self._idle.remove(worker)
-            self._close_worker(worker)
+            if not worker.sequences:  # else it serves its sequences' jobs until they end
+                self._close_worker(worker)
         return True
+
+    def hold_sequences(self, worker: Worker, change: int) -> None:
+        """A sequence started (+1) or ended (-1) on ``worker``; a retiring worker
+        closes once it holds none and has nothing left to run."""
+        worker.sequences += change
+        if (
+            worker.retiring
+            and worker.sequences <= 0
+            and worker.state is WorkerState.IDLE
+            and worker.current is None
+            and not worker.pinned
+        ):
+            self._close_worker(worker)
 
     # -- status ----------------------------------------------------------
 
@@ -381,13 +418,154 @@ class Dispatcher:
             timer.cancel()
             self._abandon(job, "it was cancelled")
 
+    async def submit_stream(
+        self,
+        body: bytes,
+        deadline: float,
+        *,
+        window: int,
+        priority: int | None = None,
+        tag: str = "",
+        timeout: float | None = None,
+        precision: float = 0.0,
+    ) -> AsyncIterator[bytes | Result]:
+        """Runs ``body`` on a worker as a stream (a decoupled model): yields each
+        part as the worker sends it, then the Result of the whole stream (its
+        final frame's body and timings); raises a ServingError instead.
+
+        ``deadline`` and ``timeout`` bound the whole stream; the worker sends at
+        most ``window`` parts ahead of what was taken from here. Closing the
+        iterator early (the caller went away) cancels the stream on the worker.
+        A stream is never retried on another worker: parts may have gone out.
+        """
+        if self._refusal is not None:
+            raise self._refusal
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if deadline <= now:
+            raise DeadlineExceeded(
+                f"deadline already spent on arrival at pool '{self.name}'", stage="pool"
+            )
+        job = Job(
+            body,
+            deadline,
+            DEFAULT_PRIORITY if priority is None else priority,
+            next(self._seq),
+            loop.create_future(),
+            tag,
+            False,
+            timeout,
+        )
+        job.enqueued = now
+        job.precision = precision
+        parts = job.stream = Parts(max(1, window))
+        if self._idle and not self._queue:
+            self._start(self._idle.pop(), [job])
+        else:
+            self._queue.push(job, precision)
+        timer = loop.call_at(deadline, self._expire, job)
+        try:
+            while True:
+                item = await parts.queue.get()
+                if isinstance(item, ServingError):
+                    raise item
+                yield item
+                if isinstance(item, Result):
+                    return
+                parts.taken += 1
+                self._acknowledge(job)
+        finally:
+            timer.cancel()
+            self._abandon(job, "it was cancelled")
+
+    async def submit_pinned(
+        self,
+        worker: Worker,
+        body: bytes,
+        deadline: float,
+        *,
+        sequence: str,
+        tag: str = "",
+        timeout: float | None = None,
+    ) -> Result:
+        """Runs ``body`` on ``worker`` (a sequence's), after the jobs already
+        pinned to it, in arrival order; never batched, never retried elsewhere."""
+        loop = asyncio.get_running_loop()
+        if deadline <= loop.time():
+            raise DeadlineExceeded(
+                f"deadline already spent on arrival at pool '{self.name}'", stage="pool"
+            )
+        job = self._pin(worker, body, deadline, sequence, tag, timeout)
+        timer = loop.call_at(deadline, self._expire, job)
+        try:
+            return await job.future
+        finally:
+            timer.cancel()
+            self._abandon(job, "it was cancelled")
+
+    def notify_sequence_end(self, worker: Worker, body: bytes, sequence: str, tag: str) -> None:
+        """Tells ``worker`` a sequence ended (a SEQUENCE_END frame), after its
+        pinned jobs; nobody waits for the answer."""
+        if worker.state is WorkerState.DEAD:
+            return
+        deadline = asyncio.get_running_loop().time() + 3600.0
+        job = self._pin(worker, body, deadline, sequence, tag, None, notice=True)
+        job.future.add_done_callback(lambda done: done.exception())
+
+    def _pin(
+        self,
+        worker: Worker,
+        body: bytes,
+        deadline: float,
+        sequence: str,
+        tag: str,
+        timeout: float | None,
+        notice: bool = False,
+    ) -> Job:
+        if worker.state is WorkerState.DEAD:
+            raise Unavailable(
+                f"sequence {sequence} of model '{tag}' is lost: worker pid {worker.pid} of "
+                f"pool '{self.name}' that held its state died"
+            )
+        loop = asyncio.get_running_loop()
+        job = Job(
+            body, deadline, DEFAULT_PRIORITY, next(self._seq), loop.create_future(), tag, False
+        )
+        job.timeout, job.pinned, job.sequence, job.notice = timeout, True, sequence, notice
+        job.enqueued = loop.time()
+        if worker.state is WorkerState.IDLE and not worker.pinned:
+            with contextlib.suppress(ValueError):
+                self._idle.remove(worker)
+            self._start(worker, [job])
+        else:
+            worker.pinned.append(job)
+        return job
+
+    def _acknowledge(self, job: Job) -> None:
+        """Tells the worker the parts its caller took, half a window at a time: a
+        worker that waits has a whole window out, so its caller takes at least
+        that many and the worker hears of them."""
+        parts, worker = job.stream, job.worker
+        if parts is None or job.state is not JobState.RUNNING:
+            return
+        if parts.taken < max(1, parts.window // 2):
+            return
+        if worker is not None and worker.current is job and worker.transport is not None:
+            worker.transport.write(ack_frame(job.seq, parts.taken))
+        parts.taken = 0
+
     def _abandon(self, job: Job, why: str) -> None:
         """The caller is gone (result, deadline or cancel): no one will read a reply."""
         if job.state is JobState.QUEUED:
-            self._queue.remove(job)
+            if not job.pinned:  # a pinned one is skipped when its worker comes to it
+                self._queue.remove(job)
             job.state = JobState.ABANDONED
         elif job.state is JobState.RUNNING:
             job.state = JobState.ABANDONED
+            worker = job.worker
+            if job.stream is not None and worker is not None and worker.current is job:
+                assert worker.transport is not None  # it runs a job: connected
+                worker.transport.write(cancel_frame(job.seq))  # it closes the model's generator
             if self.abandon_grace > 0:
                 stuck_after = min(STUCK_AFTER_S, self.abandon_grace)
                 loop = asyncio.get_running_loop()
@@ -412,10 +590,15 @@ class Dispatcher:
             job.overtime = None
         if job.future.done():
             return
+        if job.stream is not None and not job.stream.ended:
+            job.stream.ended = True
+            job.stream.queue.put_nowait(outcome)
         if isinstance(outcome, Result):
             job.future.set_result(outcome)
         else:
             job.future.set_exception(outcome)
+            if job.stream is not None:
+                job.future.exception()  # the stream's caller reads it from the queue
 
     def _start(self, worker: Worker, jobs: list[Job]) -> None:
         loop = asyncio.get_running_loop()
@@ -431,7 +614,11 @@ class Dispatcher:
         if job.timeout is not None:
             job.overtime = loop.call_at(job.started + job.timeout, self._overtime, worker, job)
         assert worker.transport is not None
-        if job.members is None:
+        if job.stream is not None:
+            worker.transport.write(stream_frame(job.seq, job.stream.window, job.body))
+        elif job.notice:
+            worker.transport.write(sequence_end_frame(job.seq, job.body))
+        elif job.members is None:
             worker.transport.write(request_frame(job.seq, job.body))
         else:
             self.batches += 1
@@ -547,8 +734,16 @@ class Dispatcher:
 
     def _worker_free(self, worker: Worker) -> None:
         worker.current = None
+        while worker.pinned:  # its sequences' jobs first, in arrival order
+            job = worker.pinned.popleft()
+            if job.state is JobState.QUEUED:
+                self._start(worker, [job])
+                return
         if worker.retiring:
-            self._close_worker(worker)
+            if worker.sequences:  # waits, out of the idle list, for its sequences' jobs
+                worker.state = WorkerState.IDLE
+            else:
+                self._close_worker(worker)
             return
         if not self._start_next(worker):
             worker.state = WorkerState.IDLE
@@ -585,13 +780,24 @@ class Dispatcher:
         job = worker.current
         if job is None or job.seq != reply.seq:
             raise ValueError(f"reply for sequence {reply.seq} that this worker does not hold")
+        if reply.kind == PART:
+            if job.stream is None:
+                raise ValueError(f"a stream's part for request {reply.seq}, not a stream")
+            if job.state is JobState.RUNNING:
+                job.stream.queue.put_nowait(reply.body)
+            return  # the worker stays in the stream until its final frame
         members = job.members or [job]
         parts = reply.parts if reply.parts is not None else [reply]
         if (reply.parts is None) != (job.members is None) or len(parts) != len(members):
             raise ValueError(f"{len(parts)} replies for a batch of {len(members)} requests")
         worker.served += 1
         finished = asyncio.get_running_loop().time()
-        if job.tag and any(part.failure is None for part in parts):
+        if (
+            job.tag
+            and job.stream is None
+            and not job.notice
+            and any(part.failure is None for part in parts)
+        ):
             self._learn_service_time(job.tag, finished - job.started)
         rows = sum(m.rows for m in members)
         report = True
@@ -787,6 +993,11 @@ class Dispatcher:
         lead, worker.current = worker.current, None
         worker.lost_tag = lead.tag if lead is not None else worker.warming
         members = [] if lead is None else lead.members or [lead]
+        pinned, worker.pinned = worker.pinned, deque()
+        for job in pinned:  # their sequences' state died with the worker
+            if job.state is JobState.QUEUED:
+                job.state = JobState.RUNNING  # answered with the lost jobs
+                worker.lost_jobs.append(job)
         retried = False
         for job in members:
             if job.state is not JobState.RUNNING:
@@ -842,6 +1053,11 @@ class Dispatcher:
                 f"worker pid {worker.pid} of pool '{self.name}' died while running the "
                 f"request ({why})"
             )
+            if job.sequence:
+                error = Unavailable(
+                    f"sequence {job.sequence} of model '{job.tag}' is lost: worker pid "
+                    f"{worker.pid} of pool '{self.name}' that held its state died ({why})"
+                )
         self._finish(job, error)
 
     def _retry(self, job: Job) -> bool:

@@ -18,6 +18,21 @@ A batch (adaptive batching) is one BATCH frame whose payload is the batch's
 REQUEST frames, each with its index in the batch as sequence number; the
 worker answers one BATCH_REPLY frame (the batch's sequence number) whose
 payload is one REPLY or ERROR frame per request, in the same order.
+
+A request to a decoupled model (any number of responses) is one STREAM frame
+(payload: the window, u32, then the request). The worker answers a PART frame
+per response as the model yields it, then the final REPLY (body: the stream's
+closing response, often empty) or ERROR frame. It keeps at most ``window``
+parts unacknowledged: the pool sends an ACK frame (payload: u32 count) as its
+caller takes parts, and a CANCEL frame when the caller is gone, on which the
+worker closes the model's generator and answers its final frame at once.
+ACK and CANCEL frames carry the stream's sequence number; a worker ignores
+one for a stream it already finished.
+
+A sequence model's state lives in the worker that runs its sequence; a
+SEQUENCE_END frame (JSON: model, sequence id, reason) tells that worker the
+sequence ended (its end request ran, or it was idle too long) and is answered
+like a request, with an empty REPLY (or an ERROR).
 """
 
 from __future__ import annotations
@@ -41,7 +56,13 @@ READY = 6  # worker -> pool: self-test done, requests welcome (payload: JSON rep
 LOADING = 7  # worker -> pool: a spawned worker loads this model (payload: its name) now
 BATCH = 8  # pool -> worker: several requests of one model, run as one batch
 BATCH_REPLY = 9  # worker -> pool: one REPLY or ERROR frame per request of the batch
+STREAM = 10  # pool -> worker: a request to a decoupled model (window u32, then the request)
+PART = 11  # worker -> pool: one response of a stream
+ACK = 12  # pool -> worker: the caller took this many parts (u32)
+CANCEL = 13  # pool -> worker: the stream's caller is gone
+SEQUENCE_END = 14  # pool -> worker: a sequence ended (JSON: model, id, reason); answer: REPLY
 SELF_TEST = (WARMUP, READY, LOADING)
+COUNT = struct.Struct("<I")
 
 
 @dataclass(slots=True)
@@ -113,6 +134,26 @@ def error_frame(seq: int, timings: Timings, failure: Failure, message: str) -> b
     return HEADER.pack(len(payload), ERROR, seq) + payload
 
 
+def stream_frame(seq: int, window: int, body: bytes) -> bytes:
+    return HEADER.pack(COUNT.size + len(body), STREAM, seq) + COUNT.pack(window) + body
+
+
+def sequence_end_frame(seq: int, body: bytes) -> bytes:
+    return HEADER.pack(len(body), SEQUENCE_END, seq) + body
+
+
+def part_frame(seq: int, body: bytes) -> bytes:
+    return HEADER.pack(len(body), PART, seq) + body
+
+
+def ack_frame(seq: int, count: int) -> bytes:
+    return HEADER.pack(COUNT.size, ACK, seq) + COUNT.pack(count)
+
+
+def cancel_frame(seq: int) -> bytes:
+    return HEADER.pack(0, CANCEL, seq)
+
+
 def heartbeat_frame() -> bytes:
     return HEADER.pack(0, HEARTBEAT, 0)
 
@@ -143,7 +184,7 @@ class ReplyBuffer(FrameReader[Reply]):
         if kind == REPLY and stop - start >= TIMINGS.size:
             timings = Timings(*TIMINGS.unpack_from(buf, start))
             return Reply(seq, timings, bytes(buf[start + TIMINGS.size : stop]))
-        if kind in SELF_TEST:
+        if kind in SELF_TEST or kind == PART:
             return Reply(seq, Timings(), bytes(buf[start:stop]), kind=kind)
         if kind == HEARTBEAT:
             return None

@@ -29,8 +29,12 @@ from typing import BinaryIO, NoReturn
 
 from poolserve.service.contract.framing import HEADER
 from poolserve.service.poolcore.frames import (
+    ACK,
     BATCH,
+    CANCEL,
     REQUEST,
+    SEQUENCE_END,
+    STREAM,
     batch_reply_frame,
     heartbeat_frame,
     loading_frame,
@@ -38,6 +42,7 @@ from poolserve.service.poolcore.frames import (
     split_frames,
     warmup_frame,
 )
+from poolserve.service.poolcore.streaming import end_sequence, run_stream
 
 Handler = Callable[[bytes, int], bytes]
 """A request handler: (request body, sequence number) -> one REPLY or ERROR frame.
@@ -75,9 +80,15 @@ def serve(sock: socket.socket, handler: Handler, send_lock: threading.Lock) -> N
             return
         length, kind, seq = HEADER.unpack(header)
         body = _read_exact(stream, length)
-        if body is None or kind not in (REQUEST, BATCH):
+        if kind in (ACK, CANCEL):
+            continue  # for a stream that already ended
+        if body is None or kind not in (REQUEST, BATCH, STREAM, SEQUENCE_END):
             return
-        if kind == BATCH:
+        if kind == STREAM:
+            frame = run_stream(sock, stream, handler, seq, body, send_lock)
+        elif kind == SEQUENCE_END:
+            frame = end_sequence(handler, seq, body)
+        elif kind == BATCH:
             bodies = [part for _, part in split_frames(body, REQUEST)]
             frame = batch_reply_frame(seq, run_batch(handler, bodies))
             del bodies

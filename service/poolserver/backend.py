@@ -6,6 +6,7 @@ cannot finish in time is refused on arrival."""
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 
 from poolserve.service.contract.batching import peek_batch
 from poolserve.service.contract.errors import (
@@ -13,11 +14,15 @@ from poolserve.service.contract.errors import (
     InvalidInput,
     MessageTooLarge,
     ServingError,
+    Unimplemented,
+    decoupled_refusal,
 )
 from poolserve.service.contract.schedule import PriorityLevels, Schedule, schedule
-from poolserve.service.contract.shm import is_wrapped
+from poolserve.service.contract.sequence import peek_sequence
+from poolserve.service.contract.shm import is_wrapped, unwrap
 from poolserve.service.contract.wire import Routing
-from poolserve.service.poolcore.dispatcher import Dispatcher
+from poolserve.service.poolcore.dispatcher import Dispatcher, Result
+from poolserve.service.poolcore.sequences import Sequences
 from poolserve.service.poolserver.catalog import ModelEntry
 from poolserve.service.poolserver.inline import InlineRunner
 from poolserve.service.poolserver.servicer import Observer
@@ -39,6 +44,7 @@ class PoolBackend:
         self.inline = inline
         self.needs_workers = needs_workers
         self.reject_hopeless = reject_hopeless
+        self.sequences: dict[str, Sequences] = {}  # per sequence model: its live sequences
 
     def serving(self) -> bool:
         return not self.needs_workers or self.dispatcher.live_workers() > 0
@@ -51,9 +57,16 @@ class PoolBackend:
         routing: Routing,
         observe: Observer | None = None,
     ) -> bytes:
+        if entry.settings is not None and entry.settings.decoupled:
+            refused = decoupled_refusal(entry.name)
+            entry.stats.record_failure(0, error=refused)
+            raise refused
         plan = self._plan(entry, routing, deadline)
         if self.reject_hopeless:
             self._reject_if_hopeless(entry, plan.deadline)
+        sequential = entry.settings is not None and entry.settings.sequence is not None
+        if sequential and entry.name not in self.inline:  # inline: one thread, every sequence
+            return await self._infer_in_sequence(entry, request, plan, observe)
         policy = entry.settings.batching if entry.settings is not None else None
         rows, key = 1, b""
         if policy is not None and is_wrapped(request):
@@ -99,6 +112,80 @@ class PoolBackend:
         if observe is not None:
             observe(result)
         return result.body
+
+    async def _infer_in_sequence(
+        self, entry: ModelEntry, request: bytes, plan: Schedule, observe: Observer | None
+    ) -> bytes:
+        """A sequence model's request, on the worker that holds its sequence."""
+        settings = entry.settings
+        assert settings is not None and settings.sequence is not None
+        table = self.sequences.get(entry.name)
+        if table is None or table.policy != settings.sequence:
+            table = self.sequences[entry.name] = Sequences(
+                entry.name, settings.sequence, self.dispatcher
+            )
+        began = time.monotonic_ns()
+        try:
+            control = peek_sequence(unwrap(request)[1])
+            worker, name = table.route(control)
+        except ServingError as exc:
+            entry.stats.record_failure(0, error=exc)
+            raise
+        try:
+            result = await self.dispatcher.submit_pinned(
+                worker,
+                request,
+                plan.deadline,
+                sequence=name,
+                tag=entry.name,
+                timeout=settings.timeout_s,
+            )
+        except ServingError as exc:
+            entry.stats.record_failure(time.monotonic_ns() - began, error=exc)
+            raise
+        finally:
+            table.ran(control)
+        entry.stats.record_success(result.queue_ns, result.timings, time.monotonic_ns() - began)
+        if observe is not None:
+            observe(result)
+        return result.body
+
+    async def infer_stream(
+        self, entry: ModelEntry, request: bytes, deadline: float, routing: Routing
+    ) -> AsyncIterator[bytes]:
+        """A decoupled model's responses (serialized ModelInferResponses) as its
+        worker yields them; the stream's closing response last, if it has one.
+        Counted once in the statistics, when the stream ends."""
+        settings = entry.settings
+        assert settings is not None and settings.decoupled
+        if entry.name in self.inline:
+            raise Unimplemented(
+                f"decoupled model '{entry.name}' runs on workers only; "
+                "set parallel_workers to 1 or more"
+            )
+        plan = self._plan(entry, routing, deadline)
+        began = time.monotonic_ns()
+        try:
+            async for item in self.dispatcher.submit_stream(
+                request,
+                plan.deadline,
+                window=settings.stream_window,
+                priority=plan.priority,
+                tag=entry.name,
+                timeout=settings.timeout_s,
+                precision=plan.precision,
+            ):
+                if isinstance(item, Result):
+                    entry.stats.record_success(
+                        item.queue_ns, item.timings, time.monotonic_ns() - began
+                    )
+                    if item.body:
+                        yield item.body
+                    return
+                yield item
+        except ServingError as exc:
+            entry.stats.record_failure(time.monotonic_ns() - began, error=exc)
+            raise
 
     def infer_now(
         self, entry: ModelEntry, request: bytes, deadline: float, routing: Routing

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from poolserve.service.contract.errors import DeadlineExceeded, ServingError
+from poolserve.service.contract.errors import DeadlineExceeded, ServingError, decoupled_refusal
 from poolserve.service.contract.repository import ModelSettings, Repository
 from poolserve.service.contract.settings import ServerSettings
 from poolserve.service.contract.wire import Routing
@@ -63,6 +63,8 @@ class InProcessBackend:
         routing: Routing,
         observe: Observer | None = None,
     ) -> bytes:
+        if entry.settings is not None and entry.settings.decoupled:
+            raise decoupled_refusal(entry.name)
         queued = time.monotonic_ns()
         if time.monotonic() >= deadline:
             raise DeadlineExceeded(f"deadline exceeded before model '{entry.name}' ran")

@@ -11,6 +11,7 @@ dispatcher over pre-forked workers) and in-process (backend: a thread).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -235,11 +236,37 @@ class InferenceServicer:
         async for request in requests:
             deadline = deadline_from(context, self.default_timeout_s)
             try:
-                body = await self.infer_bytes(self.shared_memory.attach(request), deadline)
+                request = self.shared_memory.attach(request)
+                routing = peek_routing(unwrap(request)[1])
+                entry = self.catalog.lookup_ready(routing.name, routing.version)
+                if entry.settings is not None and entry.settings.decoupled:
+                    async for part in self._stream(entry, request, deadline, routing):
+                        yield part
+                    continue
+                body = await self.backend.infer(entry, request, deadline, routing)
             except ServingError as exc:
                 yield pb.ModelStreamInferResponse(error_message=exc.message).SerializeToString()
                 continue
             yield encode_len_field(2, body)
+
+    async def _stream(
+        self, entry: ModelEntry, request: bytes, deadline: float, routing: Routing
+    ) -> AsyncIterator[bytes]:
+        """A decoupled model's responses, each as one ModelStreamInferResponse as
+        soon as its worker yields it; an error mid-stream ends it with its
+        status name in ``error_message``. Leaving early (the client went
+        away) closes the stream, which cancels it on the worker."""
+        infer_stream = getattr(self.backend, "infer_stream", None)
+        try:
+            if infer_stream is None:
+                raise Unimplemented(f"decoupled model '{entry.name}' needs a pool server's workers")
+            parts = infer_stream(entry, request, deadline, routing)
+            async with contextlib.aclosing(parts):
+                async for body in parts:
+                    yield encode_len_field(2, body)
+        except ServingError as exc:
+            message = f"{grpc_status(exc)[0].name}: {exc.message}"
+            yield pb.ModelStreamInferResponse(error_message=message).SerializeToString()
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
         def unary(

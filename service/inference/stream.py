@@ -1,0 +1,91 @@
+"""One request to a decoupled model: bytes in, a stream of response frames out.
+
+The worker's side of ModelStreamInfer for a model whose settings say
+``parameters.extra.decoupled: true``: the model's ``predict_stream``
+generator runs here, and each output dict it yields becomes one PART frame
+(a serialized ModelInferResponse) at once. The last frame is the REPLY that
+ends the stream, with the timings of the whole stream; its body is Triton's
+empty final response (parameter ``triton_final_response`` true) when the
+client asked for one (request parameter ``triton_enable_empty_final_response``),
+else empty (nothing more to send). With that flag every part says
+``triton_final_response`` false. Closing the iterator (the client went away)
+closes the model's generator.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from poolserve.protos import inference_pb2 as pb
+from poolserve.service.contract.errors import InvalidInput, ModelError, ServingError
+from poolserve.service.contract.shm import Region
+from poolserve.service.inference.codec import decode_inputs, encode_outputs, parameters_to_dict
+from poolserve.service.inference.infer import parse_request
+from poolserve.service.inference.model import Model, WireModel, check_outputs
+from poolserve.service.inference.shm import SharedTensors
+from poolserve.service.poolcore.frames import part_frame, reply_frame
+from poolserve.service.poolcore.stats import Timings
+
+FINAL_FLAG = "triton_enable_empty_final_response"
+FINAL = "triton_final_response"
+
+
+def stream_infer(
+    model: Model, data: bytes, regions: dict[str, Region], seq: int
+) -> Iterator[bytes]:
+    """PART frames, one per yielded output dict, then the final REPLY frame;
+    raises ServingError subclasses only."""
+    name = model.settings.name
+    if isinstance(model, WireModel):
+        raise InvalidInput(f"model '{name}' is served through an adapter: it cannot stream")
+    t0 = time.perf_counter_ns()
+    request = parse_request(data)
+    shared = SharedTensors(regions)
+    inputs = decode_inputs(request, shared.read)
+    parameters = parameters_to_dict(request.parameters)
+    flagged = parameters.get(FINAL_FLAG) is True
+    timings = Timings(decode_ns=time.perf_counter_ns() - t0)
+    try:
+        produced = model.predict_stream(inputs, parameters)
+    except ServingError:
+        raise
+    except Exception as exc:
+        raise ModelError.from_exception(name, exc) from exc
+    items = iter(produced)
+    try:
+        while True:
+            t1 = time.perf_counter_ns()
+            try:
+                item = next(items)
+            except StopIteration:
+                break
+            except ServingError:
+                raise
+            except Exception as exc:
+                raise ModelError.from_exception(name, exc) from exc
+            t2 = time.perf_counter_ns()
+            response = _response(model, request)
+            encode_outputs(request, check_outputs(name, item), response, shared.write)
+            if flagged:
+                response.parameters[FINAL].bool_param = False
+            frame = part_frame(seq, response.SerializeToString())
+            timings.compute_ns += t2 - t1
+            timings.encode_ns += time.perf_counter_ns() - t2
+            yield frame
+    finally:
+        close = getattr(items, "close", None)
+        if close is not None:
+            close()  # the client went away, or the stream failed: the model's generator ends
+    final = b""
+    if flagged:
+        response = _response(model, request)
+        response.parameters[FINAL].bool_param = True
+        final = response.SerializeToString()
+    yield reply_frame(seq, timings, final)
+
+
+def _response(model: Model, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
+    return pb.ModelInferResponse(
+        model_name=model.settings.name, model_version=model.settings.version, id=request.id
+    )

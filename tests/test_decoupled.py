@@ -1,0 +1,358 @@
+"""Decoupled models end to end, with real workers behind the router: streams
+of 0, 1 and 1,000 responses; Triton's empty final response; a client that
+cancels mid-stream frees the worker (the model's generator is closed); a
+deadline mid-stream; a slow reader holds the worker within its window; unary
+ModelInfer refused; tritonclient's stream API with the repeat_int32 example."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from poolserve.protos import inference_pb2 as pb
+from poolserve.protos import inference_pb2_grpc as pbg
+from poolserve.service.inference.codec import decode_outputs, encode_inputs
+
+from serving import Serving, wait_serving
+from support import copy_example, wait_until, write_model
+
+COUNTER = '''
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from poolserve.service import Model
+
+
+class Counter(Model):
+    """N responses (N < 0: without end), IDX 0, 1, ...; records how far it got."""
+
+    def predict_stream(self, inputs, parameters):
+        n = int(inputs["N"].reshape(-1)[0])
+        size = int(parameters.get("size", 1))
+        delay = float(parameters.get("delay_ms", 0)) / 1000
+        tag = parameters.get("tag")
+        marks = Path(self.settings.extra["marks"])
+        i = 0
+        try:
+            while n < 0 or i < n:
+                if delay:
+                    time.sleep(delay)
+                if parameters.get("die_at") == i:
+                    os._exit(3)
+                if tag:
+                    (marks / f"{tag}.progress").write_text(str(i + 1))
+                yield {"IDX": np.array([i], np.int64), "PAD": np.zeros(size, np.uint8)}
+                i += 1
+        finally:
+            if tag:
+                (marks / f"{tag}.closed").write_text(str(i))
+'''
+
+STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
+
+
+def counter_repo(tmp_path: Path, window: int = 16) -> tuple[Path, Path]:
+    repo, marks = tmp_path / "repo", tmp_path / "marks"
+    marks.mkdir()
+    settings = {
+        "name": "counter",
+        "implementation": "model.Counter",
+        "parameters": {"extra": {"decoupled": True, "marks": str(marks), "stream_window": window}},
+        "inputs": [{"name": "N", "datatype": "INT32", "shape": [1]}],
+        "outputs": [
+            {"name": "IDX", "datatype": "INT64", "shape": [1]},
+            {"name": "PAD", "datatype": "UINT8", "shape": [-1]},
+        ],
+    }
+    write_model(repo, "counter", settings, COUNTER)
+    return repo, marks
+
+
+def counter_request(n: int, rid: str = "", final: bool = False, **params: Any) -> bytes:
+    req = pb.ModelInferRequest(model_name="counter", id=rid)
+    encode_inputs({"N": np.array([n], np.int32)}, req, raw=True)
+    for key, value in params.items():
+        if isinstance(value, str):
+            req.parameters[key].string_param = value
+        else:
+            req.parameters[key].int64_param = value
+    if final:
+        req.parameters["triton_enable_empty_final_response"].bool_param = True
+    return req.SerializeToString()
+
+
+def parse(reply: bytes) -> pb.ModelStreamInferResponse:
+    return pb.ModelStreamInferResponse.FromString(reply)
+
+
+def idx(response: pb.ModelInferResponse) -> int:
+    return int(decode_outputs(response)["IDX"][0])
+
+
+def read_int(path: Path) -> int:
+    try:
+        return int(path.read_text() or 0)
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+async def success_count(channel: grpc.aio.Channel) -> tuple[int, int]:
+    stats = await pbg.GRPCInferenceServiceStub(channel).ModelStatistics(
+        pb.ModelStatisticsRequest(name="counter"), timeout=10
+    )
+    inference = stats.model_stats[0].inference_stats
+    return inference.success.count, inference.fail.count
+
+
+def test_streams_of_0_1_and_1000_responses_final_flag_and_unary_refused(tmp_path: Path) -> None:
+    repo, _ = counter_repo(tmp_path)
+
+    async def main(serving: Serving) -> None:
+        async with grpc.aio.insecure_channel(serving.address) as channel:
+            await wait_serving(channel)
+            outgoing: asyncio.Queue[bytes | None] = asyncio.Queue()
+
+            async def requests() -> Any:
+                while (item := await outgoing.get()) is not None:
+                    yield item
+
+            call = channel.stream_stream(STREAM)(requests(), timeout=60)
+            replies = call.__aiter__()
+
+            async def take(count: int) -> list[pb.ModelStreamInferResponse]:
+                return [parse(await anext(replies)) for _ in range(count)]
+
+            # 1 response, then 1,000: in order, each a ModelInferResponse of its request
+            await outgoing.put(counter_request(1, rid="one"))
+            (one,) = await take(1)
+            assert not one.error_message and one.infer_response.id == "one"
+            assert idx(one.infer_response) == 0
+            await outgoing.put(counter_request(1000, rid="many"))
+            many = await take(1000)
+            assert [idx(r.infer_response) for r in many] == list(range(1000))
+            assert {r.infer_response.id for r in many} == {"many"}
+            # 0 responses: nothing at all, unless the client asked for the final one
+            await outgoing.put(counter_request(0, rid="none"))
+            await outgoing.put(counter_request(0, rid="none-final", final=True))
+            (final,) = await take(1)
+            assert final.infer_response.id == "none-final"
+            assert final.infer_response.parameters["triton_final_response"].bool_param
+            assert not final.infer_response.outputs
+            # with the flag, every response says whether it is the final one
+            await outgoing.put(counter_request(2, rid="two", final=True))
+            two = await take(3)
+            flags = [r.infer_response.parameters["triton_final_response"].bool_param for r in two]
+            assert flags == [False, False, True]
+            assert [len(r.infer_response.outputs) for r in two] == [2, 2, 0]
+            await outgoing.put(None)
+            assert await anext(replies, None) is None
+            # each request counted once, however many responses it had
+            assert await success_count(channel) == (5, 0)
+
+            # unary ModelInfer to a decoupled model: refused, as Triton does
+            infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await infer(counter_request(1), timeout=30)
+            assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            assert "decoupled" in (info.value.details() or "")
+
+    with Serving(repo, tmp_path / "run", workers=1) as serving:
+        asyncio.run(main(serving))
+
+
+def test_cancel_mid_stream_closes_the_generator_and_frees_the_worker(tmp_path: Path) -> None:
+    repo, marks = counter_repo(tmp_path)
+
+    async def main(serving: Serving) -> None:
+        async with grpc.aio.insecure_channel(serving.address) as channel:
+            await wait_serving(channel)
+            stream = channel.stream_stream(STREAM)
+
+            async def one(request: bytes) -> Any:
+                yield request
+                await asyncio.Event().wait()  # the stream stays open
+
+            call = stream(one(counter_request(-1, tag="endless", delay_ms=5)), timeout=60)
+            replies = call.__aiter__()
+            for k in range(3):
+                assert idx(parse(await anext(replies)).infer_response) == k
+            call.cancel()
+            # the worker saw the cancel: the model's generator was closed ...
+            closed = marks / "endless.closed"
+            assert await asyncio.to_thread(wait_until, closed.exists, 60)
+            # ... and the one worker serves the next stream
+            call = stream(one(counter_request(2, rid="next")), timeout=60)
+            replies = call.__aiter__()
+            got = [parse(await anext(replies)) for _ in range(2)]
+            assert [idx(r.infer_response) for r in got] == [0, 1]
+            call.cancel()
+
+            # a deadline mid-stream (the request's timeout) ends it with DEADLINE_EXCEEDED
+            call = stream(
+                one(counter_request(-1, tag="late", delay_ms=5, timeout=2_000_000)), timeout=60
+            )
+            seen = 0
+            async for reply in call:
+                message = parse(reply)
+                if message.error_message:
+                    assert message.error_message.startswith("DEADLINE_EXCEEDED"), message
+                    break
+                seen += 1
+            assert seen > 0
+            call.cancel()
+            assert await asyncio.to_thread(wait_until, (marks / "late.closed").exists, 60)
+            assert (await success_count(channel))[1] == 1  # the late one failed, once
+
+            # the worker dies mid-stream: the stream ends with an error saying so
+            call = stream(one(counter_request(-1, die_at=5)), timeout=60)
+            got = [parse(reply) async for reply in _until_error(call)]
+            assert [idx(r.infer_response) for r in got[:-1]] == list(range(5))
+            assert got[-1].error_message.startswith("UNAVAILABLE"), got[-1]
+            assert "died" in got[-1].error_message
+            call.cancel()
+            # its replacement serves the next stream
+            call = stream(one(counter_request(1)), timeout=60)
+            assert idx(parse(await anext(call.__aiter__())).infer_response) == 0
+            call.cancel()
+
+    with Serving(repo, tmp_path / "run", workers=1) as serving:
+        asyncio.run(main(serving))
+
+
+async def _until_error(call: Any) -> Any:
+    async for reply in call:
+        yield reply
+        if parse(reply).error_message:
+            return
+
+
+def test_slow_reader_holds_the_worker_within_its_window(tmp_path: Path) -> None:
+    window = 4
+    repo, marks = counter_repo(tmp_path, window=window)
+    size = 256 * 1024  # large enough that gRPC's own buffers hold few responses
+    progress = marks / "slow.progress"
+
+    async def main(serving: Serving) -> None:
+        async with grpc.aio.insecure_channel(serving.address) as channel:
+            await wait_serving(channel)
+
+            async def one() -> Any:
+                yield counter_request(1000, tag="slow", size=size)
+                await asyncio.Event().wait()
+
+            call = channel.stream_stream(STREAM)(one(), timeout=60)
+            replies = call.__aiter__()
+            taken = 3
+            for _ in range(taken):
+                await anext(replies)
+            # the model gets as far as the window lets it ...
+            assert await asyncio.to_thread(wait_until, lambda: read_int(progress) >= taken, 60)
+            # ... and no further while we do not read (without a window it would
+            # run through all 1,000 in this time)
+            # gRPC's flow-control windows on the way (pool, router, client) grow to
+            # a few MB each: about 50 of these responses measured, well under 1,000
+            slack = 150
+            end = time.monotonic() + 3.0
+            while time.monotonic() < end:
+                assert read_int(progress) <= taken + window + slack, read_int(progress)
+                await asyncio.sleep(0.05)
+            # reading on, the whole stream comes
+            rest = [parse(await anext(replies)) for _ in range(1000 - taken)]
+            assert idx(rest[-1].infer_response) == 999
+            call.cancel()
+
+    with Serving(repo, tmp_path / "run", workers=1) as serving:
+        asyncio.run(main(serving))
+
+
+def test_tritonclient_stream_api_with_the_repeat_example(tmp_path: Path) -> None:
+    import tritonclient.grpc as grpcclient
+
+    repo = tmp_path / "repo"
+    copy_example(repo, "repeat_int32")
+    with Serving(repo, tmp_path / "run", workers=1) as serving:
+        asyncio.run(ready(serving.address))
+        results: queue.Queue[Any] = queue.Queue()
+        client = grpcclient.InferenceServerClient(serving.address)
+        try:
+            client.start_stream(callback=lambda result, error: results.put((result, error)))
+            values = np.array([4, 2, 0, 1], dtype=np.int32)
+            inputs = [
+                grpcclient.InferInput("IN", [4], "INT32"),
+                grpcclient.InferInput("DELAY", [4], "UINT32"),
+                grpcclient.InferInput("WAIT", [1], "UINT32"),
+            ]
+            inputs[0].set_data_from_numpy(values)
+            inputs[1].set_data_from_numpy(np.array([1, 2, 3, 4], dtype=np.uint32))
+            inputs[2].set_data_from_numpy(np.array([5], dtype=np.uint32))
+            outputs = [
+                grpcclient.InferRequestedOutput("OUT"),
+                grpcclient.InferRequestedOutput("IDX"),
+            ]
+            client.async_stream_infer(
+                "repeat_int32",
+                inputs,
+                request_id="7",
+                outputs=outputs,
+                enable_empty_final_response=True,
+            )
+            got = []
+            while True:
+                result, error = results.get(timeout=60)
+                assert error is None, error
+                response = result.get_response()
+                assert response.id == "7"
+                if response.parameters["triton_final_response"].bool_param:
+                    assert not response.outputs
+                    break
+                got.append((int(result.as_numpy("IDX")[0]), int(result.as_numpy("OUT")[0])))
+            assert got == [(0, 4), (1, 2), (2, 0), (3, 1)]
+        finally:
+            client.stop_stream()
+            client.close()
+
+
+async def ready(address: str) -> None:
+    async with grpc.aio.insecure_channel(address) as channel:
+        await wait_serving(channel)
+
+
+def test_in_process_server_refuses_a_decoupled_model_clearly(tmp_path: Path) -> None:
+    """No workers, no streams: unary is refused as in a pool, the stream says why."""
+    from poolserve.service.contract.repository import scan
+    from poolserve.service.contract.settings import ServerSettings
+    from poolserve.service.poolserver.inprocess import InProcessServer
+
+    repo, _ = counter_repo(tmp_path)
+
+    async def main() -> None:
+        server = InProcessServer(scan(repo), ServerSettings())
+        port = await server.start("127.0.0.1:0")
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await infer(counter_request(1), timeout=30)
+                assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+                assert "decoupled" in (info.value.details() or "")
+
+                async def one() -> Any:
+                    yield counter_request(1)
+
+                replies = [parse(r) async for r in channel.stream_stream(STREAM)(one(), timeout=30)]
+                assert len(replies) == 1
+                assert replies[0].error_message.startswith("UNIMPLEMENTED")
+        finally:
+            await server.stop(0)
+
+    asyncio.run(main())
