@@ -22,7 +22,7 @@ from poolserve.protos import inference_pb2_grpc as pbg
 from poolserve.service.inference.codec import decode_outputs, encode_inputs
 
 from harness import children_of, pid_alive
-from serving import Serving, comm
+from serving import Serving, comm, wait_serving
 from support import copy_example, run_client, train_iris, wait_until, write_model
 
 pytestmark = pytest.mark.e2e
@@ -228,6 +228,9 @@ def test_failed_load_keeps_not_ready_and_others_serve(tmp_path: Path) -> None:
     async def main(address: str) -> None:
         async with grpc.aio.insecure_channel(address) as channel:
             stub = pbg.GRPCInferenceServiceStub(channel)
+            # the router answers before every pool has loaded: wait for echo's health,
+            # not only for the connection (a call could find echo still LOADING)
+            await wait_serving(channel, "model:echo")
             reply = await stub.ModelInfer(
                 echo_request(np.ones((1, 16), np.float32)), wait_for_ready=True, timeout=60
             )
