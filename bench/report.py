@@ -20,6 +20,9 @@ CONCURRENCIES = (1, 4, 16)
 MIB = 1024 * 1024
 
 Results = dict[str, Any]
+# Parts of the bench in modules of their own (run.py registers bench/large_tensors.py):
+# each has a TITLE, targets(results) -> Target.to_json dicts, section(results) -> Markdown.
+PARTS: list[Any] = []
 
 
 # -- medians per cell ------------------------------------------------------------
@@ -205,6 +208,7 @@ def summarize(results: Results) -> Results:
     results["model_cpu_ms"] = model_cpu_ms(runs)
     results["physical_limit"] = physical_limit(results)
     results["targets"] = [t.to_json() for t in targets(results)]
+    results["targets"] += [t for part in PARTS for t in part.targets(results)]
     results["cpu_per_request_ms"] = cpu_per_request(runs)
     results["foreign_load"] = foreign_load(runs)
     return results
@@ -596,8 +600,14 @@ def markdown(results: Results) -> str:
         "(throughput x duration of the perf_analyzer run), median of the runs.\n\n"
         + cpu_table(results),
         "## Overload\n\n" + overload_note(results) + "\n\n" + overload_table(results),
+        *parts_sections(results, "##"),
     ]
     return "\n\n".join(parts) + "\n"
+
+
+def parts_sections(results: Results, level: str) -> list[str]:
+    found = [(part.TITLE, part.section(results)) for part in PARTS]
+    return [f"{level} {title}\n\n{text}" for title, text in found if text]
 
 
 def xgb_note(results: Results) -> str:
@@ -652,6 +662,7 @@ def readme_section(results: Results, chart: str = "bench/results/latest.png") ->
             targets_table(results),
             perf_tables(results),
             xgb_tables(results),
+            *parts_sections(results, "###"),
             f"![throughput and p99 per concurrency]({chart})",
             README_END,
         ]

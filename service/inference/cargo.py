@@ -37,20 +37,20 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def handle(models: Mapping[str, Model], body: bytes, seq: int) -> bytes:
+def handle(models: Mapping[str, Model], body: bytes, seq: int) -> worker.FrameOut:
     """The inference handler: one serialized ModelInferRequest, one frame."""
     # Imported here, in the worker: the pool server imports this module for
     # InferenceZygote and must not load protobuf, the codec or numpy itself.
     from poolserve.service.contract.wire import peek_model
-    from poolserve.service.inference.infer import infer
+    from poolserve.service.inference.infer import infer_parts
 
     try:
         name, version = peek_model(body)
         model = models.get(name)
         if model is None or (version and version != model.settings.version):
             raise ModelNotFound(f"model '{clip(name)}' is not loaded in this worker")
-        response, timings = infer(model, body)
-        return reply_frame(seq, timings, response)
+        response, timings = infer_parts(model, body)
+        return reply_frame(seq, timings, response)  # parts: the tensors are not joined
     except ServingError as exc:
         return error_frame(seq, Timings(), exc.failure, exc.message)
     except Exception as exc:  # a bug in our own path: report it, keep serving

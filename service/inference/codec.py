@@ -105,12 +105,17 @@ def uses_raw(request: inference_pb2.ModelInferRequest) -> bool:
     return len(request.raw_input_contents) > 0
 
 
-def decode_inputs(request: inference_pb2.ModelInferRequest) -> dict[str, npt.NDArray[Any]]:
+def decode_inputs(
+    request: inference_pb2.ModelInferRequest, raw: list[Any] | None = None
+) -> dict[str, npt.NDArray[Any]]:
     """The request's input tensors by name; raises InvalidInput for any malformed one.
 
-    Raw fixed-size inputs are read-only views of the request's bytes.
+    Raw fixed-size inputs are read-only views of the request's bytes; ``raw``,
+    when given, holds the raw entries instead of the request (views of the
+    wire bytes, split off by :func:`poolserve.service.inference.rawwire.split_raw_inputs`).
     """
-    return _decode(request.inputs, list(request.raw_input_contents), "input")
+    entries = list(request.raw_input_contents) if raw is None else raw
+    return _decode(request.inputs, entries, "input")
 
 
 def decode_outputs(response: inference_pb2.ModelInferResponse) -> dict[str, npt.NDArray[Any]]:
@@ -122,16 +127,21 @@ def encode_outputs(
     request: inference_pb2.ModelInferRequest,
     outputs: Mapping[str, npt.NDArray[Any]],
     response: inference_pb2.ModelInferResponse,
+    raw: list[Any] | None = None,
 ) -> None:
     """Fills response.outputs with the requested outputs, in the requested order.
 
     Always in ``raw_output_contents``, whatever form the request used: Triton
-    answers raw, and tritonclient reads nothing else.
+    answers raw, and tritonclient reads nothing else. With ``raw``, the raw
+    entries go there instead, as byte views of the arrays where they are
+    C-contiguous and little-endian (no copy), for the caller to write after
+    the serialized response (:func:`poolserve.service.inference.rawwire.raw_output_parts`).
     """
+    target = response.raw_output_contents if raw is None else raw
     for name, arr in _select(request, outputs):
         datatype = _datatype(name, arr, "output")
         tensor = response.outputs.add(name=name, datatype=datatype, shape=arr.shape)
-        _put(tensor, arr, response.raw_output_contents, "output")
+        _put(tensor, arr, target, "output", view=raw is not None)
 
 
 def encode_inputs(
@@ -381,11 +391,18 @@ def _datatype(name: str, arr: npt.NDArray[Any], role: str) -> str:
 
 
 def _put(
-    tensor: _Tensor, arr: npt.NDArray[Any], raw: MutableSequence[bytes] | None, role: str
+    tensor: _Tensor,
+    arr: npt.NDArray[Any],
+    raw: MutableSequence[Any] | None,
+    role: str,
+    view: bool = False,
 ) -> None:
     where = _where(role, tensor)
     if raw is not None:
-        raw.append(_to_raw(arr, tensor.datatype, where))
+        if view and tensor.datatype != "BYTES":
+            raw.append(_raw_view(arr))
+        else:
+            raw.append(_to_raw(arr, tensor.datatype, where))
         return
     kind = _KINDS[tensor.datatype]
     assert kind.field is not None  # callers send FP16 raw
@@ -394,6 +411,13 @@ def _put(
     else:
         values = arr.ravel().tolist()
     getattr(tensor.contents, kind.field).extend(values)
+
+
+def _raw_view(arr: npt.NDArray[Any]) -> memoryview:
+    """The array's bytes in C order, little-endian, as a flat byte view: of the
+    array's own memory when it is so already (a copy only to reorder or swap)."""
+    little = np.ascontiguousarray(arr.astype(arr.dtype.newbyteorder("<"), copy=False))
+    return little.reshape(-1).view(np.uint8).data
 
 
 def _to_raw(arr: npt.NDArray[Any], datatype: str, where: str) -> bytes:

@@ -46,6 +46,7 @@ from poolserve.service.contract.errors import (
     Unavailable,
     error_for,
 )
+from poolserve.service.contract.framing import Batcher, Payload
 from poolserve.service.poolcore.frames import (
     LOADING,
     SELF_TEST,
@@ -75,7 +76,7 @@ class JobState(enum.Enum):
 
 @dataclass(slots=True, eq=False)
 class Job:
-    body: bytes
+    body: Payload  # a large request's body is a view of the lane frame's buffer
     deadline: float
     priority: int
     seq: int
@@ -95,7 +96,7 @@ class Job:
 
 @dataclass(slots=True)
 class Result:
-    body: bytes
+    body: Payload  # a large reply's body is a view of the worker frame's buffer
     timings: Timings
     queue_ns: int
     enqueued: float = 0.0  # loop (monotonic) times, for spans built after the fact
@@ -144,6 +145,7 @@ class Worker:
     sock: socket.socket
     pidfd: int = -1
     transport: asyncio.Transport | None = None
+    writer: Batcher | None = None  # scatter writes to the worker (never transport.write)
     current: Job | None = None
     served: int = 0
     state: WorkerState = WorkerState.STARTING
@@ -298,7 +300,7 @@ class Dispatcher:
 
     async def submit(
         self,
-        body: bytes,
+        body: Payload,
         deadline: float,
         *,
         priority: int | None = None,
@@ -393,8 +395,8 @@ class Dispatcher:
         worker.state = WorkerState.BUSY
         if job.timeout is not None:
             job.overtime = loop.call_at(job.started + job.timeout, self._overtime, worker, job)
-        assert worker.transport is not None
-        worker.transport.write(request_frame(job.seq, job.body))
+        assert worker.writer is not None
+        worker.writer.write(*request_frame(job.seq, job.body))  # header and body: no join
 
     def _next_job(self) -> Job | None:
         """The next job worth starting.
@@ -523,7 +525,7 @@ class Dispatcher:
         if worker.state is not WorkerState.WARMING:
             raise ValueError(f"self-test frame of kind {notice.kind} after the self-test")
         if notice.kind in (WARMUP, LOADING):
-            worker.warming = notice.body.decode("utf-8", "replace")
+            worker.warming = bytes(notice.body).decode("utf-8", "replace")
             worker.loading = notice.kind == LOADING
             self._warmup_deadline(worker)  # each model gets the whole limit
             return
@@ -536,9 +538,9 @@ class Dispatcher:
         self._on_worker_ready(worker.pid)
         self._on_change()
 
-    def _note_warmup_report(self, worker: Worker, body: bytes) -> None:
+    def _note_warmup_report(self, worker: Worker, body: Payload) -> None:
         try:
-            raised = json.loads(body).get("raised", {})
+            raised = json.loads(bytes(body)).get("raised", {})
         except (ValueError, AttributeError):
             raised = {}
         for model, error in raised.items():
@@ -807,8 +809,13 @@ def _order_key(keys: list[float], deadline: float, precision: float) -> float:
     return keys[i - 1] if i and keys[i - 1] > deadline else deadline
 
 
-class _WorkerLink(asyncio.Protocol):
-    """One worker's socket: every byte counts as a sign of life, every frame is delivered."""
+class _WorkerLink(asyncio.BufferedProtocol):
+    """One worker's socket: every byte counts as a sign of life, every frame is delivered.
+
+    Replies are received straight into the reader's buffers (a large one into a
+    buffer of its own size, whose body goes on to the lane as a view);
+    requests leave as scatter writes of (header, body view).
+    """
 
     def __init__(self, dispatcher: Dispatcher, worker: Worker, closed: asyncio.Future[None]):
         self.dispatcher = dispatcher
@@ -816,11 +823,18 @@ class _WorkerLink(asyncio.Protocol):
         self.closed = closed
         self.replies = ReplyBuffer()
 
-    def data_received(self, data: bytes) -> None:
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.worker.writer = Batcher(transport)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.replies.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
         worker = self.worker
         worker.last_seen = time.monotonic()
         try:
-            for reply in self.replies.feed(data):
+            for reply in self.replies.buffer_updated(nbytes):
                 if reply.kind in SELF_TEST:
                     self.dispatcher._warmup_notice(worker, reply)
                 else:
@@ -829,5 +843,7 @@ class _WorkerLink(asyncio.Protocol):
             self.dispatcher._protocol_error(worker, exc)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.worker.writer is not None:
+            self.worker.writer.close()
         if not self.closed.done():
             self.closed.set_result(None)

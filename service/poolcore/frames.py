@@ -18,10 +18,11 @@ by a LOADING frame.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from poolserve.service.contract.errors import Failure
-from poolserve.service.contract.framing import HEADER, FrameReader
+from poolserve.service.contract.framing import HEADER, FrameReader, Part, Payload
 from poolserve.service.poolcore.stats import Timings
 
 TIMINGS = struct.Struct("<QQQ")
@@ -41,19 +42,25 @@ SELF_TEST = (WARMUP, READY, LOADING)
 class Reply:
     seq: int
     timings: Timings
-    body: bytes = b""
+    body: Payload = b""  # a large reply's body is a view of its frame's buffer
     failure: Failure | None = None
     message: str = ""
     kind: int = REPLY
 
 
-def request_frame(seq: int, body: bytes) -> bytes:
-    return HEADER.pack(len(body), REQUEST, seq) + body
+def request_frame(seq: int, body: Payload) -> tuple[bytes, Payload]:
+    """A REQUEST frame as parts (header, body): written as a scatter list, the
+    body (a view of the lane's INFER frame) is not copied."""
+    return HEADER.pack(len(body), REQUEST, seq), body
 
 
-def reply_frame(seq: int, timings: Timings, body: bytes) -> bytes:
+def reply_frame(seq: int, timings: Timings, body: Part | Sequence[Part]) -> list[Part]:
+    """A REPLY frame as parts: header and timings, then the body's parts (the
+    response's tensors may be views of the model's arrays: never joined)."""
+    parts: Sequence[Part] = (body,) if isinstance(body, (bytes, bytearray, memoryview)) else body
+    size = sum(len(part) for part in parts)
     head = TIMINGS.pack(timings.decode_ns, timings.compute_ns, timings.encode_ns)
-    return HEADER.pack(len(head) + len(body), REPLY, seq) + head + body
+    return [HEADER.pack(TIMINGS.size + size, REPLY, seq) + head, *parts]
 
 
 def error_frame(seq: int, timings: Timings, failure: Failure, message: str) -> bytes:
@@ -84,10 +91,16 @@ def ready_frame(report: bytes) -> bytes:
 class ReplyBuffer(FrameReader[Reply]):
     """Cuts a worker's byte stream into replies; keeps an incomplete tail.
 
-    A REPLY's body is cut straight out of the buffer, so the response bytes go
-    back to the caller with one copy, never a second one by slicing a payload.
-    Heartbeats are consumed (the caller notes that bytes arrived at all).
+    A small REPLY's body is cut straight out of the buffer (one copy of a small
+    payload); a large one's is a view of the buffer it was received into
+    (none). Heartbeats are consumed (the caller notes that bytes arrived at all).
     """
+
+    def whole(self, kind: int, seq: int, payload: bytearray) -> Reply | None:
+        if kind == REPLY:  # large: the body stays where it was received
+            timings = Timings(*TIMINGS.unpack_from(payload))
+            return Reply(seq, timings, memoryview(payload).toreadonly()[TIMINGS.size :])
+        return self.cut(kind, seq, payload, 0, len(payload))
 
     def cut(self, kind: int, seq: int, buf: bytearray, start: int, stop: int) -> Reply | None:
         if kind == REPLY and stop - start >= TIMINGS.size:

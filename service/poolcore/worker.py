@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import BinaryIO, NoReturn
 
-from poolserve.service.contract.framing import HEADER
+from poolserve.service.contract.framing import HEADER, IOV_MAX, Part, flat
 from poolserve.service.poolcore.frames import (
     REQUEST,
     heartbeat_frame,
@@ -36,7 +36,9 @@ from poolserve.service.poolcore.frames import (
     warmup_frame,
 )
 
-Handler = Callable[[bytes, int], bytes]
+FrameOut = bytes | Sequence[Part]
+"""A frame to send: its bytes, or its parts (written as a scatter list, not joined)."""
+Handler = Callable[[bytes, int], FrameOut]
 """A request handler: (request body, sequence number) -> one REPLY or ERROR frame."""
 
 Warmup = tuple[str, Callable[[], object]]
@@ -44,6 +46,8 @@ Warmup = tuple[str, Callable[[], object]]
 
 
 def _read_exact(stream: BinaryIO, size: int) -> bytes | None:
+    # A large read goes straight from the socket into the bytes it returns
+    # (BufferedReader reads past its buffer): the body's only copy, the kernel's.
     data = stream.read(size)
     if data is None or len(data) < size:
         return None
@@ -63,7 +67,25 @@ def serve(sock: socket.socket, handler: Handler, send_lock: threading.Lock) -> N
         frame = handler(body, seq)
         del body  # a large request is not kept alive while we wait for the next
         with send_lock:
-            sock.sendall(frame)
+            send_frame(sock, frame)
+        del frame  # nor a large reply (its parts may be views of the request)
+
+
+def send_frame(sock: socket.socket, frame: FrameOut) -> None:
+    """Sends all of a frame; parts go out as scatter lists (``sendmsg``), a short
+    write resumes from a view of the rest (no join, no copy)."""
+    if isinstance(frame, bytes):
+        sock.sendall(frame)
+        return
+    parts = [flat(part) for part in frame if len(part)]
+    while parts:
+        sent = sock.sendmsg(parts[:IOV_MAX])
+        while sent:
+            if sent >= len(parts[0]):
+                sent -= len(parts.pop(0))
+            else:
+                parts[0] = parts[0][sent:]
+                sent = 0
 
 
 def self_test(sock: socket.socket, warmups: Sequence[Warmup], send_lock: threading.Lock) -> None:

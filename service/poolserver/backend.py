@@ -13,6 +13,7 @@ from poolserve.service.contract.errors import (
     MessageTooLarge,
     ServingError,
 )
+from poolserve.service.contract.framing import Payload
 from poolserve.service.contract.schedule import PriorityLevels, Schedule, schedule
 from poolserve.service.contract.wire import Routing
 from poolserve.service.poolcore.dispatcher import Dispatcher
@@ -44,11 +45,11 @@ class PoolBackend:
     async def infer(
         self,
         entry: ModelEntry,
-        request: bytes,
+        request: Payload,
         deadline: float,
         routing: Routing,
         observe: Observer | None = None,
-    ) -> bytes:
+    ) -> Payload:
         plan = self._plan(entry, routing, deadline)
         if self.reject_hopeless:
             self._reject_if_hopeless(entry, plan.deadline)
@@ -80,7 +81,7 @@ class PoolBackend:
         return result.body
 
     def infer_now(
-        self, entry: ModelEntry, request: bytes, deadline: float, routing: Routing
+        self, entry: ModelEntry, request: Payload, deadline: float, routing: Routing
     ) -> bytes | None:
         """The answer on the spot for an inline model declared fast; None for the rest."""
         if not self.inline.runs_on_loop(entry.name):

@@ -35,6 +35,7 @@ from poolserve.service.contract.errors import (
     ServingError,
     Unavailable,
 )
+from poolserve.service.contract.framing import Payload
 from poolserve.service.contract.repository import ModelSettings
 from poolserve.service.contract.schedule import Schedule
 from poolserve.service.grpcserver.status import as_serving_error
@@ -132,10 +133,10 @@ class InlineRunner:
     async def infer(
         self,
         entry: ModelEntry,
-        request: bytes,
+        request: Payload,
         plan: Schedule,
         observe: Callable[[Result], None] | None,
-    ) -> bytes:
+    ) -> Payload:
         inline = self._models[entry.name]
         if inline.thread is None:
             return self.infer_now(entry, request, plan.deadline, observe)
@@ -154,7 +155,9 @@ class InlineRunner:
             observe(result)
         return body
 
-    async def _submit(self, inline: _Inline, request: bytes, plan: Schedule, now: float) -> Result:
+    async def _submit(
+        self, inline: _Inline, request: Payload, plan: Schedule, now: float
+    ) -> Result:
         """As the dispatcher's submit, with the model's thread as the one worker."""
         if plan.deadline <= now:
             raise DeadlineExceeded(
@@ -231,7 +234,7 @@ class InlineRunner:
         job.future.set_exception(error)
         _abandon(inline, job)
 
-    def _checked(self, name: str, body: bytes) -> bytes:
+    def _checked(self, name: str, body: Payload) -> Payload:
         if len(body) > self.max_message_size:
             raise MessageTooLarge.reply(name, len(body), self.max_message_size)
         return body
@@ -247,7 +250,7 @@ class InlineRunner:
     def infer_now(
         self,
         entry: ModelEntry,
-        request: bytes,
+        request: Payload,
         deadline: float,
         observe: Callable[[Result], None] | None = None,
     ) -> bytes:
@@ -301,7 +304,7 @@ def _load(settings: ModelSettings) -> Model:
     return model
 
 
-def _run(model: Model, request: bytes, deadline: float) -> tuple[bytes, Timings]:
+def _run(model: Model, request: Payload, deadline: float) -> tuple[bytes, Timings]:
     if time.monotonic() >= deadline:  # expired while it waited for the thread
         raise DeadlineExceeded(
             f"deadline exceeded before inline model '{model.settings.name}' ran",
@@ -312,7 +315,7 @@ def _run(model: Model, request: bytes, deadline: float) -> tuple[bytes, Timings]
     return infer(model, request)
 
 
-def _timed_run(model: Model, request: bytes, deadline: float) -> tuple[float, bytes, Timings]:
+def _timed_run(model: Model, request: Payload, deadline: float) -> tuple[float, bytes, Timings]:
     started = time.monotonic()
     body, timings = _run(model, request, deadline)
     return started, body, timings

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from poolserve.service.contract.errors import DeadlineExceeded, ServingError
+from poolserve.service.contract.framing import Payload
 from poolserve.service.contract.repository import ModelSettings, Repository
 from poolserve.service.contract.settings import ServerSettings
 from poolserve.service.contract.wire import Routing
@@ -64,11 +65,11 @@ class InProcessBackend:
     async def infer(
         self,
         entry: ModelEntry,
-        request: bytes,
+        request: Payload,
         deadline: float,
         routing: Routing,
         observe: Observer | None = None,
-    ) -> bytes:
+    ) -> Payload:
         queued = time.monotonic_ns()
         if time.monotonic() >= deadline:
             raise DeadlineExceeded(f"deadline exceeded before model '{entry.name}' ran")

@@ -43,9 +43,10 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from poolserve.service.contract.errors import Failure, ModelError, ModelNotReady
+from poolserve.service.contract.framing import Payload
 from poolserve.service.poolcore.frames import error_frame, reply_frame
 from poolserve.service.poolcore.stats import Timings
-from poolserve.service.poolcore.worker import Handler, Warmup
+from poolserve.service.poolcore.worker import FrameOut, Handler, Warmup
 from poolserve.service.poolcore.zygote import Emit, exec_arguments, exec_main, truncate_reason
 from poolserve.service.workerpool.payload import Encoded, PayloadError, SegmentDir, dumps, loads
 
@@ -111,7 +112,7 @@ def encode_call(
     return dumps((args, kwargs), segments, prefix=f"{job}-a", head=head)
 
 
-def decode_outcome(model: str, body: bytes, segments: SegmentDir | None) -> Any:
+def decode_outcome(model: str, body: Payload, segments: SegmentDir | None) -> Any:
     """The value ``score`` returned; raises :class:`ScoreError` for what it raised."""
     try:
         (kind,) = _KIND.unpack_from(body)
@@ -180,7 +181,7 @@ class ScoreHandler:
         self.models = models
         self.segments = segments
 
-    def __call__(self, body: bytes, seq: int) -> bytes:
+    def __call__(self, body: bytes, seq: int) -> FrameOut:
         t0 = time.perf_counter_ns()
         try:
             job, name_len = _CALL.unpack_from(body)
