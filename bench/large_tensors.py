@@ -45,8 +45,8 @@ UNSUPPORTED = ("UNIMPLEMENTED", "Unimplemented", "Method not found", "not suppor
 # ways together, counted in the code path (README "Large tensors" has the table);
 # socket hops (the kernel's copies) and gRPC's own copies are counted apart.
 COPIES = {
-    SUBJECT: "4 (before: 15 to 19)",
-    SHM: "0 (the worker maps the regions)",
+    SUBJECT: "1 (before: 25 to 27)",
+    SHM: "0 in transit (the worker maps the regions)",
 }
 
 Measure = Callable[..., dict[str, Any]]

@@ -556,7 +556,9 @@ def server_lines(results: Results) -> list[str]:
         )
     if mlserver:
         lines.append(
-            "MLServer runs with its defaults except parallel_workers, loopback host and ports."
+            "MLServer runs with its defaults except parallel_workers, loopback host and ports, "
+            "debug false (its default true adds an access-log interceptor to every call) and "
+            "grpc_max_message_length 64 MiB."
         )
     if kserve:
         lines.append(
@@ -564,10 +566,11 @@ def server_lines(results: Results) -> list[str]:
             "get_input_types/get_output_types for ModelMetadata) on kserve.ModelServer with its "
             "defaults (one process: its --workers adds REST processes only) except "
             "KSERVE_LOGLEVEL=WARNING (at its default INFO it logs every gRPC call and every "
-            "request's latency) and free ports (--grpc_port, --http_port). KServe has no "
-            "listen-address setting and binds gRPC to [::]:PORT: the bench's launcher "
-            "(bench/peers/kserve_server.py) binds it to 127.0.0.1 by rewriting the address "
-            "KServe passes to add_insecure_port, and sets its uvicorn REST host to 127.0.0.1."
+            "request's latency), 64 MiB gRPC message limits and free ports (--grpc_port, "
+            "--http_port). KServe has no listen-address setting and binds gRPC to [::]:PORT: "
+            "the bench's launcher (bench/peers/kserve_server.py) binds it to 127.0.0.1 by "
+            "rewriting the address KServe passes to add_insecure_port, and sets its uvicorn "
+            "REST host to 127.0.0.1."
         )
     if "poolserve-inline" in keys:
         lines.append(
