@@ -278,7 +278,9 @@ def _decode_raw(tensor: _Tensor, data: bytes, role: str) -> npt.NDArray[Any]:
     kind = _kind_of(tensor, role)
     count = _element_count(tensor, kind, role)
     if tensor.datatype == "BYTES":
-        return _reshape(_split_bytes(tensor, data, count, role), tensor, role)
+        # elements are bytes objects: cut them from bytes, not from a view of the wire
+        whole = data if isinstance(data, bytes) else bytes(data)
+        return _reshape(_split_bytes(tensor, whole, count, role), tensor, role)
     size = kind.dtype.itemsize
     if len(data) % size:
         raise InvalidInput(
