@@ -578,13 +578,13 @@ def test_inputs_split_off_the_wire_decode_as_views_and_bytes_elements_stay_bytes
     head, raw = split_raw_inputs(memoryview(wire))
     parsed = pb.ModelInferRequest.FromString(head)
     assert not parsed.raw_input_contents and parsed.id == "x" and len(raw) == 2
-    arrays = decode_inputs(parsed, raw)
+    arrays = decode_inputs(parsed, raw=raw)
     assert np.array_equal(arrays["F"], floats) and not arrays["F"].flags.writeable
     assert arrays["F"].base is not None  # a view, not a copy
     assert [type(x) for x in arrays["S"].ravel()] == [bytes, bytes]
     response = pb.ModelInferResponse(model_name="m")
     views: list[Any] = []
-    encode_outputs(parsed, arrays, response, views)
+    encode_outputs(parsed, arrays, response, raw=views)
     assert isinstance(views[0], memoryview) and views[0].obj is not None
     body = response.SerializeToString() + b"".join(bytes(p) for p in raw_output_parts(views))
     back = decode_outputs(pb.ModelInferResponse.FromString(body))

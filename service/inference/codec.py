@@ -106,7 +106,7 @@ def uses_raw(request: inference_pb2.ModelInferRequest) -> bool:
 
 
 def decode_inputs(
-    request: inference_pb2.ModelInferRequest, raw: list[Any] | None = None
+    request: inference_pb2.ModelInferRequest, *, raw: list[Any] | None = None
 ) -> dict[str, npt.NDArray[Any]]:
     """The request's input tensors by name; raises InvalidInput for any malformed one.
 
@@ -127,6 +127,7 @@ def encode_outputs(
     request: inference_pb2.ModelInferRequest,
     outputs: Mapping[str, npt.NDArray[Any]],
     response: inference_pb2.ModelInferResponse,
+    *,
     raw: list[Any] | None = None,
 ) -> None:
     """Fills response.outputs with the requested outputs, in the requested order.

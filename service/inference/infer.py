@@ -41,7 +41,7 @@ def infer_parts(model: Model, data: Buffer) -> tuple[list[Buffer], Timings]:
     t0 = time.perf_counter_ns()
     head, raw = split_raw_inputs(data)
     request = parse_request(head)
-    inputs = decode_inputs(request, raw or None)
+    inputs = decode_inputs(request, raw=raw or None)
     parameters = parameters_to_dict(request.parameters)
     t1 = time.perf_counter_ns()
     name = model.settings.name
@@ -56,7 +56,7 @@ def infer_parts(model: Model, data: Buffer) -> tuple[list[Buffer], Timings]:
         model_name=name, model_version=model.settings.version, id=request.id
     )
     views: list[Buffer] = []
-    encode_outputs(request, outputs, response, views)
+    encode_outputs(request, outputs, response, raw=views)
     parts = [response.SerializeToString(), *raw_output_parts(views)]
     t3 = time.perf_counter_ns()
     return parts, Timings(decode_ns=t1 - t0, compute_ns=t2 - t1, encode_ns=t3 - t2)
