@@ -227,3 +227,27 @@ def test_batcher_closes_its_transport_when_the_peer_is_gone() -> None:
         batcher.close()
 
     asyncio.run(main())
+
+
+def test_write_now_sends_at_once_after_what_this_turn_queued() -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        left, right = socket.socketpair()
+        right.setblocking(False)
+        transport, _ = await loop.connect_accepted_socket(asyncio.Protocol, sock=left)
+        assert isinstance(transport, asyncio.Transport)
+        batcher = Batcher(transport)
+        try:
+            batcher.write_now(b"now", memoryview(b"!"))
+            assert right.recv(100) == b"now!"  # before the turn ends
+            batcher.write(b"first")
+            batcher.write_now(b"second")  # may not overtake a frame of this turn
+            await asyncio.sleep(0)
+            assert right.recv(100) == b"firstsecond"
+        finally:
+            batcher.close()
+            transport.close()
+            right.close()
+            await asyncio.sleep(0)
+
+    asyncio.run(main())

@@ -216,6 +216,18 @@ class Batcher:
     def writelines(self, parts: Iterable[Part]) -> None:
         self.write(*parts)
 
+    def write_now(self, *parts: Part) -> None:
+        """Sends one frame at once (after what waits): for a socket that carries one
+        frame at a time (a worker's), where waiting for the turn's end gains nothing."""
+        if self.frames:  # frames of this turn go first
+            self.write(*parts)
+            return
+        if self._fd < 0 or self.transport.is_closing():
+            return
+        self._pending.extend(flat(part) for part in parts if len(part))
+        if not self._waiting:
+            self._send()
+
     def _flush(self) -> None:
         frames, self.frames = self.frames, []
         if self._fd < 0 or self.transport.is_closing():

@@ -396,7 +396,7 @@ class Dispatcher:
         if job.timeout is not None:
             job.overtime = loop.call_at(job.started + job.timeout, self._overtime, worker, job)
         assert worker.writer is not None
-        worker.writer.write(*request_frame(job.seq, job.body))  # header and body: no join
+        worker.writer.write_now(*request_frame(job.seq, job.body))  # header and body: no join
 
     def _next_job(self) -> Job | None:
         """The next job worth starting.
