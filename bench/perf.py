@@ -14,6 +14,7 @@ import csv
 import io
 import re
 import subprocess
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -35,8 +36,16 @@ class PerfResult:
 
 
 def command(
-    binary: Path, address: str, model: str, concurrency: int, window_ms: int, csv_path: Path
+    binary: Path,
+    address: str,
+    model: str,
+    concurrency: int,
+    window_ms: int,
+    csv_path: Path,
+    shape: str | None = None,
+    extra: Sequence[str] = (),
 ) -> list[str]:
+    """``shape`` replaces the model's default --shape; ``extra`` flags go last."""
     return [
         str(binary),
         "-m",
@@ -46,7 +55,7 @@ def command(
         "-u",
         address,
         "--shape",
-        SHAPES.get(model, SHAPE),
+        shape or SHAPES.get(model, SHAPE),
         "--concurrency-range",
         str(concurrency),
         "--measurement-interval",
@@ -55,6 +64,7 @@ def command(
         "1000",
         "-f",
         str(csv_path),
+        *extra,
     ]
 
 
@@ -107,10 +117,12 @@ def run(
     window_ms: int,
     csv_path: Path,
     timeout: float,
+    shape: str | None = None,
+    extra: Sequence[str] = (),
 ) -> PerfResult:
     """Runs one cell; raises RuntimeError with perf_analyzer's own words on failure."""
     csv_path.unlink(missing_ok=True)
-    argv = command(binary, address, model, concurrency, window_ms, csv_path)
+    argv = command(binary, address, model, concurrency, window_ms, csv_path, shape, extra)
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:

@@ -39,6 +39,9 @@ CONCURRENCIES = (1, 4, 16)
 MIB = 1024 * 1024
 
 Results = dict[str, Any]
+# Parts of the bench in modules of their own (run.py registers bench/large_tensors.py):
+# each has a TITLE, targets(results) -> Target.to_json dicts, section(results) -> Markdown.
+PARTS: list[Any] = []
 
 
 # -- medians per cell ------------------------------------------------------------
@@ -224,6 +227,7 @@ def summarize(results: Results) -> Results:
     results["model_cpu_ms"] = model_cpu_ms(runs)
     results["physical_limit"] = physical_limit(results)
     results["targets"] = [t.to_json() for t in targets(results)]
+    results["targets"] += [t for part in PARTS for t in part.targets(results)]
     results["cpu_per_request_ms"] = cpu_per_request(runs)
     results["foreign_load"] = foreign_load(runs)
     return results
@@ -571,7 +575,9 @@ def server_lines(results: Results) -> list[str]:
         )
     if mlserver:
         lines.append(
-            "MLServer runs with its defaults except parallel_workers, loopback host and ports."
+            "MLServer runs with its defaults except parallel_workers, loopback host and ports, "
+            "debug false (its default true adds an access-log interceptor to every call) and "
+            "grpc_max_message_length 64 MiB."
         )
     if kserve:
         lines.append(
@@ -579,10 +585,11 @@ def server_lines(results: Results) -> list[str]:
             "get_input_types/get_output_types for ModelMetadata) on kserve.ModelServer with its "
             "defaults (one process: its --workers adds REST processes only) except "
             "KSERVE_LOGLEVEL=WARNING (at its default INFO it logs every gRPC call and every "
-            "request's latency) and free ports (--grpc_port, --http_port). KServe has no "
-            "listen-address setting and binds gRPC to [::]:PORT: the bench's launcher "
-            "(bench/peers/kserve_server.py) binds it to 127.0.0.1 by rewriting the address "
-            "KServe passes to add_insecure_port, and sets its uvicorn REST host to 127.0.0.1."
+            "request's latency), 64 MiB gRPC message limits and free ports (--grpc_port, "
+            "--http_port). KServe has no listen-address setting and binds gRPC to [::]:PORT: "
+            "the bench's launcher (bench/peers/kserve_server.py) binds it to 127.0.0.1 by "
+            "rewriting the address KServe passes to add_insecure_port, and sets its uvicorn "
+            "REST host to 127.0.0.1."
         )
     if "poolserve-inline" in keys:
         lines.append(
@@ -623,6 +630,7 @@ def markdown(results: Results) -> str:
           if results.get("batching") else []),
         *(["## Decoupled models\n\n" + decoupled.markdown(results["decoupled"])]
           if results.get("decoupled") else []),
+        *parts_sections(results, "##"),
     ]  # fmt: skip
     return "\n\n".join(parts) + "\n"
 
@@ -630,6 +638,11 @@ def markdown(results: Results) -> str:
 def dropin_table(results: Results) -> str:
     """bench/mlserver_dropin.py's table, rendered by that phase."""
     return str((results.get("mlserver_dropin") or {}).get("table", ""))
+
+
+def parts_sections(results: Results, level: str) -> list[str]:
+    found = [(part.TITLE, part.section(results)) for part in PARTS]
+    return [f"{level} {title}\n\n{text}" for title, text in found if text]
 
 
 def xgb_note(results: Results) -> str:
@@ -684,6 +697,7 @@ def readme_section(results: Results, chart: str = "bench/results/latest.png") ->
             targets_table(results),
             perf_tables(results),
             xgb_tables(results),
+            *parts_sections(results, "###"),
             f"![throughput and p99 per concurrency]({chart})",
             README_END,
         ]

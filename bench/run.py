@@ -6,6 +6,8 @@
   python bench/run.py --only overload --servers poolserve --repeat 3
                                      # the overload part alone (mode's duration), never published
   python bench/run.py --only batching  # the batching part alone (bench/batching.py)
+  python bench/run.py --only large --repeat 3
+                                     # the large-tensor echo alone (issue 20), never published
 
 Phases: install the peers (once, under bench/.peers); calibrate ``burn``;
 start every server with the same models; perf_analyzer rounds with the
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -41,11 +44,14 @@ sys.path.insert(0, str(BENCH / "peers"))
 import batching  # noqa: E402
 import decoupled  # noqa: E402
 import install  # noqa: E402
+import large_tensors  # noqa: E402
 import mlserver_dropin  # noqa: E402
 import perf  # noqa: E402
 import report  # noqa: E402
 import servers  # noqa: E402
 import workload  # noqa: E402
+
+report.PARTS.append(large_tensors)  # its targets and its section in the report
 
 ROOT = BENCH.parent
 RESULTS = BENCH / "results"
@@ -69,10 +75,13 @@ class Mode:
     publish: bool  # write latest.* and the README section
     quiet_wait_s: float  # how long to wait for the machine to calm down before measuring
     retries: int  # cells re-measured because other processes loaded the machine (whole run)
+    large: bool = False  # the large-tensor echo (issue 20; bench/large_tensors.py)
 
 
 MODES = {
-    "full": Mode("full", 3, 1500, 20.0, tuple(s.key for s in servers.SERVERS), True, True, 30, 10),
+    "full": Mode(
+        "full", 3, 1500, 20.0, tuple(s.key for s in servers.SERVERS), True, True, 30, 10, large=True
+    ),
     "quick": Mode("quick", 1, 1000, 8.0, (servers.SUBJECT,), False, False, 10, 2),
 }
 NOISY_CORES = 0.35  # a cell during which other processes used more than this is measured again
@@ -275,6 +284,9 @@ def measure_cell(
     env: dict[str, str],
     csv_path: Path,
     timeout: float,
+    window_ms: int | None = None,
+    shape: str | None = None,
+    extra: Sequence[str] = (),
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
     counter = server.workdir / "burn.count"
@@ -284,7 +296,7 @@ def measure_cell(
         if server.process.poll() is not None:
             raise RuntimeError("server exited")
         result = perf.run(pa.binary, env, server.address, model, concurrency,
-                          mode.window_ms, csv_path, timeout)  # fmt: skip
+                          window_ms or mode.window_ms, csv_path, timeout, shape, extra)  # fmt: skip
         out["result"] = result.to_json()
         out["shown"] = f"{result.throughput:8.1f}/s p99 {result.p99_us / 1000:7.1f} ms"
     except RuntimeError as exc:
@@ -586,6 +598,54 @@ def batching_only(mode: Mode) -> str:
     return batching.markdown(found)
 
 
+# -- large tensors -----------------------------------------------------------------------------
+
+
+def large_phase(
+    fleet: Fleet, mode: Mode, pa: install.PerfAnalyzer, run_dir: Path, runs: int
+) -> dict[str, Any]:
+    """bench/large_tensors.py's echo on servers of its own (tensor shape [-1,3,224,224])."""
+    layout = servers.Layout(("echo",), shape=large_tensors.DIMS)
+    started: list[servers.Running] = []
+
+    def start(key: str) -> servers.Running:
+        server = fleet.start(servers.spec(key), layout, "large")
+        started.append(server)
+        fleet.wait_ready(server)
+        return server
+
+    env = {**os.environ, **pa.env}
+    timeout = 10 * large_tensors.WINDOW_MS / 1000 + 60
+    measure = functools.partial(measure_cell, mode=mode, pa=pa, env=env, timeout=timeout)
+    try:
+        large = large_tensors.phase(start, measure, run_dir, runs, log)
+    finally:
+        for server in started:
+            fleet.stop(server)
+    large["cells"] = large_tensors.cells(large)
+    return large
+
+
+def large_only(mode: Mode, runs: int) -> dict[str, Any]:
+    """The large-tensor echo alone (`--only large`): never published."""
+    keys = set(large_tensors.SERVERS)
+    needed = sorted({s.venv for s in servers.SERVERS if s.key in keys and s.venv})
+    installed = install.ensure_all([install.PEER_VENVS[name]() for name in needed])
+    run_dir = WORK / datetime.datetime.now().strftime("large-%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True)
+    quiet = wait_for_quiet(mode.quiet_wait_s)
+    fleet = Fleet(run_dir, installed.venvs, servers.Workload(1, run_dir / "burn.count"))
+    try:
+        large = large_phase(fleet, mode, installed.perf_analyzer, run_dir, runs)
+    finally:
+        fleet.stop_all()
+    results = {"meta": {"outside_load_at_start_cores": quiet, "work_dir": str(run_dir)},
+               "large": large}  # fmt: skip
+    (run_dir / "large-results.json").write_text(json.dumps(results, indent=1) + "\n")
+    log(f"wrote {run_dir / 'large-results.json'}")
+    return results
+
+
 # -- memory ---------------------------------------------------------------------------------
 
 
@@ -739,6 +799,10 @@ def run(mode: Mode, only: Sequence[str], publish_results: bool) -> dict[str, Any
         with phase("overload", timings):
             results["overload"] = overload_phase(mode, results, running, calibration)
         fleet.stop_all()
+        if mode.large:
+            with phase("large tensors", timings):
+                results["large"] = large_phase(fleet, mode, installed.perf_analyzer, run_dir,
+                                               mode.runs)  # fmt: skip
         with phase("memory", timings):
             results["memory"] = measure_memory(fleet, mode, [s.key for s in chosen])
         if servers.REFERENCE in [s.key for s in chosen]:
@@ -773,12 +837,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--only",
-        choices=["overload", "mlserver-dropin", "batching", "decoupled"],
+        choices=["overload", "mlserver-dropin", "batching", "decoupled", "large"],
         help="run one part alone: overload (calibration, servers, overload), "
-        "mlserver-dropin (bench/mlserver_dropin.py) or batching (bench/batching.py); "
+        "mlserver-dropin (bench/mlserver_dropin.py), batching (bench/batching.py), "
+        "decoupled (bench/decoupled.py) or large (the large-tensor echo, bench/large_tensors.py); "
         "never published",
     )
-    parser.add_argument("--repeat", type=int, default=1, help="with --only overload: runs each")
+    parser.add_argument("--repeat", type=int, default=1, help="with --only: runs each")
     parser.add_argument(
         "--publish",
         action=argparse.BooleanOptionalAction,
@@ -806,6 +871,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.only == "decoupled":
         print(decoupled.markdown(decoupled.measure()))
+        return 0
+    if args.only == "large":
+        print(large_tensors.console(large_only(mode, max(1, args.repeat))))
         return 0
     publish_results = mode.publish if args.publish is None else args.publish
     results = run(mode, only, publish_results and not only)

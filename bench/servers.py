@@ -40,6 +40,11 @@ OUTPUT = {"name": "OUTPUT0", "datatype": "FP32", "shape": [1, 16]}
 # The XGBoost model (issue 22): 20 features in, MLServer's runtime's output name out.
 XGB_TENSOR = {"name": "INPUT0", "datatype": "FP32", "shape": [1, 20]}
 XGB_OUTPUT = {"name": "predict", "datatype": "FP32", "shape": [1]}
+# Every server gets the same gRPC message limit (issue 20): gRPC's default 4 MiB and
+# KServe's 8 MiB refuse the large-tensor bench's 9.2 MiB tensors; poolserve's default is 64 MiB.
+MESSAGE_LIMIT = 64 * 1024 * 1024
+UNREAD_REPLIES = 128 * 1024 * 1024  # poolserve's max_unread_reply_bytes in the bench
+MLSERVER_DEBUG = False  # MLServer's default True adds an access-log interceptor to every call
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,7 @@ class Layout:
     models: tuple[str, ...] = ("echo", "burn")
     separate_gids: bool = False
     workers: int | None = None  # None: the spec's own worker count
+    shape: tuple[int, ...] | None = None  # echo's tensor shape (large tensors); None: [1, 16]
 
     def gid(self, model: str) -> str | None:
         return model if self.separate_gids else None
@@ -140,12 +146,13 @@ def write_model_settings(
     if uri is not None:
         parameters["uri"] = uri
     xgb = model == "xgb"
+    shape = {"shape": list(ctx.layout.shape)} if ctx.layout.shape else {}
     settings: dict[str, object] = {
         "name": model,
         "implementation": implementation,
         "parameters": parameters,
-        "inputs": [XGB_TENSOR if xgb else TENSOR],
-        "outputs": [XGB_OUTPUT if xgb else OUTPUT],
+        "inputs": [XGB_TENSOR if xgb else {**TENSOR, **shape}],
+        "outputs": [XGB_OUTPUT if xgb else {**OUTPUT, **shape}],
         **more,
     }
     folder.mkdir(parents=True, exist_ok=True)
@@ -165,6 +172,11 @@ def build_poolserve(spec: ServerSpec, ctx: Context) -> Launch:
                                  parallel_workers=0)  # fmt: skip
         else:
             write_model_settings(folder, model, implementation, ctx)
+    # max_message_size: its default. The unread-reply budget per client connection
+    # (32 MiB by default) refuses perf_analyzer's 8 concurrent 9.2 MiB echoes on one
+    # connection when the client lags reading them: room for 8 replies of 16 MiB.
+    limits = {"max_message_size": MESSAGE_LIMIT, "max_unread_reply_bytes": UNREAD_REPLIES}
+    write_json(repo / "settings.json", limits)
     run_dir = Path(os.environ.get("XDG_RUNTIME_DIR") or "/tmp") / f"psb-{os.getpid()}-{ctx.port}"
     argv = [str(POOLSERVE), "serve", str(repo), "--grpc-port", str(ctx.port), "--metrics-port", "0"]
     argv += ["--run-dir", str(run_dir), "--workers", str(spec.workers_for(ctx.layout))]
@@ -189,6 +201,8 @@ def build_mlserver(spec: ServerSpec, ctx: Context) -> Launch:
             "grpc_port": ctx.port,
             "http_port": free_port(),
             "metrics_port": free_port(),
+            "debug": MLSERVER_DEBUG,
+            "grpc_max_message_length": MESSAGE_LIMIT,
         },
     )
     for model in ctx.layout.models:
@@ -226,6 +240,8 @@ def build_kserve(spec: ServerSpec, ctx: Context) -> Launch:
     python = ctx.venvs[spec.venv]
     argv = [str(python), str(PEER_CODE / "kserve_server.py"), str(repo)]
     argv += ["--grpc_port", str(ctx.port), "--http_port", str(free_port())]
+    argv += ["--grpc_max_send_message_length", str(MESSAGE_LIMIT)]
+    argv += ["--grpc_max_receive_message_length", str(MESSAGE_LIMIT)]
     return Launch(argv, env={"PYTHONPATH": str(PEER_CODE), **KSERVE_ENV})
 
 
@@ -233,23 +249,28 @@ def build_kserve(spec: ServerSpec, ctx: Context) -> Launch:
 
 
 def build_bare(spec: ServerSpec, ctx: Context) -> Launch:
-    if set(ctx.layout.models) != {"echo", "burn"}:
+    if not set(ctx.layout.models) <= {"echo", "burn"}:
         raise ValueError("the bare server serves echo and burn only")
     argv = [str(PROJECT_PYTHON), str(PEER_CODE / "bare_server.py"), "--port", str(ctx.port)]
     argv += ["--iterations", str(ctx.workload.iterations), "--counter", str(ctx.workload.counter)]
+    argv += ["--max-message", str(MESSAGE_LIMIT)]
+    if ctx.layout.shape:
+        argv.append("--dims=" + ",".join(map(str, ctx.layout.shape)))
     return Launch(argv, env={"PYTHONPATH": str(PEER_CODE)}, ready_line="bare: ready")
 
 
 MLSERVER_NOTE = (
-    "MLServer 1.7.1 defaults (debug access log and Prometheus interceptor on) except "
-    "parallel_workers, loopback host and free ports; ModelConfig/ModelStatistics added by the bench"
+    "MLServer 1.7.1 defaults (Prometheus interceptor on) except parallel_workers, debug false (its "
+    "default true adds an access-log interceptor to every call), grpc_max_message_length 64 MiB, "
+    "loopback host and free ports; ModelConfig/ModelStatistics added by the bench"
 )
 
 KSERVE_NOTE = (
-    "KServe 0.21.0 ModelServer defaults (one process) except KSERVE_LOGLEVEL=WARNING and free "
-    "ports (--grpc_port, --http_port); bound to 127.0.0.1 by the bench's launcher (KServe binds "
-    "[::]:PORT and has no host setting: the launcher rewrites the address passed to "
-    "add_insecure_port, and uvicorn's REST host); ModelConfig/ModelStatistics added by the bench"
+    "KServe 0.21.0 ModelServer defaults (one process) except KSERVE_LOGLEVEL=WARNING, 64 MiB "
+    "gRPC message limits and free ports (--grpc_port, --http_port); bound to 127.0.0.1 by the "
+    "bench's launcher (KServe binds [::]:PORT and has no host setting: the launcher rewrites "
+    "the address passed to add_insecure_port, and uvicorn's REST host); "
+    "ModelConfig/ModelStatistics added by the bench"
 )
 INLINE_NOTE = (
     'the same echo model with "parallel_workers": 0 and parameters.extra.inline_fast: true in its '

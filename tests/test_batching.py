@@ -367,3 +367,23 @@ def test_batch_settings_are_validated_with_clear_errors() -> None:
         assert words in str(info.value)
     policy = BatchPolicy(32, 0.002, (8,))
     assert policy.full(8) and policy.full(32) and not policy.full(9)
+
+
+def test_peeks_read_a_request_given_as_a_view_of_its_frame() -> None:
+    """A large request reaches the pool as a memoryview of its lane frame: the
+    batch key and the sequence controls peeked from it are those of its bytes
+    (a view's slices have no .decode and are no ``bytes``)."""
+    from poolserve.service.contract.sequence import peek_sequence
+
+    request = pb.ModelInferRequest(model_name="m")
+    request.parameters["sequence_id"].string_param = "abc"
+    request.parameters["sequence_start"].bool_param = True
+    request.parameters["tenant"].string_param = "t1"
+    request.inputs.add(name="x", datatype="FP32", shape=[2, 3])
+    data = request.SerializeToString()
+    view = memoryview(bytearray(b"head" + data))[4:]
+    assert peek_batch(view) == peek_batch(data) is not None
+    assert peek_batch(view, frozenset({"tenant"})) == peek_batch(data, frozenset({"tenant"}))
+    control = peek_sequence(view)
+    assert (control.id, control.start, control.end) == ("abc", True, False)
+    assert control == peek_sequence(data)

@@ -577,3 +577,36 @@ def test_batching_targets_and_table_from_cells() -> None:
     assert "| poolserve-batched | 290.0/s, p99 13.00 ms | n/a/s, p99 n/a ms | 2,500.0/s" in table
     assert "| NO |" in table and f"| 0/{batching.CHECK_CALLS} correct |" in table
     assert batching.markdown({}) == ""
+
+
+large = load("_bench_large", ROOT / "bench" / "large_tensors.py")
+
+
+def test_large_tensor_cells_targets_and_the_unsupported_shared_memory_cell() -> None:
+    size = large.tensor_bytes((16, 3, 224, 224))
+    assert size == 9_633_792
+
+    def run(config: str, throughput: float | None, **more: Any) -> dict[str, Any]:
+        found = {"config": config, "size": "9.2 MiB", "bytes": size, "concurrency": 8, **more}
+        if throughput is not None:
+            found["result"] = {"throughput": throughput, "p99_us": 1000.0}
+        return found
+
+    runs = [
+        run("poolserve", 30.0), run("poolserve", 40.0), run("poolserve", 35.0),
+        run("kserve", 25.0), run("mlserver-2", 10.0), run("bare", None, error="boom"),
+        run("poolserve-shm", None, unsupported="Method not found!"),
+    ]  # fmt: skip
+    results: dict[str, Any] = {"large": {"runs": runs, "window_ms": 3000, "rounds": 3}}
+    results["large"]["cells"] = large.cells(results["large"])
+    assert large.figure(results, "poolserve", "9.2 MiB", 8) == pytest.approx(35 * 2 * size / 1e6)
+    by_key = {t["key"]: t for t in large.targets(results)}
+    assert by_key["large_c8_vs_kserve"]["value"] == pytest.approx(35 / 25)
+    assert by_key["large_c8_vs_kserve"]["passed"]
+    assert by_key["large_c8_vs_mlserver"]["value"] == pytest.approx(3.5)
+    assert by_key["large_shm_c8_vs_kserve"]["value"] is None
+    assert not by_key["large_shm_c8_vs_kserve"]["passed"]
+    text = large.section(results)
+    assert "not supported" in text and "error" in text and "Errors: boom" in text
+    assert large.unsupported("perf_analyzer exit 99: error: ... Method not found!")
+    assert not large.unsupported("Thread [4] had error: deadline exceeded")

@@ -561,3 +561,32 @@ def test_long_client_names_are_cut_in_messages() -> None:
     message = caught.value.message
     assert len(message) < 1000
     assert f"input '{'n' * 200}...[{1 << 20} characters]'" in message
+
+
+def test_inputs_split_off_the_wire_decode_as_views_and_bytes_elements_stay_bytes() -> None:
+    """The worker's path (issue 20): raw entries cut from the request's bytes as
+    views; fixed-size tensors are views of those bytes, BYTES elements are bytes
+    (a model echoing them must be able to answer), outputs go out as views."""
+    from poolserve.service.inference.rawwire import raw_output_parts, split_raw_inputs
+
+    encode_inputs, decode_inputs = codec.encode_inputs, codec.decode_inputs
+    encode_outputs, decode_outputs = codec.encode_outputs, codec.decode_outputs
+    request = pb.ModelInferRequest(model_name="m", id="x")
+    floats = np.arange(6, dtype=np.float32).reshape(2, 3)
+    encode_inputs({"F": floats, "S": np.array([b"ab", b"c"], dtype=object)}, request, raw=True)
+    wire = request.SerializeToString()
+    head, raw = split_raw_inputs(memoryview(wire))
+    parsed = pb.ModelInferRequest.FromString(head)
+    assert not parsed.raw_input_contents and parsed.id == "x" and len(raw) == 2
+    arrays = decode_inputs(parsed, raw=raw)
+    assert np.array_equal(arrays["F"], floats) and not arrays["F"].flags.writeable
+    assert arrays["F"].base is not None  # a view, not a copy
+    assert [type(x) for x in arrays["S"].ravel()] == [bytes, bytes]
+    response = pb.ModelInferResponse(model_name="m")
+    views: list[Any] = []
+    encode_outputs(parsed, arrays, response, raw=views)
+    assert isinstance(views[0], memoryview) and views[0].obj is not None
+    body = response.SerializeToString() + b"".join(bytes(p) for p in raw_output_parts(views))
+    back = decode_outputs(pb.ModelInferResponse.FromString(body))
+    assert np.array_equal(back["F"], floats)
+    assert list(back["S"].ravel()) == [b"ab", b"c"]

@@ -50,7 +50,7 @@ class FakeWorker:
 
     def reply(self, seq: int, body: bytes, compute_ns: int = 2) -> None:
         assert self.writer is not None
-        self.writer.write(reply_frame(seq, Timings(1, compute_ns, 3), body))
+        self.writer.writelines(reply_frame(seq, Timings(1, compute_ns, 3), body))
 
     def die(self) -> None:
         assert self.writer is not None
@@ -355,10 +355,10 @@ def test_reply_buffer_cuts_replies_errors_and_heartbeats_out_of_any_chunking(
     cuts: list[int],
 ) -> None:
     stream = (
-        reply_frame(1, Timings(1, 2, 3), b"first body")
+        b"".join(reply_frame(1, Timings(1, 2, 3), b"first body"))
         + heartbeat_frame()
         + error_frame(2, Timings(4, 5, 6), Failure.MODEL_ERROR, "model raised")
-        + reply_frame(3, Timings(), b"")
+        + b"".join(reply_frame(3, Timings(), b""))
     )
     buffer = ReplyBuffer()
     got = []

@@ -71,7 +71,11 @@ def test_lane_path_sits_beside_the_pool_socket() -> None:
 
 
 def test_infer_frame_round_trip() -> None:
-    frame = infer_frame(7, 123.5, [("traceparent", "00-ab-cd-01"), ("tracestate", "k=v")], b"xy")
+    head, tail = infer_frame(
+        7, 123.5, [("traceparent", "00-ab-cd-01"), ("tracestate", "k=v")], b"xy"
+    )
+    assert tail == b"xy"  # the body is its own part: written as it is, never joined
+    frame = head + tail
     length, kind, seq = HEADER.unpack_from(frame)
     assert (length, kind, seq) == (len(frame) - HEADER.size, INFER, 7)
     deadline, trace, body = parse_infer(frame[HEADER.size :])
@@ -312,14 +316,14 @@ def test_a_cancel_for_an_unknown_sequence_and_garbage_kinds_do_not_hurt_the_pool
     async def test(client: LaneClient, _: LaneServer) -> None:
         reader, writer = await asyncio.open_unix_connection(str(sock))
         writer.write(HEADER.pack(0, CANCEL, 999))  # never sent: ignored
-        writer.write(infer_frame(1, soon(), [], b"raw"))
+        writer.writelines(infer_frame(1, soon(), [], b"raw"))
         length, _, seq = HEADER.unpack(await reader.readexactly(HEADER.size))
         assert seq == 1 and await reader.readexactly(length) == b"raw"
         writer.write(HEADER.pack(3, INFER, 5) + b"abc")  # too short for an INFER head
         length, kind, seq = HEADER.unpack(await reader.readexactly(HEADER.size))
         assert (kind, seq) == (ERROR, 5)
         assert b"malformed INFER frame" in await reader.readexactly(length)
-        writer.write(infer_frame(6, soon(), [], b"still served"))
+        writer.writelines(infer_frame(6, soon(), [], b"still served"))
         length, _, seq = HEADER.unpack(await reader.readexactly(HEADER.size))
         assert seq == 6 and await reader.readexactly(length) == b"still served"
         writer.write(HEADER.pack(0, 77, 2))  # not a lane frame: that connection ends
@@ -350,35 +354,38 @@ def test_a_frame_over_the_limit_ends_only_that_connection(sock: Path) -> None:
     asyncio.run(main())
 
 
-class RecordingTransport(asyncio.Transport):
-    def __init__(self) -> None:
-        super().__init__()
-        self.writes: list[bytes] = []
-        self.closing = False
-
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        self.writes.append(bytes(data))
-
-    def is_closing(self) -> bool:
-        return self.closing
-
-
 def test_frames_of_one_loop_turn_leave_in_one_write_in_order() -> None:
+    """The Batcher on a real socket pair: parts of one turn leave in one writev,
+    nothing before the turn ends, nothing once the transport is closing."""
+    import os
+    import socket
+    from unittest import mock
+
     async def main() -> None:
-        transport = RecordingTransport()
+        loop = asyncio.get_running_loop()
+        left, right = socket.socketpair()
+        right.setblocking(False)
+        transport, _ = await loop.connect_accepted_socket(asyncio.Protocol, sock=left)
+        assert isinstance(transport, asyncio.Transport)
         batcher = Batcher(transport)
-        for frame in (b"a", b"bb", b"ccc"):
-            batcher.write(frame)
-        assert transport.writes == []  # nothing before the turn ends
-        await asyncio.sleep(0)
-        assert transport.writes == [b"abbccc"]
-        batcher.write(b"alone")
-        await asyncio.sleep(0)
-        assert transport.writes == [b"abbccc", b"alone"]
-        batcher.write(b"too late")
-        transport.closing = True
-        await asyncio.sleep(0)
-        assert transport.writes == [b"abbccc", b"alone"]
+        try:
+            with mock.patch("os.writev", side_effect=os.writev) as writev:
+                for frame in (b"a", b"bb", memoryview(b"ccc")):
+                    batcher.write(frame)
+                assert writev.call_count == 0  # nothing before the turn ends
+                await asyncio.sleep(0)
+                assert writev.call_count == 1
+            assert right.recv(100) == b"abbccc"
+            batcher.write(b"al", b"one")
+            await asyncio.sleep(0)
+            assert right.recv(100) == b"alone"
+            batcher.write(b"too late")
+            transport.close()
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+        finally:
+            batcher.close()
+            right.close()
 
     asyncio.run(main())
 

@@ -4,7 +4,8 @@ It parses each ModelInferRequest with the generated KServe V2 messages
 (poolserve's copy of the proto: only the message classes, none of poolserve's
 serving code), runs the model on the event loop, and answers. ModelConfig and
 ModelStatistics are answered too (version "1"), since perf_analyzer asks.
-usage: python bare_server.py --port P --iterations N [--counter PATH]
+usage: python bare_server.py --port P --iterations N [--counter PATH] [--max-message BYTES]
+       [--dims -1,3,224,224]  (the tensor's shape in ModelMetadata/ModelConfig; default 1,16)
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from poolserve.protos import inference_pb2 as pb
 
 VERSION = "1"
 DTYPES = {"FP32": np.float32, "FP64": np.float64, "INT32": np.int32, "INT64": np.int64}
-TENSOR = (("INPUT0", "FP32", (1, 16)),)
+DIMS = [(1, 16)]  # the served tensor shape, as metadata says (--dims)
 
 
 @dataclass
@@ -92,9 +93,8 @@ class BareServicer:
         if request.name not in self.models:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.name!r}")
         response = pb.ModelMetadataResponse(name=request.name, versions=[VERSION])
-        for name, datatype, shape in TENSOR:
-            response.inputs.add(name=name, datatype=datatype, shape=shape)
-            response.outputs.add(name="OUTPUT0", datatype=datatype, shape=shape)
+        response.inputs.add(name="INPUT0", datatype="FP32", shape=DIMS[0])
+        response.outputs.add(name="OUTPUT0", datatype="FP32", shape=DIMS[0])
         return response
 
     async def model_config(
@@ -103,8 +103,8 @@ class BareServicer:
         if request.name not in self.models:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.name!r}")
         config = pb.ModelConfig(name=request.name, platform="bare", max_batch_size=0)
-        config.input.add(name="INPUT0", data_type=pb.TYPE_FP32, dims=[1, 16])
-        config.output.add(name="OUTPUT0", data_type=pb.TYPE_FP32, dims=[1, 16])
+        config.input.add(name="INPUT0", data_type=pb.TYPE_FP32, dims=DIMS[0])
+        config.output.add(name="OUTPUT0", data_type=pb.TYPE_FP32, dims=DIMS[0])
         return pb.ModelConfigResponse(config=config)
 
     async def model_statistics(
@@ -156,8 +156,12 @@ class BareServicer:
         )
 
 
-async def serve(port: int, models: dict[str, Served]) -> None:
-    server = grpc.aio.server()
+async def serve(port: int, models: dict[str, Served], max_message: int) -> None:
+    limits = [
+        ("grpc.max_send_message_length", max_message),
+        ("grpc.max_receive_message_length", max_message),
+    ]
+    server = grpc.aio.server(options=limits)
     server.add_generic_rpc_handlers((BareServicer(models).generic_handler(),))
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
@@ -175,8 +179,12 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--iterations", type=int, required=True)
     parser.add_argument("--counter", default="")
+    parser.add_argument("--max-message", type=int, default=4 * 1024 * 1024)
+    parser.add_argument("--dims", default="1,16")
     args = parser.parse_args()
-    asyncio.run(serve(args.port, build_models(args.iterations, args.counter)))
+    DIMS[0] = tuple(int(d) for d in args.dims.split(","))
+    models = build_models(args.iterations, args.counter)
+    asyncio.run(serve(args.port, models, args.max_message))
 
 
 if __name__ == "__main__":

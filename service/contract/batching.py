@@ -25,7 +25,7 @@ from typing import Any
 
 from poolserve.service.contract.errors import InvalidInput
 from poolserve.service.contract.settings import ConfigError
-from poolserve.service.contract.wire import SCHEDULING_KEYS, _varint
+from poolserve.service.contract.wire import SCHEDULING_KEYS, Wire, _varint
 
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 
@@ -76,7 +76,7 @@ def batch_settings(
     return max_batch_size, float(max_batch_time), tuple(sorted(set(preferred))), frozenset(safe)
 
 
-def peek_batch(data: bytes, safe: frozenset[str] = frozenset()) -> tuple[int, bytes] | None:
+def peek_batch(data: Wire, safe: frozenset[str] = frozenset()) -> tuple[int, bytes] | None:
     """(rows, key) of a serialized ModelInferRequest, or None if it cannot batch
     (no inputs, a scalar input, inputs that disagree on dimension 0).
 
@@ -121,7 +121,7 @@ def peek_batch(data: bytes, safe: frozenset[str] = frozenset()) -> tuple[int, by
     return rows, bytes(key)
 
 
-def _input_key(data: bytes, pos: int, end: int, key: bytearray) -> int | None:
+def _input_key(data: Wire, pos: int, end: int, key: bytearray) -> int | None:
     """Appends one InferInputTensor's batch key to ``key``; returns its dim 0."""
     shape: list[int] = []
     parts: list[bytes] = []
@@ -153,7 +153,7 @@ def _input_key(data: bytes, pos: int, end: int, key: bytearray) -> int | None:
     return shape[0] if shape[0] < 1 << 63 else None
 
 
-def _parameter_entry(data: bytes, pos: int, end: int, safe: frozenset[str]) -> bytes | None:
+def _parameter_entry(data: Wire, pos: int, end: int, safe: frozenset[str]) -> bytes | None:
     """A request parameter's map entry bytes, unless scheduling or batch-safe."""
     name = b""
     cursor = pos
@@ -163,8 +163,8 @@ def _parameter_entry(data: bytes, pos: int, end: int, safe: frozenset[str]) -> b
             break
         size, cursor = _varint(data, cursor)
         if tag >> 3 == 1:
-            name = data[cursor : cursor + size]
+            name = bytes(data[cursor : cursor + size])
         cursor += size
     if name in SCHEDULING_KEYS or name.decode("utf-8", "replace") in safe:
         return None
-    return data[pos:end]
+    return bytes(data[pos:end])

@@ -8,7 +8,8 @@ pool, length-prefixed frames, many calls in flight on it at once.
 Frames are the worker protocol's header (payload length u32, kind u8,
 sequence u64, little-endian) and a payload:
 
-- INFER (router -> pool): absolute deadline on CLOCK_MONOTONIC (f64, both
+- INFER (router -> pool, written as two parts: all before the request, and
+  the request's bytes as the router got them): absolute deadline on CLOCK_MONOTONIC (f64, both
   ends are on one host), the trace context length (u16) and text
   (``traceparent`` and ``tracestate`` as ``key=value`` lines), then the
   serialized ModelInferRequest, untouched.
@@ -41,7 +42,7 @@ from poolserve.service.contract.errors import (
     ServingError,
     error_for,
 )
-from poolserve.service.contract.framing import HEADER
+from poolserve.service.contract.framing import HEADER, Payload
 
 INFER_HEAD = struct.Struct("<dH")
 ERROR_HEAD = struct.Struct("<BB")
@@ -61,18 +62,22 @@ def lane_path(pool_socket: Path) -> Path:
     return pool_socket.with_name(pool_socket.stem + ".lane")
 
 
-def infer_frame(seq: int, deadline: float, trace: Trace, body: bytes) -> bytes:
+def infer_frame(seq: int, deadline: float, trace: Trace, body: Payload) -> tuple[bytes, Payload]:
+    """An INFER frame as two parts, (header, head and trace) and the body: the
+    body is written as it is (a scatter write), never copied into the frame."""
     text = "\n".join(f"{k}={v}" for k, v in trace).encode()
     head = INFER_HEAD.pack(deadline, len(text))
-    return HEADER.pack(len(head) + len(text) + len(body), INFER, seq) + head + text + body
+    return HEADER.pack(len(head) + len(text) + len(body), INFER, seq) + head + text, body
 
 
-def parse_infer(payload: bytes) -> tuple[float, list[tuple[str, str]], bytes]:
+def parse_infer(payload: Payload) -> tuple[float, list[tuple[str, str]], Payload]:
+    """(deadline, trace, body); the body is a slice of ``payload``: of a large
+    frame's buffer (a memoryview) it is a view, no copy."""
     deadline, size = INFER_HEAD.unpack_from(payload)
     start = INFER_HEAD.size
     trace: list[tuple[str, str]] = []
     if size:
-        for line in payload[start : start + size].decode("utf-8", "replace").split("\n"):
+        for line in bytes(payload[start : start + size]).decode("utf-8", "replace").split("\n"):
             key, _, value = line.partition("=")
             trace.append((key, value))
     return deadline, trace, payload[start + size :]
@@ -84,13 +89,13 @@ def error_frame(seq: int, error: ServingError) -> bytes:
     return HEADER.pack(len(payload), ERROR, seq) + payload
 
 
-def parse_error(payload: bytes) -> ServingError:
+def parse_error(payload: Payload) -> ServingError:
     code, size = ERROR_HEAD.unpack_from(payload)
     start = ERROR_HEAD.size
     try:
         failure = Failure(code)
     except ValueError:
         failure = Failure.INTERNAL
-    error = error_for(failure, payload[start + size :].decode("utf-8", "replace"))
-    error.stage = payload[start : start + size].decode("utf-8", "replace")
+    error = error_for(failure, bytes(payload[start + size :]).decode("utf-8", "replace"))
+    error.stage = bytes(payload[start : start + size]).decode("utf-8", "replace")
     return error

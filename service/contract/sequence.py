@@ -15,7 +15,7 @@ from typing import Any
 
 from poolserve.service.contract.errors import InvalidInput
 from poolserve.service.contract.settings import ConfigError
-from poolserve.service.contract.wire import _LEN, _VARINT, _varint
+from poolserve.service.contract.wire import _LEN, _VARINT, Wire, _varint
 
 DEFAULT_IDLE_TIMEOUT_S = 60.0
 DEFAULT_MAX_SEQUENCES = 1000
@@ -64,7 +64,7 @@ _BOOL, _INT64, _STRING, _UINT64 = 1, 2, 3, 5
 _KEYS = (b"sequence_id", b"sequence_start", b"sequence_end")
 
 
-def peek_sequence(data: bytes) -> SequenceControl:
+def peek_sequence(data: Wire) -> SequenceControl:
     """The controls of a serialized ModelInferRequest; InvalidInput if one has a
     type Triton does not accept."""
     found: dict[bytes, tuple[int, int | bytes]] = {}
@@ -104,14 +104,14 @@ def peek_sequence(data: bytes) -> SequenceControl:
     return SequenceControl(ident, flags[0], flags[1])
 
 
-def _entry(data: bytes, pos: int, end: int, found: dict[bytes, tuple[int, int | bytes]]) -> None:
+def _entry(data: Wire, pos: int, end: int, found: dict[bytes, tuple[int, int | bytes]]) -> None:
     key = b""
     value: tuple[int, int | bytes] | None = None
     while pos < end:
         tag, pos = _varint(data, pos)
         if tag == (1 << 3) | _LEN:
             size, pos = _varint(data, pos)
-            key, pos = data[pos : pos + size], pos + size
+            key, pos = bytes(data[pos : pos + size]), pos + size
         elif tag == (2 << 3) | _LEN:
             size, pos = _varint(data, pos)
             stop = min(pos + size, end)
@@ -122,7 +122,7 @@ def _entry(data: bytes, pos: int, end: int, found: dict[bytes, tuple[int, int | 
                     value = (inner >> 3, number)
                 elif inner & 7 == _LEN:
                     length, at = _varint(data, at)
-                    value = (inner >> 3, data[at : at + length])
+                    value = (inner >> 3, bytes(data[at : at + length]))
                 else:
                     value = (inner >> 3, 0)
             pos += size

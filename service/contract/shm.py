@@ -25,6 +25,7 @@ import struct
 from dataclasses import asdict, dataclass
 
 from poolserve.service.contract.errors import InvalidInput, clip
+from poolserve.service.contract.wire import Wire
 
 SHM_DIR = "/dev/shm"
 MARK = b"\x00shm1"  # a zero byte first: never the start of a protobuf message
@@ -69,7 +70,7 @@ def wrap(regions: list[Region], request: bytes) -> bytes:
     return MARK + _LENGTH.pack(len(table)) + table + request
 
 
-def is_wrapped(data: bytes) -> bool:
+def is_wrapped(data: Wire) -> bool:
     return data[: len(MARK)] == MARK
 
 
@@ -78,7 +79,7 @@ def forged(data: bytes) -> bool:
     return data[:1] == MARK[:1]
 
 
-def unwrap(data: bytes) -> tuple[dict[str, Region], bytes]:
+def unwrap(data: Wire) -> tuple[dict[str, Region], Wire]:
     """The registrations by name and the request; ``({}, data)`` when not wrapped."""
     if not is_wrapped(data):
         return {}, data

@@ -14,8 +14,10 @@ from poolserve.service.contract.errors import InvalidInput
 
 _VARINT, _I64, _LEN, _SGROUP, _EGROUP, _I32 = 0, 1, 2, 3, 4, 5
 
+Wire = bytes | bytearray | memoryview  # a large request is a view of the frame it came in
 
-def _varint(data: bytes, pos: int) -> tuple[int, int]:
+
+def _varint(data: Wire, pos: int) -> tuple[int, int]:
     result = 0
     shift = 0
     end = len(data)
@@ -54,13 +56,13 @@ _ACCEPTED = {
 }
 
 
-def peek_model(data: bytes) -> tuple[str, str]:
+def peek_model(data: Wire) -> tuple[str, str]:
     """Returns (model_name, model_version) from serialized ModelInferRequest bytes."""
     routing = peek_routing(data, with_parameters=False)
     return routing.name, routing.version
 
 
-def peek_routing(data: bytes, with_parameters: bool = True) -> Routing:
+def peek_routing(data: Wire, with_parameters: bool = True) -> Routing:
     """Model name and version, plus the scheduling parameters ``priority`` (int64,
     1 is the highest), ``timeout`` (int64, microseconds) and ``idempotent`` (bool)
     when ``with_parameters``; one of those of another type is InvalidInput."""
@@ -86,9 +88,9 @@ def peek_routing(data: bytes, with_parameters: bool = True) -> Routing:
             if pos > end:
                 raise InvalidInput("request bytes are truncated (a field runs past the end)")
             if number == 1:
-                name = data[start:pos]
+                name = bytes(data[start:pos])
             elif number == 2:
-                version = data[start:pos]
+                version = bytes(data[start:pos])
             elif number == 4 and with_parameters:
                 _map_entry(data, start, pos, params)
         else:
@@ -116,7 +118,7 @@ def _signed(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
-def _map_entry(data: bytes, pos: int, end: int, params: dict[bytes, tuple[int, int]]) -> None:
+def _map_entry(data: Wire, pos: int, end: int, params: dict[bytes, tuple[int, int]]) -> None:
     """One ``map<string, InferParameter>`` entry: keeps (oneof field, value) of known keys."""
     key = b""
     value: tuple[int, int] | None = None
@@ -124,7 +126,7 @@ def _map_entry(data: bytes, pos: int, end: int, params: dict[bytes, tuple[int, i
         tag, pos = _varint(data, pos)
         if tag == (1 << 3) | _LEN:
             size, pos = _varint(data, pos)
-            key, pos = data[pos : pos + size], pos + size
+            key, pos = bytes(data[pos : pos + size]), pos + size
         elif tag == (2 << 3) | _LEN:
             size, pos = _varint(data, pos)
             value = _parameter_value(data, pos, min(pos + size, end))
@@ -135,7 +137,7 @@ def _map_entry(data: bytes, pos: int, end: int, params: dict[bytes, tuple[int, i
         params[key] = value
 
 
-def _parameter_value(data: bytes, pos: int, end: int) -> tuple[int, int] | None:
+def _parameter_value(data: Wire, pos: int, end: int) -> tuple[int, int] | None:
     """The oneof field an InferParameter sets and, for a varint one, its value
     (0 for string_param and double_param); None when it sets none."""
     if pos >= end:
@@ -163,3 +165,7 @@ def _encode_varint(value: int) -> bytes:
         else:
             out.append(byte)
             return bytes(out)
+
+
+read_varint = _varint  # (value, position after it) at ``pos``; InvalidInput when malformed
+encode_varint = _encode_varint

@@ -15,7 +15,7 @@ wrong number of rows) goes to every request of its group.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,11 +29,11 @@ from poolserve.service.contract.errors import (
     ServingError,
     clip,
 )
-from poolserve.service.contract.wire import SCHEDULING_KEYS, peek_model
+from poolserve.service.contract.wire import SCHEDULING_KEYS, Wire, peek_model
 from poolserve.service.inference.codec import decode_inputs, encode_outputs, parameters_to_dict
 from poolserve.service.inference.infer import parse_request
 from poolserve.service.inference.model import Array, Model, check_outputs
-from poolserve.service.poolcore.frames import error_frame, reply_frame
+from poolserve.service.poolcore.frames import Frame, error_frame, reply_frame
 from poolserve.service.poolcore.stats import Timings
 
 _SCHEDULING = frozenset(k.decode() for k in SCHEDULING_KEYS)
@@ -55,9 +55,10 @@ class BatchFailure(ServingError):
     failure = Failure.INTERNAL
 
 
-def run_batch(models: Mapping[str, Model], bodies: list[bytes]) -> list[bytes]:
-    """One REPLY or ERROR frame per body, each with its index as sequence number."""
-    frames: list[bytes] = [b""] * len(bodies)
+def run_batch(models: Mapping[str, Model], bodies: Sequence[Wire]) -> list[Frame]:
+    """One REPLY or ERROR frame per body, each with its index as sequence number.
+    A body may be a view (an inline model's batch holds its lane frames' views)."""
+    frames: list[Frame] = [b""] * len(bodies)
     groups: dict[tuple[str, Any], list[_Member]] = {}
     for index, body in enumerate(bodies):
         t0 = time.perf_counter_ns()
@@ -108,7 +109,7 @@ def _compatibility(model: Model, member: _Member) -> tuple[Any, ...] | None:
     return tensors, params
 
 
-def _run_group(model: Model, members: list[_Member]) -> list[tuple[int, bytes]]:
+def _run_group(model: Model, members: list[_Member]) -> list[tuple[int, Frame]]:
     name = model.settings.name
     total = sum(m.rows for m in members)
     t1 = time.perf_counter_ns()
@@ -129,7 +130,7 @@ def _run_group(model: Model, members: list[_Member]) -> list[tuple[int, bytes]]:
         error = ModelError.from_exception(name, exc)
         return [(m.index, _error(m, error, 0)) for m in members]
     compute_ns = time.perf_counter_ns() - t1
-    out: list[tuple[int, bytes]] = []
+    out: list[tuple[int, Frame]] = []
     start = 0
     for m in members:
         part = (

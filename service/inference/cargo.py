@@ -37,29 +37,29 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def handle(models: Mapping[str, Model], body: bytes, seq: int) -> bytes:
+def handle(models: Mapping[str, Model], body: bytes, seq: int) -> worker.FrameOut:
     """The inference handler: one serialized ModelInferRequest, one frame."""
     # Imported here, in the worker: the pool server imports this module for
     # InferenceZygote and must not load protobuf, the codec or numpy itself.
     from poolserve.service.contract.shm import unwrap
     from poolserve.service.contract.wire import peek_model
-    from poolserve.service.inference.infer import infer
+    from poolserve.service.inference.infer import infer_parts
 
     try:
-        regions, body = unwrap(body)  # the shared-memory registrations it uses, if any
-        name, version = peek_model(body)
+        regions, request = unwrap(body)  # the shared-memory registrations it uses, if any
+        name, version = peek_model(request)
         model = models.get(name)
         if model is None or (version and version != model.settings.version):
             raise ModelNotFound(f"model '{clip(name)}' is not loaded in this worker")
-        response, timings = infer(model, body, regions)
-        return reply_frame(seq, timings, response)
+        response, timings = infer_parts(model, request, regions)
+        return reply_frame(seq, timings, response)  # parts: the tensors are not joined
     except ServingError as exc:
         return error_frame(seq, Timings(), exc.failure, exc.message)
     except Exception as exc:  # a bug in our own path: report it, keep serving
         return error_frame(seq, Timings(), Failure.INTERNAL, f"{type(exc).__name__}: {exc}")
 
 
-def handle_batch(models: Mapping[str, Model], bodies: list[bytes]) -> list[bytes]:
+def handle_batch(models: Mapping[str, Model], bodies: list[bytes]) -> list[worker.FrameOut]:
     """The batch handler: several serialized ModelInferRequests, one frame each."""
     from poolserve.service.inference.batch import run_batch
 
@@ -72,7 +72,7 @@ def handle_batch(models: Mapping[str, Model], bodies: list[bytes]) -> list[bytes
 
 def handle_stream(
     models: Mapping[str, Model], body: bytes, seq: int
-) -> Generator[bytes, None, None]:
+) -> Generator[worker.FrameOut, None, None]:
     """The stream handler: one serialized ModelInferRequest to a decoupled model,
     its PART frames and then one REPLY or ERROR frame."""
     from poolserve.service.contract.shm import unwrap
@@ -80,19 +80,19 @@ def handle_stream(
     from poolserve.service.inference.stream import stream_infer
 
     try:
-        regions, body = unwrap(body)
-        name, version = peek_model(body)
+        regions, request = unwrap(body)
+        name, version = peek_model(request)
         model = models.get(name)
         if model is None or (version and version != model.settings.version):
             raise ModelNotFound(f"model '{clip(name)}' is not loaded in this worker")
-        yield from stream_infer(model, body, regions, seq)
+        yield from stream_infer(model, request, regions, seq)
     except ServingError as exc:
         yield error_frame(seq, Timings(), exc.failure, exc.message)
     except Exception as exc:  # a bug in our own path: report it, keep serving
         yield error_frame(seq, Timings(), Failure.INTERNAL, f"{type(exc).__name__}: {exc}")
 
 
-def handle_sequence_end(models: Mapping[str, Model], body: bytes, seq: int) -> bytes:
+def handle_sequence_end(models: Mapping[str, Model], body: bytes, seq: int) -> worker.FrameOut:
     """A SEQUENCE_END notice: the model's ``sequence_ended`` hook, one REPLY frame."""
     import json
 

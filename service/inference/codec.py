@@ -112,14 +112,20 @@ def uses_raw(request: inference_pb2.ModelInferRequest) -> bool:
 
 
 def decode_inputs(
-    request: inference_pb2.ModelInferRequest, shared: SharedReader | None = None
+    request: inference_pb2.ModelInferRequest,
+    shared: SharedReader | None = None,
+    *,
+    raw: list[Any] | None = None,
 ) -> dict[str, npt.NDArray[Any]]:
     """The request's input tensors by name; raises InvalidInput for any malformed one.
 
     Raw fixed-size inputs are read-only views of the request's bytes; an
-    input that names a shared-memory region is read by ``shared``.
+    input that names a shared-memory region is read by ``shared``. ``raw``,
+    when given, holds the raw entries instead of the request (views of the
+    wire bytes, split off by :func:`poolserve.service.inference.rawwire.split_raw_inputs`).
     """
-    return _decode(request.inputs, list(request.raw_input_contents), "input", shared)
+    entries = list(request.raw_input_contents) if raw is None else raw
+    return _decode(request.inputs, entries, "input", shared)
 
 
 def decode_outputs(response: inference_pb2.ModelInferResponse) -> dict[str, npt.NDArray[Any]]:
@@ -132,14 +138,20 @@ def encode_outputs(
     outputs: Mapping[str, npt.NDArray[Any]],
     response: inference_pb2.ModelInferResponse,
     shared: SharedWriter | None = None,
+    *,
+    raw: list[Any] | None = None,
 ) -> None:
     """Fills response.outputs with the requested outputs, in the requested order.
 
     Always in ``raw_output_contents``, whatever form the request used: Triton
     answers raw, and tritonclient reads nothing else. An output requested into
     a shared-memory region is written there by ``shared`` and answered with
-    its metadata and an empty raw entry, as Triton does.
+    its metadata and an empty raw entry, as Triton does. With ``raw``, the raw
+    entries go there instead, as byte views of the arrays where they are
+    C-contiguous and little-endian (no copy), for the caller to write after
+    the serialized response (:func:`poolserve.service.inference.rawwire.raw_output_parts`).
     """
+    target = response.raw_output_contents if raw is None else raw
     placed = _placed_outputs(request) if shared is not None else {}
     for name, arr in _select(request, outputs):
         datatype = _datatype(name, arr, "output")
@@ -147,9 +159,9 @@ def encode_outputs(
         requested = placed.get(name)
         if requested is not None and shared is not None:
             shared(requested, arr, datatype)
-            response.raw_output_contents.append(b"")
+            target.append(b"")
             continue
-        _put(tensor, arr, response.raw_output_contents, "output")
+        _put(tensor, arr, target, "output", view=raw is not None)
 
 
 def _placed_outputs(
@@ -308,7 +320,9 @@ def _decode_raw(tensor: _Tensor, data: bytes | memoryview, role: str) -> npt.NDA
     kind = _kind_of(tensor, role)
     count = _element_count(tensor, kind, role)
     if tensor.datatype == "BYTES":
-        return _reshape(_split_bytes(tensor, bytes(data), count, role), tensor, role)
+        # elements are bytes objects: cut them from bytes, not from a view of the wire
+        whole = data if isinstance(data, bytes) else bytes(data)
+        return _reshape(_split_bytes(tensor, whole, count, role), tensor, role)
     size = kind.dtype.itemsize
     if len(data) % size:
         raise InvalidInput(
@@ -421,11 +435,18 @@ def _datatype(name: str, arr: npt.NDArray[Any], role: str) -> str:
 
 
 def _put(
-    tensor: _Tensor, arr: npt.NDArray[Any], raw: MutableSequence[bytes] | None, role: str
+    tensor: _Tensor,
+    arr: npt.NDArray[Any],
+    raw: MutableSequence[Any] | None,
+    role: str,
+    view: bool = False,
 ) -> None:
     where = _where(role, tensor)
     if raw is not None:
-        raw.append(_to_raw(arr, tensor.datatype, where))
+        if view and tensor.datatype != "BYTES":
+            raw.append(_raw_view(arr))
+        else:
+            raw.append(_to_raw(arr, tensor.datatype, where))
         return
     kind = _KINDS[tensor.datatype]
     assert kind.field is not None  # callers send FP16 raw
@@ -434,6 +455,13 @@ def _put(
     else:
         values = arr.ravel().tolist()
     getattr(tensor.contents, kind.field).extend(values)
+
+
+def _raw_view(arr: npt.NDArray[Any]) -> memoryview:
+    """The array's bytes in C order, little-endian, as a flat byte view: of the
+    array's own memory when it is so already (a copy only to reorder or swap)."""
+    little = np.ascontiguousarray(arr.astype(arr.dtype.newbyteorder("<"), copy=False))
+    return little.reshape(-1).view(np.uint8).data
 
 
 def _to_raw(arr: npt.NDArray[Any], datatype: str, where: str) -> bytes:

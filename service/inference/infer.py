@@ -2,11 +2,15 @@
 
 This is the whole of a worker's job per request (and of an in-process
 model's): parse, decode tensors without copying, predict, encode, serialize.
+The tensors' bytes stay out of protobuf both ways (:mod:`poolserve.service.inference.rawwire`):
+raw inputs are views of the request's bytes, raw outputs views of the model's
+arrays, written after the serialized rest of the response as parts.
 """
 
 from __future__ import annotations
 
 import time
+from typing import cast
 
 from google.protobuf.message import DecodeError
 
@@ -16,25 +20,39 @@ from poolserve.service.contract.shm import Region, unwrap
 from poolserve.service.inference.classification import classify, requested_classes
 from poolserve.service.inference.codec import decode_inputs, encode_outputs, parameters_to_dict
 from poolserve.service.inference.model import Model, WireModel, check_outputs, class_labels
+from poolserve.service.inference.rawwire import Buffer, raw_output_parts, split_raw_inputs
 from poolserve.service.inference.shm import SharedTensors
 from poolserve.service.poolcore.stats import Timings
 
 
-def parse_request(data: bytes) -> pb.ModelInferRequest:
+def parse_request(data: Buffer) -> pb.ModelInferRequest:
+    """The request; ``data`` may be a view (a large request is one of its frame)."""
     try:
-        return pb.ModelInferRequest.FromString(data)
+        # upb parses any buffer (a view of a frame) without copying it to bytes first
+        return pb.ModelInferRequest.FromString(cast(bytes, data))
     except DecodeError as exc:
         raise InvalidInput(f"ModelInferRequest cannot be parsed: {exc}") from None
 
 
 def infer(
-    model: Model, data: bytes, regions: dict[str, Region] | None = None
+    model: Model, data: Buffer, regions: dict[str, Region] | None = None
 ) -> tuple[bytes, Timings]:
     """Runs one serialized ModelInferRequest; raises ServingError subclasses only.
 
     ``data`` may carry the shared-memory registrations it uses in front
     (:mod:`poolserve.service.contract.shm`), or they come as ``regions``.
     """
+    parts, timings = infer_parts(model, data, regions)
+    whole = parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(parts)
+    return whole, timings
+
+
+def infer_parts(
+    model: Model, data: Buffer, regions: dict[str, Region] | None = None
+) -> tuple[list[Buffer], Timings]:
+    """:func:`infer`, with the serialized response as parts: the response
+    without its raw outputs, then each raw output's field head and bytes (a
+    view of the model's array). Raw inputs reach the model as views of ``data``."""
     if regions is None:
         regions, data = unwrap(data)
     if isinstance(model, WireModel):  # an adapter converts with its own server's code
@@ -43,11 +61,13 @@ def infer(
                 f"model '{model.settings.name}' is served through an adapter "
                 "that reads tensors from the request only: shared memory is not supported"
             )
-        return model.infer_wire(data)
+        body, timings = model.infer_wire(data if isinstance(data, bytes) else bytes(data))
+        return [body], timings
     t0 = time.perf_counter_ns()
-    request = parse_request(data)
+    head, raw = split_raw_inputs(data)
+    request = parse_request(head)
     shared = SharedTensors(regions)
-    inputs = decode_inputs(request, shared.read)
+    inputs = decode_inputs(request, shared.read, raw=raw or None)
     parameters = parameters_to_dict(request.parameters)
     classes = requested_classes(request) if request.outputs else None
     t1 = time.perf_counter_ns()
@@ -65,7 +85,8 @@ def infer(
     response = pb.ModelInferResponse(
         model_name=name, model_version=model.settings.version, id=request.id
     )
-    encode_outputs(request, outputs, response, shared.write)
-    body = response.SerializeToString()
+    views: list[Buffer] = []
+    encode_outputs(request, outputs, response, shared.write, raw=views)
+    parts: list[Buffer] = [response.SerializeToString(), *raw_output_parts(views)]
     t3 = time.perf_counter_ns()
-    return body, Timings(decode_ns=t1 - t0, compute_ns=t2 - t1, encode_ns=t3 - t2)
+    return parts, Timings(decode_ns=t1 - t0, compute_ns=t2 - t1, encode_ns=t3 - t2)

@@ -20,20 +20,19 @@ from collections.abc import Iterator
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service.contract.errors import InvalidInput, ModelError, ServingError
 from poolserve.service.contract.shm import Region
+from poolserve.service.contract.wire import Wire
 from poolserve.service.inference.codec import decode_inputs, encode_outputs, parameters_to_dict
 from poolserve.service.inference.infer import parse_request
 from poolserve.service.inference.model import Model, WireModel, check_outputs
 from poolserve.service.inference.shm import SharedTensors
-from poolserve.service.poolcore.frames import part_frame, reply_frame
+from poolserve.service.poolcore.frames import Frame, part_frame, reply_frame
 from poolserve.service.poolcore.stats import Timings
 
 FINAL_FLAG = "triton_enable_empty_final_response"
 FINAL = "triton_final_response"
 
 
-def stream_infer(
-    model: Model, data: bytes, regions: dict[str, Region], seq: int
-) -> Iterator[bytes]:
+def stream_infer(model: Model, data: Wire, regions: dict[str, Region], seq: int) -> Iterator[Frame]:
     """PART frames, one per yielded output dict, then the final REPLY frame;
     raises ServingError subclasses only."""
     name = model.settings.name

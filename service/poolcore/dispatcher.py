@@ -51,6 +51,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 from poolserve.service.contract.batching import BatchPolicy
 from poolserve.service.contract.errors import (
@@ -60,6 +61,7 @@ from poolserve.service.contract.errors import (
     Unavailable,
     error_for,
 )
+from poolserve.service.contract.framing import Batcher, Payload
 from poolserve.service.poolcore.frames import (
     LOADING,
     PART,
@@ -96,7 +98,7 @@ class JobState(enum.Enum):
 
 @dataclass(slots=True, eq=False)
 class Job:
-    body: bytes
+    body: Payload  # a large request's body is a view of the lane frame's buffer
     deadline: float
     priority: int
     seq: int
@@ -137,7 +139,7 @@ class Parts:
 
 @dataclass(slots=True)
 class Result:
-    body: bytes
+    body: Payload  # a large reply's body is a view of the worker frame's buffer
     timings: Timings
     queue_ns: int
     enqueued: float = 0.0  # loop (monotonic) times, for spans built after the fact
@@ -188,6 +190,7 @@ class Worker:
     sock: socket.socket
     pidfd: int = -1
     transport: asyncio.Transport | None = None
+    writer: Batcher | None = None  # scatter writes to the worker (never transport.write)
     current: Job | None = None
     served: int = 0
     state: WorkerState = WorkerState.STARTING
@@ -360,7 +363,7 @@ class Dispatcher:
 
     async def submit(
         self,
-        body: bytes,
+        body: Payload,
         deadline: float,
         *,
         priority: int | None = None,
@@ -420,7 +423,7 @@ class Dispatcher:
 
     async def submit_stream(
         self,
-        body: bytes,
+        body: Payload,
         deadline: float,
         *,
         window: int,
@@ -481,7 +484,7 @@ class Dispatcher:
     async def submit_pinned(
         self,
         worker: Worker,
-        body: bytes,
+        body: Payload,
         deadline: float,
         *,
         sequence: str,
@@ -515,7 +518,7 @@ class Dispatcher:
     def _pin(
         self,
         worker: Worker,
-        body: bytes,
+        body: Payload,
         deadline: float,
         sequence: str,
         tag: str,
@@ -550,8 +553,8 @@ class Dispatcher:
             return
         if parts.taken < max(1, parts.window // 2):
             return
-        if worker is not None and worker.current is job and worker.transport is not None:
-            worker.transport.write(ack_frame(job.seq, parts.taken))
+        if worker is not None and worker.current is job and worker.writer is not None:
+            worker.writer.write_now(ack_frame(job.seq, parts.taken))
         parts.taken = 0
 
     def _abandon(self, job: Job, why: str) -> None:
@@ -564,8 +567,8 @@ class Dispatcher:
             job.state = JobState.ABANDONED
             worker = job.worker
             if job.stream is not None and worker is not None and worker.current is job:
-                assert worker.transport is not None  # it runs a job: connected
-                worker.transport.write(cancel_frame(job.seq))  # it closes the model's generator
+                assert worker.writer is not None  # it runs a job: connected
+                worker.writer.write_now(cancel_frame(job.seq))  # it closes the model's generator
             if self.abandon_grace > 0:
                 stuck_after = min(STUCK_AFTER_S, self.abandon_grace)
                 loop = asyncio.get_running_loop()
@@ -613,16 +616,18 @@ class Dispatcher:
         worker.state = WorkerState.BUSY
         if job.timeout is not None:
             job.overtime = loop.call_at(job.started + job.timeout, self._overtime, worker, job)
-        assert worker.transport is not None
+        # Frames go out as parts (header, body views: no join), at once: a
+        # worker's socket carries one job at a time.
+        assert worker.writer is not None
         if job.stream is not None:
-            worker.transport.write(stream_frame(job.seq, job.stream.window, job.body))
+            worker.writer.write_now(*stream_frame(job.seq, job.stream.window, job.body))
         elif job.notice:
-            worker.transport.write(sequence_end_frame(job.seq, job.body))
+            worker.writer.write_now(*sequence_end_frame(job.seq, job.body))
         elif job.members is None:
-            worker.transport.write(request_frame(job.seq, job.body))
+            worker.writer.write_now(*request_frame(job.seq, job.body))
         else:
             self.batches += 1
-            worker.transport.write(batch_frame(job.seq, [m.body for m in jobs]))
+            worker.writer.write_now(*batch_frame(job.seq, [m.body for m in jobs]))
 
     def _fill_idle(self) -> None:
         """Starts what is worth starting on idle workers (a batch may still wait)."""
@@ -784,7 +789,7 @@ class Dispatcher:
             if job.stream is None:
                 raise ValueError(f"a stream's part for request {reply.seq}, not a stream")
             if job.state is JobState.RUNNING:
-                job.stream.queue.put_nowait(reply.body)
+                job.stream.queue.put_nowait(bytes(reply.body))  # a PART's body is bytes
             return  # the worker stays in the stream until its final frame
         members = job.members or [job]
         parts = reply.parts if reply.parts is not None else [reply]
@@ -851,7 +856,7 @@ class Dispatcher:
         if worker.state is not WorkerState.WARMING:
             raise ValueError(f"self-test frame of kind {notice.kind} after the self-test")
         if notice.kind in (WARMUP, LOADING):
-            worker.warming = notice.body.decode("utf-8", "replace")
+            worker.warming = bytes(notice.body).decode("utf-8", "replace")
             worker.loading = notice.kind == LOADING
             self._warmup_deadline(worker)  # each model gets the whole limit
             return
@@ -864,9 +869,9 @@ class Dispatcher:
         self._on_worker_ready(worker.pid)
         self._on_change()
 
-    def _note_warmup_report(self, worker: Worker, body: bytes) -> None:
+    def _note_warmup_report(self, worker: Worker, body: Payload) -> None:
         try:
-            raised = json.loads(body).get("raised", {})
+            raised = json.loads(bytes(body)).get("raised", {})
         except (ValueError, AttributeError):
             raised = {}
         for model, error in raised.items():
@@ -1206,8 +1211,13 @@ def _order_key(keys: list[float], deadline: float, precision: float) -> float:
     return keys[i - 1] if i and keys[i - 1] > deadline else deadline
 
 
-class _WorkerLink(asyncio.Protocol):
-    """One worker's socket: every byte counts as a sign of life, every frame is delivered."""
+class _WorkerLink(asyncio.BufferedProtocol):
+    """One worker's socket: every byte counts as a sign of life, every frame is delivered.
+
+    Replies are received straight into the reader's buffers (a large one into a
+    buffer of its own size, whose body goes on to the lane as a view);
+    requests leave as scatter writes of (header, body view).
+    """
 
     def __init__(self, dispatcher: Dispatcher, worker: Worker, closed: asyncio.Future[None]):
         self.dispatcher = dispatcher
@@ -1215,11 +1225,18 @@ class _WorkerLink(asyncio.Protocol):
         self.closed = closed
         self.replies = ReplyBuffer()
 
-    def data_received(self, data: bytes) -> None:
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports have asyncio.Transport's interface without subclassing it
+        self.worker.writer = Batcher(cast(asyncio.Transport, transport))
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.replies.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
         worker = self.worker
         worker.last_seen = time.monotonic()
         try:
-            for reply in self.replies.feed(data):
+            for reply in self.replies.buffer_updated(nbytes):
                 if reply.kind in SELF_TEST:
                     self.dispatcher._warmup_notice(worker, reply)
                 else:
@@ -1228,5 +1245,7 @@ class _WorkerLink(asyncio.Protocol):
             self.dispatcher._protocol_error(worker, exc)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.worker.writer is not None:
+            self.worker.writer.close()
         if not self.closed.done():
             self.closed.set_result(None)

@@ -38,13 +38,17 @@ like a request, with an empty REPLY (or an ERROR).
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from poolserve.service.contract.errors import Failure
-from poolserve.service.contract.framing import HEADER, FrameReader
+from poolserve.service.contract.framing import HEADER, FrameReader, Part, Payload
 from poolserve.service.poolcore.stats import Timings
 
 TIMINGS = struct.Struct("<QQQ")
+
+Frame = bytes | Sequence[Part]
+"""A frame to send: its bytes, or its parts (written as a scatter list, not joined)."""
 ERROR_HEAD = struct.Struct("<B")
 
 REQUEST = 1
@@ -69,28 +73,47 @@ COUNT = struct.Struct("<I")
 class Reply:
     seq: int
     timings: Timings
-    body: bytes = b""
+    body: Payload = b""  # a large reply's body is a view of its frame's buffer
     failure: Failure | None = None
     message: str = ""
     kind: int = REPLY
     parts: list[Reply] | None = None  # a BATCH_REPLY's replies, one per request
 
 
-def request_frame(seq: int, body: bytes) -> bytes:
-    return HEADER.pack(len(body), REQUEST, seq) + body
+def request_frame(seq: int, body: Payload) -> tuple[bytes, Payload]:
+    """A REQUEST frame as parts (header, body): written as a scatter list, the
+    body (a view of the lane's INFER frame) is not copied."""
+    return HEADER.pack(len(body), REQUEST, seq), body
 
 
-def batch_frame(seq: int, bodies: list[bytes]) -> bytes:
-    payload = b"".join(request_frame(i, body) for i, body in enumerate(bodies))
-    return HEADER.pack(len(payload), BATCH, seq) + payload
+def batch_frame(seq: int, bodies: Sequence[Payload]) -> list[Part]:
+    """A BATCH frame as parts: its header, then each request's header and body."""
+    parts: list[Part] = [b""]
+    for i, body in enumerate(bodies):
+        parts.extend(request_frame(i, body))
+    parts[0] = HEADER.pack(sum(len(part) for part in parts), BATCH, seq)
+    return parts
 
 
-def batch_reply_frame(seq: int, frames: list[bytes]) -> bytes:
-    payload = b"".join(frames)
-    return HEADER.pack(len(payload), BATCH_REPLY, seq) + payload
+def batch_reply_frame(seq: int, frames: Sequence[Frame]) -> list[Part]:
+    """A BATCH_REPLY frame as parts: its header, then each reply frame's parts."""
+    parts: list[Part] = [b""]
+    for frame in frames:
+        parts.extend(frame_parts(frame))
+    parts[0] = HEADER.pack(sum(len(part) for part in parts), BATCH_REPLY, seq)
+    return parts
 
 
-def split_frames(payload: bytes, kind: int) -> list[tuple[int, bytes]]:
+def frame_parts(frame: Frame) -> Sequence[Part]:
+    return (frame,) if isinstance(frame, bytes) else frame
+
+
+def join_frames(frames: Sequence[Frame]) -> bytes:
+    """Frames as one bytes (where they are read back at once, as an inline batch's)."""
+    return b"".join(part for frame in frames for part in frame_parts(frame))
+
+
+def split_frames(payload: Payload, kind: int) -> list[tuple[int, bytes]]:
     """The (sequence, payload) of each frame in a BATCH (``kind`` REQUEST) payload."""
     out: list[tuple[int, bytes]] = []
     pos = 0
@@ -122,9 +145,13 @@ def parse_batch_reply(seq: int, payload: bytes) -> Reply:
     return Reply(seq, Timings(), kind=BATCH_REPLY, parts=parts)
 
 
-def reply_frame(seq: int, timings: Timings, body: bytes) -> bytes:
+def reply_frame(seq: int, timings: Timings, body: Part | Sequence[Part]) -> list[Part]:
+    """A REPLY frame as parts: header and timings, then the body's parts (the
+    response's tensors may be views of the model's arrays: never joined)."""
+    parts: Sequence[Part] = (body,) if isinstance(body, (bytes, bytearray, memoryview)) else body
+    size = sum(len(part) for part in parts)
     head = TIMINGS.pack(timings.decode_ns, timings.compute_ns, timings.encode_ns)
-    return HEADER.pack(len(head) + len(body), REPLY, seq) + head + body
+    return [HEADER.pack(TIMINGS.size + size, REPLY, seq) + head, *parts]
 
 
 def error_frame(seq: int, timings: Timings, failure: Failure, message: str) -> bytes:
@@ -134,12 +161,13 @@ def error_frame(seq: int, timings: Timings, failure: Failure, message: str) -> b
     return HEADER.pack(len(payload), ERROR, seq) + payload
 
 
-def stream_frame(seq: int, window: int, body: bytes) -> bytes:
-    return HEADER.pack(COUNT.size + len(body), STREAM, seq) + COUNT.pack(window) + body
+def stream_frame(seq: int, window: int, body: Payload) -> tuple[bytes, Payload]:
+    """A STREAM frame as parts (header and window, body): the body is not copied."""
+    return HEADER.pack(COUNT.size + len(body), STREAM, seq) + COUNT.pack(window), body
 
 
-def sequence_end_frame(seq: int, body: bytes) -> bytes:
-    return HEADER.pack(len(body), SEQUENCE_END, seq) + body
+def sequence_end_frame(seq: int, body: Payload) -> tuple[bytes, Payload]:
+    return HEADER.pack(len(body), SEQUENCE_END, seq), body
 
 
 def part_frame(seq: int, body: bytes) -> bytes:
@@ -175,10 +203,16 @@ def ready_frame(report: bytes) -> bytes:
 class ReplyBuffer(FrameReader[Reply]):
     """Cuts a worker's byte stream into replies; keeps an incomplete tail.
 
-    A REPLY's body is cut straight out of the buffer, so the response bytes go
-    back to the caller with one copy, never a second one by slicing a payload.
-    Heartbeats are consumed (the caller notes that bytes arrived at all).
+    A small REPLY's body is cut straight out of the buffer (one copy of a small
+    payload); a large one's is a view of the buffer it was received into
+    (none). Heartbeats are consumed (the caller notes that bytes arrived at all).
     """
+
+    def whole(self, kind: int, seq: int, payload: bytearray) -> Reply | None:
+        if kind == REPLY:  # large: the body stays where it was received
+            timings = Timings(*TIMINGS.unpack_from(payload))
+            return Reply(seq, timings, memoryview(payload).toreadonly()[TIMINGS.size :])
+        return self.cut(kind, seq, payload, 0, len(payload))
 
     def cut(self, kind: int, seq: int, buf: bytearray, start: int, stop: int) -> Reply | None:
         if kind == REPLY and stop - start >= TIMINGS.size:

@@ -25,10 +25,19 @@ from typing import BinaryIO
 
 from poolserve.service.contract.errors import Failure
 from poolserve.service.contract.framing import HEADER
-from poolserve.service.poolcore.frames import ACK, CANCEL, COUNT, PART, error_frame
+from poolserve.service.poolcore.frames import (
+    ACK,
+    CANCEL,
+    COUNT,
+    PART,
+    Frame,
+    error_frame,
+    frame_parts,
+    join_frames,
+)
 from poolserve.service.poolcore.stats import Timings
 
-StreamHandler = Callable[[bytes, int], Generator[bytes, None, None]]
+StreamHandler = Callable[[bytes, int], Generator[Frame, None, None]]
 """(request body, sequence number) -> PART frames, then one REPLY or ERROR frame."""
 
 
@@ -67,7 +76,7 @@ def run_stream(
     seq: int,
     payload: bytes,
     send_lock: threading.Lock,
-) -> bytes:
+) -> Frame:
     """Streams one request's parts to the pool; returns the final frame to send."""
     produce: StreamHandler | None = getattr(handler, "stream", None)
     if produce is None or len(payload) < COUNT.size:
@@ -80,13 +89,13 @@ def run_stream(
     unacked = 0
     try:
         for frame in frames:
-            if HEADER.unpack_from(frame)[1] != PART:
-                return frame
+            if HEADER.unpack_from(frame_parts(frame)[0])[1] != PART:
+                return frame  # the final REPLY (as parts) or ERROR
             unacked -= _control(reader, sock, seq, wait=False)
             while unacked >= window:
                 unacked -= _control(reader, sock, seq, wait=True)
             with send_lock:
-                sock.sendall(frame)
+                sock.sendall(join_frames([frame]))  # a PART frame is one bytes
             unacked += 1
     except Cancelled:
         pass
@@ -95,9 +104,9 @@ def run_stream(
     return error_frame(seq, Timings(), Failure.CANCELLED, "the stream was cancelled")
 
 
-def end_sequence(handler: object, seq: int, body: bytes) -> bytes:
+def end_sequence(handler: object, seq: int, body: bytes) -> Frame:
     """A SEQUENCE_END notice to the handler's ``sequence_end`` (body -> frame)."""
-    notify: Callable[[bytes, int], bytes] | None = getattr(handler, "sequence_end", None)
+    notify: Callable[[bytes, int], Frame] | None = getattr(handler, "sequence_end", None)
     if notify is None:
         return error_frame(
             seq, Timings(), Failure.UNIMPLEMENTED, "this worker does not serve sequences"

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import BinaryIO, NoReturn
 
-from poolserve.service.contract.framing import HEADER
+from poolserve.service.contract.framing import HEADER, IOV_MAX, flat
 from poolserve.service.poolcore.frames import (
     ACK,
     BATCH,
@@ -35,6 +35,7 @@ from poolserve.service.poolcore.frames import (
     REQUEST,
     SEQUENCE_END,
     STREAM,
+    Frame,
     batch_reply_frame,
     heartbeat_frame,
     loading_frame,
@@ -44,17 +45,19 @@ from poolserve.service.poolcore.frames import (
 )
 from poolserve.service.poolcore.streaming import end_sequence, run_stream
 
-Handler = Callable[[bytes, int], bytes]
+FrameOut = Frame
+"""A frame to send: its bytes, or its parts (written as a scatter list, not joined)."""
+Handler = Callable[[bytes, int], FrameOut]
 """A request handler: (request body, sequence number) -> one REPLY or ERROR frame.
 
 A handler that batches has a ``batch`` attribute: (the batch's request bodies)
 -> one REPLY or ERROR frame per request, each with its index as sequence
 number. Without one, a batch's requests run one after the other."""
 
-BatchHandler = Callable[[list[bytes]], list[bytes]]
+BatchHandler = Callable[[list[bytes]], list[FrameOut]]
 
 
-def run_batch(handler: Handler, bodies: list[bytes]) -> list[bytes]:
+def run_batch(handler: Handler, bodies: list[bytes]) -> list[FrameOut]:
     batch: BatchHandler | None = getattr(handler, "batch", None)
     if batch is not None:
         return batch(bodies)
@@ -66,6 +69,8 @@ Warmup = tuple[str, Callable[[], object]]
 
 
 def _read_exact(stream: BinaryIO, size: int) -> bytes | None:
+    # A large read goes straight from the socket into the bytes it returns
+    # (BufferedReader reads past its buffer): the body's only copy, the kernel's.
     data = stream.read(size)
     if data is None or len(data) < size:
         return None
@@ -96,7 +101,25 @@ def serve(sock: socket.socket, handler: Handler, send_lock: threading.Lock) -> N
             frame = handler(body, seq)
         del body  # a large request is not kept alive while we wait for the next
         with send_lock:
-            sock.sendall(frame)
+            send_frame(sock, frame)
+        del frame  # nor a large reply (its parts may be views of the request)
+
+
+def send_frame(sock: socket.socket, frame: FrameOut) -> None:
+    """Sends all of a frame; parts go out as scatter lists (``sendmsg``), a short
+    write resumes from a view of the rest (no join, no copy)."""
+    if isinstance(frame, bytes):
+        sock.sendall(frame)
+        return
+    parts = [flat(part) for part in frame if len(part)]
+    while parts:
+        sent = sock.sendmsg(parts[:IOV_MAX])
+        while sent:
+            if sent >= len(parts[0]):
+                sent -= len(parts.pop(0))
+            else:
+                parts[0] = parts[0][sent:]
+                sent = 0
 
 
 def self_test(sock: socket.socket, warmups: Sequence[Warmup], send_lock: threading.Lock) -> None:

@@ -17,6 +17,7 @@ from poolserve.service.contract.errors import (
     Unimplemented,
     decoupled_refusal,
 )
+from poolserve.service.contract.framing import Payload
 from poolserve.service.contract.schedule import PriorityLevels, Schedule, schedule
 from poolserve.service.contract.sequence import peek_sequence
 from poolserve.service.contract.shm import is_wrapped, unwrap
@@ -52,11 +53,11 @@ class PoolBackend:
     async def infer(
         self,
         entry: ModelEntry,
-        request: bytes,
+        request: Payload,
         deadline: float,
         routing: Routing,
         observe: Observer | None = None,
-    ) -> bytes:
+    ) -> Payload:
         if entry.settings is not None and entry.settings.decoupled:
             refused = decoupled_refusal(entry.name)
             entry.stats.record_failure(0, error=refused)
@@ -114,8 +115,8 @@ class PoolBackend:
         return result.body
 
     async def _infer_in_sequence(
-        self, entry: ModelEntry, request: bytes, plan: Schedule, observe: Observer | None
-    ) -> bytes:
+        self, entry: ModelEntry, request: Payload, plan: Schedule, observe: Observer | None
+    ) -> Payload:
         """A sequence model's request, on the worker that holds its sequence."""
         settings = entry.settings
         assert settings is not None and settings.sequence is not None
@@ -180,7 +181,7 @@ class PoolBackend:
                         item.queue_ns, item.timings, time.monotonic_ns() - began
                     )
                     if item.body:
-                        yield item.body
+                        yield bytes(item.body)
                     return
                 yield item
         except ServingError as exc:
@@ -188,7 +189,7 @@ class PoolBackend:
             raise
 
     def infer_now(
-        self, entry: ModelEntry, request: bytes, deadline: float, routing: Routing
+        self, entry: ModelEntry, request: Payload, deadline: float, routing: Routing
     ) -> bytes | None:
         """The answer on the spot for an inline model declared fast; None for the rest."""
         if not self.inline.runs_on_loop(entry.name):

@@ -44,11 +44,12 @@ from poolserve.service.contract.errors import (
     Unavailable,
     error_for,
 )
+from poolserve.service.contract.framing import Payload
 from poolserve.service.contract.repository import ModelSettings
 from poolserve.service.contract.schedule import Schedule
 from poolserve.service.grpcserver.status import as_serving_error
 from poolserve.service.poolcore.dispatcher import Job, JobQueue, JobState, Result, take_batch
-from poolserve.service.poolcore.frames import Reply, parse_batch_reply
+from poolserve.service.poolcore.frames import Reply, join_frames, parse_batch_reply
 from poolserve.service.poolcore.stats import Timings
 from poolserve.service.poolserver.catalog import Catalog, ModelEntry, ModelState
 
@@ -143,11 +144,11 @@ class InlineRunner:
     async def infer(
         self,
         entry: ModelEntry,
-        request: bytes,
+        request: Payload,
         plan: Schedule,
         observe: Callable[[Result], None] | None,
         batch: tuple[BatchPolicy, int, bytes] | None = None,
-    ) -> bytes:
+    ) -> Payload:
         """``batch``: (policy, rows, batch key) when the call may run in a batch."""
         inline = self._models[entry.name]
         if inline.thread is None:
@@ -175,7 +176,7 @@ class InlineRunner:
     async def _submit(
         self,
         inline: _Inline,
-        request: bytes,
+        request: Payload,
         plan: Schedule,
         now: float,
         batch: tuple[BatchPolicy, int, bytes] | None = None,
@@ -294,7 +295,7 @@ class InlineRunner:
         job.future.set_exception(error)
         _abandon(inline, job)
 
-    def _checked(self, name: str, body: bytes) -> bytes:
+    def _checked(self, name: str, body: Payload) -> Payload:
         if len(body) > self.max_message_size:
             raise MessageTooLarge.reply(name, len(body), self.max_message_size)
         return body
@@ -310,7 +311,7 @@ class InlineRunner:
     def infer_now(
         self,
         entry: ModelEntry,
-        request: bytes,
+        request: Payload,
         deadline: float,
         observe: Callable[[Result], None] | None = None,
     ) -> bytes:
@@ -362,7 +363,7 @@ def _load(settings: ModelSettings) -> Model:
     return load_model(settings)
 
 
-def _run(model: Model, request: bytes, deadline: float) -> tuple[bytes, Timings]:
+def _run(model: Model, request: Payload, deadline: float) -> tuple[bytes, Timings]:
     if time.monotonic() >= deadline:  # expired while it waited for the thread
         raise DeadlineExceeded(
             f"deadline exceeded before inline model '{model.settings.name}' ran",
@@ -373,17 +374,17 @@ def _run(model: Model, request: bytes, deadline: float) -> tuple[bytes, Timings]
     return infer(model, request)
 
 
-def _timed_batch(model: Model, bodies: list[bytes]) -> RanBatch:
+def _timed_batch(model: Model, bodies: list[Payload]) -> RanBatch:
     from poolserve.service.inference.batch import run_batch
 
     started = time.monotonic()
     frames = run_batch({model.settings.name: model}, bodies)
-    parts = parse_batch_reply(0, b"".join(frames)).parts
+    parts = parse_batch_reply(0, join_frames(frames)).parts
     assert parts is not None
     return started, parts
 
 
-def _timed_run(model: Model, request: bytes, deadline: float) -> tuple[float, bytes, Timings]:
+def _timed_run(model: Model, request: Payload, deadline: float) -> tuple[float, bytes, Timings]:
     started = time.monotonic()
     body, timings = _run(model, request, deadline)
     return started, body, timings

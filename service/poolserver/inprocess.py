@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from poolserve.service.contract.errors import DeadlineExceeded, ServingError, decoupled_refusal
+from poolserve.service.contract.framing import Payload
 from poolserve.service.contract.repository import ModelSettings, Repository
 from poolserve.service.contract.settings import ServerSettings
 from poolserve.service.contract.wire import Routing
@@ -58,11 +59,11 @@ class InProcessBackend:
     async def infer(
         self,
         entry: ModelEntry,
-        request: bytes,
+        request: Payload,
         deadline: float,
         routing: Routing,
         observe: Observer | None = None,
-    ) -> bytes:
+    ) -> Payload:
         if entry.settings is not None and entry.settings.decoupled:
             raise decoupled_refusal(entry.name)
         queued = time.monotonic_ns()

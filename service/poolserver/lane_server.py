@@ -14,7 +14,14 @@ from pathlib import Path
 from google.protobuf.message import DecodeError
 
 from poolserve.service.contract.errors import ServingError, Unavailable
-from poolserve.service.contract.framing import HEADER, MAX_FRAME, Batcher, FrameBuffer
+from poolserve.service.contract.framing import (
+    HEADER,
+    MAX_FRAME,
+    Batcher,
+    FrameBuffer,
+    Part,
+    Payload,
+)
 from poolserve.service.contract.lane import (
     CANCEL,
     INFER,
@@ -29,13 +36,18 @@ from poolserve.service.grpcserver.status import as_serving_error
 
 log = logging.getLogger(__name__)
 
-# Runs one request; raises ServingError (or anything, mapped to INTERNAL).
-Handler = Callable[[bytes, float, Trace], Awaitable[bytes]]
+# Runs one request; raises ServingError (or anything, mapped to INTERNAL). The
+# request is a view of the INFER frame's buffer when large, the reply may be one.
+Handler = Callable[[Payload, float, Trace], Awaitable[Payload]]
 # Optionally, first: the answer on the spot, or None when the call has to wait.
-Immediate = Callable[[bytes, float, Trace], bytes | None]
+Immediate = Callable[[Payload, float, Trace], bytes | None]
 
 
-class _ServerProtocol(asyncio.Protocol):
+class _ServerProtocol(asyncio.BufferedProtocol):
+    """Receives straight into the frame reader's buffers (a large INFER frame
+    into one of its own size, whose request body is then a view: the pool
+    forwards it to a worker without a copy); writes scatter lists."""
+
     def __init__(self, server: LaneServer) -> None:
         self.server = server
         self.frames = FrameBuffer(server.max_frame)
@@ -49,9 +61,12 @@ class _ServerProtocol(asyncio.Protocol):
         self.batcher = Batcher(transport)
         self.server.connections.add(self)
 
-    def data_received(self, data: bytes) -> None:
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.frames.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
         try:
-            frames = self.frames.feed(data)
+            frames = self.frames.buffer_updated(nbytes)
         except ValueError as exc:
             return self._refuse(str(exc))
         for kind, seq, payload in frames:
@@ -72,7 +87,7 @@ class _ServerProtocol(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
-    def _start(self, seq: int, payload: bytes) -> None:
+    def _start(self, seq: int, payload: Payload) -> None:
         server = self.server
         if server.draining:
             self._send(error_frame(seq, Unavailable(f"{server.where} is stopping")))
@@ -89,22 +104,22 @@ class _ServerProtocol(asyncio.Protocol):
                 self._send(self._error(seq, exc))
                 return
             if reply is not None:  # answered on the spot: no task, no await
-                self._send(HEADER.pack(len(reply), REPLY, seq) + reply)
+                self._send(HEADER.pack(len(reply), REPLY, seq), reply)
                 return
         self.running[seq] = server.tasks.create_task(self._run(seq, body, deadline, trace))
 
-    async def _run(self, seq: int, body: bytes, deadline: float, trace: Trace) -> None:
+    async def _run(self, seq: int, body: Payload, deadline: float, trace: Trace) -> None:
         try:
             reply = await self.server.handler(body, deadline, trace)
-            frame = HEADER.pack(len(reply), REPLY, seq) + reply
+            frame: tuple[Part, ...] = (HEADER.pack(len(reply), REPLY, seq), reply)  # no join
         except asyncio.CancelledError:
             return  # the caller gave up or the connection went: nobody to answer
         except Exception as exc:
-            frame = self._error(seq, exc)
+            frame = (self._error(seq, exc),)
         finally:
             self.running.pop(seq, None)
             self.server.settle()
-        self._send(frame)
+        self._send(*frame)
 
     @staticmethod
     def _error(seq: int, exc: Exception) -> bytes:
@@ -112,12 +127,14 @@ class _ServerProtocol(asyncio.Protocol):
             log.exception("lane: unexpected error running a request")
         return error_frame(seq, as_serving_error(exc))
 
-    def _send(self, frame: bytes) -> None:
+    def _send(self, *parts: Part) -> None:
         if self.batcher is not None and not self.batcher.transport.is_closing():
-            self.batcher.write(frame)
+            self.batcher.write(*parts)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
+        if self.batcher is not None:
+            self.batcher.close()
         self.server.connections.discard(self)
         running, self.running = self.running, {}
         for task in running.values():

@@ -21,6 +21,7 @@ from pathlib import Path
 import grpc
 
 from poolserve.service.contract.errors import ServingError, Unavailable
+from poolserve.service.contract.framing import Payload
 from poolserve.service.contract.lane import LANE_OVERHEAD, Trace, lane_path
 from poolserve.service.contract.repository import (
     ModelSettings,
@@ -141,7 +142,7 @@ class PoolServer(LiveModels):
         self._loaded_from: dict[str, Fingerprint | None] = {}  # the files each model came from
         self._tasks: asyncio.TaskGroup | None = None
 
-    def _lane_now(self, request: bytes, deadline: float, trace: Trace) -> bytes | None:
+    def _lane_now(self, request: Payload, deadline: float, trace: Trace) -> bytes | None:
         """A lane call answered without a task: an inline model declared fast, untraced."""
         if self.servicer.tracing is not None or not self.inline.has_fast():
             return None

@@ -22,6 +22,7 @@ import grpc
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service import __version__
 from poolserve.service.contract.errors import Failure, ServingError, Unimplemented
+from poolserve.service.contract.framing import Payload
 from poolserve.service.contract.lane import Trace
 from poolserve.service.contract.shm import unwrap
 from poolserve.service.contract.wire import Routing, encode_len_field, peek_routing
@@ -42,17 +43,22 @@ log = logging.getLogger(__name__)
 Observer = Callable[["Result"], None]  # sees a successful execution's timings (for spans)
 
 
+def as_bytes(body: Payload) -> bytes:
+    """gRPC sends bytes only: a large reply (a view of its frame's buffer) is copied once."""
+    return body if isinstance(body, bytes) else bytes(body)
+
+
 class InferBackend(Protocol):
     """Runs serialized requests for ready models; raises ServingError subclasses."""
 
     async def infer(
         self,
         entry: ModelEntry,
-        request: bytes,
+        request: Payload,
         deadline: float,
         routing: Routing,
         observe: Observer | None = None,
-    ) -> bytes: ...
+    ) -> Payload: ...
 
     def serving(self) -> bool: ...
 
@@ -161,11 +167,11 @@ class InferenceServicer:
         deadline = deadline_from(context, self.default_timeout_s, self.margin_s)
         request = self.shared_memory.attach(request)
         if self.tracing is None:
-            return await self.infer_bytes(request, deadline)
+            return as_bytes(await self.infer_bytes(request, deadline))
         metadata = context.invocation_metadata()
-        return await self._infer_traced(self.tracing, request, metadata, deadline)
+        return as_bytes(await self._infer_traced(self.tracing, request, metadata, deadline))
 
-    async def infer_lane(self, request: bytes, deadline: float, trace: Trace) -> bytes:
+    async def infer_lane(self, request: Payload, deadline: float, trace: Trace) -> Payload:
         """A ModelInfer that came over the router's lane (no gRPC context)."""
         deadline -= self.margin_s
         if self.tracing is None:
@@ -173,8 +179,8 @@ class InferenceServicer:
         return await self._infer_traced(self.tracing, request, trace, deadline)
 
     async def infer_bytes(
-        self, request: bytes, deadline: float, observe: Observer | None = None
-    ) -> bytes:
+        self, request: Payload, deadline: float, observe: Observer | None = None
+    ) -> Payload:
         routing = peek_routing(unwrap(request)[1])
         entry = self.catalog.lookup_ready(routing.name, routing.version)
         return await self.backend.infer(entry, request, deadline, routing, observe)
@@ -182,10 +188,10 @@ class InferenceServicer:
     async def _infer_traced(
         self,
         tracing: Tracing,
-        request: bytes,
+        request: Payload,
         metadata: Iterable[tuple[str, Any]] | None,
         deadline: float,
-    ) -> bytes:
+    ) -> Payload:
         """The pool's span, with ``queue`` and ``compute`` children from the worker's timings."""
         span = tracing.server_span(
             f"{self.server_name} pool ModelInfer",
@@ -247,7 +253,7 @@ class InferenceServicer:
             except ServingError as exc:
                 yield pb.ModelStreamInferResponse(error_message=exc.message).SerializeToString()
                 continue
-            yield encode_len_field(2, body)
+            yield encode_len_field(2, as_bytes(body))
 
     async def _stream(
         self, entry: ModelEntry, request: bytes, deadline: float, routing: Routing

@@ -12,23 +12,37 @@ from poolserve.service.contract.framing import HEADER, Batcher, FrameBuffer
 from poolserve.service.contract.lane import CANCEL, PING, REPLY, Trace, infer_frame, parse_error
 
 
-class _ClientProtocol(asyncio.Protocol):
+class _ClientProtocol(asyncio.BufferedProtocol):
+    """Receives straight into the frame reader's buffers (a large reply into
+    one of its own size); writes through a :class:`Batcher` (scatter writes)."""
+
     def __init__(self, lane: LaneClient) -> None:
         self.lane = lane
         self.frames = FrameBuffer()
+        self.batcher: Batcher | None = None
 
-    def data_received(self, data: bytes) -> None:
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.batcher = Batcher(transport)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.frames.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
         pending = self.lane.pending
-        for kind, seq, payload in self.frames.feed(data):
+        for kind, seq, payload in self.frames.buffer_updated(nbytes):
             future = pending.pop(seq, None)
             if future is None or future.done():
                 continue  # its caller gave up: nobody to tell
             if kind == REPLY:
-                future.set_result(payload)
+                # gRPC sends bytes only: the one copy of the reply in the router
+                future.set_result(payload if isinstance(payload, bytes) else bytes(payload))
             else:
                 future.set_exception(parse_error(payload))
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.batcher is not None:
+            self.batcher.close()
         self.lane.lost(self)
 
 
@@ -55,7 +69,7 @@ class LaneClient:
             loop = asyncio.get_running_loop()
             self._connecting = loop.create_future()
             try:
-                transport, protocol = await loop.create_unix_connection(
+                _, protocol = await loop.create_unix_connection(
                     lambda: _ClientProtocol(self), str(self.path)
                 )
             except OSError as exc:
@@ -63,7 +77,8 @@ class LaneClient:
             finally:
                 self._connecting.set_result(None)
                 self._connecting = None
-            self._transport, self._protocol = Batcher(transport), protocol
+            assert protocol.batcher is not None
+            self._transport, self._protocol = protocol.batcher, protocol
         return self._transport
 
     async def call(self, body: bytes, deadline: float, trace: Trace) -> bytes:
@@ -77,7 +92,7 @@ class LaneClient:
         seq = next(self._seq)
         future: asyncio.Future[bytes] = loop.create_future()
         self.pending[seq] = future
-        transport.write(infer_frame(seq, deadline, trace, body))
+        transport.write(*infer_frame(seq, deadline, trace, body))  # the body is not copied
         timer = loop.call_at(deadline, _time_out, future)  # asyncio's clock is time.monotonic
         try:
             return await future

@@ -43,9 +43,10 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from poolserve.service.contract.errors import Failure, ModelError, ModelNotReady
+from poolserve.service.contract.framing import Payload
 from poolserve.service.poolcore.frames import error_frame, reply_frame
 from poolserve.service.poolcore.stats import Timings
-from poolserve.service.poolcore.worker import Handler, Warmup
+from poolserve.service.poolcore.worker import FrameOut, Handler, Warmup
 from poolserve.service.poolcore.zygote import Emit, exec_arguments, exec_main, truncate_reason
 from poolserve.service.workerpool.payload import Encoded, PayloadError, SegmentDir, dumps, loads
 
@@ -131,7 +132,7 @@ def batch_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, bytes
     return rows.pop(), "|".join(parts).encode()
 
 
-def decode_outcome(model: str, body: bytes, segments: SegmentDir | None) -> Any:
+def decode_outcome(model: str, body: Payload, segments: SegmentDir | None) -> Any:
     """The value ``score`` returned; raises :class:`ScoreError` for what it raised."""
     try:
         (kind,) = _KIND.unpack_from(body)
@@ -202,13 +203,13 @@ class ScoreHandler:
         self.models = models
         self.segments = segments
 
-    def batch(self, bodies: list[bytes]) -> list[bytes]:
+    def batch(self, bodies: list[bytes]) -> list[FrameOut]:
         """One frame per call: the calls' positional arrays concatenated along
         dimension 0, ``score`` once, its result split back by rows. A call that
         cannot be decoded, or does not fit the first one's key, runs alone."""
         import numpy as np  # the calls hold arrays: numpy is loaded already
 
-        frames: list[bytes] = [b""] * len(bodies)
+        frames: list[FrameOut] = [b""] * len(bodies)
         members: list[tuple[int, int, tuple[Any, ...]]] = []  # index, job, args
         name, key = "", b""
         t0 = time.perf_counter_ns()
@@ -260,7 +261,7 @@ class ScoreHandler:
             )
         return frames
 
-    def __call__(self, body: bytes, seq: int) -> bytes:
+    def __call__(self, body: bytes, seq: int) -> FrameOut:
         t0 = time.perf_counter_ns()
         try:
             job, name_len = _CALL.unpack_from(body)
