@@ -63,7 +63,7 @@ class Histogram(_message.Message):
     def __init__(self, buckets: _Optional[_Iterable[int]] = ..., sum_ns: _Optional[int] = ...) -> None: ...
 
 class ModelMetrics(_message.Message):
-    __slots__ = ("name", "version", "ready", "success", "failures", "inference_count", "execution_count", "request_ns", "queue_ns", "compute_input_ns", "compute_infer_ns", "compute_output_ns", "request", "queue", "compute", "deadline_exceeded")
+    __slots__ = ("name", "version", "ready", "success", "failures", "inference_count", "execution_count", "request_ns", "queue_ns", "compute_input_ns", "compute_infer_ns", "compute_output_ns", "request", "queue", "compute", "deadline_exceeded", "batch_sizes")
     class FailuresEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,13 @@ class ModelMetrics(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class BatchSizesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +101,7 @@ class ModelMetrics(_message.Message):
     QUEUE_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_EXCEEDED_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZES_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     ready: bool
@@ -110,7 +118,8 @@ class ModelMetrics(_message.Message):
     queue: Histogram
     compute: Histogram
     deadline_exceeded: _containers.ScalarMap[str, int]
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., ready: _Optional[bool] = ..., success: _Optional[int] = ..., failures: _Optional[_Mapping[str, int]] = ..., inference_count: _Optional[int] = ..., execution_count: _Optional[int] = ..., request_ns: _Optional[int] = ..., queue_ns: _Optional[int] = ..., compute_input_ns: _Optional[int] = ..., compute_infer_ns: _Optional[int] = ..., compute_output_ns: _Optional[int] = ..., request: _Optional[_Union[Histogram, _Mapping]] = ..., queue: _Optional[_Union[Histogram, _Mapping]] = ..., compute: _Optional[_Union[Histogram, _Mapping]] = ..., deadline_exceeded: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    batch_sizes: _containers.ScalarMap[int, int]
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., ready: _Optional[bool] = ..., success: _Optional[int] = ..., failures: _Optional[_Mapping[str, int]] = ..., inference_count: _Optional[int] = ..., execution_count: _Optional[int] = ..., request_ns: _Optional[int] = ..., queue_ns: _Optional[int] = ..., compute_input_ns: _Optional[int] = ..., compute_infer_ns: _Optional[int] = ..., compute_output_ns: _Optional[int] = ..., request: _Optional[_Union[Histogram, _Mapping]] = ..., queue: _Optional[_Union[Histogram, _Mapping]] = ..., compute: _Optional[_Union[Histogram, _Mapping]] = ..., deadline_exceeded: _Optional[_Mapping[str, int]] = ..., batch_sizes: _Optional[_Mapping[int, int]] = ...) -> None: ...
 
 class ProcessMetrics(_message.Message):
     __slots__ = ("pid", "kind", "state", "rss_bytes", "pss_bytes", "cpu_seconds")

@@ -162,6 +162,38 @@ def test_exposition_parses_back_with_triton_names_and_histograms() -> None:
     assert workers == {"idle": 1.0, "busy": 2.0, "starting": 0.0}
 
 
+def test_batch_sizes_are_a_histogram_that_continues_across_restarts() -> None:
+    stats = ModelStats()
+    for size in (3, 3, 32, 1):
+        stats.record_batch(size, Timings(0, MS, 0))
+    from poolserve.service.poolserver.catalog import ModelEntry, ModelState
+    from poolserve.service.poolserver.metrics import model_metrics
+
+    batched = model_metrics(ModelEntry("b", "1", "g", ModelState.READY, stats=stats))
+    assert dict(batched.batch_sizes) == {3: 2, 32: 1, 1: 1}
+    state: dict[str, Continuity] = {}
+    text, _ = scrape({"a": pool("a", "1-1", batched, model("m", 2))}, state)
+    buckets = {
+        dict(k)["le"]: v
+        for k, v in values(text, "poolserve_batch_size_bucket").items()
+        if dict(k)["model"] == "b"
+    }
+    assert (buckets["1"], buckets["2"], buckets["4"], buckets["16"], buckets["32"]) == (
+        1, 1, 3, 3, 4,
+    )  # fmt: skip
+    assert buckets["+Inf"] == 4
+    assert values(text, "poolserve_batch_size_sum") == {
+        frozenset({("model", "b"), ("version", "1"), ("pool", "a")}): 3 + 3 + 32 + 1
+    }  # a model that does not batch has no series
+    # the pool restarts and counts one batch of 5 from zero: the histogram continues
+    again = ModelStats()
+    again.record_batch(5, Timings(0, MS, 0))
+    restarted = model_metrics(ModelEntry("b", "1", "g", ModelState.READY, stats=again))
+    text, _ = scrape({"a": pool("a", "2-2", restarted)}, state)
+    (count,) = values(text, "poolserve_batch_size_count").values()
+    assert count == 5
+
+
 def test_openmetrics_on_accept() -> None:
     state: dict[str, Continuity] = {}
     text, content_type = scrape(

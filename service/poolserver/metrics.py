@@ -61,6 +61,7 @@ def model_metrics(entry: ModelEntry) -> cpb.ModelMetrics:
         queue=histogram(s.queue_buckets, s.queue_ns),
         compute=histogram(s.compute_buckets, s.infer_ns),
         deadline_exceeded=dict(s.deadlines),
+        batch_sizes={size: b.count for size, b in s.batches.items()},
     )
 
 

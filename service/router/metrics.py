@@ -20,6 +20,7 @@ Triton names them where Triton has a name.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -75,6 +76,10 @@ TRITON_COUNTERS = (
 )
 FAILURE_COUNTER = "nv_inference_request_failure"
 UNSUFFIXED = (*(name for name, _, _ in TRITON_COUNTERS), FAILURE_COUNTER)
+# poolserve_batch_size: rows per execution of a batching model (upper bounds).
+BATCH_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+BATCH_COUNT = "poolserve_batch_size:count"
+
 HISTOGRAMS = (
     ("nv_inference_request_duration_seconds", "Request time (success and failure)", "request"),
     ("nv_inference_queue_duration_seconds", "Time in the pool's queue", "queue"),
@@ -146,6 +151,8 @@ def pool_counters(metrics: cpb.PoolMetrics) -> dict[str, dict[Key, float]]:
             for i, count in enumerate(hist.buckets):
                 values[(f"{name}:bucket", (*labels, str(i)))] = float(count)
             values[(f"{name}:sum", labels)] = hist.sum_ns / 1e9
+        for size, count in m.batch_sizes.items():
+            values[(BATCH_COUNT, (*labels, str(size)))] = float(count)
         groups[f"model:{m.name}:{m.version}"] = values
     groups[""] = {
         ("poolserve_worker_restarts", (gid, cause)): float(metrics.worker_restarts.get(cause, 0))
@@ -184,6 +191,7 @@ class Snapshot(Collector):
             totals.update(state.totals())
         yield from self._triton(totals)
         yield from self._histograms(totals)
+        yield from self._batch_sizes(totals)
         yield from self._pools(totals)
         yield from self._processes()
 
@@ -230,6 +238,30 @@ class Snapshot(Collector):
                     buckets.append((bound, running))
                 family.add_metric(labels, buckets, totals.get((f"{name}:sum", labels), 0.0))
             yield family
+
+    def _batch_sizes(self, totals: Mapping[Key, float]) -> Iterator[Metric]:
+        """Executions by rows, from the pools' counts per batch size."""
+        family = HistogramMetricFamily(
+            "poolserve_batch_size",
+            "Rows per execution of a batching model",
+            labels=("model", "version", "pool"),
+        )
+        slots: dict[Labels, list[float]] = {}
+        sums: dict[Labels, float] = {}
+        for (fam, labels), count in totals.items():
+            if fam != BATCH_COUNT:
+                continue
+            size = int(labels[3])
+            counts = slots.setdefault(labels[:3], [0.0] * (len(BATCH_BOUNDS) + 1))
+            counts[bisect.bisect_left(BATCH_BOUNDS, size)] += count
+            sums[labels[:3]] = sums.get(labels[:3], 0.0) + size * count
+        for labels, counts in sorted(slots.items()):
+            running, buckets = 0.0, []
+            for bound, count in zip((*map(str, BATCH_BOUNDS), "+Inf"), counts, strict=True):
+                running += count
+                buckets.append((bound, running))
+            family.add_metric(labels, buckets, sums[labels])
+        yield family
 
     def _pools(self, totals: Mapping[Key, float]) -> Iterator[Metric]:
         up = GaugeMetricFamily(
