@@ -81,6 +81,7 @@ def build_poolserve(model_file: Path, batched: bool, spec: servers.ServerSpec,
     run_dir = Path(os.environ.get("XDG_RUNTIME_DIR") or "/tmp") / f"psb-{os.getpid()}-{ctx.port}"
     argv = [str(servers.POOLSERVE), "serve", str(ctx.workdir / "repo")]
     argv += ["--grpc-port", str(ctx.port), "--run-dir", str(run_dir), "--workers", "2"]
+    argv += ["--metrics-port", "0"]  # a free port: two poolserve servers run side by side
     return servers.Launch(argv, ready_line="poolserve: ready", cleanup=(run_dir,))
 
 

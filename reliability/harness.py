@@ -320,7 +320,9 @@ class Tree:
             str(run_dir),
             "--workers",
             str(workers),
-            *extra,
+            "--metrics-port",  # a free port: trees side by side never share 8082
+            "0",
+            *extra,  # after: an explicit --metrics-port wins
         ]
         self.proc: subprocess.Popen[str] | None = None
         self.address = ""
