@@ -481,3 +481,33 @@ def test_a_stream_reads_regions_registered_at_the_router(
         assert "'elsewhere', which is not registered" in second.error_message
 
     run(serving.address, body)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"\x00shm1",  # cut before its length (found by tests/test_fuzz.py)
+        b"\x00shm1\x10\x00\x00\x00[]",  # cut inside its table
+        b"\x00shm1\x02\x00\x00\x00{}",  # not a list of registrations
+        b"\x00shm1\x06\x00\x00\x00[null]",
+        b'\x00shm1\x0d\x00\x00\x00[{"name": 1}]',
+    ],
+)
+def test_malformed_registrations_in_front_are_invalid_input(data: bytes) -> None:
+    from poolserve.service.contract.errors import InvalidInput
+    from poolserve.service.contract.shm import unwrap
+
+    with pytest.raises(InvalidInput, match="shared-memory registrations"):
+        unwrap(data)
+
+
+def test_registrations_of_the_wrong_types_are_invalid_input() -> None:
+    from poolserve.service.contract.errors import InvalidInput
+    from poolserve.service.contract.shm import Region, unwrap, wrap
+
+    good = wrap([Region("r", "/k", 0, 8, 7)], b"body")
+    assert unwrap(good) == ({"r": Region("r", "/k", 0, 8, 7)}, b"body")
+    table = json.dumps([{"name": "r", "key": "/k", "offset": "0", "byte_size": 8, "generation": 7}])
+    bad = b"\x00shm1" + len(table).to_bytes(4, "little") + table.encode() + b"body"
+    with pytest.raises(InvalidInput, match="is not int"):
+        unwrap(bad)

@@ -84,7 +84,24 @@ def unwrap(data: Wire) -> tuple[dict[str, Region], Wire]:
     if not is_wrapped(data):
         return {}, data
     start = len(MARK) + _LENGTH.size
+    if len(data) < start:
+        raise InvalidInput("the shared-memory registrations in front of the request are cut short")
     (size,) = _LENGTH.unpack_from(data, len(MARK))
-    rows = json.loads(bytes(data[start : start + size]))
-    regions = {row["name"]: Region(**row) for row in rows}
+    if len(data) < start + size:
+        raise InvalidInput("the shared-memory registrations in front of the request are cut short")
+    try:
+        rows = json.loads(bytes(data[start : start + size]))
+        if not isinstance(rows, list):
+            raise TypeError("the table is not a list")
+        regions = {row["name"]: Region(**row) for row in rows}
+        for region in regions.values():
+            for value, kind in ((region.name, str), (region.key, str), (region.offset, int),
+                                (region.byte_size, int), (region.generation, int)):  # fmt: skip
+                if not isinstance(value, kind) or isinstance(value, bool):
+                    raise TypeError(f"{value!r} is not {kind.__name__}")
+    except (ValueError, TypeError, KeyError) as exc:
+        raise InvalidInput(
+            "the shared-memory registrations in front of the request are malformed: "
+            + clip(str(exc))
+        ) from None
     return regions, data[start + size :]
