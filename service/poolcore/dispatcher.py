@@ -384,28 +384,10 @@ class Dispatcher:
         order they came. With ``batch``, the job may run in a batch with queued
         jobs of the same ``tag`` and ``batch_key``, ``rows`` counting its size.
         """
-        if self._refusal is not None:
-            raise self._refusal
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        if deadline <= now:
-            raise DeadlineExceeded(
-                f"deadline already spent on arrival at pool '{self.name}'", stage="pool"
-            )
         # With no live worker the job still queues: replacements are on their
         # way (health says NOT_SERVING meanwhile), and its deadline bounds the wait.
-        job = Job(
-            body,
-            deadline,
-            DEFAULT_PRIORITY if priority is None else priority,
-            next(self._seq),
-            loop.create_future(),
-            tag,
-            idempotent,
-            timeout,
-        )
-        job.enqueued = now
-        job.precision = precision
+        job = self._admit(body, deadline, priority, tag, idempotent, timeout, precision)
+        loop = asyncio.get_running_loop()
         if batch is not None and rows <= batch.max_size:
             job.batch, job.rows, job.batch_key = batch, rows, batch_key
         if self._idle and not self._queue and (job.batch is None or not self._runs(tag)):
@@ -420,6 +402,39 @@ class Dispatcher:
         finally:
             timer.cancel()
             self._abandon(job, "it was cancelled")
+
+    def _admit(
+        self,
+        body: Payload,
+        deadline: float,
+        priority: int | None,
+        tag: str,
+        idempotent: bool,
+        timeout: float | None,
+        precision: float,
+    ) -> Job:
+        """A new job, or the refusal: the pool's own, or a deadline already spent."""
+        if self._refusal is not None:
+            raise self._refusal
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if deadline <= now:
+            raise DeadlineExceeded(
+                f"deadline already spent on arrival at pool '{self.name}'", stage="pool"
+            )
+        job = Job(
+            body,
+            deadline,
+            DEFAULT_PRIORITY if priority is None else priority,
+            next(self._seq),
+            loop.create_future(),
+            tag,
+            idempotent,
+            timeout,
+        )
+        job.enqueued = now
+        job.precision = precision
+        return job
 
     async def submit_stream(
         self,
@@ -441,26 +456,8 @@ class Dispatcher:
         iterator early (the caller went away) cancels the stream on the worker.
         A stream is never retried on another worker: parts may have gone out.
         """
-        if self._refusal is not None:
-            raise self._refusal
+        job = self._admit(body, deadline, priority, tag, False, timeout, precision)
         loop = asyncio.get_running_loop()
-        now = loop.time()
-        if deadline <= now:
-            raise DeadlineExceeded(
-                f"deadline already spent on arrival at pool '{self.name}'", stage="pool"
-            )
-        job = Job(
-            body,
-            deadline,
-            DEFAULT_PRIORITY if priority is None else priority,
-            next(self._seq),
-            loop.create_future(),
-            tag,
-            False,
-            timeout,
-        )
-        job.enqueued = now
-        job.precision = precision
         parts = job.stream = Parts(max(1, window))
         if self._idle and not self._queue:
             self._start(self._idle.pop(), [job])
