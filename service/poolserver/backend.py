@@ -152,7 +152,7 @@ class PoolBackend:
         return result.body
 
     async def infer_stream(
-        self, entry: ModelEntry, request: bytes, deadline: float, routing: Routing
+        self, entry: ModelEntry, request: Payload, deadline: float, routing: Routing
     ) -> AsyncIterator[bytes]:
         """A decoupled model's responses (serialized ModelInferResponses) as its
         worker yields them; the stream's closing response last, if it has one.
