@@ -129,7 +129,12 @@ class InferenceServicer:
 
     async def model_config(self, req: pb.ModelConfigRequest, _: Any) -> pb.ModelConfigResponse:
         e = self.catalog.lookup(req.name, req.version)
-        return model_config(e.name, e.platform, e.max_batch_size, e.inputs, e.outputs)
+        settings = e.settings
+        sequence = settings.sequence if settings is not None else None
+        decoupled = settings is not None and settings.decoupled
+        return model_config(
+            e.name, e.platform, e.max_batch_size, e.inputs, e.outputs, sequence, decoupled
+        )
 
     async def model_statistics(
         self, req: pb.ModelStatisticsRequest, _: Any
