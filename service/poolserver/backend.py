@@ -125,11 +125,7 @@ class PoolBackend:
         """A sequence model's request, on the worker that holds its sequence."""
         settings = entry.settings
         assert settings is not None and settings.sequence is not None
-        table = self.sequences.get(entry.name)
-        if table is None or table.policy != settings.sequence:
-            table = self.sequences[entry.name] = Sequences(
-                entry.name, settings.sequence, self.dispatcher
-            )
+        table = self._sequence_table(entry)
         began = time.monotonic_ns()
         try:
             control = peek_sequence(unwrap(request)[1])
@@ -155,6 +151,16 @@ class PoolBackend:
         if observe is not None:
             observe(result)
         return result.body
+
+    def _sequence_table(self, entry: ModelEntry) -> Sequences:
+        settings = entry.settings
+        assert settings is not None and settings.sequence is not None
+        table = self.sequences.get(entry.name)
+        if table is None or table.policy != settings.sequence:
+            table = self.sequences[entry.name] = Sequences(
+                entry.name, settings.sequence, self.dispatcher
+            )
+        return table
 
     async def _infer_inline_sequence(
         self, entry: ModelEntry, request: Payload, plan: Schedule, observe: Observer | None
@@ -196,6 +202,15 @@ class PoolBackend:
             )
         plan = self._plan(entry, routing, deadline)
         began = time.monotonic_ns()
+        pinned, name, control, table = None, "", None, None
+        if settings.sequence is not None:  # a decoupled sequence model: on its worker
+            table = self._sequence_table(entry)
+            try:
+                control = peek_sequence(unwrap(request)[1])
+                pinned, name = table.route(control)
+            except ServingError as exc:
+                entry.stats.record_failure(0, error=exc)
+                raise
         try:
             async for item in self.dispatcher.submit_stream(
                 request,
@@ -205,6 +220,8 @@ class PoolBackend:
                 tag=entry.name,
                 timeout=settings.timeout_s,
                 precision=plan.precision,
+                pinned=pinned,
+                sequence=name,
             ):
                 if isinstance(item, Result):
                     entry.stats.record_success(
@@ -217,6 +234,9 @@ class PoolBackend:
         except ServingError as exc:
             entry.stats.record_failure(time.monotonic_ns() - began, error=exc)
             raise
+        finally:
+            if table is not None and control is not None:
+                table.ran(control)
 
     def infer_now(
         self, entry: ModelEntry, request: Payload, deadline: float, routing: Routing
