@@ -50,7 +50,7 @@ object pops a sequence number when its reply, its cancel or the connection's
 end arrives, whichever is first, and a reply for a sequence it no longer
 holds is dropped; the pool's connection object cancels the task of a
 cancelled sequence. GRPC stays on the pool's other socket for health, model
-control, metadata and streaming.
+control and metadata.
 """
 
 from __future__ import annotations
