@@ -20,7 +20,8 @@ from support import wait_until, write_model
 def test_inline_sequence_limits_idle_timeout_and_hook(tmp_path: Path, fast: bool) -> None:
     repo, marks = tmp_path / "repo", tmp_path / "marks"
     marks.mkdir()
-    sequence = {"idle_timeout_s": 0.5, "max_sequences": 2}
+    # idle long enough that "two" lives through the max_sequences check on a loaded host
+    sequence = {"idle_timeout_s": 4, "max_sequences": 2}
     settings = {
         "name": "tracked",
         "implementation": "model.Tracked",

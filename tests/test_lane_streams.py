@@ -252,7 +252,7 @@ def test_a_deadline_ends_the_stream_and_cancels_it_in_the_pool(sock: Path) -> No
                 raise
 
     async def test(client: LaneClient, server: LaneServer) -> None:
-        got = [i async for i in client.stream(b"go", listed(), soon(0.5), same)]
+        got = [i async for i in client.stream(b"go", listed(), soon(3), same)]
         assert got[0] == b"first" and len(got) == 2
         assert isinstance(got[1], DeadlineExceeded)
         assert "waiting for pool 'x'" in got[1].message
