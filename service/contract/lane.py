@@ -20,6 +20,28 @@ sequence u64, little-endian) and a payload:
 - ERROR (pool -> router): the :class:`Failure` (u8), the stage length (u8)
   and text, then the message.
 
+ModelStreamInfer travels on the lane too, as a stream of frames under one
+sequence number (issue 19):
+
+- STREAM_OPEN (router -> pool): the stream's absolute deadline (f64,
+  CLOCK_MONOTONIC); the pool starts the stream's task.
+- STREAM_REQUEST (router -> pool): one request of the stream, the serialized
+  ModelInferRequest as the router got it (with its shared-memory
+  registrations in front when it names regions).
+- STREAM_CLOSE (router -> pool): no payload; the client sent its last request.
+- STREAM_RESPONSE (pool -> router): one serialized ModelStreamInferResponse
+  (a response, or a request's error in ``error_message``), sent on as it is.
+- STREAM_ACK (both ways): a count (u32). Router -> pool: the client's call took
+  that many responses; pool -> router: the stream took that many requests.
+  Each side keeps at most a window of the other's messages unacknowledged
+  (:class:`poolserve.service.contract.lane_window.Window`: a count and a byte
+  budget), so a slow reader holds the pool (and through it the worker), and
+  a fast writer the router, instead of filling a buffer without bound.
+- The stream ends with REPLY (empty: every request answered) or ERROR (the
+  stream as a whole failed, e.g. the pool is stopping); CANCEL (the client went
+  away) makes the pool cancel the stream's task, which closes a decoupled
+  model's generator on its worker.
+
 The frames are cut by :mod:`poolserve.service.contract.framing`; the router's
 end is :mod:`poolserve.service.router.lane_client`, the pool's
 :mod:`poolserve.service.poolserver.lane_server`. One party owns each side's
@@ -28,7 +50,7 @@ object pops a sequence number when its reply, its cancel or the connection's
 end arrives, whichever is first, and a reply for a sequence it no longer
 holds is dropped; the pool's connection object cancels the task of a
 cancelled sequence. GRPC stays on the pool's other socket for health, model
-control, metadata and streaming.
+control and metadata.
 """
 
 from __future__ import annotations
@@ -52,6 +74,14 @@ CANCEL = 2
 REPLY = 3
 ERROR = 4
 PING = 5
+# streams (numbered apart from the unary kinds above)
+STREAM_OPEN = 16
+STREAM_REQUEST = 17
+STREAM_CLOSE = 18
+STREAM_RESPONSE = 19
+STREAM_ACK = 20
+STREAM_HEAD = struct.Struct("<d")
+COUNT = struct.Struct("<I")
 
 LANE_OVERHEAD = 64 * 1024  # an INFER frame's head and trace context, beyond the request
 Trace = Sequence[tuple[str, str]]
@@ -99,3 +129,21 @@ def parse_error(payload: Payload) -> ServingError:
     error = error_for(failure, bytes(payload[start + size :]).decode("utf-8", "replace"))
     error.stage = bytes(payload[start : start + size]).decode("utf-8", "replace")
     return error
+
+
+def stream_open_frame(seq: int, deadline: float) -> bytes:
+    return HEADER.pack(STREAM_HEAD.size, STREAM_OPEN, seq) + STREAM_HEAD.pack(deadline)
+
+
+def parse_stream_open(payload: Payload) -> float:
+    """The stream's deadline (struct.error when the payload is malformed)."""
+    return float(STREAM_HEAD.unpack_from(payload)[0])
+
+
+def stream_ack_frame(seq: int, count: int) -> bytes:
+    return HEADER.pack(COUNT.size, STREAM_ACK, seq) + COUNT.pack(count)
+
+
+def parse_count(payload: Payload) -> int:
+    """A STREAM_ACK's count; 0 for a malformed one."""
+    return int(COUNT.unpack_from(payload)[0]) if len(payload) == COUNT.size else 0

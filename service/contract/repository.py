@@ -257,6 +257,7 @@ def parse_model_settings(path: Path) -> ModelSettings:
         source, data.get("max_batch_size", 0), data.get("max_batch_time", 0), extra
     )
     batch_dims = 1 if batch_size > 0 else 0
+    inputs = _tensor_specs(source, "inputs", data.get("inputs"), batch_dims)
     return ModelSettings(
         name=name,
         implementation=implementation,
@@ -266,14 +267,14 @@ def parse_model_settings(path: Path) -> ModelSettings:
         uri=uri,
         gid=gid,
         extra=extra,
-        inputs=_tensor_specs(source, "inputs", data.get("inputs"), batch_dims),
+        inputs=inputs,
         outputs=_tensor_specs(source, "outputs", data.get("outputs"), batch_dims),
         max_batch_size=batch_size,
         max_batch_time=batch_time,
         platform=_expect(source, "platform", data.get("platform", ""), str),
         parallel_workers=workers,
         priority=priority_levels(source, extra),
-        sequence=sequence_policy(source, extra),
+        sequence=sequence_policy(source, extra, {s.name: s.datatype for s in inputs}),
         preferred_batch_sizes=preferred,
         batch_safe_parameters=safe,
     )

@@ -2,6 +2,10 @@
 
 A model is a sequence model when its settings say
 ``parameters.extra.sequence: {"idle_timeout_s": ..., "max_sequences": ...}``.
+It may declare Triton's control inputs there too, ``"control_inputs":
+{"START": "START", "END": {"name": "END", "datatype": "BOOL"}, ...}`` (kind ->
+input name, or name and datatype): the worker fills them in as input tensors
+from each request's controls (:mod:`poolserve.service.inference.controls`).
 Its requests carry Triton's ``sequence_id`` (int64, uint64 or string, never 0
 nor empty), ``sequence_start`` and ``sequence_end`` (bool) parameters, read
 here from the request's wire bytes without parsing its tensors.
@@ -21,14 +25,40 @@ DEFAULT_IDLE_TIMEOUT_S = 60.0
 DEFAULT_MAX_SEQUENCES = 1000
 
 
+# Triton's ModelSequenceBatching.Control kinds, and the datatypes each may have
+# (flags: int32_false_true, fp32_false_true or bool_false_true; CORRID: data_type)
+FLAG_TYPES = ("INT32", "FP32", "BOOL")
+CORRID_TYPES = ("UINT64", "INT64", "UINT32", "INT32", "BYTES")
+CONTROL_TYPES = {
+    "START": FLAG_TYPES,
+    "END": FLAG_TYPES,
+    "READY": FLAG_TYPES,
+    "CORRID": CORRID_TYPES,
+}
+
+
+@dataclass(frozen=True)
+class ControlInput:
+    """One control the model reads as an input tensor: Triton's kind
+    (START, END, READY, CORRID), the input's name and datatype."""
+
+    kind: str
+    name: str
+    datatype: str
+
+
 @dataclass(frozen=True)
 class SequencePolicy:
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
     max_sequences: int = DEFAULT_MAX_SEQUENCES
+    controls: tuple[ControlInput, ...] = ()
 
 
-def sequence_policy(source: str, extra: Mapping[str, Any]) -> SequencePolicy | None:
-    """The policy of ``parameters.extra.sequence``; ConfigError names the bad field."""
+def sequence_policy(
+    source: str, extra: Mapping[str, Any], declared: Mapping[str, str] | None = None
+) -> SequencePolicy | None:
+    """The policy of ``parameters.extra.sequence``; ConfigError names the bad field.
+    ``declared``: the model's declared inputs' datatypes, by name."""
     spec = extra.get("sequence")
     if spec is None:
         return None
@@ -37,7 +67,7 @@ def sequence_policy(source: str, extra: Mapping[str, Any]) -> SequencePolicy | N
         spec = {}
     if not isinstance(spec, dict):
         raise ConfigError(source, where, f"expected an object, got {spec!r}")
-    unknown = set(spec) - {"idle_timeout_s", "max_sequences"}
+    unknown = set(spec) - {"idle_timeout_s", "max_sequences", "control_inputs"}
     if unknown:
         raise ConfigError(source, f"{where}.{sorted(unknown)[0]}", "unknown field")
     idle = spec.get("idle_timeout_s", DEFAULT_IDLE_TIMEOUT_S)
@@ -48,7 +78,47 @@ def sequence_policy(source: str, extra: Mapping[str, Any]) -> SequencePolicy | N
         raise ConfigError(
             source, f"{where}.max_sequences", f"expected an integer >= 1, got {most!r}"
         )
-    return SequencePolicy(float(idle), most)
+    controls = control_inputs(source, spec.get("control_inputs", {}), declared or {})
+    return SequencePolicy(float(idle), most, controls)
+
+
+def control_inputs(
+    source: str, spec: object, declared: Mapping[str, str]
+) -> tuple[ControlInput, ...]:
+    """``control_inputs``: kind -> input name, or {"name", "datatype"}. Without a
+    datatype, a declared input's own, else INT32 (flags) or UINT64 (CORRID)."""
+    where = "parameters.extra.sequence.control_inputs"
+    if not isinstance(spec, dict):
+        raise ConfigError(source, where, f"expected an object, got {spec!r}")
+    controls: list[ControlInput] = []
+    for kind, value in spec.items():
+        allowed = CONTROL_TYPES.get(kind)
+        if allowed is None:
+            raise ConfigError(source, f"{where}.{kind}", f"expected one of {sorted(CONTROL_TYPES)}")
+        if isinstance(value, str):
+            value = {"name": value}
+        if not isinstance(value, dict) or set(value) - {"name", "datatype"}:
+            raise ConfigError(
+                source,
+                f"{where}.{kind}",
+                f"expected an input name or {{name, datatype}}, got {value!r}",
+            )
+        name = value.get("name")
+        if not isinstance(name, str) or not name:
+            raise ConfigError(source, f"{where}.{kind}.name", f"expected a name, got {name!r}")
+        datatype = value.get(
+            "datatype", declared.get(name, allowed[0] if kind != "CORRID" else "UINT64")
+        )
+        if datatype not in allowed:
+            raise ConfigError(
+                source,
+                f"{where}.{kind}.datatype",
+                f"expected one of {list(allowed)}, got {datatype!r}",
+            )
+        if any(c.name == name for c in controls):
+            raise ConfigError(source, f"{where}.{kind}.name", f"input '{name}' is used twice")
+        controls.append(ControlInput(kind, name, datatype))
+    return tuple(controls)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from poolserve.service.contract.errors import InvalidInput, ModelError, ServingE
 from poolserve.service.contract.shm import Region, unwrap
 from poolserve.service.inference.classification import classify, requested_classes
 from poolserve.service.inference.codec import decode_inputs, encode_outputs, parameters_to_dict
+from poolserve.service.inference.controls import add_controls
 from poolserve.service.inference.model import Model, WireModel, check_outputs, class_labels
 from poolserve.service.inference.rawwire import Buffer, raw_output_parts, split_raw_inputs
 from poolserve.service.inference.shm import SharedTensors
@@ -69,6 +70,10 @@ def infer_parts(
     shared = SharedTensors(regions)
     inputs = decode_inputs(request, shared.read, raw=raw or None)
     parameters = parameters_to_dict(request.parameters)
+    sequence = model.settings.sequence
+    if sequence is not None and sequence.controls:
+        batched = model.settings.max_batch_size > 0
+        add_controls(model.settings.name, inputs, sequence.controls, parameters, batched)
     classes = requested_classes(request) if request.outputs else None
     t1 = time.perf_counter_ns()
     name = model.settings.name

@@ -22,6 +22,7 @@ from poolserve.service.contract.errors import InvalidInput, ModelError, ServingE
 from poolserve.service.contract.shm import Region
 from poolserve.service.contract.wire import Wire
 from poolserve.service.inference.codec import decode_inputs, encode_outputs, parameters_to_dict
+from poolserve.service.inference.controls import add_controls
 from poolserve.service.inference.infer import parse_request
 from poolserve.service.inference.model import Model, WireModel, check_outputs
 from poolserve.service.inference.shm import SharedTensors
@@ -43,6 +44,10 @@ def stream_infer(model: Model, data: Wire, regions: dict[str, Region], seq: int)
     shared = SharedTensors(regions)
     inputs = decode_inputs(request, shared.read)
     parameters = parameters_to_dict(request.parameters)
+    sequence = model.settings.sequence
+    if sequence is not None and sequence.controls:
+        batched = model.settings.max_batch_size > 0
+        add_controls(name, inputs, sequence.controls, parameters, batched)
     flagged = parameters.get(FINAL_FLAG) is True
     timings = Timings(decode_ns=time.perf_counter_ns() - t0)
     try:

@@ -446,6 +446,8 @@ class Dispatcher:
         tag: str = "",
         timeout: float | None = None,
         precision: float = 0.0,
+        pinned: Worker | None = None,
+        sequence: str = "",
     ) -> AsyncIterator[bytes | Result]:
         """Runs ``body`` on a worker as a stream (a decoupled model): yields each
         part as the worker sends it, then the Result of the whole stream (its
@@ -455,14 +457,24 @@ class Dispatcher:
         most ``window`` parts ahead of what was taken from here. Closing the
         iterator early (the caller went away) cancels the stream on the worker.
         A stream is never retried on another worker: parts may have gone out.
+        ``pinned``: the worker of the stream's ``sequence`` (a decoupled sequence
+        model), where it runs after the jobs already pinned to it.
         """
-        job = self._admit(body, deadline, priority, tag, False, timeout, precision)
         loop = asyncio.get_running_loop()
-        parts = job.stream = Parts(max(1, window))
-        if self._idle and not self._queue:
-            self._start(self._idle.pop(), [job])
+        if pinned is not None:
+            if deadline <= loop.time():
+                raise DeadlineExceeded(
+                    f"deadline already spent on arrival at pool '{self.name}'", stage="pool"
+                )
+            parts = Parts(max(1, window))
+            job = self._pin(pinned, body, deadline, sequence, tag, timeout, stream=parts)
         else:
-            self._queue.push(job, precision)
+            job = self._admit(body, deadline, priority, tag, False, timeout, precision)
+            parts = job.stream = Parts(max(1, window))
+            if self._idle and not self._queue:
+                self._start(self._idle.pop(), [job])
+            else:
+                self._queue.push(job, precision)
         timer = loop.call_at(deadline, self._expire, job)
         try:
             while True:
@@ -521,6 +533,7 @@ class Dispatcher:
         tag: str,
         timeout: float | None,
         notice: bool = False,
+        stream: Parts | None = None,
     ) -> Job:
         if worker.state is WorkerState.DEAD:
             raise Unavailable(
@@ -532,6 +545,7 @@ class Dispatcher:
             body, deadline, DEFAULT_PRIORITY, next(self._seq), loop.create_future(), tag, False
         )
         job.timeout, job.pinned, job.sequence, job.notice = timeout, True, sequence, notice
+        job.stream = stream
         job.enqueued = loop.time()
         if worker.state is WorkerState.IDLE and not worker.pinned:
             with contextlib.suppress(ValueError):

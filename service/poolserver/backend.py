@@ -5,6 +5,7 @@ cannot finish in time is refused on arrival."""
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import AsyncIterator
 
@@ -26,6 +27,7 @@ from poolserve.service.poolcore.dispatcher import Dispatcher, Result
 from poolserve.service.poolcore.sequences import Sequences
 from poolserve.service.poolserver.catalog import ModelEntry
 from poolserve.service.poolserver.inline import InlineRunner
+from poolserve.service.poolserver.inline_sequences import InlineSequences
 from poolserve.service.poolserver.servicer import Observer
 
 
@@ -46,6 +48,7 @@ class PoolBackend:
         self.needs_workers = needs_workers
         self.reject_hopeless = reject_hopeless
         self.sequences: dict[str, Sequences] = {}  # per sequence model: its live sequences
+        self.inline_sequences: dict[str, InlineSequences] = {}  # the same, of inline models
 
     def serving(self) -> bool:
         return not self.needs_workers or self.dispatcher.live_workers() > 0
@@ -66,8 +69,10 @@ class PoolBackend:
         if self.reject_hopeless:
             self._reject_if_hopeless(entry, plan.deadline)
         sequential = entry.settings is not None and entry.settings.sequence is not None
-        if sequential and entry.name not in self.inline:  # inline: one thread, every sequence
+        if sequential and entry.name not in self.inline:
             return await self._infer_in_sequence(entry, request, plan, observe)
+        if sequential:  # inline: one thread, every sequence
+            return await self._infer_inline_sequence(entry, request, plan, observe)
         policy = entry.settings.batching if entry.settings is not None else None
         rows, key = 1, b""
         if policy is not None and is_wrapped(request):
@@ -120,11 +125,7 @@ class PoolBackend:
         """A sequence model's request, on the worker that holds its sequence."""
         settings = entry.settings
         assert settings is not None and settings.sequence is not None
-        table = self.sequences.get(entry.name)
-        if table is None or table.policy != settings.sequence:
-            table = self.sequences[entry.name] = Sequences(
-                entry.name, settings.sequence, self.dispatcher
-            )
+        table = self._sequence_table(entry)
         began = time.monotonic_ns()
         try:
             control = peek_sequence(unwrap(request)[1])
@@ -151,8 +152,43 @@ class PoolBackend:
             observe(result)
         return result.body
 
+    def _sequence_table(self, entry: ModelEntry) -> Sequences:
+        settings = entry.settings
+        assert settings is not None and settings.sequence is not None
+        table = self.sequences.get(entry.name)
+        if table is None or table.policy != settings.sequence:
+            table = self.sequences[entry.name] = Sequences(
+                entry.name, settings.sequence, self.dispatcher
+            )
+        return table
+
+    async def _infer_inline_sequence(
+        self, entry: ModelEntry, request: Payload, plan: Schedule, observe: Observer | None
+    ) -> Payload:
+        """An inline sequence model's request, with the sequence rules of workers."""
+        settings = entry.settings
+        assert settings is not None and settings.sequence is not None
+        table = self.inline_sequences.get(entry.name)
+        if table is None or table.policy != settings.sequence:
+            if table is not None:
+                table.close()
+            ended = functools.partial(self.inline.end_sequence, entry.name)
+            table = self.inline_sequences[entry.name] = InlineSequences(
+                entry.name, settings.sequence, ended
+            )
+        try:
+            control = peek_sequence(unwrap(request)[1])
+            table.route(control)
+        except ServingError as exc:
+            entry.stats.record_failure(0, error=exc)
+            raise
+        try:
+            return await self.inline.infer(entry, request, plan, observe)
+        finally:
+            table.ran(control)
+
     async def infer_stream(
-        self, entry: ModelEntry, request: bytes, deadline: float, routing: Routing
+        self, entry: ModelEntry, request: Payload, deadline: float, routing: Routing
     ) -> AsyncIterator[bytes]:
         """A decoupled model's responses (serialized ModelInferResponses) as its
         worker yields them; the stream's closing response last, if it has one.
@@ -166,6 +202,15 @@ class PoolBackend:
             )
         plan = self._plan(entry, routing, deadline)
         began = time.monotonic_ns()
+        pinned, name, control, table = None, "", None, None
+        if settings.sequence is not None:  # a decoupled sequence model: on its worker
+            table = self._sequence_table(entry)
+            try:
+                control = peek_sequence(unwrap(request)[1])
+                pinned, name = table.route(control)
+            except ServingError as exc:
+                entry.stats.record_failure(0, error=exc)
+                raise
         try:
             async for item in self.dispatcher.submit_stream(
                 request,
@@ -175,6 +220,8 @@ class PoolBackend:
                 tag=entry.name,
                 timeout=settings.timeout_s,
                 precision=plan.precision,
+                pinned=pinned,
+                sequence=name,
             ):
                 if isinstance(item, Result):
                     entry.stats.record_success(
@@ -187,6 +234,9 @@ class PoolBackend:
         except ServingError as exc:
             entry.stats.record_failure(time.monotonic_ns() - began, error=exc)
             raise
+        finally:
+            if table is not None and control is not None:
+                table.ran(control)
 
     def infer_now(
         self, entry: ModelEntry, request: Payload, deadline: float, routing: Routing
@@ -194,6 +244,8 @@ class PoolBackend:
         """The answer on the spot for an inline model declared fast; None for the rest."""
         if not self.inline.runs_on_loop(entry.name):
             return None
+        if entry.settings is not None and entry.settings.sequence is not None:
+            return None  # through infer: the sequence rules apply
         plan = self._plan(entry, routing, deadline)
         if self.reject_hopeless:
             self._reject_if_hopeless(entry, plan.deadline)

@@ -27,6 +27,7 @@ RESOURCE_EXHAUSTED, before gRPC could fail on it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import logging
@@ -330,6 +331,19 @@ class InlineRunner:
             observe(Result(body, timings, 0, started, started, finished))
         return body
 
+    def end_sequence(self, name: str, ident: int | str, reason: str) -> None:
+        """Runs the model's ``sequence_ended`` hook on its thread, after what runs
+        there now (on the event loop for a model declared fast)."""
+        inline = self._models.get(name)
+        if inline is None:
+            return
+        if inline.thread is None:
+            _sequence_ended(inline.model, ident, reason)
+            return
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(RuntimeError):  # its thread ended (unloaded): no state left
+            loop.run_in_executor(inline.thread, _sequence_ended, inline.model, ident, reason)
+
     def unload(self, name: str) -> bool:
         inline = self._models.pop(name, None)
         if inline is None:
@@ -372,6 +386,15 @@ def _run(model: Model, request: Payload, deadline: float) -> tuple[bytes, Timing
     from poolserve.service.inference.infer import infer
 
     return infer(model, request)
+
+
+def _sequence_ended(model: Model, ident: int | str, reason: str) -> None:
+    try:
+        model.sequence_ended(ident, reason)
+    except Exception:
+        log.exception(
+            "inline model %s: sequence_ended(%r, %r) raised", model.settings.name, ident, reason
+        )
 
 
 def _timed_batch(model: Model, bodies: list[Payload]) -> RanBatch:

@@ -1,6 +1,8 @@
 """The pool's end of its lane: every INFER frame runs as a task of the pool's
 task group; CANCEL cancels it, PING is answered at once from the event loop
-(the frames: :mod:`poolserve.service.contract.lane`)."""
+(the frames: :mod:`poolserve.service.contract.lane`). A STREAM_OPEN frame
+starts a stream's task the same way; that stream's other frames go to it
+(:mod:`poolserve.service.poolserver.lane_stream`)."""
 
 from __future__ import annotations
 
@@ -27,12 +29,18 @@ from poolserve.service.contract.lane import (
     INFER,
     PING,
     REPLY,
+    STREAM_ACK,
+    STREAM_CLOSE,
+    STREAM_OPEN,
+    STREAM_REQUEST,
     Trace,
     error_frame,
     parse_infer,
+    parse_stream_open,
 )
 from poolserve.service.contract.rundir import FileId, claim_socket, file_id, remove_own
 from poolserve.service.grpcserver.status import as_serving_error
+from poolserve.service.poolserver.lane_stream import LaneStream, StreamHandler
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +49,9 @@ log = logging.getLogger(__name__)
 Handler = Callable[[Payload, float, Trace], Awaitable[Payload]]
 # Optionally, first: the answer on the spot, or None when the call has to wait.
 Immediate = Callable[[Payload, float, Trace], bytes | None]
+
+
+_STREAM_FRAMES = frozenset((STREAM_REQUEST, STREAM_CLOSE, STREAM_ACK))
 
 
 class _ServerProtocol(asyncio.BufferedProtocol):
@@ -52,6 +63,7 @@ class _ServerProtocol(asyncio.BufferedProtocol):
         self.server = server
         self.frames = FrameBuffer(server.max_frame)
         self.running: dict[int, asyncio.Task[None]] = {}
+        self.streams: dict[int, LaneStream] = {}
         self.transport: asyncio.Transport | None = None
         self.batcher: Batcher | None = None
 
@@ -78,6 +90,12 @@ class _ServerProtocol(asyncio.BufferedProtocol):
                     task.cancel()
             elif kind == PING:
                 self._send(HEADER.pack(0, REPLY, seq))
+            elif kind in _STREAM_FRAMES:
+                stream = self.streams.get(seq)
+                if stream is not None:  # else: a stream that ended already
+                    stream.feed(kind, payload)
+            elif kind == STREAM_OPEN:
+                self._open(seq, payload)
             else:
                 return self._refuse(f"unexpected frame kind {kind}")
 
@@ -108,6 +126,38 @@ class _ServerProtocol(asyncio.BufferedProtocol):
                 return
         self.running[seq] = server.tasks.create_task(self._run(seq, body, deadline, trace))
 
+    def _open(self, seq: int, payload: Payload) -> None:
+        server = self.server
+        if server.draining:
+            self._send(error_frame(seq, Unavailable(f"{server.where} is stopping")))
+            return
+        if server.streamer is None:
+            self._send(error_frame(seq, ServingError("lane: this pool does not serve streams")))
+            return
+        try:
+            deadline = parse_stream_open(payload)
+        except struct.error:
+            self._send(error_frame(seq, ServingError("lane: malformed STREAM_OPEN frame")))
+            return
+        stream = self.streams[seq] = LaneStream(seq, self._send)
+        task = server.tasks.create_task(self._stream(stream, server.streamer, deadline))
+        self.running[seq] = task
+
+    async def _stream(self, stream: LaneStream, handler: StreamHandler, deadline: float) -> None:
+        seq = stream.seq
+        try:
+            await stream.run(handler, deadline)
+            frame = HEADER.pack(0, REPLY, seq)  # every request answered
+        except asyncio.CancelledError:
+            return  # the caller gave up or the connection went: nobody to answer
+        except Exception as exc:
+            frame = self._error(seq, exc)
+        finally:
+            self.running.pop(seq, None)
+            self.streams.pop(seq, None)
+            self.server.settle()
+        self._send(frame)
+
     async def _run(self, seq: int, body: Payload, deadline: float, trace: Trace) -> None:
         try:
             reply = await self.server.handler(body, deadline, trace)
@@ -137,6 +187,7 @@ class _ServerProtocol(asyncio.BufferedProtocol):
             self.batcher.close()
         self.server.connections.discard(self)
         running, self.running = self.running, {}
+        self.streams = {}
         for task in running.values():
             task.cancel()
         self.server.settle()
@@ -152,10 +203,12 @@ class LaneServer:
         where: str,
         max_frame: int = MAX_FRAME,
         immediate: Immediate | None = None,
+        streamer: StreamHandler | None = None,
     ) -> None:
         self.path = path
         self.handler = handler
         self.immediate = immediate
+        self.streamer = streamer
         self.where = where
         self.max_frame = max_frame
         self.connections: set[_ServerProtocol] = set()

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service.contract.repository import INPUT_FORMATS, TensorSpec
+from poolserve.service.contract.sequence import SequencePolicy
 
 PLATFORM = "poolserve_python"
 
@@ -57,6 +58,8 @@ def model_config(
     max_batch_size: int,
     inputs: Sequence[TensorSpec],
     outputs: Sequence[TensorSpec],
+    sequence: SequencePolicy | None = None,
+    decoupled: bool = False,
 ) -> pb.ModelConfigResponse:
     # Triton's dims exclude the batch dimension when max_batch_size > 0.
     skip = 1 if max_batch_size > 0 else 0
@@ -84,4 +87,35 @@ def model_config(
             for s in outputs
         ],
     )
+    if sequence is not None:
+        config.sequence_batching.CopyFrom(sequence_batching(sequence))
+    if decoupled:
+        config.model_transaction_policy.decoupled = True
     return pb.ModelConfigResponse(config=config)
+
+
+_KINDS = {
+    "START": pb.ModelSequenceBatching.Control.CONTROL_SEQUENCE_START,
+    "READY": pb.ModelSequenceBatching.Control.CONTROL_SEQUENCE_READY,
+    "END": pb.ModelSequenceBatching.Control.CONTROL_SEQUENCE_END,
+    "CORRID": pb.ModelSequenceBatching.Control.CONTROL_SEQUENCE_CORRID,
+}
+
+
+def sequence_batching(policy: SequencePolicy) -> pb.ModelSequenceBatching:
+    """A sequence model as Triton's config says it: idle timeout, control inputs."""
+    batching = pb.ModelSequenceBatching(
+        max_sequence_idle_microseconds=round(policy.idle_timeout_s * 1e6)
+    )
+    for c in policy.controls:
+        control = pb.ModelSequenceBatching.Control(kind=_KINDS[c.kind])
+        if c.kind == "CORRID":
+            control.data_type = _CONFIG_TYPES[c.datatype]  # type: ignore[assignment]
+        elif c.datatype == "INT32":
+            control.int32_false_true.extend((0, 1))
+        elif c.datatype == "FP32":
+            control.fp32_false_true.extend((0.0, 1.0))
+        else:
+            control.bool_false_true.extend((False, True))
+        batching.control_input.add(name=c.name, control=[control])
+    return batching

@@ -129,6 +129,7 @@ class PoolServer(LiveModels):
             f"pool '{gid}'",
             max_frame=settings.max_message_size + LANE_OVERHEAD,
             immediate=self._lane_now,
+            streamer=self.servicer.stream_lane,
         )
         self._stop = asyncio.Event()
         self.exit_code = 0

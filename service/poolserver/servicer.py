@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
@@ -129,7 +129,12 @@ class InferenceServicer:
 
     async def model_config(self, req: pb.ModelConfigRequest, _: Any) -> pb.ModelConfigResponse:
         e = self.catalog.lookup(req.name, req.version)
-        return model_config(e.name, e.platform, e.max_batch_size, e.inputs, e.outputs)
+        settings = e.settings
+        sequence = settings.sequence if settings is not None else None
+        decoupled = settings is not None and settings.decoupled
+        return model_config(
+            e.name, e.platform, e.max_batch_size, e.inputs, e.outputs, sequence, decoupled
+        )
 
     async def model_statistics(
         self, req: pb.ModelStatisticsRequest, _: Any
@@ -239,10 +244,30 @@ class InferenceServicer:
     async def model_stream_infer(
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[bytes]:
+        def deadline() -> float:
+            return deadline_from(context, self.default_timeout_s)
+
+        async for reply in self.answer_stream(requests, deadline, attach=True):
+            yield reply
+
+    def stream_lane(
+        self, requests: AsyncIterator[Payload], deadline: float
+    ) -> AsyncGenerator[bytes, None]:
+        """A ModelStreamInfer that came over the router's lane (no gRPC context;
+        its requests come with their registrations attached)."""
+        deadline -= self.margin_s
+        return self.answer_stream(requests, lambda: deadline, attach=False)
+
+    async def answer_stream(
+        self, requests: AsyncIterator[Payload], deadline_of: Callable[[], float], attach: bool
+    ) -> AsyncGenerator[bytes, None]:
+        """Each request in turn: its response, or a decoupled model's responses;
+        a request's error as a response with ``error_message``."""
         async for request in requests:
-            deadline = deadline_from(context, self.default_timeout_s)
+            deadline = deadline_of()
             try:
-                request = self.shared_memory.attach(request)
+                if attach:
+                    request = self.shared_memory.attach(as_bytes(request))
                 routing = peek_routing(unwrap(request)[1])
                 entry = self.catalog.lookup_ready(routing.name, routing.version)
                 if entry.settings is not None and entry.settings.decoupled:
@@ -256,7 +281,7 @@ class InferenceServicer:
             yield encode_len_field(2, as_bytes(body))
 
     async def _stream(
-        self, entry: ModelEntry, request: bytes, deadline: float, routing: Routing
+        self, entry: ModelEntry, request: Payload, deadline: float, routing: Routing
     ) -> AsyncIterator[bytes]:
         """A decoupled model's responses, each as one ModelStreamInferResponse as
         soon as its worker yields it; an error mid-stream ends it with its

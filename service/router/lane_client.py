@@ -5,11 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
-from poolserve.service.contract.errors import DeadlineExceeded, Unavailable
+from poolserve.service.contract.errors import DeadlineExceeded, ServingError, Unavailable
 from poolserve.service.contract.framing import HEADER, Batcher, FrameBuffer
-from poolserve.service.contract.lane import CANCEL, PING, REPLY, Trace, infer_frame, parse_error
+from poolserve.service.contract.lane import (
+    CANCEL,
+    PING,
+    REPLY,
+    Trace,
+    infer_frame,
+    parse_error,
+    stream_open_frame,
+)
+from poolserve.service.router.lane_stream import LaneStream
 
 
 class _ClientProtocol(asyncio.BufferedProtocol):
@@ -29,8 +39,13 @@ class _ClientProtocol(asyncio.BufferedProtocol):
         return self.frames.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
-        pending = self.lane.pending
+        pending, streams = self.lane.pending, self.lane.streams
         for kind, seq, payload in self.frames.buffer_updated(nbytes):
+            if streams:
+                stream = streams.get(seq)
+                if stream is not None:
+                    stream.feed(kind, payload)
+                    continue
             future = pending.pop(seq, None)
             if future is None or future.done():
                 continue  # its caller gave up: nobody to tell
@@ -53,6 +68,7 @@ class LaneClient:
         self.path = path
         self.where = where
         self.pending: dict[int, asyncio.Future[bytes]] = {}
+        self.streams: dict[int, LaneStream] = {}
         self._seq = itertools.count(1)
         self._transport: Batcher | None = None
         self._protocol: _ClientProtocol | None = None
@@ -107,6 +123,34 @@ class LaneClient:
         finally:
             timer.cancel()
 
+    async def stream(
+        self,
+        first: bytes,
+        requests: AsyncIterator[bytes],
+        deadline: float,
+        attach: Callable[[bytes], bytes],
+    ) -> AsyncIterator[bytes | ServingError]:
+        """Runs one ModelStreamInfer in the pool until ``deadline`` (monotonic):
+        its serialized responses as they come, then a ServingError if the stream
+        failed as a whole. Leaving early (the client went away) cancels it there."""
+        transport = self._transport or await self._connect()
+        loop = asyncio.get_running_loop()
+        seq = next(self._seq)
+        stream = self.streams[seq] = LaneStream(seq)
+        transport.write(stream_open_frame(seq, deadline))
+        pump = loop.create_task(stream.pump(transport, first, requests, attach))
+        late = DeadlineExceeded(f"deadline exceeded waiting for {self.where} to answer", "pool")
+        timer = loop.call_at(deadline, stream.fail, late)
+        try:
+            async for item in stream.responses(transport):
+                yield item
+        finally:
+            timer.cancel()
+            pump.cancel()
+            if self.streams.pop(seq, None) is not None and not stream.ended:
+                transport.write(HEADER.pack(0, CANCEL, seq))
+            await asyncio.wait((pump,))  # it ends at once, cancelled
+
     async def ping(self) -> None:
         """Returns once the pool's event loop has answered a PING (no timeout here:
         the caller bounds it). Raises Unavailable when the lane is down."""
@@ -129,6 +173,9 @@ class LaneClient:
             return
         self._transport = self._protocol = None
         pending, self.pending = self.pending, {}
+        streams, self.streams = self.streams, {}
+        for stream in streams.values():
+            stream.fail(Unavailable(f"{self.where} closed its lane while the stream was open"))
         for future in pending.values():
             if not future.done():
                 future.set_exception(

@@ -535,34 +535,27 @@ class Router:
     async def model_stream_infer(
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[bytes]:
-        """Routed by the model of the first message; the pool answers the rest in-stream."""
+        """Routed by the model of the first message, over the pool's lane; the
+        pool answers the rest in-stream."""
         first = await anext(requests, None)
         if first is None:
             return
         try:
             route = self._route(peek_model(first)[0])
-            timeout = self._timeout(context)
+            deadline = self._deadline(context)
         except ServingError as exc:
             yield pb.ModelStreamInferResponse(error_message=exc.message).SerializeToString()
             return
-        assert route.channel is not None
-        call: grpc.aio.StreamStreamMultiCallable[bytes, bytes] = route.channel.stream_stream(
-            f"/{SERVICE}/ModelStreamInfer"
-        )
-
-        attach = self._attach_in_stream
-
-        async def upstream() -> AsyncIterator[bytes]:
-            yield attach(first)
-            async for message in requests:
-                yield attach(message)
-
+        assert route.lane is not None
         try:
-            async for reply in call(upstream(), timeout=timeout, metadata=self._metadata(context)):
-                yield reply
-        except grpc.aio.AioRpcError as exc:
-            error = from_upstream(exc.code(), exc.details() or "", route.where)
-            yield pb.ModelStreamInferResponse(error_message=error.message).SerializeToString()
+            async for item in route.lane.stream(first, requests, deadline, self._attach_in_stream):
+                if isinstance(item, ServingError):  # the stream failed as a whole
+                    message = f"{grpc_status(item)[0].name}: {item.message}"
+                    yield pb.ModelStreamInferResponse(error_message=message).SerializeToString()
+                    return
+                yield item
+        except ServingError as exc:  # the lane is not reachable
+            yield pb.ModelStreamInferResponse(error_message=exc.message).SerializeToString()
 
     def _attach_in_stream(self, message: bytes) -> bytes:
         """A streamed request with its registrations; one that names an unknown
