@@ -362,8 +362,9 @@ class Oracle:
             if name not in self.served:
                 return Expected("NOT_FOUND")
             routing = peek_routing(body)
-            if version and version != "1":
-                return Expected("NOT_FOUND")
+            if version and version != "1":  # Triton: a version that is no number is invalid
+                number = version.isascii() and version.isdigit()
+                return Expected("NOT_FOUND" if number else "INVALID_ARGUMENT")
             model = self.models.get(name)
             if model is None:
                 return Expected("?")  # not modelled: callers send echo only

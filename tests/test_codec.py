@@ -308,10 +308,22 @@ MALFORMED: dict[str, tuple[pb.ModelInferRequest, str]] = {
     ),
     "mixed raw and typed": (
         pb.ModelInferRequest(
+            model_name="m",
             inputs=[_tensor(name="u"), _tensor(fp32_contents=[1, 2])],
             raw_input_contents=[b"\0" * 8, b"\0" * 8],
         ),
-        "has typed contents while raw contents are in use",
+        "contents field must not be specified when using raw_input_contents for 't' for model 'm'",
+    ),
+    # Triton's grpc_explicit_int_content_client.py: one raw entry for two typed
+    # inputs is refused for the typed contents, in Triton's words, not the count.
+    "typed beside fewer raw entries": (
+        pb.ModelInferRequest(
+            model_name="simple",
+            inputs=[_tensor(name="u", fp32_contents=[1, 2]), _tensor(fp32_contents=[1, 2])],
+            raw_input_contents=[b"\0" * 8],
+        ),
+        "contents field must not be specified when using raw_input_contents for 'u' "
+        "for model 'simple'",
     ),
     "too few raw entries": (
         pb.ModelInferRequest(inputs=[_tensor(name="u"), _tensor()], raw_input_contents=[b"\0" * 8]),
@@ -413,7 +425,9 @@ def test_malformed_input_is_invalid_and_named(case: str) -> None:
         codec.decode_inputs(_wire(request))
     assert "'t'" in caught.value.message or "'u'" in caught.value.message
     # Also true of the same tensors in a response, read by a client.
-    response = pb.ModelInferResponse(raw_output_contents=request.raw_input_contents)
+    response = pb.ModelInferResponse(
+        model_name=request.model_name, raw_output_contents=request.raw_input_contents
+    )
     for tensor in request.inputs:
         response.outputs.add().ParseFromString(tensor.SerializeToString())
     with pytest.raises(InvalidInput, match=message.replace("input", "output")):

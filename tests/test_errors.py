@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import grpc
+import pytest
 
 from poolserve.service.contract.errors import (
     MAX_MESSAGE,
@@ -12,6 +15,7 @@ from poolserve.service.contract.errors import (
     clip,
     load_failed,
 )
+from poolserve.service.contract.repository import ModelSettings
 from poolserve.service.grpcserver.status import grpc_status
 from poolserve.service.poolserver.catalog import Catalog
 
@@ -29,7 +33,8 @@ def test_a_huge_model_name_gets_its_not_found_with_a_short_message() -> None:
     except ModelNotFound as exc:
         code, message = grpc_status(exc)
     assert code is grpc.StatusCode.NOT_FOUND
-    assert message == f"model '{'m' * 200}...[{1 << 20} characters]' is not in this repository"
+    shown = f"'{'m' * 200}...[{1 << 20} characters]'"
+    assert message == f"Request for unknown model: {shown} is not in this repository"
 
 
 def test_every_status_message_is_bounded() -> None:
@@ -45,3 +50,32 @@ def test_load_failures_start_like_tritons_and_keep_their_code() -> None:
     assert load_failed("echo", error) is error  # said once, however many layers pass it on
     long = load_failed("n" * 5000, ModelNotFound("no such model"))
     assert long.message.startswith(f"failed to load '{'n' * 200}...[5000 characters]': ")
+
+
+@pytest.mark.parametrize(
+    ("name", "version", "code", "text"),
+    [
+        # Triton's words, on which its example programs match
+        ("nope", "", "NOT_FOUND", "Request for unknown model: 'nope' is not in this repository"),
+        (
+            "simple",
+            "wrong_specification",
+            "INVALID_ARGUMENT",
+            "failed to get model version from specified version string 'wrong_specification'",
+        ),
+        ("simple", "-1", "INVALID_ARGUMENT", "from specified version string '-1'"),
+        ("simple", "2", "NOT_FOUND", "Request for unknown model: 'simple' version 2 is not found"),
+    ],
+)
+def test_unknown_models_and_versions_are_refused_in_tritons_words(
+    name: str, version: str, code: str, text: str
+) -> None:
+    catalog = Catalog()
+    catalog.upsert(ModelSettings("simple", "m.A", Path("."), Path("x")))
+    assert catalog.lookup("simple", "1").name == "simple"
+    try:
+        catalog.lookup(name, version)
+    except (ModelNotFound, InvalidInput) as exc:
+        got, message = grpc_status(exc)
+    assert got.name == code
+    assert text in message

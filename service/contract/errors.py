@@ -68,6 +68,13 @@ class ModelNotFound(ServingError):
     failure = Failure.NOT_FOUND
 
 
+def unknown_model(name: str) -> ModelNotFound:
+    """NOT_FOUND for a name the repository does not have, in Triton's words:
+    clients match on "Request for unknown model" (Triton's
+    simple_grpc_health_metadata.py does)."""
+    return ModelNotFound(f"Request for unknown model: '{clip(name)}' is not in this repository")
+
+
 class ModelNotReady(ServingError):
     failure = Failure.NOT_READY
 

@@ -125,12 +125,13 @@ def decode_inputs(
     wire bytes, split off by :func:`poolserve.service.inference.rawwire.split_raw_inputs`).
     """
     entries = list(request.raw_input_contents) if raw is None else raw
-    return _decode(request.inputs, entries, "input", shared)
+    return _decode(request.inputs, entries, "input", shared, model=request.model_name)
 
 
 def decode_outputs(response: inference_pb2.ModelInferResponse) -> dict[str, npt.NDArray[Any]]:
     """The client-side mirror of :func:`decode_inputs`, for responses (raw or typed)."""
-    return _decode(response.outputs, list(response.raw_output_contents), "output")
+    raw = list(response.raw_output_contents)
+    return _decode(response.outputs, raw, "output", model=response.model_name)
 
 
 def encode_outputs(
@@ -216,12 +217,17 @@ def _where(role: str, tensor: _Tensor) -> str:
 
 
 def _decode(
-    tensors: Sequence[_Tensor], raw: list[bytes], role: str, shared: SharedReader | None = None
+    tensors: Sequence[_Tensor],
+    raw: list[bytes],
+    role: str,
+    shared: SharedReader | None = None,
+    *,
+    model: str = "",
 ) -> dict[str, npt.NDArray[Any]]:
     # `raw` is a list because every index into a upb repeated bytes field copies.
     # Inputs in shared memory have no raw entry: the others take the entries in order.
     in_memory = [_in_shared_memory(t) for t in tensors] if role == "input" else []
-    slots = _raw_slots(tensors, in_memory, len(raw), role) if raw else []
+    slots = _raw_slots(tensors, in_memory, len(raw), role, model) if raw else []
     arrays: dict[str, npt.NDArray[Any]] = {}
     for index, tensor in enumerate(tensors):
         if tensor.name in arrays:
@@ -253,9 +259,20 @@ def _refuse_shared_memory(tensor: _Tensor) -> NoReturn:
 
 
 def _raw_slots(
-    tensors: Sequence[_Tensor], in_memory: Sequence[bool], entries: int, role: str
+    tensors: Sequence[_Tensor], in_memory: Sequence[bool], entries: int, role: str, model: str
 ) -> list[int]:
-    """Each tensor's index into the raw contents (-1 for an input in shared memory)."""
+    """Each tensor's index into the raw contents (-1 for an input in shared memory).
+
+    Typed contents beside raw ones are refused first, in Triton's words (its
+    grpc_explicit_int_content_client.py matches on them), before any count.
+    """
+    for tensor in tensors:
+        if tensor.contents.ListFields():
+            raise InvalidInput(
+                f"contents field must not be specified when using raw_{role}_contents "
+                f"for '{clip(tensor.name)}' for model '{clip(model)}' "
+                f"(all {role}s must use one form)"
+            )
     slots: list[int] = []
     carried = 0
     for index in range(len(tensors)):
@@ -275,12 +292,6 @@ def _raw_slots(
     if entries > carried:
         names = ", ".join(f"'{clip(tensor.name)}'" for tensor in tensors)
         raise InvalidInput(f"{entries} raw contents entries but only {carried} {role}s ({names})")
-    for tensor in tensors:
-        if tensor.contents.ListFields():
-            raise InvalidInput(
-                f"{_where(role, tensor)} has typed contents while raw contents are in use; "
-                f"all {role}s must use one form"
-            )
     return slots
 
 

@@ -12,7 +12,14 @@ import enum
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from poolserve.service.contract.errors import ModelNotFound, ModelNotReady, clip
+from poolserve.service.contract.errors import (
+    InvalidInput,
+    ModelNotFound,
+    ModelNotReady,
+    ServingError,
+    clip,
+    unknown_model,
+)
 from poolserve.service.contract.repository import InvalidModel, ModelSettings, TensorSpec
 from poolserve.service.poolcore.stats import ModelStats
 
@@ -90,9 +97,9 @@ class Catalog:
         """The entry for a request; NOT_FOUND for unknown names or versions."""
         entry = self._entries.get(name)
         if entry is None:
-            raise ModelNotFound(f"model '{clip(name)}' is not in this repository")
+            raise unknown_model(name)
         if version and version != entry.version:
-            raise ModelNotFound(f"model '{name}' has no version '{clip(version)}'")
+            raise wrong_version(name, version)
         return entry
 
     def lookup_ready(self, name: str, version: str = "") -> ModelEntry:
@@ -141,3 +148,17 @@ class Catalog:
         """True only when some model is configured and every configured one is ready."""
         configured = self.configured()
         return bool(configured) and all(e.ready for e in configured)
+
+
+def wrong_version(name: str, version: str) -> ServingError:
+    """A version the model does not have, in Triton's words (its examples
+    match on them): INVALID_ARGUMENT if it is no version number at all,
+    NOT_FOUND if it is one the model does not have."""
+    if not (version.isascii() and version.isdigit()):
+        return InvalidInput(
+            f"failed to get model version from specified version string '{clip(version)}' "
+            "(a version is an integer > 0, or empty for the model's version)"
+        )
+    return ModelNotFound(
+        f"Request for unknown model: '{clip(name)}' version {clip(version)} is not found"
+    )

@@ -33,12 +33,11 @@ from poolserve.service.contract.errors import (
     FailedPrecondition,
     Failure,
     InvalidInput,
-    ModelNotFound,
     ModelNotReady,
     ServingError,
     Unavailable,
-    clip,
     load_failed,
+    unknown_model,
 )
 from poolserve.service.contract.lane import lane_path
 from poolserve.service.contract.repository import Repository, scan
@@ -322,7 +321,7 @@ class Router:
             return route
         if name in self.invalid:
             raise ModelNotReady(f"model '{name}' is unavailable: {self.invalid[name]}")
-        raise ModelNotFound(f"model '{clip(name)}' is not in this repository")
+        raise unknown_model(name)
 
     def _timeout(self, context: grpc.aio.ServicerContext[Any, Any]) -> float:
         remaining = context.time_remaining()
