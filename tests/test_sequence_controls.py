@@ -123,6 +123,13 @@ def test_control_tensors_reach_predict_and_model_config_reports_them(tmp_path: P
             assert got.sequence_batching.max_sequence_idle_microseconds == 60_000_000
             assert [i.name for i in got.input] == ["INPUT"]  # controls are not client inputs
 
+            metadata = channel.unary_unary(
+                "/inference.GRPCInferenceService/ServerMetadata",
+                request_serializer=pb.ServerMetadataRequest.SerializeToString,
+                response_deserializer=pb.ServerMetadataResponse.FromString,
+            )
+            assert "sequence" in (await metadata(pb.ServerMetadataRequest(), timeout=60)).extensions
+
     with Serving(repo, tmp_path / "run", workers=2) as serving:
         asyncio.run(main(serving))
 

@@ -25,6 +25,7 @@ EXTENSIONS = (
     "schedule_policy",
     "system_shared_memory",
     "classification",
+    "sequence",
 )
 NO_DEADLINE_S = 1e6  # grpc.aio reports a huge time_remaining() when the client set none
 
