@@ -145,6 +145,21 @@ class Ticker(MLModel):
             raise
 """
 
+STREAM_ONLY = """
+from typing import AsyncIterator
+
+from mlserver import MLModel
+from mlserver.types import InferenceRequest, InferenceResponse
+
+
+class StreamOnly(MLModel):
+    async def predict_stream(
+        self, payloads: AsyncIterator[InferenceRequest]
+    ) -> AsyncIterator[InferenceResponse]:
+        async for payload in payloads:
+            yield InferenceResponse(model_name=self.name, outputs=[])
+"""
+
 NOT_READY = """
 from mlserver import MLModel
 
@@ -238,6 +253,12 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
         },
         TICKER,
     )
+    write_model(  # no decoupled setting: served by predict, which it lacks
+        repo,
+        "streamonly",
+        {"name": "streamonly", "implementation": "model.StreamOnly"},
+        STREAM_ONLY,
+    )
     copy_example(repo, "echo")  # a native model in the same pool, so the same zygote
     # an MLServer repository's settings.json: read, with a notice for what is not supported
     (repo / "settings.json").write_text(
@@ -247,7 +268,16 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
 
         async def ready() -> None:
             async with grpc.aio.insecure_channel(serving.address) as channel:
-                for name in ("scaler", "iris", "wordcount", "tokens", "ticker", "echo", "sleepy"):
+                for name in (
+                    "scaler",
+                    "iris",
+                    "wordcount",
+                    "tokens",
+                    "ticker",
+                    "streamonly",
+                    "echo",
+                    "sleepy",
+                ):
                     await wait_serving(channel, f"model:{name}", timeout=WAIT)
 
         asyncio.run(ready())
@@ -513,6 +543,16 @@ def test_predict_only_mlmodel_answers_each_stream_request(served: Serving) -> No
     assert [r.infer_response.id for r in replies] == ["p1", "p2"]
     unary = asyncio.run(call(served.address, scaler_request([2.0], request_id="p2")))
     assert replies[1].infer_response == unary
+
+
+def test_stream_only_class_without_the_setting_is_told_what_to_set(served: Serving) -> None:
+    code, details = asyncio.run(
+        call_error(served.address, pb.ModelInferRequest(model_name="streamonly"))
+    )
+    assert code == grpc.StatusCode.UNIMPLEMENTED
+    assert "implements predict_stream only" in details
+    assert '"parameters": {"extra": {"decoupled": true}}' in details
+    assert "StreamOnly overrides predict_stream but its settings do not say" in served.log()
 
 
 # -- the same requests to MLServer 1.7.1 ------------------------------------------------

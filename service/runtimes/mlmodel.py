@@ -52,6 +52,7 @@ from poolserve.service.contract.errors import (
     ModelError,
     ModelNotFound,
     ServingError,
+    Unimplemented,
 )
 from poolserve.service.contract.repository import ModelSettings, TensorSpec
 from poolserve.service.inference.model import Array, WireModel
@@ -59,6 +60,8 @@ from poolserve.service.poolcore.frames import Frame, part_frame, reply_frame
 from poolserve.service.poolcore.stats import Timings
 
 log = logging.getLogger(__name__)
+
+DECOUPLED_SETTING = '"parameters": {"extra": {"decoupled": true}}'
 
 # MLServer's MLServerError carries an HTTP status; its gRPC server maps it with
 # this table (mlserver.grpc.utils.STATUS_CODE_MAPPING) and anything else to UNKNOWN.
@@ -134,11 +137,11 @@ class MLModelAdapter(WireModel):
         self.mlmodel.ready = True
         if overrides_predict_stream(self.cls) and not self.settings.decoupled:
             log.warning(
-                "model %s: %s overrides predict_stream but its settings do not say "
-                '"parameters": {"extra": {"decoupled": true}}: ModelStreamInfer runs its '
-                "predict, one response per request",
+                "model %s: %s overrides predict_stream but its settings do not say %s: "
+                "ModelStreamInfer runs its predict, one response per request",
                 self.settings.name,
                 self.cls.__name__,
+                DECOUPLED_SETTING,
             )
 
     def metadata(self) -> tuple[Sequence[TensorSpec], Sequence[TensorSpec]]:
@@ -160,6 +163,13 @@ class MLModelAdapter(WireModel):
         t1 = time.perf_counter_ns()
         try:
             response = self._run(self.mlmodel.predict(payload))
+        except NotImplementedError as exc:
+            if overrides_predict_stream(self.cls) and not overrides_predict(self.cls):
+                raise Unimplemented(
+                    f"model '{name}' implements predict_stream only: to serve it through "
+                    f"ModelStreamInfer, its model-settings.json needs {DECOUPLED_SETTING}"
+                ) from exc
+            raise serving_error(name, exc) from exc
         except Exception as exc:
             raise serving_error(name, exc) from exc
         t2 = time.perf_counter_ns()
@@ -256,6 +266,13 @@ def overrides_predict_stream(cls: type[Any]) -> bool:
     from mlserver.model import MLModel
 
     return getattr(cls, "predict_stream", None) is not MLModel.predict_stream
+
+
+def overrides_predict(cls: type[Any]) -> bool:
+    """Whether ``cls`` has its own ``predict`` (MLModel's raises NotImplementedError)."""
+    from mlserver.model import MLModel
+
+    return getattr(cls, "predict", None) is not MLModel.predict
 
 
 def _parse(name: str, body: bytes) -> tuple[Any, Any, bool]:
