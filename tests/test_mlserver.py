@@ -545,6 +545,27 @@ def test_predict_only_mlmodel_answers_each_stream_request(served: Serving) -> No
     assert replies[1].infer_response == unary
 
 
+def test_triton_empty_final_response_when_asked(served: Serving) -> None:
+    request = text_request("a b", "f1")
+    request.parameters["triton_enable_empty_final_response"].bool_param = True
+
+    async def main() -> list[pb.ModelStreamInferResponse]:
+        async with grpc.aio.insecure_channel(served.address) as channel:
+            call = pbg.GRPCInferenceServiceStub(channel).ModelStreamInfer(
+                iter([request]), timeout=60
+            )
+            return [reply async for reply in call]
+
+    replies = [r.infer_response for r in asyncio.run(main())]
+    assert [len(r.outputs) for r in replies] == [1, 1, 0]
+    assert [r.parameters["triton_final_response"].bool_param for r in replies] == [
+        False,
+        False,
+        True,
+    ]
+    assert {r.id for r in replies} == {"f1"} and replies[-1].model_name == "tokens"
+
+
 def test_stream_only_class_without_the_setting_is_told_what_to_set(served: Serving) -> None:
     code, details = asyncio.run(
         call_error(served.address, pb.ModelInferRequest(model_name="streamonly"))
