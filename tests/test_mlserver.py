@@ -669,19 +669,18 @@ def test_same_stream_as_mlserver(served: Serving, mlserver: str) -> None:
     """MLServer's ModelStreamInfer answers bare ModelInferResponses (its own
     proto); poolserve answers KServe's ModelStreamInferResponse around them.
     One request per stream: MLServer feeds all of a stream's requests to one
-    predict_stream call, poolserve calls it per request."""
-    from mlserver.grpc import dataplane_pb2 as mpb
-    from mlserver.grpc import dataplane_pb2_grpc as mpbg
+    predict_stream call, poolserve calls it per request. Bytes on MLServer's
+    side: importing MLServer's generated protos here would clash with
+    tritonclient's (both in the default descriptor pool) in a whole-suite run."""
 
     async def theirs(request: pb.ModelInferRequest) -> tuple[list[bytes], str]:
         got: list[bytes] = []
         async with grpc.aio.insecure_channel(mlserver) as channel:
-            call = mpbg.GRPCInferenceServiceStub(channel).ModelStreamInfer(
-                iter([mpb.ModelInferRequest.FromString(request.SerializeToString())]), timeout=60
-            )
+            method = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")
+            call = method(iter([request.SerializeToString()]), timeout=60)
             try:
                 async for reply in call:
-                    got.append(reply.SerializeToString())
+                    got.append(bytes(reply))
             except grpc.aio.AioRpcError as exc:
                 return got, f"{exc.code().name}: {exc.details()}"
         return got, ""
