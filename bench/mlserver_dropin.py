@@ -86,12 +86,45 @@ def measure(
                     del cell["shown"]
                     cells.append({"round": r, "server": server.spec.key, "model": model, **cell})
         time.sleep(1.0)  # start-up garbage settles before smaps is read
-        pss = {s.spec.key: sum(b for _, b in s.pss_by_process()) for s in running}
-        processes = {s.spec.key: len(s.tree()) for s in running}
+        by_process = {
+            s.spec.key: [(role(p), servers.pss_bytes(p)) for p in s.tree()] for s in running
+        }
+        pss = {key: sum(b for _, b in rows) for key, rows in by_process.items()}
+        processes = {key: len(rows) for key, rows in by_process.items()}
+        for key, rows in by_process.items():  # what each process of the tree holds
+            shown = ", ".join(f"{r} {b / 2**20:.1f}" for r, b in rows)
+            print(f"  drop-in PSS MiB {key:<18} {shown}", flush=True)
     finally:
         for server in running:
             fleet.stop(server)
-    return summarize({"cells": cells, "pss_bytes": pss, "processes": processes})
+    return summarize({"cells": cells, "pss_bytes": pss, "processes": processes,
+                      "pss_by_process": by_process})  # fmt: skip
+
+
+def role(pid: int) -> str:
+    """A process's part in its tree, from its command line: poolserve's
+    supervisor (serve), pool server, zygote, worker, router; MLServer's main
+    process and its workers (multiprocessing)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        parent_argv = Path(f"/proc/{parent}/cmdline").read_bytes().split(b"\0")
+        grandparent = int(Path(f"/proc/{parent}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        grand_argv = Path(f"/proc/{grandparent}/cmdline").read_bytes().split(b"\0")
+    except (OSError, ValueError, IndexError):
+        return "?"
+    if "poolserve.supervisor.cli" in argv:
+        kind = argv[argv.index("poolserve.supervisor.cli") + 1]
+        if kind == "pool" and b"pool" in grand_argv:
+            return "worker"
+        if kind == "pool" and b"pool" in parent_argv:
+            return "zygote"
+        return kind
+    if "serve" in argv:
+        return "serve"
+    if any("multiprocessing" in a for a in argv):
+        return "worker"
+    return Path(argv[1] if len(argv) > 1 else argv[0]).name or "?"
 
 
 def _median(cells: Sequence[Mapping[str, Any]], server: str, model: str) -> float | None:

@@ -88,6 +88,78 @@ class Sleepy(MLModel):
         return InferenceResponse(model_name=self.name, outputs=[])
 """
 
+TOKENS = """
+from typing import AsyncIterator
+
+from mlserver import MLModel
+from mlserver.codecs import StringCodec
+from mlserver.errors import InferenceError
+from mlserver.types import InferenceRequest, InferenceResponse
+
+
+class Tokens(MLModel):
+    async def predict_stream(
+        self, payloads: AsyncIterator[InferenceRequest]
+    ) -> AsyncIterator[InferenceResponse]:
+        async for payload in payloads:
+            text = StringCodec.decode_input(payload.inputs[0])[0]
+            for i, token in enumerate(text.split()):
+                if token == "boom":
+                    raise InferenceError(f"cannot say {token} at {i}")
+                if token == "crash":
+                    raise ValueError(f"crashed at {i}")
+                yield InferenceResponse(
+                    model_name=self.name,
+                    outputs=[StringCodec.encode_output("token", [token])],
+                )
+"""
+
+TICKER = """
+import asyncio
+from pathlib import Path
+from typing import AsyncIterator
+
+from mlserver import MLModel
+from mlserver.codecs import NumpyCodec
+from mlserver.types import InferenceRequest, InferenceResponse
+import numpy as np
+
+
+class Ticker(MLModel):
+    async def predict_stream(
+        self, payloads: AsyncIterator[InferenceRequest]
+    ) -> AsyncIterator[InferenceResponse]:
+        payload = await payloads.__anext__()
+        marker = Path(self.settings.parameters.extra["marker"]) / str(payload.id)
+        tick = 0
+        try:
+            while True:
+                yield InferenceResponse(
+                    model_name=self.name,
+                    outputs=[NumpyCodec.encode_output("tick", np.array([tick]))],
+                )
+                tick += 1
+                await asyncio.sleep(0.02)
+        except GeneratorExit:
+            marker.write_text(f"closed after {tick}")
+            raise
+"""
+
+STREAM_ONLY = """
+from typing import AsyncIterator
+
+from mlserver import MLModel
+from mlserver.types import InferenceRequest, InferenceResponse
+
+
+class StreamOnly(MLModel):
+    async def predict_stream(
+        self, payloads: AsyncIterator[InferenceRequest]
+    ) -> AsyncIterator[InferenceResponse]:
+        async for payload in payloads:
+            yield InferenceResponse(model_name=self.name, outputs=[])
+"""
+
 NOT_READY = """
 from mlserver import MLModel
 
@@ -134,7 +206,25 @@ def mlserver_folders(repo: Path) -> list[str]:
         )
     )
     copy_example(repo, "wordcount")
-    return ["scaler", "iris", "wordcount"]
+    write_model(
+        repo,
+        "tokens",
+        {
+            "name": "tokens",
+            "implementation": "model.Tokens",
+            "parameters": {"extra": {"decoupled": True}},  # poolserve's; MLServer ignores it
+            "inputs": [
+                {
+                    "name": "text",
+                    "datatype": "BYTES",
+                    "shape": [1],
+                    "parameters": {"content_type": "str"},
+                }
+            ],
+        },
+        TOKENS,
+    )
+    return ["scaler", "iris", "wordcount", "tokens"]
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +242,23 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
         repo, "notready", {"name": "notready", "implementation": "model.NotReady"}, NOT_READY
     )
     write_model(repo, "sleepy", {"name": "sleepy", "implementation": "model.Sleepy"}, SLEEPY)
+    (root / "closed").mkdir()
+    write_model(
+        repo,
+        "ticker",
+        {
+            "name": "ticker",
+            "implementation": "model.Ticker",
+            "parameters": {"extra": {"decoupled": True, "marker": str(root / "closed")}},
+        },
+        TICKER,
+    )
+    write_model(  # no decoupled setting: served by predict, which it lacks
+        repo,
+        "streamonly",
+        {"name": "streamonly", "implementation": "model.StreamOnly"},
+        STREAM_ONLY,
+    )
     copy_example(repo, "echo")  # a native model in the same pool, so the same zygote
     # an MLServer repository's settings.json: read, with a notice for what is not supported
     (repo / "settings.json").write_text(
@@ -161,7 +268,16 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
 
         async def ready() -> None:
             async with grpc.aio.insecure_channel(serving.address) as channel:
-                for name in ("scaler", "iris", "wordcount", "echo", "sleepy"):
+                for name in (
+                    "scaler",
+                    "iris",
+                    "wordcount",
+                    "tokens",
+                    "ticker",
+                    "streamonly",
+                    "echo",
+                    "sleepy",
+                ):
                     await wait_serving(channel, f"model:{name}", timeout=WAIT)
 
         asyncio.run(ready())
@@ -301,7 +417,7 @@ def test_failed_loads_are_unavailable_with_reason_and_server_not_ready(served: S
     assert "w.bin" in states["broken"], states  # the uri, resolved by MLServer's settings
     assert "returned False" in states["notready"], states
     assert ready is False
-    for name in ("scaler", "iris", "wordcount", "echo", "sleepy"):
+    for name in ("scaler", "iris", "wordcount", "tokens", "ticker", "echo", "sleepy"):
         assert states[name].startswith("READY"), states
 
 
@@ -338,6 +454,126 @@ def test_native_model_shares_the_pool(served: Serving) -> None:
     request.raw_input_contents.append(payload.tobytes())
     reply = asyncio.run(call(served.address, request))
     assert reply.raw_output_contents[0] == payload.tobytes()
+
+
+# -- predict_stream through ModelStreamInfer -------------------------------------------
+
+
+def text_request(text: str, request_id: str, model: str = "tokens") -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name=model, id=request_id)
+    given = request.inputs.add(name="text", datatype="BYTES", shape=[1])
+    given.parameters["content_type"].string_param = "str"
+    given.contents.bytes_contents.append(text.encode())
+    return request
+
+
+async def stream(address: str, requests: list[pb.ModelInferRequest]) -> list[tuple[str, str, str]]:
+    """(id, first output's first element or "", error_message) per stream response."""
+    got: list[tuple[str, str, str]] = []
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = pbg.GRPCInferenceServiceStub(channel).ModelStreamInfer(iter(requests), timeout=60)
+        async for reply in call:
+            response = reply.infer_response
+            first = ""
+            if response.outputs:
+                contents = response.outputs[0].contents
+                first = contents.bytes_contents[0].decode() if contents.bytes_contents else "?"
+            got.append((response.id, first, reply.error_message))
+    return got
+
+
+def test_predict_stream_yields_one_response_per_token(served: Serving) -> None:
+    got = asyncio.run(
+        stream(served.address, [text_request("a b c", "s1"), text_request("hello world", "s2")])
+    )
+    assert got == [
+        ("s1", "a", ""),
+        ("s1", "b", ""),
+        ("s1", "c", ""),
+        ("s2", "hello", ""),
+        ("s2", "world", ""),
+    ]
+
+
+def test_predict_stream_errors_map_as_for_predict(served: Serving) -> None:
+    got = asyncio.run(stream(served.address, [text_request("x boom y", "e1")]))
+    assert got[0] == ("e1", "x", "")
+    assert got[1][2] == "INVALID_ARGUMENT: cannot say boom at 1"
+    assert len(got) == 2
+    got = asyncio.run(stream(served.address, [text_request("crash", "e2")]))
+    assert len(got) == 1 and got[0][2].startswith("INTERNAL: "), got
+    assert "tokens" in got[0][2] and "ValueError: crashed at 0" in got[0][2]
+    # the stream's worker serves on
+    assert asyncio.run(stream(served.address, [text_request("ok", "e3")])) == [("e3", "ok", "")]
+
+
+def test_client_going_away_closes_the_async_generator(served: Serving) -> None:
+    async def main() -> int:
+        async with grpc.aio.insecure_channel(served.address) as channel:
+            call = pbg.GRPCInferenceServiceStub(channel).ModelStreamInfer(
+                iter([pb.ModelInferRequest(model_name="ticker", id="gone")]), timeout=60
+            )
+            seen = 0
+            async for reply in call:
+                assert reply.error_message == ""
+                seen += 1
+                if seen == 3:
+                    call.cancel()
+                    break
+            return seen
+
+    assert asyncio.run(main()) == 3
+    marker = served.repo.parent / "closed" / "gone"
+    assert wait_until(marker.exists, WAIT, interval=0.1), "the generator was never closed"
+    assert marker.read_text().startswith("closed after ")
+
+
+def test_predict_only_mlmodel_answers_each_stream_request(served: Serving) -> None:
+    async def main() -> list[pb.ModelStreamInferResponse]:
+        async with grpc.aio.insecure_channel(served.address) as channel:
+            call = pbg.GRPCInferenceServiceStub(channel).ModelStreamInfer(
+                iter(
+                    [scaler_request([1.0], request_id="p1"), scaler_request([2.0], request_id="p2")]
+                ),
+                timeout=60,
+            )
+            return [reply async for reply in call]
+
+    replies = asyncio.run(main())
+    assert [r.infer_response.id for r in replies] == ["p1", "p2"]
+    unary = asyncio.run(call(served.address, scaler_request([2.0], request_id="p2")))
+    assert replies[1].infer_response == unary
+
+
+def test_triton_empty_final_response_when_asked(served: Serving) -> None:
+    request = text_request("a b", "f1")
+    request.parameters["triton_enable_empty_final_response"].bool_param = True
+
+    async def main() -> list[pb.ModelStreamInferResponse]:
+        async with grpc.aio.insecure_channel(served.address) as channel:
+            call = pbg.GRPCInferenceServiceStub(channel).ModelStreamInfer(
+                iter([request]), timeout=60
+            )
+            return [reply async for reply in call]
+
+    replies = [r.infer_response for r in asyncio.run(main())]
+    assert [len(r.outputs) for r in replies] == [1, 1, 0]
+    assert [r.parameters["triton_final_response"].bool_param for r in replies] == [
+        False,
+        False,
+        True,
+    ]
+    assert {r.id for r in replies} == {"f1"} and replies[-1].model_name == "tokens"
+
+
+def test_stream_only_class_without_the_setting_is_told_what_to_set(served: Serving) -> None:
+    code, details = asyncio.run(
+        call_error(served.address, pb.ModelInferRequest(model_name="streamonly"))
+    )
+    assert code == grpc.StatusCode.UNIMPLEMENTED
+    assert "implements predict_stream only" in details
+    assert '"parameters": {"extra": {"decoupled": true}}' in details
+    assert "StreamOnly overrides predict_stream but its settings do not say" in served.log()
 
 
 # -- the same requests to MLServer 1.7.1 ------------------------------------------------
@@ -427,3 +663,45 @@ def test_same_replies_as_mlserver(served: Serving, mlserver: str) -> None:
         assert ours_error[0] == theirs_error[0]
         if ours_error[0] == grpc.StatusCode.INVALID_ARGUMENT:
             assert ours_error[1] == theirs_error[1]
+
+
+def test_same_stream_as_mlserver(served: Serving, mlserver: str) -> None:
+    """MLServer's ModelStreamInfer answers bare ModelInferResponses (its own
+    proto); poolserve answers KServe's ModelStreamInferResponse around them.
+    One request per stream: MLServer feeds all of a stream's requests to one
+    predict_stream call, poolserve calls it per request. Bytes on MLServer's
+    side: importing MLServer's generated protos here would clash with
+    tritonclient's (both in the default descriptor pool) in a whole-suite run."""
+
+    async def theirs(request: pb.ModelInferRequest) -> tuple[list[bytes], str]:
+        got: list[bytes] = []
+        async with grpc.aio.insecure_channel(mlserver) as channel:
+            method = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")
+            call = method(iter([request.SerializeToString()]), timeout=60)
+            try:
+                async for reply in call:
+                    got.append(bytes(reply))
+            except grpc.aio.AioRpcError as exc:
+                return got, f"{exc.code().name}: {exc.details()}"
+        return got, ""
+
+    async def ours(request: pb.ModelInferRequest) -> tuple[list[bytes], str]:
+        got: list[bytes] = []
+        async with grpc.aio.insecure_channel(served.address) as channel:
+            call = pbg.GRPCInferenceServiceStub(channel).ModelStreamInfer(
+                iter([request]), timeout=60
+            )
+            async for reply in call:
+                if reply.error_message:
+                    return got, reply.error_message
+                got.append(reply.infer_response.SerializeToString())
+        return got, ""
+
+    for request in (text_request("one two three", "cmp-1"), text_request("x boom", "cmp-2")):
+        our_parts, our_error = asyncio.run(ours(request))
+        their_parts, their_error = asyncio.run(theirs(request))
+        assert [pb.ModelInferResponse.FromString(p) for p in our_parts] == [
+            pb.ModelInferResponse.FromString(p) for p in their_parts
+        ]
+        assert our_error == their_error
+    assert len(asyncio.run(ours(text_request("one two three", "n")))[0]) == 3

@@ -37,8 +37,17 @@ def stream_infer(model: Model, data: Wire, regions: dict[str, Region], seq: int)
     """PART frames, one per yielded output dict, then the final REPLY frame;
     raises ServingError subclasses only."""
     name = model.settings.name
-    if isinstance(model, WireModel):
-        raise InvalidInput(f"model '{name}' is served through an adapter: it cannot stream")
+    if isinstance(model, WireModel):  # an adapter streams with its own server's code
+        stream_wire = getattr(model, "stream_wire", None)  # (body, seq) -> frames
+        if stream_wire is None:
+            raise InvalidInput(f"model '{name}' is served through an adapter: it cannot stream")
+        if regions:
+            raise InvalidInput(
+                f"model '{name}' is served through an adapter "
+                "that reads tensors from the request only: shared memory is not supported"
+            )
+        yield from stream_wire(data if isinstance(data, bytes) else bytes(data), seq)
+        return
     t0 = time.perf_counter_ns()
     request = parse_request(data)
     shared = SharedTensors(regions)

@@ -18,6 +18,15 @@ this module as a string: poolserve's core never imports mlserver).
   per process and thread), on the request converted by MLServer's own gRPC
   converters from the wire bytes; the response goes back the same way (raw
   output contents when the request used raw input contents, as MLServer).
+- ``predict_stream`` (ModelStreamInfer): a model whose settings say
+  ``parameters.extra.decoupled: true`` is a poolserve decoupled model; each
+  request of the gRPC stream runs its ``async predict_stream`` in a worker on
+  an input iterator of that one request (MLServer feeds every request of the
+  stream to one call), each response it yields is sent at once with the
+  request's id (as MLServer's data plane); a client that goes away closes the
+  async generator (``aclose``). A class that overrides ``predict_stream``
+  without that setting is served by ``predict`` (one response per request),
+  with a warning at load naming the setting.
 - Errors: ``MLServerError`` subclasses get the status MLServer gives them
   (its HTTP status mapped as ``mlserver.grpc.utils`` does: 400
   INVALID_ARGUMENT, e.g. ``InferenceError``; 404 NOT_FOUND; 422
@@ -28,10 +37,11 @@ this module as a string: poolserve's core never imports mlserver).
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -42,10 +52,16 @@ from poolserve.service.contract.errors import (
     ModelError,
     ModelNotFound,
     ServingError,
+    Unimplemented,
 )
 from poolserve.service.contract.repository import ModelSettings, TensorSpec
 from poolserve.service.inference.model import Array, WireModel
+from poolserve.service.poolcore.frames import Frame, part_frame, reply_frame
 from poolserve.service.poolcore.stats import Timings
+
+log = logging.getLogger(__name__)
+
+DECOUPLED_SETTING = '"parameters": {"extra": {"decoupled": true}}'
 
 # MLServer's MLServerError carries an HTTP status; its gRPC server maps it with
 # this table (mlserver.grpc.utils.STATUS_CODE_MAPPING) and anything else to UNKNOWN.
@@ -119,6 +135,14 @@ class MLModelAdapter(WireModel):
                 "such a model ready (load() must return True)"
             )
         self.mlmodel.ready = True
+        if overrides_predict_stream(self.cls) and not self.settings.decoupled:
+            log.warning(
+                "model %s: %s overrides predict_stream but its settings do not say %s: "
+                "ModelStreamInfer runs its predict, one response per request",
+                self.settings.name,
+                self.cls.__name__,
+                DECOUPLED_SETTING,
+            )
 
     def metadata(self) -> tuple[Sequence[TensorSpec], Sequence[TensorSpec]]:
         """Inputs and outputs as the MLModel sees them (its load may set them)."""
@@ -131,29 +155,21 @@ class MLModelAdapter(WireModel):
             return self._loops.get().run_until_complete(coroutine)
 
     def infer_wire(self, body: bytes) -> tuple[bytes, Timings]:
-        from google.protobuf.message import DecodeError
-        from mlserver.grpc import dataplane_pb2
-        from mlserver.grpc.converters import (
-            ModelInferRequestConverter,
-            ModelInferResponseConverter,
-        )
-        from mlserver.utils import generate_uuid
+        from mlserver.grpc.converters import ModelInferResponseConverter
 
         name = self.settings.name
         t0 = time.perf_counter_ns()
-        try:
-            request = dataplane_pb2.ModelInferRequest.FromString(body)
-            use_raw = bool(request.raw_input_contents)  # as MLServer's servicer
-            payload = ModelInferRequestConverter.to_types(request)
-        except DecodeError as exc:
-            raise InvalidInput(f"ModelInferRequest cannot be parsed: {exc}") from None
-        except Exception as exc:
-            raise serving_error(name, exc) from exc
-        if payload.id is None:
-            payload.id = generate_uuid()
+        _, payload, use_raw = _parse(name, body)
         t1 = time.perf_counter_ns()
         try:
             response = self._run(self.mlmodel.predict(payload))
+        except NotImplementedError as exc:
+            if overrides_predict_stream(self.cls) and not overrides_predict(self.cls):
+                raise Unimplemented(
+                    f"model '{name}' implements predict_stream only: to serve it through "
+                    f"ModelStreamInfer, its model-settings.json needs {DECOUPLED_SETTING}"
+                ) from exc
+            raise serving_error(name, exc) from exc
         except Exception as exc:
             raise serving_error(name, exc) from exc
         t2 = time.perf_counter_ns()
@@ -166,17 +182,144 @@ class MLModelAdapter(WireModel):
         t3 = time.perf_counter_ns()
         return data, Timings(decode_ns=t1 - t0, compute_ns=t2 - t1, encode_ns=t3 - t2)
 
+    def stream_wire(self, body: bytes, seq: int) -> Iterator[Frame]:
+        """A decoupled MLModel's answer to one request: a PART frame per response
+        its ``predict_stream`` yields, then the REPLY frame ending the stream.
+        Closing this iterator (the client went away) closes the model's
+        async generator. Raises ServingError subclasses only."""
+        from mlserver.grpc.converters import ModelInferResponseConverter
+
+        from poolserve.service.inference.stream import FINAL, FINAL_FLAG
+
+        name = self.settings.name
+        t0 = time.perf_counter_ns()
+        request, payload, use_raw = _parse(name, body)
+        flag = request.parameters.get(FINAL_FLAG)
+        flagged = flag is not None and flag.WhichOneof("parameter_choice") == "bool_param"
+        flagged = flagged and bool(flag.bool_param)
+        timings = Timings(decode_ns=time.perf_counter_ns() - t0)
+        try:
+            responses = self.mlmodel.predict_stream(_one(payload)).__aiter__()
+        except Exception as exc:
+            raise serving_error(name, exc) from exc
+        try:
+            while True:
+                t1 = time.perf_counter_ns()
+                try:
+                    response = self._run(responses.__anext__())
+                except StopAsyncIteration:
+                    break
+                except Exception as exc:
+                    raise serving_error(name, exc) from exc
+                t2 = time.perf_counter_ns()
+                try:
+                    response.id = payload.id  # as MLServer's data plane
+                    message = ModelInferResponseConverter.from_types(response, use_raw=use_raw)
+                    if flagged:
+                        message.parameters[FINAL].bool_param = False
+                    data = message.SerializeToString()
+                except Exception as exc:  # a response MLServer could not send either
+                    raise serving_error(name, exc) from exc
+                timings.compute_ns += t2 - t1
+                timings.encode_ns += time.perf_counter_ns() - t2
+                yield part_frame(seq, data)
+        finally:
+            self._close(responses)  # also when the client went away (GeneratorExit here)
+        final = b""
+        if flagged:
+            final = _final_response(self.mlmodel, payload.id)
+        yield reply_frame(seq, timings, final)
+
+    def _close(self, responses: Any) -> None:
+        aclose = getattr(responses, "aclose", None)
+        if aclose is None:
+            return
+        try:
+            self._run(aclose())
+        except Exception:  # the generator raised while closing: the stream is over anyway
+            log.exception("model %s: closing its predict_stream raised", self.settings.name)
+
+    def predict_stream(
+        self, inputs: dict[str, Array], parameters: dict[str, object]
+    ) -> Iterator[dict[str, Array]]:
+        """A stream on arrays (a fresh worker's warm-up of a decoupled model)."""
+        responses = self.mlmodel.predict_stream(_one(_numpy_request(inputs))).__aiter__()
+        try:
+            while True:
+                try:
+                    response = self._run(responses.__anext__())
+                except StopAsyncIteration:
+                    return
+                yield {out.name: _decoded(out) for out in response.outputs}
+        finally:
+            self._close(responses)
+
     def predict(self, inputs: dict[str, Array], parameters: dict[str, object]) -> dict[str, Array]:
         """A prediction on arrays (each fresh worker's warm-up): encoded with
         MLServer's NumpyCodec, the outputs decoded with it."""
-        from mlserver.codecs import NumpyCodec
-        from mlserver.types import InferenceRequest
-
-        request = InferenceRequest(
-            inputs=[NumpyCodec.encode_input(k, np.asarray(v)) for k, v in inputs.items()]
-        )
-        response = self._run(self.mlmodel.predict(request))
+        response = self._run(self.mlmodel.predict(_numpy_request(inputs)))
         return {out.name: _decoded(out) for out in response.outputs}
+
+
+def overrides_predict_stream(cls: type[Any]) -> bool:
+    """Whether ``cls`` has its own ``predict_stream`` (MLModel's yields one predict)."""
+    from mlserver.model import MLModel
+
+    return getattr(cls, "predict_stream", None) is not MLModel.predict_stream
+
+
+def overrides_predict(cls: type[Any]) -> bool:
+    """Whether ``cls`` has its own ``predict`` (MLModel's raises NotImplementedError)."""
+    from mlserver.model import MLModel
+
+    return getattr(cls, "predict", None) is not MLModel.predict
+
+
+def _parse(name: str, body: bytes) -> tuple[Any, Any, bool]:
+    """(the request message, MLServer's InferenceRequest with an id, use_raw)."""
+    from google.protobuf.message import DecodeError
+    from mlserver.grpc import dataplane_pb2
+    from mlserver.grpc.converters import ModelInferRequestConverter
+    from mlserver.utils import generate_uuid
+
+    try:
+        request = dataplane_pb2.ModelInferRequest.FromString(body)
+        use_raw = bool(request.raw_input_contents)  # as MLServer's servicer
+        payload = ModelInferRequestConverter.to_types(request)
+    except DecodeError as exc:
+        raise InvalidInput(f"ModelInferRequest cannot be parsed: {exc}") from None
+    except Exception as exc:
+        raise serving_error(name, exc) from exc
+    if payload.id is None:
+        payload.id = generate_uuid()  # as MLServer's data plane
+    return request, payload, use_raw
+
+
+async def _one(payload: Any) -> AsyncIterator[Any]:
+    """The input stream of one request, as MLServer's data plane hands it over."""
+    yield payload
+
+
+def _final_response(mlmodel: Any, request_id: str) -> bytes:
+    """Triton's empty final response, asked by ``triton_enable_empty_final_response``."""
+    from mlserver.grpc import dataplane_pb2
+
+    from poolserve.service.inference.stream import FINAL
+
+    message = dataplane_pb2.ModelInferResponse(
+        model_name=mlmodel.name, model_version=mlmodel.version or "", id=request_id
+    )
+    message.parameters[FINAL].bool_param = True
+    return bytes(message.SerializeToString())
+
+
+def _numpy_request(inputs: dict[str, Array]) -> Any:
+    from mlserver.codecs import NumpyCodec
+    from mlserver.types import InferenceRequest
+
+    return InferenceRequest(
+        inputs=[NumpyCodec.encode_input(k, np.asarray(v)) for k, v in inputs.items()]
+    )
 
 
 def _decoded(output: Any) -> Array:
