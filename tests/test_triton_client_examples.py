@@ -11,6 +11,13 @@ with ``"server_name": "triton"`` (simple_grpc_health_metadata.py checks it).
 Each program passes when it prints its own PASS line; each one out of scope is
 listed with its reason and asserted to fail the documented way, so the list
 stays honest. The tally is in the README (Triton compatibility).
+
+The three sequence programs run again in their ``-d`` (dyna) mode against a
+second tree serving tests/triton_examples/dyna_models (the first one must
+serve exactly eight models: simple_grpc_model_control.py counts them): Triton's
+dyna_sequence models, which compute their outputs from the START, END, READY
+and CORRID control tensors, CORRID UINT64 for integer sequence ids and BYTES
+for the string id (issue 19).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ pytestmark = pytest.mark.e2e
 HERE = Path(__file__).resolve().parent
 PROGRAMS = HERE / "triton_examples" / "programs"
 MODELS = HERE / "triton_examples" / "models"
+DYNA_MODELS = HERE / "triton_examples" / "dyna_models"
 REPEAT = HERE.parent / "examples" / "models" / "repeat_int32"
 IMAGE = "image"  # replaced by the path of a grey image file
 
@@ -60,6 +68,13 @@ PASSING: dict[str, tuple[list[str], str]] = {
     "simple_grpc_shm_client.py": ([], "PASS: system shared memory"),
     "simple_grpc_shm_string_client.py": ([], "PASS: system shared memory"),
     "simple_grpc_string_infer_client.py": ([], "PASS: string"),
+}
+
+# program -> its own PASS line in its -d (dyna) mode, against the dyna tree
+DYNA: dict[str, str] = {
+    "simple_grpc_aio_sequence_stream_infer_client.py": "PASS: grpc aio sequence stream",
+    "simple_grpc_sequence_stream_infer_client.py": "PASS: Sequence",
+    "simple_grpc_sequence_sync_infer_client.py": "PASS: Sequence",
 }
 
 # program -> (its arguments, why it is out of scope, what it prints when it fails)
@@ -99,6 +114,16 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serving, 
     with Serving(repo, root / "run", workers=2) as serving:
         asyncio.run(_wait(serving.address))
         yield serving, image
+
+
+@pytest.fixture(scope="module")
+def served_dyna(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
+    root = tmp_path_factory.mktemp("triton_dyna_examples")
+    repo = root / "repo"
+    shutil.copytree(DYNA_MODELS, repo, ignore=shutil.ignore_patterns("__pycache__"))
+    with Serving(repo, root / "run", workers=2) as serving:
+        asyncio.run(_wait(serving.address))
+        yield serving
 
 
 async def _wait(address: str) -> None:
@@ -141,3 +166,11 @@ def test_triton_example_out_of_scope_fails_as_documented(
     code, output = run_program(program, args, url)
     assert code != 0, output
     assert any(text in output for text in printed), output
+
+
+@pytest.mark.parametrize("program", sorted(DYNA))
+def test_triton_sequence_example_passes_in_dyna_mode(served_dyna: Serving, program: str) -> None:
+    assert program in PASSING  # the same program, the other mode
+    code, output = run_program(program, ["-d"], ["-u", served_dyna.address])
+    assert code == 0, output
+    assert DYNA[program] in output, output

@@ -20,11 +20,11 @@ def main(url):
         fail("model readiness wrong")
     server = client.get_server_metadata()
     print(f"server {server.name} {server.version} extensions {list(server.extensions)}")
-    if "classification" not in server.extensions:
-        fail("classification is not advertised")
-    for unsupported in ("cuda_shared_memory", "sequence"):
-        if unsupported in server.extensions:
-            fail(f"{unsupported} is advertised")
+    for supported in ("classification", "sequence"):
+        if supported not in server.extensions:
+            fail(f"{supported} is not advertised")
+    if "cuda_shared_memory" in server.extensions:
+        fail("cuda_shared_memory is advertised")
     meta = client.get_model_metadata("simple")
     if [(t.name, t.datatype, list(t.shape)) for t in meta.inputs] != [
         ("INPUT0", "INT32", [-1, 16]),
