@@ -53,6 +53,7 @@ from poolserve.service.contract.rundir import (
 )
 from poolserve.service.contract.settings import ConfigError, ServerSettings
 from poolserve.service.contract.shm import forged
+from poolserve.service.contract.slab import Arena
 from poolserve.service.contract.wire import peek_model
 from poolserve.service.grpcserver.handlers import EXTENSIONS, NO_DEADLINE_S, SERVICE, guarded
 from poolserve.service.grpcserver.health import SERVING, Health
@@ -183,6 +184,8 @@ class Router:
                 self.routes[name] = route
         self.health = Health()
         self.shared_memory = SharedMemory()  # the one registry of the whole server
+        # large ModelInfer bodies go to the workers through these (contract/slab.py)
+        self.arena = Arena(settings.max_message_size)
         self.replies = ReplyBudget(
             settings.max_unread_reply_bytes,
             settings.max_unread_reply_bytes_total,
@@ -347,7 +350,11 @@ class Router:
         return time.monotonic() + self._timeout(context)
 
     async def _infer(
-        self, route: PoolRoute, body: bytes, context: grpc.aio.ServicerContext[Any, Any]
+        self,
+        route: PoolRoute,
+        body: bytes,
+        context: grpc.aio.ServicerContext[Any, Any],
+        model: str = "",
     ) -> bytes:
         """ModelInfer over the pool's lane: frames, not a second gRPC hop."""
         deadline = self._deadline(context)
@@ -364,7 +371,7 @@ class Router:
         assert route.lane is not None
         # the registrations of the regions it names go with it (no copy when it names none)
         body = self.shared_memory.attach(body)
-        return await route.lane.call(body, deadline, trace)
+        return await route.lane.call(body, deadline, trace, model)
 
     async def _forward(
         self,
@@ -410,7 +417,7 @@ class Router:
                 if method == "ModelInfer":
                     if self.replies.total:  # someone is not reading: is it this connection?
                         self.replies.check(context)
-                    reply = await self._infer(self._route(name), body, context)
+                    reply = await self._infer(self._route(name), body, context, name)
                     if len(reply) >= TRACKED_REPLY:
                         self.replies.track(context, len(reply))
                     return reply
@@ -657,7 +664,7 @@ class Router:
         methods = (*ROUTED, "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload")
         route.channel = grpc.aio.insecure_channel(f"unix:{route.path}", options=options)
         route.calls = {m: route.channel.unary_unary(f"/{SERVICE}/{m}") for m in methods}
-        route.lane = LaneClient(lane_path(route.path), route.where)
+        route.lane = LaneClient(lane_path(route.path), route.where, self.arena)
 
     def _open_channels(self) -> None:
         for route in self.pools.values():
@@ -787,6 +794,7 @@ class Router:
                 route.lane.close()
             if route.channel is not None:
                 await route.channel.close()
+        self.arena.close()  # every slab closed
 
     def _publish_address(self) -> None:
         self._address_written = _publish(self.address_file, self.settings.host, self.port)
