@@ -85,7 +85,9 @@ class LaneClient:
             self._transport, self._protocol = protocol.batcher, protocol
         return self._transport
 
-    async def call(self, body: bytes, deadline: float, trace: Trace, model: str = "") -> bytes:
+    async def call(
+        self, body: bytes, deadline: float, trace: Trace, model: str = "", head: bytes | None = None
+    ) -> bytes:
         """Runs one ModelInfer in the pool, waiting for it until ``deadline`` (monotonic).
 
         The pool ends its own part a margin earlier and answers DEADLINE_EXCEEDED
@@ -95,7 +97,7 @@ class LaneClient:
         is back, retired on any other end.
         """
         transport = self._transport or await self._connect()
-        leased = self._lease(body, model)
+        leased = self._lease(body, model, head)
         loop = asyncio.get_running_loop()
         seq = next(self._seq)
         future: asyncio.Future[bytes | ServingError] = loop.create_future()
@@ -127,11 +129,15 @@ class LaneClient:
             return result
         return self._reply(leased[0], leased[1], result, model)
 
-    def _lease(self, body: bytes, model: str) -> tuple[slab.Slab, slab.Ref, bytes] | None:
-        """(slab, reference, envelope) for a large body written into a slab; None: inline."""
+    def _lease(
+        self, body: bytes, model: str, head: bytes | None
+    ) -> tuple[slab.Slab, slab.Ref, bytes] | None:
+        """(slab, reference, envelope) for a large body written into a slab; None: inline.
+        ``head``: the body without its raw contents, when the caller has it."""
         if self.arena is None or len(body) <= slab.THRESHOLD or is_wrapped(body):
             return None
-        head = slab.without_raw_inputs(body)
+        if head is None:
+            head = slab.without_raw_inputs(body)
         if head is None:
             return None
         got = self.arena.lease(len(body), max(len(body), self.reply_sizes.get(model, 0)))

@@ -53,7 +53,8 @@ from poolserve.service.contract.rundir import (
 )
 from poolserve.service.contract.settings import ConfigError, ServerSettings
 from poolserve.service.contract.shm import forged
-from poolserve.service.contract.slab import Arena
+from poolserve.service.contract.slab import THRESHOLD as SLAB_THRESHOLD
+from poolserve.service.contract.slab import Arena, without_raw_inputs
 from poolserve.service.contract.wire import peek_model
 from poolserve.service.grpcserver.handlers import EXTENSIONS, NO_DEADLINE_S, SERVICE, guarded
 from poolserve.service.grpcserver.health import SERVING, Health
@@ -369,9 +370,11 @@ class Router:
         else:  # the pool may trace even when the router does not
             trace = carried(context.invocation_metadata())
         assert route.lane is not None
+        # a large body's head: what the pool peeks at, and where a region is named
+        head = without_raw_inputs(body) if len(body) > SLAB_THRESHOLD else None
         # the registrations of the regions it names go with it (no copy when it names none)
-        body = self.shared_memory.attach(body)
-        return await route.lane.call(body, deadline, trace, model)
+        body = self.shared_memory.attach(body, head)
+        return await route.lane.call(body, deadline, trace, model, head)
 
     async def _forward(
         self,
