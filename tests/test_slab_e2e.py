@@ -195,6 +195,27 @@ def test_echo_is_exact_around_the_threshold_and_far_above_it_fp32_and_bytes(
     assert mismatches(repo) == ""
 
 
+def test_an_inline_model_reads_a_large_request_from_its_slab(tmp_path: Path) -> None:
+    """A pool of 0 workers runs its models in the pool process: it maps the
+    slab there and answers inline."""
+    repo = check_repo(tmp_path)
+
+    async def main(serving: Serving) -> None:
+        async with grpc.aio.insecure_channel(serving.address, options=CLIENT) as channel:
+            await wait_serving(channel)
+            stub = pbg.GRPCInferenceServiceStub(channel)
+            for i, count in enumerate((slab.THRESHOLD // 4 + 10, 1 << 20)):
+                sent = floats(count, i)
+                assert same(await echo(stub, "check", sent), sent), count
+            sent = strings(1 << 20, 5)
+            assert same(await echo(stub, "check_bytes", sent), sent)
+            pools = [pid for pid in serving.tree() if comm(pid) == "poolserve-pool"]
+            assert any(slabs_mapped(pid) for pid in pools), pools
+
+    with Serving(repo, tmp_path / "run", workers=0) as serving:
+        asyncio.run(main(serving))
+
+
 def test_many_clients_at_once_each_get_their_own_bytes(tmp_path: Path) -> None:
     repo = check_repo(tmp_path)
 
