@@ -3,21 +3,60 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import tempfile
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service.contract import slab
-from poolserve.service.contract.errors import Failure, InvalidInput
-from poolserve.service.contract.framing import HEADER, Part
+from poolserve.service.contract.errors import Failure, InvalidInput, Unavailable
+from poolserve.service.contract.framing import HEADER, Part, Payload
+from poolserve.service.contract.lane import Trace
 from poolserve.service.contract.shm import unwrap
 from poolserve.service.poolcore.frames import REPLY, TIMINGS, error_frame, reply_frame
 from poolserve.service.poolcore.slabs import put_reply, take
 from poolserve.service.poolcore.stats import Timings
+from poolserve.service.poolserver.lane_server import LaneServer
+from poolserve.service.router.lane_client import LaneClient
 
 from support import infer_request
+
+
+def test_when_workers_cannot_open_slabs_the_router_sends_inline_from_then_on() -> None:
+    """A host where a worker cannot open the router's memfd through /proc: the
+    call is sent again inline, and every later one goes inline at once."""
+    seen: list[bool] = []
+
+    async def pool(body: Payload, deadline: float, trace: Trace) -> bytes:
+        seen.append(slab.is_enveloped(body))
+        if slab.is_enveloped(body):
+            raise Unavailable(f"slab 'x' {slab.UNREACHABLE}: Permission denied")
+        return bytes(body)
+
+    async def main(path: Path) -> None:
+        arena = slab.Arena(max_reply=1 << 30)
+        async with asyncio.TaskGroup() as tasks:
+            server = LaneServer(path, pool, "pool 'x'")
+            await server.start(tasks)
+            client = LaneClient(path, "pool 'x'", arena)
+            try:
+                body = big_request() + b"\x3a\x80\x80\x04" + bytes(1 << 16)  # raw: 64 KiB
+                assert len(body) > slab.THRESHOLD
+                assert await client.call(body, time.monotonic() + 30, [], "m") == body
+                assert await client.call(body, time.monotonic() + 30, [], "m") == body
+            finally:
+                client.close()
+                await server.stop(5.0)
+        assert seen == [True, False, False]
+        assert arena.disabled and not arena.leased and not arena.idle
+
+    with tempfile.TemporaryDirectory() as folder:
+        asyncio.run(main(Path(folder) / "pool-x.lane"))
 
 
 def fd_open(fd: int) -> bool:
@@ -119,7 +158,7 @@ def test_a_worker_maps_the_slab_it_is_named_and_refuses_anything_else() -> None:
             slab.Mapper().view(slab.Ref(ref.name + "9", ref.pid, ref.fd, 5, 4096, 10))
         with pytest.raises(InvalidInput, match="smaller than"):
             slab.Mapper().view(slab.Ref(ref.name, ref.pid, ref.fd, 5, 4096, 1 << 30))
-        with pytest.raises(InvalidInput, match="cannot be opened"):
+        with pytest.raises(Unavailable, match="cannot be opened"):
             slab.Mapper().view(slab.Ref(ref.name, ref.pid, 100_000, 5, 4096, 10))
     finally:
         arena.close()

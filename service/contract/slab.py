@@ -46,7 +46,7 @@ import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from poolserve.service.contract.errors import InvalidInput, clip
+from poolserve.service.contract.errors import InvalidInput, Unavailable, clip
 from poolserve.service.contract.wire import Wire, read_varint
 
 THRESHOLD = 64 * 1024  # a larger ModelInfer body goes through a slab
@@ -58,7 +58,7 @@ _LENGTH = struct.Struct("<Q")
 ALIGN = 4096  # the reply area starts on a page
 MIN_SLAB = 1 << 20  # slab sizes are powers of two from 1 MiB
 MAX_SLABS = 64  # leased and idle together, per router; beyond, a body goes inline
-IDLE_PER_SIZE = 16  # idle slabs kept per size
+IDLE_BYTES = 512 << 20  # idle slabs kept, by their sizes (what is touched stays in memory)
 MAPPED = 64  # slabs a worker keeps mapped (least recently used dropped first)
 _RAW_INPUT_TAG = (7 << 3) | 2  # ModelInferRequest.raw_input_contents
 
@@ -181,6 +181,9 @@ class Slab:
         os.close(self.fd)
 
 
+UNREACHABLE = "cannot be opened"  # in a worker's error: it cannot map the router's slabs
+
+
 class Arena:
     """The router's slabs: leased per call, freed on the worker's REPLY,
     retired (closed, never reused) on any other end."""
@@ -192,12 +195,14 @@ class Arena:
         self._count = 0
         self.idle: dict[int, list[Slab]] = {}
         self.leased: set[Slab] = set()
+        self.idle_bytes = 0
         self.closed = False
+        self.disabled = ""  # why slabs are not used (a worker cannot open them)
 
     def lease(self, length: int, reply_capacity: int) -> tuple[Slab, Ref] | None:
         """A slab for a request of ``length`` bytes and a reply of up to
         ``reply_capacity``; None when the arena is full or shm cannot be had."""
-        if self.closed:
+        if self.closed or self.disabled:
             return None
         reply_at = -(-length // ALIGN) * ALIGN
         reply_capacity = min(reply_capacity, self.max_reply)
@@ -205,6 +210,7 @@ class Arena:
         free = self.idle.get(size)
         if free:
             slab = free.pop()
+            self.idle_bytes -= slab.size
         else:
             if len(self.leased) + sum(map(len, self.idle.values())) >= MAX_SLABS:
                 return None
@@ -220,16 +226,24 @@ class Arena:
     def free(self, slab: Slab) -> None:
         """The worker is done with it (its REPLY came back): reusable."""
         self.leased.discard(slab)
-        free = self.idle.setdefault(slab.size, [])
-        if self.closed or len(free) >= IDLE_PER_SIZE:
+        if self.closed or self.disabled or self.idle_bytes + slab.size > IDLE_BYTES:
             slab.close()
         else:
-            free.append(slab)
+            self.idle.setdefault(slab.size, []).append(slab)
+            self.idle_bytes += slab.size
 
     def retire(self, slab: Slab) -> None:
         """Someone may still read it: closed here, never reused."""
         self.leased.discard(slab)
         slab.close()
+
+    def disable(self, why: str) -> None:
+        """No more slabs: every body goes inline from now on (the idle ones closed)."""
+        self.disabled = why
+        for slab in [s for free in self.idle.values() for s in free]:
+            slab.close()
+        self.idle.clear()
+        self.idle_bytes = 0
 
     def close(self) -> None:
         """Closes every slab (at the router's stop)."""
@@ -238,6 +252,7 @@ class Arena:
             slab.close()
         self.leased.clear()
         self.idle.clear()
+        self.idle_bytes = 0
 
 
 class Mapper:
@@ -282,7 +297,9 @@ def _open(ref: Ref) -> memoryview:
     try:
         fd = os.open(f"/proc/{ref.pid}/fd/{ref.fd}", os.O_RDWR)
     except OSError as exc:
-        raise InvalidInput(f"slab '{clip(ref.name)}' cannot be opened: {exc.strerror}") from None
+        raise Unavailable(
+            f"slab '{clip(ref.name)}' {UNREACHABLE}: {exc.strerror}", stage="worker"
+        ) from None
     try:
         if os.readlink(f"/proc/self/fd/{fd}") != f"/memfd:{ref.name} (deleted)":
             raise InvalidInput(f"slab '{clip(ref.name)}' is gone")

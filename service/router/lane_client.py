@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from pathlib import Path
 
 from poolserve.service.contract import slab
@@ -12,6 +13,8 @@ from poolserve.service.contract.errors import DeadlineExceeded, ServingError, Un
 from poolserve.service.contract.framing import HEADER, Batcher, FrameBuffer
 from poolserve.service.contract.lane import CANCEL, PING, REPLY, Trace, infer_frame, parse_error
 from poolserve.service.contract.shm import is_wrapped
+
+log = logging.getLogger(__name__)
 
 
 class _ClientProtocol(asyncio.BufferedProtocol):
@@ -124,6 +127,12 @@ class LaneClient:
                 # or a cancel without waiting for it), or the lane is gone
                 self.arena.retire(leased[0])  # type: ignore[union-attr]
         if isinstance(result, ServingError):
+            if leased is not None and slab.UNREACHABLE in result.message and self.arena:
+                # this host's workers cannot map the router's slabs (/proc
+                # restricted?): large bodies go inline from now on, this one too
+                log.warning("router: large bodies go inline: %s", result.message)
+                self.arena.disable(result.message)
+                return await self.call(body, deadline, trace, model, head)
             raise result
         if leased is None:
             return result
