@@ -127,6 +127,8 @@ def test_a_freed_slab_is_reused_a_retired_one_never_and_close_releases_all() -> 
     assert big_ref.reply_capacity == 3 << 20  # never more than max_reply
     fds = [fresh.fd, big.fd]
     arena.close()
+    arena.retire(big)  # a call that ends after the stop: closed once only
+    assert big.closed and fresh.closed
     assert not any(
         fd_open(fd) and os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:poolserve-slab")
         for fd in fds
@@ -160,6 +162,24 @@ def test_a_worker_maps_the_slab_it_is_named_and_refuses_anything_else() -> None:
             slab.Mapper().view(slab.Ref(ref.name, ref.pid, ref.fd, 5, 4096, 1 << 30))
         with pytest.raises(Unavailable, match="cannot be opened"):
             slab.Mapper().view(slab.Ref(ref.name, ref.pid, 100_000, 5, 4096, 10))
+    finally:
+        arena.close()
+
+
+def test_a_worker_keeps_its_mappings_bounded_by_count_and_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(slab, "MAPPED_BYTES", 3 * slab.MIN_SLAB)
+    arena = slab.Arena(max_reply=1 << 20)
+    try:
+        refs = [arena.lease(10, 10)[1] for _ in range(5)]  # type: ignore[index]
+        mapper = slab.Mapper()
+        for ref in refs:
+            mapper.view(ref)
+        assert len(mapper) == 3 and mapper.mapped_bytes == 3 * slab.MIN_SLAB
+        mapper.view(refs[2])  # used again: the most recent, kept
+        mapper.view(refs[0])
+        assert len(mapper) == 3 and mapper.mapped_bytes == 3 * slab.MIN_SLAB
     finally:
         arena.close()
 

@@ -59,7 +59,9 @@ ALIGN = 4096  # the reply area starts on a page
 MIN_SLAB = 1 << 20  # slab sizes are powers of two from 1 MiB
 MAX_SLABS = 64  # leased and idle together, per router; beyond, a body goes inline
 IDLE_BYTES = 512 << 20  # idle slabs kept, by their sizes (what is touched stays in memory)
-MAPPED = 64  # slabs a worker keeps mapped (least recently used dropped first)
+MAPPED = 64  # slabs a worker keeps mapped (least recently used dropped first) ...
+MAPPED_BYTES = 512 << 20  # ... and their sizes together (a retired slab's memory is
+# held until its last mapping goes)
 _RAW_INPUT_TAG = (7 << 3) | 2  # ModelInferRequest.raw_input_contents
 
 
@@ -172,13 +174,20 @@ class Slab:
         self.size = size
         self.view = memoryview(self.map)
 
+    @property
+    def closed(self) -> bool:
+        return self.fd < 0
+
     def close(self) -> None:
-        """Closes the router's descriptor and mapping: the memory goes when the
-        last worker mapping it lets go (nobody can open it any more)."""
+        """Closes the router's descriptor and mapping (once): the memory goes
+        when the last worker mapping it lets go (nobody can open it any more)."""
+        if self.fd < 0:
+            return
         self.view.release()
         with contextlib.suppress(BufferError):
             self.map.close()
-        os.close(self.fd)
+        fd, self.fd = self.fd, -1
+        os.close(fd)
 
 
 UNREACHABLE = "cannot be opened"  # in a worker's error: it cannot map the router's slabs
@@ -259,12 +268,13 @@ class Mapper:
     """A worker's (or an inline pool's) mappings of the router's slabs, by name.
 
     A slab is mapped once and kept (the router reuses its slabs); the least
-    recently used beyond :data:`MAPPED` is dropped (a retired slab's memory
-    goes once nothing maps it).
+    recently used beyond :data:`MAPPED` slabs or :data:`MAPPED_BYTES` is
+    dropped (a retired slab's memory goes once nothing maps it).
     """
 
     def __init__(self) -> None:
         self._maps: OrderedDict[str, memoryview] = OrderedDict()
+        self.mapped_bytes = 0
 
     def view(self, ref: Ref) -> memoryview:
         """The whole slab, writable (the reply goes there)."""
@@ -275,8 +285,12 @@ class Mapper:
         if view is None:
             view = _open(ref)
             self._maps[name] = view
-            while len(self._maps) > MAPPED:
-                self._maps.popitem(last=False)  # unmapped when its last view goes
+            self.mapped_bytes += len(view)
+            while len(self._maps) > 1 and (
+                len(self._maps) > MAPPED or self.mapped_bytes > MAPPED_BYTES
+            ):
+                _, dropped = self._maps.popitem(last=False)  # unmapped when its last view goes
+                self.mapped_bytes -= len(dropped)
         else:
             self._maps.move_to_end(name)
         if ref.length > ref.reply_at or ref.reply_at + ref.reply_capacity > len(view):

@@ -158,6 +158,8 @@ class LaneClient:
 
     def _reply(self, where: slab.Slab, ref: slab.Ref, result: bytes, model: str) -> bytes:
         assert self.arena is not None
+        if where.closed:  # the router stopped meanwhile
+            raise Unavailable(f"{self.where}: the router is stopping")
         size = slab.reply_length(result)
         # inline (too large for the reply area, or answered by the pool), or in the
         # slab: gRPC sends bytes only, the one copy of the reply in the router
