@@ -209,3 +209,27 @@ def test_a_reply_that_fits_goes_into_the_slab_the_rest_inline() -> None:
         assert put_reply(mapper, ref, 9, error) is error
     finally:
         arena.close()
+
+
+def test_a_batch_reads_its_large_requests_from_slabs_and_refuses_only_a_bad_one() -> None:
+    from poolserve.service.poolcore.frames import batch_frame, join_frames, parse_batch_reply
+    from poolserve.service.poolcore.worker import _run_batch
+
+    def handler(body: bytes, seq: int) -> list[Part]:
+        return reply_frame(seq, Timings(), b"got:" + bytes(body))
+
+    arena = slab.Arena(max_reply=1 << 20)
+    try:
+        leased, ref = arena.lease(4, 100)  # type: ignore[misc]
+        leased.view[:4] = b"big!"
+        bad = slab.Ref(slab.PREFIX + "nope", ref.pid, ref.fd, 4, 4096, 10)
+        bodies = [b"small", slab.envelope(ref, b""), slab.envelope(bad, b""), b"last"]
+        payload = b"".join(bytes(p) for p in batch_frame(1, bodies)[1:])
+        frames = _run_batch(handler, slab.Mapper(), payload)
+        reply = parse_batch_reply(1, join_frames(frames))
+        assert reply.parts is not None
+        assert [bytes(p.body) for p in reply.parts] == [b"got:small", b"got:big!", b"", b"got:last"]
+        assert reply.parts[2].failure == Failure.INVALID_INPUT, reply.parts[2]
+        assert "is gone" in reply.parts[2].message
+    finally:
+        arena.close()
