@@ -56,6 +56,9 @@ class Check(Model):
         if after != before:
             with LOG.open("a") as log:
                 log.write(f"{before} -> {after}\\n")
+        if value.ndim == 2:  # a batching model: how many rows came in this predict
+            with LOG.with_name("rows.log").open("a") as rows:
+                rows.write(f"{value.shape[0]}\\n")
         repeat = int(parameters.get("repeat", 1))
         return {"OUTPUT0": np.concatenate([value] * repeat) if repeat > 1 else value}
 """
@@ -214,6 +217,37 @@ def test_an_inline_model_reads_a_large_request_from_its_slab(tmp_path: Path) -> 
 
     with Serving(repo, tmp_path / "run", workers=0) as serving:
         asyncio.run(main(serving))
+
+
+def test_large_requests_batched_together_each_get_their_own_rows(tmp_path: Path) -> None:
+    repo = check_repo(tmp_path)
+    write_model(
+        repo,
+        "check_batched",
+        {
+            "name": "check_batched",
+            "implementation": "model.Check",
+            "max_batch_size": 8,
+            "max_batch_time": 0.2,
+            "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [-1, 100_000]}],
+            "outputs": [{"name": "OUTPUT0", "datatype": "FP32", "shape": [-1, 100_000]}],
+        },
+        CHECK,
+    )
+
+    async def main(serving: Serving) -> None:
+        async with grpc.aio.insecure_channel(serving.address, options=CLIENT) as channel:
+            await wait_serving(channel)
+            stub = pbg.GRPCInferenceServiceStub(channel)
+            for round_ in range(3):
+                arrays = [floats(100_000, 10 * round_ + i).reshape(1, -1) for i in range(8)]
+                got = await asyncio.gather(*(echo(stub, "check_batched", a) for a in arrays))
+                assert all(same(g, a) for g, a in zip(got, arrays, strict=True)), round_
+
+    with Serving(repo, tmp_path / "run", workers=1) as serving:
+        asyncio.run(main(serving))
+    rows = [int(n) for n in (repo / "check_batched" / "rows.log").read_text().split()]
+    assert sum(rows) >= 24 and max(rows) > 1, rows  # some ran as batches (+ the warm-up)
 
 
 def test_many_clients_at_once_each_get_their_own_bytes(tmp_path: Path) -> None:
