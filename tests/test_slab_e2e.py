@@ -187,6 +187,10 @@ def test_echo_is_exact_around_the_threshold_and_far_above_it_fp32_and_bytes(
             for i, total in enumerate((slab.THRESHOLD - 3000, slab.THRESHOLD + 3000, 3 << 20)):
                 sent = strings(total, 100 + i)
                 assert same(await echo(stub, "check_bytes", sent), sent), total
+            held = slabs_held(router_of(serving))
+            sent = floats(slab.MAX_BODY // 4 + 1000, 9)  # over MAX_BODY: inline, no slab
+            assert same(await echo(stub, "check", sent), sent)
+            assert slabs_held(router_of(serving)) == held
             # a reply larger than the reply area goes inline, the next one fits
             for _ in range(2):
                 sent = floats(1 << 18, 7)

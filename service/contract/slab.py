@@ -49,7 +49,10 @@ from dataclasses import dataclass
 from poolserve.service.contract.errors import InvalidInput, Unavailable, clip
 from poolserve.service.contract.wire import Wire, read_varint
 
-THRESHOLD = 64 * 1024  # a larger ModelInfer body goes through a slab
+THRESHOLD = 64 * 1024  # a larger ModelInfer body goes through a slab ...
+MAX_BODY = 16 * 1024 * 1024  # ... up to this size, and a reply area never takes more:
+# beyond, a slab would double what the router holds per call in flight (gRPC's
+# bytes and the slab's pages) and keep it idle after; such bodies go inline
 PREFIX = "poolserve-slab-"
 MARK = b"\x00slab1"  # an INFER body that is an envelope
 REPLY_MARK = b"\x00slabr"  # a REPLY body that says: the reply is in the slab

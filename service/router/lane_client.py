@@ -143,7 +143,9 @@ class LaneClient:
     ) -> tuple[slab.Slab, slab.Ref, bytes] | None:
         """(slab, reference, envelope) for a large body written into a slab; None: inline.
         ``head``: the body without its raw contents, when the caller has it."""
-        if self.arena is None or len(body) <= slab.THRESHOLD or is_wrapped(body):
+        if self.arena is None or not slab.THRESHOLD < len(body) <= slab.MAX_BODY:
+            return None
+        if is_wrapped(body):
             return None
         if head is None:
             head = slab.without_raw_inputs(body)

@@ -53,6 +53,7 @@ from poolserve.service.contract.rundir import (
 )
 from poolserve.service.contract.settings import ConfigError, ServerSettings
 from poolserve.service.contract.shm import forged
+from poolserve.service.contract.slab import MAX_BODY as SLAB_MAX_BODY
 from poolserve.service.contract.slab import THRESHOLD as SLAB_THRESHOLD
 from poolserve.service.contract.slab import Arena, without_raw_inputs
 from poolserve.service.contract.wire import peek_model
@@ -186,7 +187,7 @@ class Router:
         self.health = Health()
         self.shared_memory = SharedMemory()  # the one registry of the whole server
         # large ModelInfer bodies go to the workers through these (contract/slab.py)
-        self.arena = Arena(settings.max_message_size)
+        self.arena = Arena(min(settings.max_message_size, SLAB_MAX_BODY))
         self.replies = ReplyBudget(
             settings.max_unread_reply_bytes,
             settings.max_unread_reply_bytes_total,
@@ -371,7 +372,7 @@ class Router:
             trace = carried(context.invocation_metadata())
         assert route.lane is not None
         # a large body's head: what the pool peeks at, and where a region is named
-        head = without_raw_inputs(body) if len(body) > SLAB_THRESHOLD else None
+        head = without_raw_inputs(body) if SLAB_THRESHOLD < len(body) <= SLAB_MAX_BODY else None
         # the registrations of the regions it names go with it (no copy when it names none)
         body = self.shared_memory.attach(body, head)
         return await route.lane.call(body, deadline, trace, model, head)
