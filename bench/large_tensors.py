@@ -41,11 +41,11 @@ SHM = "poolserve-shm"  # poolserve again, perf_analyzer with --shared-memory=sys
 WINDOW_MS = 3000  # MLServer moves a 9.2 MiB echo a few times a second: windows long enough
 # gRPC answers an unknown method UNIMPLEMENTED, "Method not found!"
 UNSUPPORTED = ("UNIMPLEMENTED", "Unimplemented", "Method not found", "not supported")
-# Copies of a request's tensor bytes in poolserve's own code, request and reply
-# ways together, counted in the code path (README "Large tensors" has the table);
-# socket hops (the kernel's copies) and gRPC's own copies are counted apart.
+# Copies of a request's tensor bytes in poolserve's code and in the kernel's
+# socket hops, request and reply ways together, counted in the code path
+# (README "Large tensors" has the table); gRPC's own copies are counted apart.
 COPIES = {
-    SUBJECT: "1 (before: 25 to 27)",
+    SUBJECT: "3, no socket hop (the router's slabs; before: 1 and 8 in the kernel)",
     SHM: "0 in transit (the worker maps the regions)",
 }
 

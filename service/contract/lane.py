@@ -12,11 +12,17 @@ sequence u64, little-endian) and a payload:
   the request's bytes as the router got them): absolute deadline on CLOCK_MONOTONIC (f64, both
   ends are on one host), the trace context length (u16) and text
   (``traceparent`` and ``tracestate`` as ``key=value`` lines), then the
-  serialized ModelInferRequest, untouched.
+  serialized ModelInferRequest, untouched; or, for a request over 64 KiB,
+  the envelope of :mod:`poolserve.service.contract.slab` (a zero byte first:
+  the request is in one of the router's shared-memory slabs, and the
+  envelope carries its reference and the request without its raw tensors).
 - CANCEL (router -> pool): no payload; the caller gave up on that sequence.
 - PING (router -> pool): no payload; the pool's event loop answers it at once
   with an empty REPLY of the same sequence (the router's liveness check).
-- REPLY (pool -> router): the serialized ModelInferResponse.
+- REPLY (pool -> router): the serialized ModelInferResponse; to an enveloped
+  request it may instead be :func:`~poolserve.service.contract.slab.reply_ref`
+  (a zero byte first, then the length of the response the worker wrote into
+  the slab's reply area).
 - ERROR (pool -> router): the :class:`Failure` (u8), the stage length (u8)
   and text, then the message.
 

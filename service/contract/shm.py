@@ -25,6 +25,7 @@ import struct
 from dataclasses import asdict, dataclass
 
 from poolserve.service.contract.errors import InvalidInput, clip
+from poolserve.service.contract.slab import head as slab_head
 from poolserve.service.contract.wire import Wire
 
 SHM_DIR = "/dev/shm"
@@ -80,7 +81,12 @@ def forged(data: bytes) -> bool:
 
 
 def unwrap(data: Wire) -> tuple[dict[str, Region], Wire]:
-    """The registrations by name and the request; ``({}, data)`` when not wrapped."""
+    """The registrations by name and the request; ``({}, data)`` when not wrapped.
+
+    A request in a router's slab (:mod:`poolserve.service.contract.slab`) is
+    its head here: what the pool peeks at."""
+    if data[:1] == MARK[:1] and not is_wrapped(data):
+        return {}, slab_head(data)
     if not is_wrapped(data):
         return {}, data
     start = len(MARK) + _LENGTH.size

@@ -119,13 +119,16 @@ class SharedMemory:
             raise NotFound(f"no shared-memory region '{clip(name)}' is registered")
         return [region]
 
-    def attach(self, body: bytes) -> bytes:
-        """The ModelInfer request with the registrations of the regions it names in front."""
+    def attach(self, body: bytes, head: bytes | None = None) -> bytes:
+        """The ModelInfer request with the registrations of the regions it names in front.
+
+        ``head``: the request without its raw contents, when known (a large
+        request's): searched for a region's mention instead of all the tensors."""
         if forged(body):
             if self.accept_attached and is_wrapped(body):
                 return body
             raise InvalidInput("ModelInferRequest cannot be parsed: it starts with a zero byte")
-        if _MENTION not in body:
+        if _MENTION not in (body if head is None else head):
             return body
         request = pb.ModelInferRequest.FromString(body)
         used: dict[str, Region] = {}

@@ -8,6 +8,14 @@ ERROR frame carrying the same sequence number, and its timings. The
 sequence number lets the pool recognise a reply that belongs to a request it
 has already given up on.
 
+A REQUEST body (also inside a BATCH) may be an envelope of
+:mod:`poolserve.service.contract.slab`: the request is in the router's
+shared-memory slab it names, and the worker reads it there
+(:mod:`poolserve.service.poolcore.slabs`). To a lone REQUEST's envelope the
+worker may answer a REPLY whose body is the slab's reply reference (the
+response written into the slab's reply area); batch replies, errors and
+replies larger than the reply area are sent inline as ever.
+
 Before its first request, a fresh worker runs its self-test: a WARMUP frame
 names each model as its warm-up prediction starts, and one READY frame (JSON:
 the models whose warm-up raised, which is no failure) says it takes requests.

@@ -25,9 +25,11 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import BinaryIO, NoReturn
+from typing import BinaryIO, NoReturn, cast
 
-from poolserve.service.contract.framing import HEADER, IOV_MAX, flat
+from poolserve.service.contract.errors import Failure, ServingError
+from poolserve.service.contract.framing import HEADER, IOV_MAX, Payload, flat
+from poolserve.service.contract.slab import Mapper
 from poolserve.service.poolcore.frames import (
     ACK,
     BATCH,
@@ -37,12 +39,16 @@ from poolserve.service.poolcore.frames import (
     STREAM,
     Frame,
     batch_reply_frame,
+    error_frame,
+    frame_parts,
     heartbeat_frame,
     loading_frame,
     ready_frame,
     split_frames,
     warmup_frame,
 )
+from poolserve.service.poolcore.slabs import put_reply, take
+from poolserve.service.poolcore.stats import Timings
 from poolserve.service.poolcore.streaming import end_sequence, run_stream
 
 FrameOut = Frame
@@ -79,6 +85,7 @@ def _read_exact(stream: BinaryIO, size: int) -> bytes | None:
 
 def serve(sock: socket.socket, handler: Handler, send_lock: threading.Lock) -> None:
     stream = sock.makefile("rb")
+    slabs = Mapper()  # the router's slabs this worker has mapped (large requests)
     while True:
         header = _read_exact(stream, HEADER.size)
         if header is None:
@@ -94,15 +101,56 @@ def serve(sock: socket.socket, handler: Handler, send_lock: threading.Lock) -> N
         elif kind == SEQUENCE_END:
             frame = end_sequence(handler, seq, body)
         elif kind == BATCH:
-            bodies = [part for _, part in split_frames(body, REQUEST)]
-            frame = batch_reply_frame(seq, run_batch(handler, bodies))
-            del bodies
+            frame = batch_reply_frame(seq, _run_batch(handler, slabs, body))
         else:
-            frame = handler(body, seq)
+            frame = _run_request(handler, slabs, body, seq)
         del body  # a large request is not kept alive while we wait for the next
         with send_lock:
             send_frame(sock, frame)
         del frame  # nor a large reply (its parts may be views of the request)
+
+
+def _run_batch(handler: Handler, slabs: Mapper, body: Payload) -> list[FrameOut]:
+    """A batch's requests; a large one is a view of its slab (replies go inline)."""
+    bodies: list[bytes] = []
+    refused: dict[int, FrameOut] = {}
+    for i, (_, part) in enumerate(split_frames(body, REQUEST)):
+        try:  # a view is read as bytes are: only the inference handler gets envelopes
+            bodies.append(cast(bytes, take(slabs, part)[1]))
+        except ServingError as exc:
+            refused[i] = error_frame(i, Timings(), exc.failure, exc.message)
+    if not refused:
+        return run_batch(handler, bodies)
+    frames: list[FrameOut] = []
+    ran = iter(run_batch(handler, bodies)) if bodies else iter(())
+    for i in range(len(bodies) + len(refused)):
+        frames.append(refused[i] if i in refused else _renumber(next(ran), i))
+    return frames
+
+
+def _renumber(frame: FrameOut, seq: int) -> FrameOut:
+    """A frame with another sequence number (a batch reply's index)."""
+    parts = list(frame_parts(frame))
+    first = bytes(parts[0])
+    length, kind, _ = HEADER.unpack_from(first)
+    parts[0] = HEADER.pack(length, kind, seq) + first[HEADER.size :]
+    return parts
+
+
+def _run_request(handler: Handler, slabs: Mapper, body: Payload, seq: int) -> FrameOut:
+    """One request; an enveloped one is read from its slab and, when its reply
+    fits, answered there (:mod:`poolserve.service.contract.slab`)."""
+    try:
+        ref, request = take(slabs, body)
+        if ref is None:
+            return handler(cast(bytes, body), seq)
+        frame = handler(cast(bytes, request), seq)  # a view: read as bytes are
+        del request
+        return put_reply(slabs, ref, seq, frame)
+    except ServingError as exc:
+        return error_frame(seq, Timings(), exc.failure, exc.message)
+    except OSError as exc:  # a slab that cannot be mapped or written
+        return error_frame(seq, Timings(), Failure.INTERNAL, f"slab: {exc}")
 
 
 def send_frame(sock: socket.socket, frame: FrameOut) -> None:

@@ -22,6 +22,7 @@ from poolserve.service.contract.framing import Payload
 from poolserve.service.contract.schedule import PriorityLevels, Schedule, schedule
 from poolserve.service.contract.sequence import peek_sequence
 from poolserve.service.contract.shm import is_wrapped, unwrap
+from poolserve.service.contract.slab import Mapper, head, is_enveloped, parse
 from poolserve.service.contract.wire import Routing
 from poolserve.service.poolcore.dispatcher import Dispatcher, Result
 from poolserve.service.poolcore.sequences import Sequences
@@ -49,6 +50,7 @@ class PoolBackend:
         self.reject_hopeless = reject_hopeless
         self.sequences: dict[str, Sequences] = {}  # per sequence model: its live sequences
         self.inline_sequences: dict[str, InlineSequences] = {}  # the same, of inline models
+        self.slabs = Mapper()  # the router's slabs an inline model reads large requests from
 
     def serving(self) -> bool:
         return not self.needs_workers or self.dispatcher.live_workers() > 0
@@ -79,7 +81,7 @@ class PoolBackend:
             policy = None  # it names shared-memory regions: it runs alone (not a batch member)
         if policy is not None:
             try:
-                peeked = peek_batch(request, policy.safe_parameters)
+                peeked = peek_batch(head(request), policy.safe_parameters)
             except InvalidInput:
                 peeked = None  # malformed: it runs alone, and the worker says what is wrong
             if peeked is None:
@@ -88,7 +90,7 @@ class PoolBackend:
                 rows, key = peeked
         if entry.name in self.inline:
             batch = None if policy is None else (policy, rows, key)
-            return await self.inline.infer(entry, request, plan, observe, batch)
+            return await self.inline.infer(entry, self._inline(request), plan, observe, batch)
         began = time.monotonic_ns()
         try:
             result = await self.dispatcher.submit(
@@ -249,7 +251,14 @@ class PoolBackend:
         plan = self._plan(entry, routing, deadline)
         if self.reject_hopeless:
             self._reject_if_hopeless(entry, plan.deadline)
-        return self.inline.infer_now(entry, request, plan.deadline)
+        return self.inline.infer_now(entry, self._inline(request), plan.deadline)
+
+    def _inline(self, request: Payload) -> Payload:
+        """What an inline model reads: a large request's slab (its reply goes
+        back inline), any other request as it is."""
+        if not is_enveloped(request):
+            return request
+        return self.slabs.request(parse(request)[0])
 
     @staticmethod
     def _plan(entry: ModelEntry, routing: Routing, deadline: float) -> Schedule:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+from poolserve.service.contract import slab
 from poolserve.service.contract.errors import DeadlineExceeded, ServingError, Unavailable
 from poolserve.service.contract.framing import HEADER, Batcher, FrameBuffer
 from poolserve.service.contract.lane import (
@@ -19,7 +21,10 @@ from poolserve.service.contract.lane import (
     parse_error,
     stream_open_frame,
 )
+from poolserve.service.contract.shm import is_wrapped
 from poolserve.service.router.lane_stream import LaneStream
+
+log = logging.getLogger(__name__)
 
 
 class _ClientProtocol(asyncio.BufferedProtocol):
@@ -52,8 +57,8 @@ class _ClientProtocol(asyncio.BufferedProtocol):
             if kind == REPLY:
                 # gRPC sends bytes only: the one copy of the reply in the router
                 future.set_result(payload if isinstance(payload, bytes) else bytes(payload))
-            else:
-                future.set_exception(parse_error(payload))
+            else:  # the pool's answer (a result: the call did not lose its lane)
+                future.set_result(parse_error(payload))
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.batcher is not None:
@@ -64,10 +69,12 @@ class _ClientProtocol(asyncio.BufferedProtocol):
 class LaneClient:
     """The router's connection to one pool's lane, opened on first use."""
 
-    def __init__(self, path: Path, where: str) -> None:
+    def __init__(self, path: Path, where: str, arena: slab.Arena | None = None) -> None:
         self.path = path
         self.where = where
-        self.pending: dict[int, asyncio.Future[bytes]] = {}
+        self.arena = arena  # large bodies go through its slabs (None: all inline)
+        self.reply_sizes: dict[str, int] = {}  # per model: its last reply's size
+        self.pending: dict[int, asyncio.Future[bytes | ServingError]] = {}
         self.streams: dict[int, LaneStream] = {}
         self._seq = itertools.count(1)
         self._transport: Batcher | None = None
@@ -97,21 +104,30 @@ class LaneClient:
             self._transport, self._protocol = protocol.batcher, protocol
         return self._transport
 
-    async def call(self, body: bytes, deadline: float, trace: Trace) -> bytes:
+    async def call(
+        self, body: bytes, deadline: float, trace: Trace, model: str = "", head: bytes | None = None
+    ) -> bytes:
         """Runs one ModelInfer in the pool, waiting for it until ``deadline`` (monotonic).
 
         The pool ends its own part a margin earlier and answers DEADLINE_EXCEEDED
         itself, saying where the time went; this timer only fires when it cannot.
+        A body over :data:`slab.THRESHOLD` travels in a slab of the arena
+        (:mod:`poolserve.service.contract.slab`), freed when the worker's REPLY
+        is back, retired on any other end.
         """
         transport = self._transport or await self._connect()
+        leased = self._lease(body, model, head)
         loop = asyncio.get_running_loop()
         seq = next(self._seq)
-        future: asyncio.Future[bytes] = loop.create_future()
+        future: asyncio.Future[bytes | ServingError] = loop.create_future()
         self.pending[seq] = future
-        transport.write(*infer_frame(seq, deadline, trace, body))  # the body is not copied
+        if leased is None:
+            transport.write(*infer_frame(seq, deadline, trace, body))  # the body is not copied
+        else:
+            transport.write(*infer_frame(seq, deadline, trace, leased[2]))
         timer = loop.call_at(deadline, _time_out, future)  # asyncio's clock is time.monotonic
         try:
-            return await future
+            result = await future
         except asyncio.CancelledError:
             self._cancel(seq)
             raise
@@ -122,6 +138,53 @@ class LaneClient:
             ) from None
         finally:
             timer.cancel()
+            if leased is not None and not _replied(future):
+                # no REPLY: a worker may still read it (the pool answers a deadline
+                # or a cancel without waiting for it), or the lane is gone
+                self.arena.retire(leased[0])  # type: ignore[union-attr]
+        if isinstance(result, ServingError):
+            if leased is not None and slab.UNREACHABLE in result.message and self.arena:
+                # this host's workers cannot map the router's slabs (/proc
+                # restricted?): large bodies go inline from now on, this one too
+                log.warning("router: large bodies go inline: %s", result.message)
+                self.arena.disable(result.message)
+                return await self.call(body, deadline, trace, model, head)
+            raise result
+        if leased is None:
+            return result
+        return self._reply(leased[0], leased[1], result, model)
+
+    def _lease(
+        self, body: bytes, model: str, head: bytes | None
+    ) -> tuple[slab.Slab, slab.Ref, bytes] | None:
+        """(slab, reference, envelope) for a large body written into a slab; None: inline.
+        ``head``: the body without its raw contents, when the caller has it."""
+        if self.arena is None or not slab.THRESHOLD < len(body) <= slab.MAX_BODY:
+            return None
+        if is_wrapped(body):
+            return None
+        if head is None:
+            head = slab.without_raw_inputs(body)
+        if head is None:
+            return None
+        got = self.arena.lease(len(body), max(len(body), self.reply_sizes.get(model, 0)))
+        if got is None:
+            return None
+        where, ref = got
+        where.view[: len(body)] = body  # the one copy of the request in the router
+        return where, ref, slab.envelope(ref, head)
+
+    def _reply(self, where: slab.Slab, ref: slab.Ref, result: bytes, model: str) -> bytes:
+        assert self.arena is not None
+        if where.closed:  # the router stopped meanwhile
+            raise Unavailable(f"{self.where}: the router is stopping")
+        size = slab.reply_length(result)
+        # inline (too large for the reply area, or answered by the pool), or in the
+        # slab: gRPC sends bytes only, the one copy of the reply in the router
+        reply = result if size is None else bytes(where.view[ref.reply_at : ref.reply_at + size])
+        self.arena.free(where)
+        self.reply_sizes[model] = len(reply)
+        return reply
 
     async def stream(
         self,
@@ -156,7 +219,7 @@ class LaneClient:
         the caller bounds it). Raises Unavailable when the lane is down."""
         transport = self._transport or await self._connect()
         seq = next(self._seq)
-        future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[bytes | ServingError] = asyncio.get_running_loop().create_future()
         self.pending[seq] = future
         transport.write(HEADER.pack(0, PING, seq))
         try:
@@ -192,6 +255,13 @@ class _Timeout(Exception):
     pass
 
 
-def _time_out(future: asyncio.Future[bytes]) -> None:
+def _replied(future: asyncio.Future[bytes | ServingError]) -> bool:
+    """Whether the pool answered with a REPLY (the worker is done with the slab)."""
+    if not future.done() or future.cancelled() or future.exception() is not None:
+        return False
+    return isinstance(future.result(), bytes)
+
+
+def _time_out(future: asyncio.Future[bytes | ServingError]) -> None:
     if not future.done():
         future.set_exception(_Timeout())

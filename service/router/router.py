@@ -52,6 +52,9 @@ from poolserve.service.contract.rundir import (
 )
 from poolserve.service.contract.settings import ConfigError, ServerSettings
 from poolserve.service.contract.shm import forged
+from poolserve.service.contract.slab import MAX_BODY as SLAB_MAX_BODY
+from poolserve.service.contract.slab import THRESHOLD as SLAB_THRESHOLD
+from poolserve.service.contract.slab import Arena, without_raw_inputs
 from poolserve.service.contract.wire import peek_model
 from poolserve.service.grpcserver.handlers import EXTENSIONS, NO_DEADLINE_S, SERVICE, guarded
 from poolserve.service.grpcserver.health import SERVING, Health
@@ -182,6 +185,8 @@ class Router:
                 self.routes[name] = route
         self.health = Health()
         self.shared_memory = SharedMemory()  # the one registry of the whole server
+        # large ModelInfer bodies go to the workers through these (contract/slab.py)
+        self.arena = Arena(min(settings.max_message_size, SLAB_MAX_BODY))
         self.replies = ReplyBudget(
             settings.max_unread_reply_bytes,
             settings.max_unread_reply_bytes_total,
@@ -346,7 +351,11 @@ class Router:
         return time.monotonic() + self._timeout(context)
 
     async def _infer(
-        self, route: PoolRoute, body: bytes, context: grpc.aio.ServicerContext[Any, Any]
+        self,
+        route: PoolRoute,
+        body: bytes,
+        context: grpc.aio.ServicerContext[Any, Any],
+        model: str = "",
     ) -> bytes:
         """ModelInfer over the pool's lane: frames, not a second gRPC hop."""
         deadline = self._deadline(context)
@@ -361,9 +370,11 @@ class Router:
         else:  # the pool may trace even when the router does not
             trace = carried(context.invocation_metadata())
         assert route.lane is not None
+        # a large body's head: what the pool peeks at, and where a region is named
+        head = without_raw_inputs(body) if SLAB_THRESHOLD < len(body) <= SLAB_MAX_BODY else None
         # the registrations of the regions it names go with it (no copy when it names none)
-        body = self.shared_memory.attach(body)
-        return await route.lane.call(body, deadline, trace)
+        body = self.shared_memory.attach(body, head)
+        return await route.lane.call(body, deadline, trace, model, head)
 
     async def _forward(
         self,
@@ -409,7 +420,7 @@ class Router:
                 if method == "ModelInfer":
                     if self.replies.total:  # someone is not reading: is it this connection?
                         self.replies.check(context)
-                    reply = await self._infer(self._route(name), body, context)
+                    reply = await self._infer(self._route(name), body, context, name)
                     if len(reply) >= TRACKED_REPLY:
                         self.replies.track(context, len(reply))
                     return reply
@@ -649,7 +660,7 @@ class Router:
         methods = (*ROUTED, "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload")
         route.channel = grpc.aio.insecure_channel(f"unix:{route.path}", options=options)
         route.calls = {m: route.channel.unary_unary(f"/{SERVICE}/{m}") for m in methods}
-        route.lane = LaneClient(lane_path(route.path), route.where)
+        route.lane = LaneClient(lane_path(route.path), route.where, self.arena)
 
     def _open_channels(self) -> None:
         for route in self.pools.values():
@@ -779,6 +790,7 @@ class Router:
                 route.lane.close()
             if route.channel is not None:
                 await route.channel.close()
+        self.arena.close()  # every slab closed
 
     def _publish_address(self) -> None:
         self._address_written = _publish(self.address_file, self.settings.host, self.port)

@@ -1,0 +1,235 @@
+"""The router's slabs (contract/slab.py) and a worker's side of them
+(poolcore/slabs.py), in one process: formats, ownership, mapping checks."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from poolserve.protos import inference_pb2 as pb
+from poolserve.service.contract import slab
+from poolserve.service.contract.errors import Failure, InvalidInput, Unavailable
+from poolserve.service.contract.framing import HEADER, Part, Payload
+from poolserve.service.contract.lane import Trace
+from poolserve.service.contract.shm import unwrap
+from poolserve.service.poolcore.frames import REPLY, TIMINGS, error_frame, reply_frame
+from poolserve.service.poolcore.slabs import put_reply, take
+from poolserve.service.poolcore.stats import Timings
+from poolserve.service.poolserver.lane_server import LaneServer
+from poolserve.service.router.lane_client import LaneClient
+
+from support import infer_request
+
+
+def test_when_workers_cannot_open_slabs_the_router_sends_inline_from_then_on() -> None:
+    """A host where a worker cannot open the router's memfd through /proc: the
+    call is sent again inline, and every later one goes inline at once."""
+    seen: list[bool] = []
+
+    async def pool(body: Payload, deadline: float, trace: Trace) -> bytes:
+        seen.append(slab.is_enveloped(body))
+        if slab.is_enveloped(body):
+            raise Unavailable(f"slab 'x' {slab.UNREACHABLE}: Permission denied")
+        return bytes(body)
+
+    async def main(path: Path) -> None:
+        arena = slab.Arena(max_reply=1 << 30)
+        async with asyncio.TaskGroup() as tasks:
+            server = LaneServer(path, pool, "pool 'x'")
+            await server.start(tasks)
+            client = LaneClient(path, "pool 'x'", arena)
+            try:
+                body = big_request() + b"\x3a\x80\x80\x04" + bytes(1 << 16)  # raw: 64 KiB
+                assert len(body) > slab.THRESHOLD
+                assert await client.call(body, time.monotonic() + 30, [], "m") == body
+                assert await client.call(body, time.monotonic() + 30, [], "m") == body
+            finally:
+                client.close()
+                await server.stop(5.0)
+        assert seen == [True, False, False]
+        assert arena.disabled and not arena.leased and not arena.idle
+
+    with tempfile.TemporaryDirectory() as folder:
+        asyncio.run(main(Path(folder) / "pool-x.lane"))
+
+
+def fd_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+def big_request() -> bytes:
+    message = pb.ModelInferRequest(model_name="echo", id="r1")
+    for k in range(2):
+        message.inputs.add(name=f"INPUT{k}", datatype="FP32", shape=[3])
+        message.raw_input_contents.append(np.arange(3, dtype=np.float32).tobytes() * (k + 1))
+    message.parameters["priority"].int64_param = 2
+    message.outputs.add(name="OUTPUT0")
+    return message.SerializeToString()
+
+
+def test_the_head_is_the_request_without_its_raw_contents_and_malformed_bytes_give_none() -> None:
+    body = big_request()
+    head = slab.without_raw_inputs(body)
+    assert head is not None
+    expected = pb.ModelInferRequest.FromString(body)
+    del expected.raw_input_contents[:]
+    assert pb.ModelInferRequest.FromString(head) == expected
+    assert len(head) < len(body) - 18
+    assert slab.without_raw_inputs(body[:-3]) is None  # a field runs past the end
+    assert slab.without_raw_inputs(b"\x0f") is None  # wire type 7
+    plain = infer_request("echo", np.zeros(4, np.float32), raw=False)
+    assert slab.without_raw_inputs(plain) == plain
+
+
+def test_an_envelope_carries_its_reference_and_the_pool_peeks_at_its_head() -> None:
+    head = slab.without_raw_inputs(big_request())
+    assert head is not None
+    ref = slab.Ref("poolserve-slab-1-ab-3", 1234, 7, 10_000, 12_288, 99_999)
+    data = slab.envelope(ref, head)
+    assert slab.is_enveloped(data) and not slab.is_enveloped(head)
+    assert slab.parse(data) == (ref, head)
+    assert slab.head(data) == head and slab.head(head) == head
+    assert unwrap(data) == ({}, head)  # what the pool's peeks read
+    assert unwrap(memoryview(data))[1] == head
+    with pytest.raises(InvalidInput, match="cut short"):
+        slab.parse(data[:10])
+    assert slab.reply_length(slab.reply_ref(4321)) == 4321
+    assert slab.reply_length(b"\x0a\x04echo") is None
+    assert slab.reply_length(slab.reply_ref(5) + b"x") is None
+
+
+def test_a_freed_slab_is_reused_a_retired_one_never_and_close_releases_all() -> None:
+    arena = slab.Arena(max_reply=3 << 20)
+    first, ref = arena.lease(100_000, 100_000)  # type: ignore[misc]
+    assert ref.length == 100_000 and ref.reply_at % slab.ALIGN == 0 and ref.reply_at >= 100_000
+    assert ref.reply_at + ref.reply_capacity <= first.size and first.size == slab.MIN_SLAB
+    assert ref.pid == os.getpid() and ref.fd == first.fd
+    arena.free(first)
+    again, _ = arena.lease(200_000, 200_000)  # type: ignore[misc]
+    assert again is first  # same size: the idle one
+    arena.retire(again)
+    assert not fd_open(first.fd) or os.readlink(f"/proc/self/fd/{first.fd}") != (
+        f"/memfd:{first.name} (deleted)"
+    )
+    fresh, _ = arena.lease(100_000, 100_000)  # type: ignore[misc]
+    assert fresh is not first and fresh.name != first.name
+    big, big_ref = arena.lease(5 << 20, 50 << 20)  # type: ignore[misc]
+    assert big_ref.reply_capacity == 3 << 20  # never more than max_reply
+    fds = [fresh.fd, big.fd]
+    arena.close()
+    arena.retire(big)  # a call that ends after the stop: closed once only
+    assert big.closed and fresh.closed
+    assert not any(
+        fd_open(fd) and os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:poolserve-slab")
+        for fd in fds
+    )
+    assert arena.lease(10, 10) is None
+
+
+def test_the_arena_is_bounded() -> None:
+    arena = slab.Arena(max_reply=1 << 20)
+    held = [arena.lease(1000, 1000) for _ in range(slab.MAX_SLABS)]
+    assert all(held)
+    assert arena.lease(1000, 1000) is None  # the body goes inline
+    arena.close()
+
+
+def test_a_worker_maps_the_slab_it_is_named_and_refuses_anything_else() -> None:
+    arena = slab.Arena(max_reply=1 << 20)
+    try:
+        leased, ref = arena.lease(5, 100)  # type: ignore[misc]
+        leased.view[:5] = b"hello"
+        mapper = slab.Mapper()
+        assert bytes(mapper.request(ref)) == b"hello"
+        assert mapper.request(ref).readonly
+        leased.view[:5] = b"HELLO"  # one memory: the mapping sees the router's writes
+        assert bytes(mapper.request(ref)) == b"HELLO"
+        with pytest.raises(InvalidInput, match="not a poolserve slab"):
+            mapper.view(slab.Ref("../etc", ref.pid, ref.fd, 5, 4096, 10))
+        with pytest.raises(InvalidInput, match="is gone"):  # the descriptor holds another slab
+            slab.Mapper().view(slab.Ref(ref.name + "9", ref.pid, ref.fd, 5, 4096, 10))
+        with pytest.raises(InvalidInput, match="smaller than"):
+            slab.Mapper().view(slab.Ref(ref.name, ref.pid, ref.fd, 5, 4096, 1 << 30))
+        with pytest.raises(Unavailable, match="cannot be opened"):
+            slab.Mapper().view(slab.Ref(ref.name, ref.pid, 100_000, 5, 4096, 10))
+    finally:
+        arena.close()
+
+
+def test_a_worker_keeps_its_mappings_bounded_by_count_and_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(slab, "MAPPED_BYTES", 3 * slab.MIN_SLAB)
+    arena = slab.Arena(max_reply=1 << 20)
+    try:
+        refs = [arena.lease(10, 10)[1] for _ in range(5)]  # type: ignore[index]
+        mapper = slab.Mapper()
+        for ref in refs:
+            mapper.view(ref)
+        assert len(mapper) == 3 and mapper.mapped_bytes == 3 * slab.MIN_SLAB
+        mapper.view(refs[2])  # used again: the most recent, kept
+        mapper.view(refs[0])
+        assert len(mapper) == 3 and mapper.mapped_bytes == 3 * slab.MIN_SLAB
+    finally:
+        arena.close()
+
+
+def test_a_reply_that_fits_goes_into_the_slab_the_rest_inline() -> None:
+    arena = slab.Arena(max_reply=1 << 20)
+    try:
+        leased, ref = arena.lease(10, 1000)  # type: ignore[misc]
+        mapper = slab.Mapper()
+        envelope = slab.envelope(ref, b"")
+        got_ref, view = take(mapper, envelope)
+        assert got_ref == ref and len(view) == 10
+        assert take(mapper, b"\x0a\x01x") == (None, b"\x0a\x01x")
+        timings = Timings(1, 2, 3)
+        body: list[Part] = [b"abc", memoryview(b"defg"), bytearray(b"h")]
+        frame = put_reply(mapper, ref, 7, reply_frame(7, timings, body))
+        whole = b"".join(bytes(p) for p in frame)
+        _, kind, seq = HEADER.unpack_from(whole)
+        assert (kind, seq) == (REPLY, 7)
+        assert Timings(*TIMINGS.unpack_from(whole, HEADER.size)) == timings
+        reply = whole[HEADER.size + TIMINGS.size :]
+        assert slab.reply_length(reply) == 8
+        assert bytes(leased.view[ref.reply_at : ref.reply_at + 8]) == b"abcdefgh"
+        too_big = reply_frame(8, timings, b"x" * (ref.reply_capacity + 1))
+        assert put_reply(mapper, ref, 8, too_big) is too_big
+        error = error_frame(9, timings, Failure.INVALID_INPUT, "no")
+        assert put_reply(mapper, ref, 9, error) is error
+    finally:
+        arena.close()
+
+
+def test_a_batch_reads_its_large_requests_from_slabs_and_refuses_only_a_bad_one() -> None:
+    from poolserve.service.poolcore.frames import batch_frame, join_frames, parse_batch_reply
+    from poolserve.service.poolcore.worker import _run_batch
+
+    def handler(body: bytes, seq: int) -> list[Part]:
+        return reply_frame(seq, Timings(), b"got:" + bytes(body))
+
+    arena = slab.Arena(max_reply=1 << 20)
+    try:
+        leased, ref = arena.lease(4, 100)  # type: ignore[misc]
+        leased.view[:4] = b"big!"
+        bad = slab.Ref(slab.PREFIX + "nope", ref.pid, ref.fd, 4, 4096, 10)
+        bodies = [b"small", slab.envelope(ref, b""), slab.envelope(bad, b""), b"last"]
+        payload = b"".join(bytes(p) for p in batch_frame(1, bodies)[1:])
+        frames = _run_batch(handler, slab.Mapper(), payload)
+        reply = parse_batch_reply(1, join_frames(frames))
+        assert reply.parts is not None
+        assert [bytes(p.body) for p in reply.parts] == [b"got:small", b"got:big!", b"", b"got:last"]
+        assert reply.parts[2].failure == Failure.INVALID_INPUT, reply.parts[2]
+        assert "is gone" in reply.parts[2].message
+    finally:
+        arena.close()
