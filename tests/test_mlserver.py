@@ -304,6 +304,12 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
         },
         MORPH_UNARY,
     )
+    write_model(  # inline (runs in the pool process): cannot stream, its predict answers
+        repo,
+        "inlinetokens",
+        {"name": "inlinetokens", "implementation": "model.Tokens", "parallel_workers": 0},
+        TOKENS,
+    )
     copy_example(repo, "echo")  # a native model in the same pool, so the same zygote
     # an MLServer repository's settings.json: read, with a notice for what is not supported
     (repo / "settings.json").write_text(
@@ -321,6 +327,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
                     "ticker",
                     "streamonly",
                     "morph",
+                    "inlinetokens",
                     "echo",
                     "sleepy",
                 ):
@@ -649,6 +656,14 @@ def test_stream_only_class_without_the_setting_streams_and_refuses_model_infer(
     )
     assert code == grpc.StatusCode.UNIMPLEMENTED
     assert "'streamonly' is decoupled" in details and "use ModelStreamInfer" in details
+
+
+def test_inline_class_with_predict_stream_answers_with_predict(served: Serving) -> None:
+    request = text_request("a b", "i1", model="inlinetokens")
+    replies = asyncio.run(stream(served.address, [request]))
+    assert replies == [("i1", "a", "")]  # predict's one response (its first token shown)
+    assert asyncio.run(decoupled_in_config(served.address, "inlinetokens")) is False
+    assert "inline model inlinetokens implements predict_stream" in served.log()
 
 
 async def decoupled_in_config(address: str, model: str) -> bool:
