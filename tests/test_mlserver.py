@@ -98,6 +98,12 @@ from mlserver.types import InferenceRequest, InferenceResponse
 
 
 class Tokens(MLModel):
+    async def predict(self, payload: InferenceRequest) -> InferenceResponse:
+        text = StringCodec.decode_input(payload.inputs[0])[0]
+        return InferenceResponse(
+            model_name=self.name, outputs=[StringCodec.encode_output("token", text.split())]
+        )
+
     async def predict_stream(
         self, payloads: AsyncIterator[InferenceRequest]
     ) -> AsyncIterator[InferenceResponse]:
@@ -160,6 +166,36 @@ class StreamOnly(MLModel):
             yield InferenceResponse(model_name=self.name, outputs=[])
 """
 
+MORPH_UNARY = """
+from mlserver import MLModel
+from mlserver.codecs import StringCodec
+from mlserver.types import InferenceRequest, InferenceResponse
+
+
+class Morph(MLModel):
+    async def predict(self, payload: InferenceRequest) -> InferenceResponse:
+        text = StringCodec.decode_input(payload.inputs[0])[0]
+        return InferenceResponse(
+            model_name=self.name, outputs=[StringCodec.encode_output("token", [text])]
+        )
+"""
+
+# the same class, now streaming one response per word: a live reload turns it decoupled
+MORPH_STREAM = (
+    "from typing import AsyncIterator\n"
+    + MORPH_UNARY
+    + """
+    async def predict_stream(
+        self, payloads: AsyncIterator[InferenceRequest]
+    ) -> AsyncIterator[InferenceResponse]:
+        async for payload in payloads:
+            for word in StringCodec.decode_input(payload.inputs[0])[0].split():
+                yield InferenceResponse(
+                    model_name=self.name, outputs=[StringCodec.encode_output("token", [word])]
+                )
+"""
+)
+
 NOT_READY = """
 from mlserver import MLModel
 
@@ -211,8 +247,7 @@ def mlserver_folders(repo: Path) -> list[str]:
         "tokens",
         {
             "name": "tokens",
-            "implementation": "model.Tokens",
-            "parameters": {"extra": {"decoupled": True}},  # poolserve's; MLServer ignores it
+            "implementation": "model.Tokens",  # no poolserve setting: the class streams
             "inputs": [
                 {
                     "name": "text",
@@ -253,11 +288,27 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
         },
         TICKER,
     )
-    write_model(  # no decoupled setting: served by predict, which it lacks
+    write_model(  # no decoupled setting, no predict: streams, refuses ModelInfer
         repo,
         "streamonly",
         {"name": "streamonly", "implementation": "model.StreamOnly"},
         STREAM_ONLY,
+    )
+    write_model(
+        repo,
+        "morph",
+        {
+            "name": "morph",
+            "implementation": "model.Morph",
+            "inputs": [{"name": "text", "datatype": "BYTES", "shape": [1]}],
+        },
+        MORPH_UNARY,
+    )
+    write_model(  # inline (runs in the pool process): cannot stream, its predict answers
+        repo,
+        "inlinetokens",
+        {"name": "inlinetokens", "implementation": "model.Tokens", "parallel_workers": 0},
+        TOKENS,
     )
     copy_example(repo, "echo")  # a native model in the same pool, so the same zygote
     # an MLServer repository's settings.json: read, with a notice for what is not supported
@@ -275,6 +326,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
                     "tokens",
                     "ticker",
                     "streamonly",
+                    "morph",
+                    "inlinetokens",
                     "echo",
                     "sleepy",
                 ):
@@ -566,14 +619,86 @@ def test_triton_empty_final_response_when_asked(served: Serving) -> None:
     assert {r.id for r in replies} == {"f1"} and replies[-1].model_name == "tokens"
 
 
-def test_stream_only_class_without_the_setting_is_told_what_to_set(served: Serving) -> None:
+def test_class_with_predict_stream_streams_without_the_setting(served: Serving) -> None:
+    """Tokens' folder has no ``decoupled`` setting (as written for MLServer):
+    its class's predict_stream answers ModelStreamInfer, many responses per
+    request, and its predict answers ModelInfer, as MLServer serves them."""
+    words = [f"w{i}" for i in range(40)]
+    got = asyncio.run(stream(served.address, [text_request(" ".join(words), "many")]))
+    assert got == [("many", w, "") for w in words]
+    reply = asyncio.run(call(served.address, text_request("a b c", "u1")))
+    assert reply.id == "u1" and list(reply.outputs[0].contents.bytes_contents) == [
+        b"a",
+        b"b",
+        b"c",
+    ]
+    assert asyncio.run(decoupled_in_config(served.address, "tokens")) is True
+    assert asyncio.run(decoupled_in_config(served.address, "scaler")) is False
+    assert asyncio.run(decoupled_in_config(served.address, "ticker")) is True  # the setting
+    assert "overrides predict_stream" not in served.log()
+
+
+def test_stream_only_class_without_the_setting_streams_and_refuses_model_infer(
+    served: Serving,
+) -> None:
+    got = asyncio.run(
+        stream(
+            served.address,
+            [
+                pb.ModelInferRequest(model_name="streamonly", id="o1"),
+                pb.ModelInferRequest(model_name="streamonly", id="o2"),
+            ],
+        )
+    )
+    assert got == [("o1", "", ""), ("o2", "", "")]
     code, details = asyncio.run(
         call_error(served.address, pb.ModelInferRequest(model_name="streamonly"))
     )
     assert code == grpc.StatusCode.UNIMPLEMENTED
-    assert "implements predict_stream only" in details
-    assert '"parameters": {"extra": {"decoupled": true}}' in details
-    assert "StreamOnly overrides predict_stream but its settings do not say" in served.log()
+    assert "'streamonly' is decoupled" in details and "use ModelStreamInfer" in details
+
+
+def test_inline_class_with_predict_stream_answers_with_predict(served: Serving) -> None:
+    request = text_request("a b", "i1", model="inlinetokens")
+    replies = asyncio.run(stream(served.address, [request]))
+    assert replies == [("i1", "a", "")]  # predict's one response (its first token shown)
+    assert asyncio.run(decoupled_in_config(served.address, "inlinetokens")) is False
+    assert "inline model inlinetokens implements predict_stream" in served.log()
+
+
+async def decoupled_in_config(address: str, model: str) -> bool:
+    async with grpc.aio.insecure_channel(address) as channel:
+        reply = await pbg.GRPCInferenceServiceStub(channel).ModelConfig(
+            pb.ModelConfigRequest(name=model), timeout=30
+        )
+        return bool(reply.config.model_transaction_policy.decoupled)
+
+
+def test_reload_turns_a_class_streaming_and_back(served: Serving) -> None:
+    """A live reload (rolling the workers) of a class that gains, then loses,
+    predict_stream: the catalog takes the new class's word each time."""
+    folder = served.repo / "morph"
+
+    async def reload(source: str) -> None:
+        (folder / "model.py").write_text(source)
+        async with grpc.aio.insecure_channel(served.address) as channel:
+            await pbg.GRPCInferenceServiceStub(channel).RepositoryModelLoad(
+                pb.RepositoryModelLoadRequest(model_name="morph"), timeout=WAIT
+            )
+
+    def streamed() -> list[tuple[str, str, str]]:
+        return asyncio.run(stream(served.address, [text_request("x y z", "m", model="morph")]))
+
+    assert streamed() == [("m", "x y z", "")]
+    assert asyncio.run(decoupled_in_config(served.address, "morph")) is False
+    asyncio.run(reload(MORPH_STREAM))
+    assert streamed() == [("m", "x", ""), ("m", "y", ""), ("m", "z", "")]
+    assert asyncio.run(decoupled_in_config(served.address, "morph")) is True
+    unary = asyncio.run(call(served.address, text_request("x y", "u", model="morph")))
+    assert list(unary.outputs[0].contents.bytes_contents) == [b"x y"]  # predict, as MLServer
+    asyncio.run(reload(MORPH_UNARY))
+    assert streamed() == [("m", "x y z", "")]
+    assert asyncio.run(decoupled_in_config(served.address, "morph")) is False
 
 
 # -- the same requests to MLServer 1.7.1 ------------------------------------------------
@@ -652,6 +777,7 @@ def test_same_replies_as_mlserver(served: Serving, mlserver: str) -> None:
         scaler_request([7.0], request_id=""),  # MLServer keeps an empty id empty
         iris_request(rows),
         wordcount_request(),
+        text_request("a b c", "tok"),  # tokens' predict: its folder has no poolserve setting
     ]
     for request in requests:
         ours = asyncio.run(call(served.address, request))

@@ -70,6 +70,15 @@ class TensorSpec:
 
 
 @dataclass(frozen=True)
+class TransactionPolicy:
+    """How a loaded model answers (declared by the model, see
+    ``Model.transaction_policy``; by default its settings' ``decoupled``)."""
+
+    decoupled: bool = False  # ModelStreamInfer runs predict_stream: any number of responses
+    unary: bool = True  # ModelInfer runs predict (else refused: use ModelStreamInfer)
+
+
+@dataclass(frozen=True)
 class ModelSettings:
     name: str
     implementation: str
@@ -119,6 +128,11 @@ class ModelSettings:
         """parameters.extra.decoupled: any number of responses per request, on
         ModelStreamInfer only (``Model.predict_stream``)."""
         return self.extra.get("decoupled") is True
+
+    @property
+    def policy(self) -> TransactionPolicy:
+        """The settings' word: decoupled (stream only) or unary (Triton's rule)."""
+        return TransactionPolicy(decoupled=self.decoupled, unary=not self.decoupled)
 
     @property
     def stream_window(self) -> int:

@@ -148,6 +148,7 @@ class InferenceCargo:
 
         try:
             model = load_model(settings)
+            policy = model.transaction_policy()  # the model's word on ModelStreamInfer
         except BaseException as exc:  # a model's load may raise anything, even SystemExit
             reason = truncate_reason(
                 f"load failed: {type(exc).__name__}: {exc} (model {settings.source})"
@@ -174,6 +175,8 @@ class InferenceCargo:
                 "ok": True,
                 "inputs": specs_json(inputs),
                 "outputs": specs_json(outputs),
+                "decoupled": policy.decoupled,
+                "unary": policy.unary,
             }
         )
 
@@ -249,7 +252,7 @@ class InferenceCargo:
 def _warm_up(model: Model, example: Mapping[str, Array]) -> None:
     from poolserve.service.inference.model import check_outputs
 
-    if model.settings.extra.get("decoupled") is True:  # its first response, if any
+    if model.transaction_policy().decoupled:  # its first response, if any
         produced = iter(model.predict_stream(dict(example), {}))
         try:
             first = next(produced, None)

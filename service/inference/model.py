@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from poolserve.service.contract.repository import ModelSettings, TensorSpec
+from poolserve.service.contract.repository import ModelSettings, TensorSpec, TransactionPolicy
 from poolserve.service.poolcore.stats import Timings
 
 Array = npt.NDArray[Any]
@@ -53,6 +53,12 @@ class Model:
         client as one ModelStreamInfer response as soon as it is yielded. A
         client that goes away closes the generator (GeneratorExit at its yield)."""
         raise NotImplementedError(f"{type(self).__name__}.predict_stream is not implemented")
+
+    def transaction_policy(self) -> TransactionPolicy:
+        """Whether ModelStreamInfer runs ``predict_stream`` and ModelInfer runs
+        ``predict``; called once after :meth:`load`, in the zygote, and reported
+        to the pool server. A native model: its settings' ``decoupled`` decides."""
+        return self.settings.policy
 
     def sequence_ended(self, sequence_id: int | str, reason: str) -> None:
         """A sequence model's sequence ended (settings ``parameters.extra.sequence``):

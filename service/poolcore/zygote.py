@@ -24,7 +24,9 @@ pool -> zygote ``{"op": "spawn", "skip": [names]}`` (a worker whose
 self-test leaves out the models named: their warm-up failed in earlier
 workers), and any other op for the cargo (the inference cargo knows
 ``{"op": "load", "path": settings}`` and ``{"op": "unload", "name": N}``);
-zygote -> pool ``{"event": "model", ...}`` (one per load, ok or not),
+zygote -> pool ``{"event": "model", ...}`` (one per load, ok or not; a
+loaded one says its specs and its transaction policy, ``decoupled`` and
+``unary``, as the loaded model declares them),
 ``{"event": "loaded"}`` (the initial cargo is in),
 ``{"event": "worker", "pid": N}`` (with the worker's socket attached),
 ``{"event": "exit", "pid": N, "status": "..."}`` and ``{"event":

@@ -21,6 +21,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from poolserve.service.contract.repository import TransactionPolicy
 from poolserve.service.lifecycle.procutil import interpreter_flags, wait_child, wait_exit
 from poolserve.service.poolcore.zygote import (
     MAX_MESSAGE,
@@ -36,7 +37,9 @@ if TYPE_CHECKING:
 
 @dataclass
 class ZygoteEvents:
-    on_model: Callable[[str, bool, str, tuple[TensorSpec, ...], tuple[TensorSpec, ...]], None]
+    on_model: Callable[
+        [str, bool, str, tuple[TensorSpec, ...], tuple[TensorSpec, ...], TransactionPolicy], None
+    ]
     on_loaded: Callable[[], None]
     on_worker: Callable[[int, socket.socket], None]
     on_exit: Callable[[int, str], None]
@@ -86,6 +89,7 @@ class ZygoteControl:
                 msg.get("reason", ""),
                 specs_from_json(msg.get("inputs", [])),
                 specs_from_json(msg.get("outputs", [])),
+                TransactionPolicy(bool(msg.get("decoupled")), bool(msg.get("unary", True))),
             )
         elif kind == "loaded":
             events.on_loaded()

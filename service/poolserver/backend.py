@@ -63,7 +63,7 @@ class PoolBackend:
         routing: Routing,
         observe: Observer | None = None,
     ) -> Payload:
-        if entry.settings is not None and entry.settings.decoupled:
+        if not entry.policy.unary:
             refused = decoupled_refusal(entry.name)
             entry.stats.record_failure(0, error=refused)
             raise refused
@@ -196,7 +196,7 @@ class PoolBackend:
         worker yields them; the stream's closing response last, if it has one.
         Counted once in the statistics, when the stream ends."""
         settings = entry.settings
-        assert settings is not None and settings.decoupled
+        assert settings is not None and entry.policy.decoupled
         if entry.name in self.inline:
             raise Unimplemented(
                 f"decoupled model '{entry.name}' runs on workers only; "

@@ -20,7 +20,12 @@ from poolserve.service.contract.errors import (
     clip,
     unknown_model,
 )
-from poolserve.service.contract.repository import InvalidModel, ModelSettings, TensorSpec
+from poolserve.service.contract.repository import (
+    InvalidModel,
+    ModelSettings,
+    TensorSpec,
+    TransactionPolicy,
+)
 from poolserve.service.poolcore.stats import ModelStats
 
 
@@ -42,6 +47,16 @@ class ModelEntry:
     inputs: tuple[TensorSpec, ...] = ()
     outputs: tuple[TensorSpec, ...] = ()
     stats: ModelStats = field(default_factory=ModelStats)
+    # what the loaded model declared (the zygote's load report); None: not loaded yet
+    declared: TransactionPolicy | None = None
+
+    @property
+    def policy(self) -> TransactionPolicy:
+        """Decoupled (ModelStreamInfer runs predict_stream) and unary (ModelInfer
+        runs predict): the loaded model's word, else its settings'."""
+        if self.declared is not None:
+            return self.declared
+        return self.settings.policy if self.settings is not None else TransactionPolicy()
 
     @property
     def ready(self) -> bool:
@@ -114,12 +129,15 @@ class Catalog:
         state: ModelState,
         reason: str = "",
         specs: tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]] | None = None,
+        policy: TransactionPolicy | None = None,
     ) -> None:
         entry = self._entries[name]
         entry.state = state
         entry.reason = reason
         if specs is not None:
             entry.inputs, entry.outputs = specs
+        if policy is not None:
+            entry.declared = policy
         self._changed()
 
     def upsert(self, settings: ModelSettings) -> ModelEntry:

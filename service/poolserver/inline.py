@@ -137,6 +137,12 @@ class InlineRunner:
             )
             mode = "on the event loop" if fast else "on its own thread"
             log.info("inline model %s loaded (runs %s)", settings.name, mode)
+            if model.transaction_policy() != settings.policy:  # inline models cannot stream
+                log.warning(
+                    "inline model %s implements predict_stream, which runs on workers only: "
+                    "ModelStreamInfer runs its predict; set parallel_workers to 1 or more",
+                    settings.name,
+                )
             from poolserve.service.inference.model import tensor_specs
 
             self._catalog.set_state(settings.name, ModelState.READY, "", tensor_specs(model))

@@ -64,7 +64,7 @@ class InProcessBackend:
         routing: Routing,
         observe: Observer | None = None,
     ) -> Payload:
-        if entry.settings is not None and entry.settings.decoupled:
+        if not entry.policy.unary:
             raise decoupled_refusal(entry.name)
         queued = time.monotonic_ns()
         if time.monotonic() >= deadline:

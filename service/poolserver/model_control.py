@@ -30,6 +30,7 @@ from poolserve.service.contract.repository import (
     ModelSettings,
     Repository,
     TensorSpec,
+    TransactionPolicy,
     parse_model_settings,
 )
 from poolserve.service.contract.settings import ConfigError
@@ -52,6 +53,7 @@ class ModelReply:
     ok: bool
     reason: str
     specs: tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]
+    policy: TransactionPolicy  # what the loaded model declared
 
 
 class LiveModels:
@@ -207,7 +209,9 @@ class LiveModels:
                 raise FailedPrecondition(f"model '{name}' {outcome.reason}{kept}")
             self.fleet.respawner.forgive(name)  # a new version: its own self-test and crash record
             await self._roll_workers()
+            # every worker holds the new version now: its policy replaces the old one
             entry.settings, entry.version = settings, settings.version
+            entry.declared = outcome.policy
             failed = self.fleet.respawner.failed_warmup.get(name)
             if failed is not None:  # the fresh workers of the roll could not warm it up
                 self.catalog.set_state(name, ModelState.UNAVAILABLE, failed)

@@ -27,6 +27,7 @@ from poolserve.service.contract.repository import (
     ModelSettings,
     Repository,
     TensorSpec,
+    TransactionPolicy,
     scan,
 )
 from poolserve.service.contract.rundir import claim_socket, remove_own
@@ -170,15 +171,16 @@ class PoolServer(LiveModels):
         reason: str,
         inputs: tuple[TensorSpec, ...],
         outputs: tuple[TensorSpec, ...],
+        policy: TransactionPolicy,
     ) -> None:
         waiting = self._model_replies.pop(name, None)
         if waiting is not None:  # a live load: _load decides what the catalog says
             if not waiting.done():
-                waiting.set_result(ModelReply(ok, reason, (inputs, outputs)))
+                waiting.set_result(ModelReply(ok, reason, (inputs, outputs), policy))
             return
         if ok:
             log.info("pool %s: model %s loaded", self.gid, name)
-            self.catalog.set_state(name, ModelState.READY, "", (inputs, outputs))
+            self.catalog.set_state(name, ModelState.READY, "", (inputs, outputs), policy)
         else:
             log.error("pool %s: model %s: %s", self.gid, name, reason)
             self.catalog.set_state(name, ModelState.UNAVAILABLE, reason)
@@ -195,7 +197,7 @@ class PoolServer(LiveModels):
     def _on_unloaded(self, name: str) -> None:
         waiting = self._model_replies.pop(f"unload:{name}", None)
         if waiting is not None and not waiting.done():
-            waiting.set_result(ModelReply(True, "", ((), ())))
+            waiting.set_result(ModelReply(True, "", ((), ()), TransactionPolicy()))
 
     def _on_exit(self, pid: int, status: str) -> None:
         self.dispatcher.worker_exited(pid, status)

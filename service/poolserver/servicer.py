@@ -131,7 +131,7 @@ class InferenceServicer:
         e = self.catalog.lookup(req.name, req.version)
         settings = e.settings
         sequence = settings.sequence if settings is not None else None
-        decoupled = settings is not None and settings.decoupled
+        decoupled = e.policy.decoupled
         return model_config(
             e.name, e.platform, e.max_batch_size, e.inputs, e.outputs, sequence, decoupled
         )
@@ -270,7 +270,7 @@ class InferenceServicer:
                     request = self.shared_memory.attach(as_bytes(request))
                 routing = peek_routing(unwrap(request)[1])
                 entry = self.catalog.lookup_ready(routing.name, routing.version)
-                if entry.settings is not None and entry.settings.decoupled:
+                if entry.policy.decoupled:
                     async for part in self._stream(entry, request, deadline, routing):
                         yield part
                     continue

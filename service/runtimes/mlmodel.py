@@ -18,15 +18,19 @@ this module as a string: poolserve's core never imports mlserver).
   per process and thread), on the request converted by MLServer's own gRPC
   converters from the wire bytes; the response goes back the same way (raw
   output contents when the request used raw input contents, as MLServer).
-- ``predict_stream`` (ModelStreamInfer): a model whose settings say
-  ``parameters.extra.decoupled: true`` is a poolserve decoupled model; each
-  request of the gRPC stream runs its ``async predict_stream`` in a worker on
-  an input iterator of that one request (MLServer feeds every request of the
-  stream to one call), each response it yields is sent at once with the
-  request's id (as MLServer's data plane); a client that goes away closes the
-  async generator (``aclose``). A class that overrides ``predict_stream``
-  without that setting is served by ``predict`` (one response per request),
-  with a warning at load naming the setting.
+- ``predict_stream`` (ModelStreamInfer): as MLServer, the class decides. A
+  class that overrides ``MLModel.predict_stream`` is a poolserve decoupled
+  model (:meth:`MLModelAdapter.transaction_policy`, reported by the zygote):
+  each request of the gRPC stream runs its ``async predict_stream`` in a
+  worker on an input iterator of that one request (MLServer feeds every
+  request of the stream to one call), each response it yields is sent at once
+  with the request's id (as MLServer's data plane); a client that goes away
+  closes the async generator (``aclose``). ModelInfer of such a class runs
+  its ``predict`` (as MLServer), or is refused (UNIMPLEMENTED, use
+  ModelStreamInfer) when it has none. A class that does not override it is
+  served by ``predict``, one response per stream request (MLModel's default).
+  ``parameters.extra.decoupled: true`` in the settings still makes any
+  MLModel decoupled, and then refuses ModelInfer (Triton's rule).
 - Errors: ``MLServerError`` subclasses get the status MLServer gives them
   (its HTTP status mapped as ``mlserver.grpc.utils`` does: 400
   INVALID_ARGUMENT, e.g. ``InferenceError``; 404 NOT_FOUND; 422
@@ -54,14 +58,12 @@ from poolserve.service.contract.errors import (
     ServingError,
     Unimplemented,
 )
-from poolserve.service.contract.repository import ModelSettings, TensorSpec
+from poolserve.service.contract.repository import ModelSettings, TensorSpec, TransactionPolicy
 from poolserve.service.inference.model import Array, WireModel
 from poolserve.service.poolcore.frames import Frame, part_frame, reply_frame
 from poolserve.service.poolcore.stats import Timings
 
 log = logging.getLogger(__name__)
-
-DECOUPLED_SETTING = '"parameters": {"extra": {"decoupled": true}}'
 
 # MLServer's MLServerError carries an HTTP status; its gRPC server maps it with
 # this table (mlserver.grpc.utils.STATUS_CODE_MAPPING) and anything else to UNKNOWN.
@@ -135,14 +137,16 @@ class MLModelAdapter(WireModel):
                 "such a model ready (load() must return True)"
             )
         self.mlmodel.ready = True
-        if overrides_predict_stream(self.cls) and not self.settings.decoupled:
-            log.warning(
-                "model %s: %s overrides predict_stream but its settings do not say %s: "
-                "ModelStreamInfer runs its predict, one response per request",
-                self.settings.name,
-                self.cls.__name__,
-                DECOUPLED_SETTING,
-            )
+
+    def transaction_policy(self) -> TransactionPolicy:
+        """As MLServer: ModelStreamInfer runs the class's own ``predict_stream``
+        if it has one, ModelInfer its ``predict`` if it has one; the settings'
+        ``decoupled: true`` still makes any MLModel decoupled (stream only)."""
+        if self.settings.decoupled:
+            return self.settings.policy
+        if overrides_predict_stream(self.cls):
+            return TransactionPolicy(decoupled=True, unary=overrides_predict(self.cls))
+        return self.settings.policy
 
     def metadata(self) -> tuple[Sequence[TensorSpec], Sequence[TensorSpec]]:
         """Inputs and outputs as the MLModel sees them (its load may set them)."""
@@ -166,8 +170,7 @@ class MLModelAdapter(WireModel):
         except NotImplementedError as exc:
             if overrides_predict_stream(self.cls) and not overrides_predict(self.cls):
                 raise Unimplemented(
-                    f"model '{name}' implements predict_stream only: to serve it through "
-                    f"ModelStreamInfer, its model-settings.json needs {DECOUPLED_SETTING}"
+                    f"model '{name}' implements predict_stream only: use ModelStreamInfer"
                 ) from exc
             raise serving_error(name, exc) from exc
         except Exception as exc:

@@ -284,7 +284,13 @@ class PoolRuntime(LoopBridge):
         return ", ".join(f"{n} {m.describe()}" for n, m in self._models.items()) or "none"
 
     def _on_model(
-        self, name: str, ok: bool, reason: str, _inputs: object = (), _outputs: object = ()
+        self,
+        name: str,
+        ok: bool,
+        reason: str,
+        _inputs: object = (),
+        _outputs: object = (),
+        _policy: object = None,
     ) -> None:
         model = self._models.get(name)
         if model is None or model.removed:
