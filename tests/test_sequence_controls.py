@@ -14,9 +14,12 @@ import pytest
 from test_sequences import INFER, outputs, step
 
 from poolserve.protos import inference_pb2 as pb
+from poolserve.service.contract.repository import parse_model_settings
 from poolserve.service.contract.sequence import ControlInput, sequence_policy
 from poolserve.service.contract.settings import ConfigError
+from poolserve.service.inference.cargo import WARMUP_SEQUENCE_ID, _warm_up
 from poolserve.service.inference.controls import add_controls
+from poolserve.service.inference.model import load_model
 
 from serving import Serving, wait_serving
 from support import write_model
@@ -161,3 +164,50 @@ def test_add_controls_fills_shapes_and_values() -> None:
     add_controls("m", inputs, controls, {"sequence_id": -5}, batched=True)
     assert inputs["R"].shape == (3, 1) and inputs["R"].all()
     assert inputs["C"].tolist() == [[-5]] * 3 and inputs["C"].dtype == np.int64
+
+
+STRICT = """
+import numpy as np
+
+from poolserve.service import Model
+
+
+class Strict(Model):
+    \"\"\"Refuses a request without its control tensors; keeps a state per sequence.\"\"\"
+
+    def load(self):
+        self.state = {}
+        self.ended = []
+
+    def predict(self, inputs, parameters):
+        start, ident = int(inputs["START"][0]), int(inputs["CORRID"][0])
+        self.state[ident] = (0 if start else self.state[ident]) + int(inputs["INPUT"].sum())
+        return {"SUM": np.array([self.state[ident]], np.int64)}
+
+    def sequence_ended(self, sequence_id, reason):
+        self.ended.append((sequence_id, reason))
+        del self.state[sequence_id]
+"""
+
+
+def test_the_warm_up_of_a_sequence_model_is_a_sequence_of_one_request(tmp_path: Path) -> None:
+    """A fresh worker's warm-up gives a sequence model its control tensors (a
+    model that reads them must not fail its self-test) and ends that sequence."""
+    folder = write_model(
+        tmp_path,
+        "strict",
+        {
+            "name": "strict",
+            "implementation": "model.Strict",
+            "parameters": {
+                "extra": {"sequence": {"control_inputs": {"START": "START", "CORRID": "CORRID"}}}
+            },
+            "inputs": [{"name": "INPUT", "datatype": "INT32", "shape": [-1, 1]}],
+            "outputs": [{"name": "SUM", "datatype": "INT64", "shape": [1]}],
+        },
+        STRICT,
+    )
+    model: Any = load_model(parse_model_settings(folder / "model-settings.json"))
+    _warm_up(model, {"INPUT": np.ones((3, 1), np.int32)})
+    assert model.ended == [(WARMUP_SEQUENCE_ID, "end")]
+    assert model.state == {}  # no warm-up state left behind

@@ -249,11 +249,41 @@ class InferenceCargo:
         pass
 
 
+WARMUP_SEQUENCE_ID = 0  # never a client's sequence: Triton's clients use 0 for "none"
+
+
 def _warm_up(model: Model, example: Mapping[str, Array]) -> None:
+    """The warm-up prediction. A sequence model's is a sequence of one request (its
+    start and its end, id :data:`WARMUP_SEQUENCE_ID`): the model gets the control
+    tensors it declares, as a client's request would fill them in, and is told the
+    sequence ended right after, so it keeps no warm-up state."""
+    inputs = dict(example)
+    parameters: dict[str, object] = {}
+    sequence = model.settings.sequence
+    if sequence is not None:
+        from poolserve.service.inference.controls import add_controls
+
+        parameters = {
+            "sequence_id": WARMUP_SEQUENCE_ID,
+            "sequence_start": True,
+            "sequence_end": True,
+        }
+        # a model's example may hold some of them already
+        missing = [c for c in sequence.controls if c.name not in inputs]
+        batched = model.settings.max_batch_size > 0
+        add_controls(model.settings.name, inputs, missing, parameters, batched)
+    try:
+        _predict_once(model, inputs, parameters)
+    finally:
+        if sequence is not None:
+            model.sequence_ended(WARMUP_SEQUENCE_ID, "end")
+
+
+def _predict_once(model: Model, inputs: dict[str, Array], parameters: dict[str, object]) -> None:
     from poolserve.service.inference.model import check_outputs
 
     if model.transaction_policy().decoupled:  # its first response, if any
-        produced = iter(model.predict_stream(dict(example), {}))
+        produced = iter(model.predict_stream(inputs, parameters))
         try:
             first = next(produced, None)
         finally:
@@ -263,7 +293,7 @@ def _warm_up(model: Model, example: Mapping[str, Array]) -> None:
         if first is not None:
             check_outputs(model.settings.name, first)
         return
-    check_outputs(model.settings.name, model.predict(dict(example), {}))
+    check_outputs(model.settings.name, model.predict(inputs, parameters))
 
 
 class InferenceZygote(ForkedZygote):
