@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from poolserve.service.contract.errors import InvalidInput
+from poolserve.service.contract.errors import InvalidInput, QueueFull
 from poolserve.service.contract.settings import ConfigError
 from poolserve.service.contract.wire import _LEN, _VARINT, Wire, _varint
 
@@ -128,6 +128,32 @@ class SequenceControl:
     id: int | str | None = None
     start: bool = False
     end: bool = False
+
+
+def sequence_id(model: str, control: SequenceControl) -> int | str:
+    """The request's sequence id; InvalidInput when it names none."""
+    if control.id is None:
+        raise InvalidInput(
+            f"model '{model}' is a sequence model: its requests need a "
+            "non-zero or non-empty 'sequence_id' parameter"
+        )
+    return control.id
+
+
+def admit_new(model: str, policy: SequencePolicy, control: SequenceControl, live: int) -> None:
+    """A request of a sequence that is not live (``live`` sequences are): refused
+    unless it starts one, and while ``max_sequences`` are live."""
+    if not control.start:
+        raise InvalidInput(
+            f"sequence {control.id!r} of model '{model}' is unknown or expired "
+            "(idle past its timeout, or ended): a request that starts a "
+            "sequence sets 'sequence_start'"
+        )
+    if live >= policy.max_sequences:
+        raise QueueFull(
+            f"model '{model}' holds its maximum of {policy.max_sequences} "
+            "live sequences (max_sequences); end one or wait for an idle one to expire"
+        )
 
 
 _BOOL, _INT64, _STRING, _UINT64 = 1, 2, 3, 5

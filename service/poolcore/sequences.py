@@ -19,8 +19,13 @@ import asyncio
 import json
 from dataclasses import dataclass
 
-from poolserve.service.contract.errors import InvalidInput, QueueFull, Unavailable
-from poolserve.service.contract.sequence import SequenceControl, SequencePolicy
+from poolserve.service.contract.errors import Unavailable
+from poolserve.service.contract.sequence import (
+    SequenceControl,
+    SequencePolicy,
+    admit_new,
+    sequence_id,
+)
 from poolserve.service.poolcore.dispatcher import Dispatcher, Worker, WorkerState
 
 
@@ -40,12 +45,7 @@ class Sequences:
 
     def route(self, control: SequenceControl) -> tuple[Worker, str]:
         """The worker that runs this request, and the sequence's name for messages."""
-        ident = control.id
-        if ident is None:
-            raise InvalidInput(
-                f"model '{self.model}' is a sequence model: its requests need a "
-                "non-zero or non-empty 'sequence_id' parameter"
-            )
+        ident = sequence_id(self.model, control)
         name = f"{ident!r}"
         held = self.live.get(ident)
         if held is not None and held.worker.state is WorkerState.DEAD:
@@ -57,17 +57,7 @@ class Sequences:
                 )
             held = None
         if held is None:
-            if not control.start:
-                raise InvalidInput(
-                    f"sequence {name} of model '{self.model}' is unknown or expired "
-                    "(idle past its timeout, or ended): a request that starts a "
-                    "sequence sets 'sequence_start'"
-                )
-            if len(self.live) >= self.policy.max_sequences:
-                raise QueueFull(
-                    f"model '{self.model}' holds its maximum of {self.policy.max_sequences} "
-                    "live sequences (max_sequences); end one or wait for an idle one to expire"
-                )
+            admit_new(self.model, self.policy, control, len(self.live))
             held = Live(ident, self._least_loaded(name))
             self.live[ident] = held
             self.dispatcher.hold_sequences(held.worker, 1)

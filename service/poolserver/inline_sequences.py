@@ -14,8 +14,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from poolserve.service.contract.errors import InvalidInput, QueueFull
-from poolserve.service.contract.sequence import SequenceControl, SequencePolicy
+from poolserve.service.contract.sequence import (
+    SequenceControl,
+    SequencePolicy,
+    admit_new,
+    sequence_id,
+)
 
 Ended = Callable[[int | str, str], None]  # (sequence id, reason "end" or "timeout")
 
@@ -29,25 +33,10 @@ class InlineSequences:
 
     def route(self, control: SequenceControl) -> None:
         """Admits this request of its sequence, or raises why not."""
-        ident = control.id
-        if ident is None:
-            raise InvalidInput(
-                f"model '{self.model}' is a sequence model: its requests need a "
-                "non-zero or non-empty 'sequence_id' parameter"
-            )
+        ident = sequence_id(self.model, control)
         timer = self.live.get(ident)
         if timer is None:
-            if not control.start:
-                raise InvalidInput(
-                    f"sequence {ident!r} of model '{self.model}' is unknown or expired "
-                    "(idle past its timeout, or ended): a request that starts a "
-                    "sequence sets 'sequence_start'"
-                )
-            if len(self.live) >= self.policy.max_sequences:
-                raise QueueFull(
-                    f"model '{self.model}' holds its maximum of {self.policy.max_sequences} "
-                    "live sequences (max_sequences); end one or wait for an idle one to expire"
-                )
+            admit_new(self.model, self.policy, control, len(self.live))
         else:
             timer.cancel()
         loop = asyncio.get_running_loop()
