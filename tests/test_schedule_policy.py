@@ -92,6 +92,12 @@ async def finish_order(calls: dict[str, asyncio.Future[bytes]]) -> list[str]:
     return order
 
 
+# The queued calls each run this long, so that their replies (on two connections,
+# which the client may read in either order when they come together) arrive
+# well apart and the client's order of completion is the order they ran in.
+SPACED = 300
+
+
 def test_equal_deadlines_keep_arrival_order_despite_grpc_timeout_inflation(tmp_path: Path) -> None:
     """A deadline travels as grpc-timeout, and grpc-core's HPACK encoder sends a
     timeout up to 3% shorter than one it sent before on the connection as that
@@ -115,15 +121,19 @@ def test_equal_deadlines_keep_arrival_order_despite_grpc_timeout_inflation(tmp_p
             await call_b(request("sleep", 0.0, sleep_ms=1), timeout=30)  # B connects
             blocker = await busy_worker(serving, call_a, timeout=20.5)
             sent = time.monotonic()
-            first = asyncio.ensure_future(call_a(request("sleep", 1.0, sleep_ms=1), timeout=20))
+            first = asyncio.ensure_future(
+                call_a(request("sleep", 1.0, sleep_ms=SPACED), timeout=20)
+            )
             await queue_depth(serving, 1)
             await asyncio.sleep(0.06)  # the spacing of the report, not a readiness wait
             second_timeout = 20 - (time.monotonic() - sent) + 0.005
             second = asyncio.ensure_future(
-                call_b(request("sleep", 2.0, sleep_ms=1), timeout=second_timeout)
+                call_b(request("sleep", 2.0, sleep_ms=SPACED), timeout=second_timeout)
             )
             await queue_depth(serving, 2)
-            urgent = asyncio.ensure_future(call_b(request("sleep", 3.0, sleep_ms=1), timeout=15))
+            urgent = asyncio.ensure_future(
+                call_b(request("sleep", 3.0, sleep_ms=SPACED), timeout=15)
+            )
             await queue_depth(serving, 3)
             assert not blocker.done(), "the blocker ended before the three calls were queued"
             order = await finish_order(
