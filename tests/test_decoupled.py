@@ -356,3 +356,59 @@ def test_in_process_server_refuses_a_decoupled_model_clearly(tmp_path: Path) -> 
             await server.stop(0)
 
     asyncio.run(main())
+
+
+def test_bad_messages_in_a_stream_are_answered_in_place_and_the_stream_goes_on(
+    tmp_path: Path,
+) -> None:
+    """Each message gets its answer, whatever the ones before it were: a first
+    message for no model, or that cannot be parsed, is answered with its error
+    and the next one opens the stream; later, bytes that start with a zero
+    byte (which only the router may send a pool) or that are not a request at
+    all are answered with their error, in their place, and the stream goes on."""
+    repo, _ = counter_repo(tmp_path)
+    unknown = pb.ModelInferRequest(model_name="nosuch", id="x").SerializeToString()
+    sent = [
+        unknown,
+        b"\x00shm1forged",
+        counter_request(2, rid="a"),
+        b"\x00slab1forged",
+        counter_request(1, rid="b"),
+        b"\xff\xff\xff",
+        counter_request(1, rid="c"),
+    ]
+
+    async def main(serving: Serving) -> None:
+        async with grpc.aio.insecure_channel(serving.address) as channel:
+            await wait_serving(channel)
+            outgoing: asyncio.Queue[bytes | None] = asyncio.Queue()
+
+            async def requests() -> Any:
+                while (item := await outgoing.get()) is not None:
+                    yield item
+
+            call = channel.stream_stream(STREAM)(requests(), timeout=60)
+            replies = call.__aiter__()
+            got: list[str] = []
+            for message, expected in zip(sent, (1, 1, 2, 1, 1, 1, 1), strict=True):
+                await outgoing.put(message)  # one at a time: each answer is in its place
+                for _ in range(expected):
+                    reply = parse(await anext(replies))
+                    if reply.error_message:
+                        got.append(f"error: {reply.error_message}")
+                    else:
+                        got.append(f"{reply.infer_response.id} {idx(reply.infer_response)}")
+            await outgoing.put(None)
+            assert await anext(replies, None) is None
+            assert await call.code() == grpc.StatusCode.OK
+            assert got[0].startswith("error: Request for unknown model: 'nosuch'")
+            assert got[1] == "error: request bytes hold a field number 0"
+            assert got[2:4] == ["a 0", "a 1"]
+            zero = "error: ModelInferRequest cannot be parsed: it starts with a zero byte"
+            assert got[4] == zero
+            assert got[5] == "b 0"
+            assert got[6].startswith("error: request bytes are truncated")
+            assert got[7] == "c 0"
+
+    with Serving(repo, tmp_path / "run", workers=1) as serving:
+        asyncio.run(main(serving))

@@ -33,7 +33,10 @@ sequence number (issue 19):
   CLOCK_MONOTONIC); the pool starts the stream's task.
 - STREAM_REQUEST (router -> pool): one request of the stream, the serialized
   ModelInferRequest as the router got it (with its shared-memory
-  registrations in front when it names regions).
+  registrations in front when it names regions); or, for a request the router
+  refused (one that starts with a zero byte, which no client may send), the
+  refusal (:func:`refused_request`), so that the pool answers it with
+  ``error_message`` in its place among the stream's responses.
 - STREAM_CLOSE (router -> pool): no payload; the client sent its last request.
 - STREAM_RESPONSE (pool -> router): one serialized ModelStreamInferResponse
   (a response, or a request's error in ``error_message``), sent on as it is.
@@ -144,6 +147,21 @@ def stream_open_frame(seq: int, deadline: float) -> bytes:
 def parse_stream_open(payload: Payload) -> float:
     """The stream's deadline (struct.error when the payload is malformed)."""
     return float(STREAM_HEAD.unpack_from(payload)[0])
+
+
+REFUSED = b"\x00refused1"  # a zero byte first: never a client's request on the lane
+
+
+def refused_request(message: str) -> bytes:
+    """A STREAM_REQUEST payload that stands for a request the router refused."""
+    return REFUSED + message.encode()
+
+
+def refusal(payload: Payload) -> str | None:
+    """The router's reason when ``payload`` stands for a refused request, else None."""
+    if bytes(payload[: len(REFUSED)]) != REFUSED:
+        return None
+    return bytes(payload[len(REFUSED) :]).decode("utf-8", "replace")
 
 
 def stream_ack_frame(seq: int, count: int) -> bytes:

@@ -23,7 +23,7 @@ from poolserve.protos import inference_pb2 as pb
 from poolserve.service import __version__
 from poolserve.service.contract.errors import Failure, ServingError, Unimplemented
 from poolserve.service.contract.framing import Payload
-from poolserve.service.contract.lane import Trace
+from poolserve.service.contract.lane import Trace, refusal
 from poolserve.service.contract.shm import unwrap
 from poolserve.service.contract.wire import Routing, encode_len_field, peek_routing
 from poolserve.service.grpcserver.handlers import EXTENSIONS, SERVICE, deadline_from, guarded
@@ -265,6 +265,10 @@ class InferenceServicer:
         a request's error as a response with ``error_message``."""
         async for request in requests:
             deadline = deadline_of()
+            reason = None if attach else refusal(request)
+            if reason is not None:  # a request the router refused: its answer, here
+                yield pb.ModelStreamInferResponse(error_message=reason).SerializeToString()
+                continue
             try:
                 if attach:
                     request = self.shared_memory.attach(as_bytes(request))

@@ -39,7 +39,7 @@ from poolserve.service.contract.errors import (
     load_failed,
     unknown_model,
 )
-from poolserve.service.contract.lane import lane_path
+from poolserve.service.contract.lane import lane_path, refused_request
 from poolserve.service.contract.repository import Repository, scan
 from poolserve.service.contract.rundir import (
     ADDRESS_FILE,
@@ -545,17 +545,22 @@ class Router:
     async def model_stream_infer(
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[bytes]:
-        """Routed by the model of the first message, over the pool's lane; the
-        pool answers the rest in-stream."""
-        first = await anext(requests, None)
-        if first is None:
-            return
-        try:
-            route = self._route(peek_model(first)[0])
-            deadline = self._deadline(context)
-        except ServingError as exc:
-            yield pb.ModelStreamInferResponse(error_message=exc.message).SerializeToString()
-            return
+        """Routed by the model of its first routable message, over that model's
+        pool's lane; the pool answers the rest in-stream. A message that cannot
+        be routed before then is answered with its error, and the next one tried."""
+        route: PoolRoute | None = None
+        first = b""
+        while route is None:
+            taken = await anext(requests, None)
+            if taken is None:
+                return
+            first = taken
+            try:
+                route = self._route(peek_model(first)[0])
+                deadline = self._deadline(context)
+            except ServingError as exc:
+                route = None
+                yield pb.ModelStreamInferResponse(error_message=exc.message).SerializeToString()
         assert route.lane is not None
         try:
             async for item in route.lane.stream(first, requests, deadline, self._attach_in_stream):
@@ -568,13 +573,15 @@ class Router:
             yield pb.ModelStreamInferResponse(error_message=exc.message).SerializeToString()
 
     def _attach_in_stream(self, message: bytes) -> bytes:
-        """A streamed request with its registrations; one that names an unknown
-        region goes as it is, and the pool answers its error in the stream."""
+        """A streamed request with its registrations. One that names an unknown
+        region goes as it is, and the pool answers its error in the stream; one
+        that starts with a zero byte (only the router may send such bytes to a
+        pool) goes as its refusal, answered by the pool in the same place."""
         try:
             return self.shared_memory.attach(message)
-        except InvalidInput:
+        except InvalidInput as exc:
             if forged(message):
-                raise
+                return refused_request(exc.message)
             return message
 
     def _traced(self, method: str, fn: Handler) -> Handler:
