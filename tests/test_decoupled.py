@@ -7,7 +7,9 @@ ModelInfer refused; tritonclient's stream API with the repeat_int32 example."""
 from __future__ import annotations
 
 import asyncio
+import json
 import queue
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -409,6 +411,45 @@ def test_bad_messages_in_a_stream_are_answered_in_place_and_the_stream_goes_on(
             assert got[5] == "b 0"
             assert got[6].startswith("error: request bytes are truncated")
             assert got[7] == "c 0"
+
+    with Serving(repo, tmp_path / "run", workers=1) as serving:
+        asyncio.run(main(serving))
+
+
+def test_a_stream_message_for_a_model_of_another_pool_is_refused_clearly(tmp_path: Path) -> None:
+    """A stream goes to the pool of its first model: a message for a model that
+    another pool serves gets an error naming both pools, in its place, and the
+    stream goes on; the same model opens its own stream on its own pool."""
+    repo, _ = counter_repo(tmp_path)
+    shutil.copytree(repo / "counter", repo / "counter2")
+    settings = json.loads((repo / "counter2" / "model-settings.json").read_text())
+    settings["name"] = "counter2"
+    settings["parameters"]["inference_pool_gid"] = "other"
+    (repo / "counter2" / "model-settings.json").write_text(json.dumps(settings))
+    elsewhere = pb.ModelInferRequest.FromString(counter_request(1, rid="z"))
+    elsewhere.model_name = "counter2"
+
+    async def main(serving: Serving) -> None:
+        async with grpc.aio.insecure_channel(serving.address) as channel:
+            await wait_serving(channel)
+            stream = channel.stream_stream(STREAM)
+
+            async def listed(*messages: bytes) -> Any:
+                for message in messages:
+                    yield message
+
+            sent = listed(counter_request(1, rid="a"), elsewhere.SerializeToString(),
+                          counter_request(1, rid="c"))  # fmt: skip
+            got = [parse(r) async for r in stream(sent, timeout=60)]
+            assert [r.infer_response.id for r in got] == ["a", "", "c"]
+            assert got[1].error_message == (
+                "model 'counter2' is served by pool 'other', not by this stream's pool "
+                "'default': a ModelStreamInfer goes to the pool of its first request's model "
+                "(open one stream per pool)"
+            )
+            alone = [parse(r) async for r in stream(listed(elsewhere.SerializeToString()),
+                                                     timeout=60)]  # fmt: skip
+            assert [(r.error_message, r.infer_response.id) for r in alone] == [("", "z")]
 
     with Serving(repo, tmp_path / "run", workers=1) as serving:
         asyncio.run(main(serving))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import logging
 import signal
 import time
@@ -36,6 +37,7 @@ from poolserve.service.contract.errors import (
     ModelNotReady,
     ServingError,
     Unavailable,
+    clip,
     load_failed,
     unknown_model,
 )
@@ -563,7 +565,8 @@ class Router:
                 yield pb.ModelStreamInferResponse(error_message=exc.message).SerializeToString()
         assert route.lane is not None
         try:
-            async for item in route.lane.stream(first, requests, deadline, self._attach_in_stream):
+            attach = functools.partial(self._attach_in_stream, route)
+            async for item in route.lane.stream(first, requests, deadline, attach):
                 if isinstance(item, ServingError):  # the stream failed as a whole
                     message = f"{grpc_status(item)[0].name}: {item.message}"
                     yield pb.ModelStreamInferResponse(error_message=message).SerializeToString()
@@ -572,17 +575,30 @@ class Router:
         except ServingError as exc:  # the lane is not reachable
             yield pb.ModelStreamInferResponse(error_message=exc.message).SerializeToString()
 
-    def _attach_in_stream(self, message: bytes) -> bytes:
+    def _attach_in_stream(self, route: PoolRoute, message: bytes) -> bytes:
         """A streamed request with its registrations. One that names an unknown
         region goes as it is, and the pool answers its error in the stream; one
         that starts with a zero byte (only the router may send such bytes to a
-        pool) goes as its refusal, answered by the pool in the same place."""
+        pool), or that names a model of another pool, goes as its refusal,
+        answered by the pool in the same place."""
         try:
-            return self.shared_memory.attach(message)
+            body = self.shared_memory.attach(message)
         except InvalidInput as exc:
             if forged(message):
                 return refused_request(exc.message)
             return message
+        try:
+            name = peek_model(message)[0]
+        except InvalidInput:
+            return body  # the pool answers what cannot be parsed
+        other = self.routes.get(name)
+        if other is not None and other is not route:
+            return refused_request(
+                f"model '{clip(name)}' is served by pool '{other.gid}', not by this stream's "
+                f"pool '{route.gid}': a ModelStreamInfer goes to the pool of its first "
+                "request's model (open one stream per pool)"
+            )
+        return body
 
     def _traced(self, method: str, fn: Handler) -> Handler:
         """A SERVER span per call, with the deadline budget and where it ran out."""
