@@ -375,9 +375,17 @@ if prctl(1, 9, 0, 0, 0) != 0:  # PR_SET_PDEATHSIG, SIGKILL
     os._exit(126)
 if os.getppid() != int(sys.argv[1]):
     os._exit(1)
-# Python ignores these at start-up; an ignored signal stays ignored across exec.
-for number in (signal.SIGPIPE, signal.SIGXFSZ):
-    signal.signal(number, signal.SIG_DFL)
+# An ignored signal stays ignored across exec, and a blocked one blocked: Python
+# ignores SIGPIPE and SIGXFSZ at start-up, and a root started in the background
+# of a shell (or by nohup) ignores SIGINT (SIGHUP). The program starts as a
+# service under systemd does: every disposition the default, nothing blocked.
+for number in signal.valid_signals():
+    if number not in (signal.SIGKILL, signal.SIGSTOP):
+        try:
+            signal.signal(number, signal.SIG_DFL)
+        except (OSError, ValueError):
+            pass  # one the C library reserves (the real-time signals glibc uses)
+signal.pthread_sigmask(signal.SIG_SETMASK, ())
 try:
     os.execv(sys.argv[2], sys.argv[3:])
 except OSError as error:

@@ -877,16 +877,30 @@ SPAWN_UNDER_GRPC = textwrap.dedent(
 )
 
 
-def test_the_trampoline_leaves_no_signal_ignored(tmp_path: Path) -> None:
-    """Python ignores SIGPIPE and SIGXFSZ; the program exec'd after it must not."""
+def test_the_trampoline_leaves_no_signal_ignored_or_blocked(tmp_path: Path) -> None:
+    """Python ignores SIGPIPE and SIGXFSZ; a root started in a shell's background
+    ignores SIGINT, under nohup SIGHUP; a parent may block signals: the program
+    exec'd after the trampoline starts with none of that (as systemd starts one)."""
     from poolserve.supervisor.process import ProcessService
 
     out = tmp_path / "sigign"
-    script = f"grep SigIgn /proc/$$/status > {out}"
-    run(lambda: ProcessService(["/bin/sh", "-c", script]).serve(lambda: None))
-    ignored = int(out.read_text().split()[1], 16)
-    for number in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTERM):
+    # exec: the shell becomes grep, which reads its own status (a shell that
+    # forked grep could be inside its own brief block-all around the fork)
+    script = f"exec grep -E 'SigIgn|SigBlk' /proc/self/status > {out}"
+    inherited = (signal.SIGINT, signal.SIGHUP, signal.SIGTERM)
+    previous = {number: signal.signal(number, signal.SIG_IGN) for number in inherited}
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
+    try:
+        run(lambda: ProcessService(["/bin/sh", "-c", script]).serve(lambda: None))
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+    fields = dict(line.split(":") for line in out.read_text().splitlines())
+    ignored = int(fields["SigIgn"], 16)
+    for number in (signal.SIGPIPE, signal.SIGXFSZ, *inherited):
         assert not ignored & (1 << (number - 1)), number
+    assert int(fields["SigBlk"], 16) == 0
 
 
 def test_spawning_stays_safe_once_the_root_runs_grpc() -> None:
