@@ -7,6 +7,7 @@ import os
 import socket
 import statistics
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -156,6 +157,60 @@ def test_one_trace_through_router_and_pool(tmp_path: Path) -> None:
                 if a.key == "poolserve.deadline.stage"
             }
             assert "pool queue" in stages
+
+    asyncio.run(main())
+
+
+def test_a_stream_is_one_span_with_its_counts(tmp_path: Path) -> None:
+    """ModelStreamInfer through the router: one SERVER span for the stream,
+    continuing the client's trace, with its model, pool, requests, responses
+    and error responses."""
+
+    async def main() -> None:
+        receiver = Receiver()
+        port = await receiver.start()
+        try:
+            with Serving(repo(tmp_path), tmp_path / "run", workers=1, env=otel_env(port)) as s:
+                await streamed(s, receiver)
+        finally:
+            await receiver.stop()
+
+    async def streamed(serving: Serving, receiver: Receiver) -> None:
+        async with grpc.aio.insecure_channel(serving.address) as channel:
+            await wait_serving(channel)
+            sent = [pb.ModelInferRequest(model_name="nosuch")] + [
+                request("echo", float(i)) for i in range(3)
+            ]
+
+            async def messages() -> AsyncIterator[bytes]:
+                for message in sent:
+                    yield message.SerializeToString()
+
+            stream = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")
+            parent = f"00-{TRACE_ID}-{CLIENT_SPAN}-01"
+            call = stream(messages(), timeout=30, metadata=(("traceparent", parent),))
+            replies = [pb.ModelStreamInferResponse.FromString(r) async for r in call]
+            assert [bool(r.error_message) for r in replies] == [True, False, False, False]
+
+            name = "inference.GRPCInferenceService/ModelStreamInfer"
+
+            def arrived(spans: list[tuple[dict[str, str], trace_pb2.Span]]) -> bool:
+                return any(sp.name == name for _, sp in spans)
+
+            await receiver.wait_for(arrived)
+            (span,) = [sp for _, sp in receiver.spans if sp.name == name]
+            assert span.trace_id.hex() == TRACE_ID
+            assert span.parent_span_id.hex() == CLIENT_SPAN
+            assert span.kind == trace_pb2.Span.SpanKind.SPAN_KIND_SERVER
+            attrs = attributes(span)
+            assert attrs["rpc.method"] == "ModelStreamInfer"
+            assert attrs["rpc.grpc.status_code"] == 0
+            assert attrs["poolserve.model.name"] == "echo"
+            assert attrs["poolserve.pool"] == "default"
+            assert attrs["poolserve.stream.requests"] == 4
+            assert attrs["poolserve.stream.responses"] == 4
+            assert attrs["poolserve.stream.error_responses"] == 1
+            assert 25_000 < attrs["poolserve.deadline.budget_ms"] <= 30_100
 
     asyncio.run(main())
 

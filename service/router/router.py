@@ -11,6 +11,7 @@ grpc.health.v1 agree and never claim ready while any configured model is not.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import logging
@@ -87,6 +88,25 @@ Handler = Callable[[bytes, Any], Awaitable[bytes]]
 _SPAN: contextvars.ContextVar[Span | None] = contextvars.ContextVar(
     "span", default=None
 )  # host:port actually bound (useful with --grpc-port 0)
+
+
+_ERROR_MESSAGE_TAG = b"\x0a"  # ModelStreamInferResponse field 1 (error_message), first when set
+
+
+class _Counted:
+    """An async iterator of a stream's requests that counts what it hands on."""
+
+    def __init__(self, requests: AsyncIterator[bytes]) -> None:
+        self._requests = requests
+        self.count = 0
+
+    def __aiter__(self) -> _Counted:
+        return self
+
+    async def __anext__(self) -> bytes:
+        message = await anext(self._requests)
+        self.count += 1
+        return message
 
 
 @dataclass(eq=False)
@@ -547,6 +567,40 @@ class Router:
     async def model_stream_infer(
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[bytes]:
+        """A ModelStreamInfer, with a SERVER span for the whole stream when tracing
+        is on: its model and pool, how many requests came and how many responses
+        (and error responses) went, its status and where its deadline ran out."""
+        tracing = self.tracing
+        if tracing is None:
+            async for reply in self._stream_infer(requests, context, None):
+                yield reply
+            return
+        span = self._server_span(tracing, "ModelStreamInfer", context)
+        counted = _Counted(requests)
+        responses = errors = 0
+        code = grpc.StatusCode.OK
+        try:
+            async with contextlib.aclosing(self._stream_infer(counted, context, span)) as replies:
+                async for reply in replies:
+                    responses += 1
+                    errors += reply[:1] == _ERROR_MESSAGE_TAG
+                    yield reply
+        except (asyncio.CancelledError, GeneratorExit):
+            code = self._ended_early(span, context)
+            raise
+        finally:
+            span.set_attribute("poolserve.stream.requests", counted.count)
+            span.set_attribute("poolserve.stream.responses", responses)
+            span.set_attribute("poolserve.stream.error_responses", errors)
+            span.set_attribute("rpc.grpc.status_code", code.value[0])
+            span.end()
+
+    async def _stream_infer(
+        self,
+        requests: AsyncIterator[bytes],
+        context: grpc.aio.ServicerContext[Any, Any],
+        span: Span | None,
+    ) -> AsyncIterator[bytes]:
         """Routed by the model of its first routable message, over that model's
         pool's lane; the pool answers the rest in-stream. A message that cannot
         be routed before then is answered with its error, and the next one tried."""
@@ -558,16 +612,26 @@ class Router:
                 return
             first = taken
             try:
-                route = self._route(peek_model(first)[0])
+                name, version = peek_model(first)
+                route = self._route(name)
                 deadline = self._deadline(context)
             except ServingError as exc:
                 route = None
                 yield pb.ModelStreamInferResponse(error_message=exc.message).SerializeToString()
         assert route.lane is not None
+        if span is not None:
+            span.set_attribute("poolserve.model.name", name)
+            span.set_attribute("poolserve.model.version", version)
+            span.set_attribute("poolserve.pool", route.gid)
+            span.set_attribute(
+                "poolserve.deadline.remaining_ms", (deadline - time.monotonic()) * 1000
+            )
         try:
             attach = functools.partial(self._attach_in_stream, route)
             async for item in route.lane.stream(first, requests, deadline, attach):
                 if isinstance(item, ServingError):  # the stream failed as a whole
+                    if span is not None and item.failure is Failure.DEADLINE:
+                        deadline_event(span, item.stage or "router", item.message)
                     message = f"{grpc_status(item)[0].name}: {item.message}"
                     yield pb.ModelStreamInferResponse(error_message=message).SerializeToString()
                     return
@@ -600,6 +664,31 @@ class Router:
             )
         return body
 
+    @staticmethod
+    def _server_span(
+        tracing: Tracing, method: str, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> Span:
+        """The router's SERVER span of one call, continuing the caller's trace."""
+        attributes: dict[str, Any] = {
+            "rpc.system": "grpc",
+            "rpc.service": SERVICE,
+            "rpc.method": method,
+        }
+        budget = context.time_remaining()
+        if budget is not None and budget <= NO_DEADLINE_S:
+            attributes["poolserve.deadline.budget_ms"] = budget * 1000
+        return tracing.server_span(f"{SERVICE}/{method}", context.invocation_metadata(), attributes)
+
+    @staticmethod
+    def _ended_early(span: Span, context: grpc.aio.ServicerContext[Any, Any]) -> grpc.StatusCode:
+        """The status of a call that ended before its answer: grpc ended it at its
+        deadline (said as an event on the span), or the client cancelled it."""
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            deadline_event(span, "pool", "deadline passed while the pool had the call")
+            return grpc.StatusCode.DEADLINE_EXCEEDED
+        return grpc.StatusCode.CANCELLED
+
     def _traced(self, method: str, fn: Handler) -> Handler:
         """A SERVER span per call, with the deadline budget and where it ran out."""
         tracing = self.tracing
@@ -607,17 +696,7 @@ class Router:
             return fn
 
         async def handler(body: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
-            attributes: dict[str, Any] = {
-                "rpc.system": "grpc",
-                "rpc.service": SERVICE,
-                "rpc.method": method,
-            }
-            budget = context.time_remaining()
-            if budget is not None and budget <= NO_DEADLINE_S:
-                attributes["poolserve.deadline.budget_ms"] = budget * 1000
-            span = tracing.server_span(
-                f"{SERVICE}/{method}", context.invocation_metadata(), attributes
-            )
+            span = self._server_span(tracing, method, context)
             token = _SPAN.set(span)
             code = grpc.StatusCode.OK
             try:
@@ -628,13 +707,7 @@ class Router:
                     deadline_event(span, exc.stage or "router", exc.message)
                 raise
             except asyncio.CancelledError:
-                remaining = context.time_remaining()
-                if remaining is not None and remaining <= 0:
-                    # grpc ended the call at its deadline before the pool's answer came
-                    code = grpc.StatusCode.DEADLINE_EXCEEDED
-                    deadline_event(span, "pool", "deadline passed while the pool had the call")
-                else:
-                    code = grpc.StatusCode.CANCELLED
+                code = self._ended_early(span, context)
                 raise
             finally:
                 _SPAN.reset(token)
