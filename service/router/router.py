@@ -18,7 +18,7 @@ import logging
 import signal
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -600,7 +600,7 @@ class Router:
         requests: AsyncIterator[bytes],
         context: grpc.aio.ServicerContext[Any, Any],
         span: Span | None,
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         """Routed by the model of its first routable message, over that model's
         pool's lane; the pool answers the rest in-stream. A message that cannot
         be routed before then is answered with its error, and the next one tried."""
