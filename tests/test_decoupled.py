@@ -116,19 +116,24 @@ async def success_count(channel: grpc.aio.Channel) -> tuple[int, int]:
     return inference.success.count, inference.fail.count
 
 
+def open_stream(channel: grpc.aio.Channel) -> tuple[asyncio.Queue[bytes | None], Any]:
+    """A ModelStreamInfer whose requests are what the queue is given (None ends them)."""
+    outgoing: asyncio.Queue[bytes | None] = asyncio.Queue()
+
+    async def requests() -> Any:
+        while (item := await outgoing.get()) is not None:
+            yield item
+
+    return outgoing, channel.stream_stream(STREAM)(requests(), timeout=60)
+
+
 def test_streams_of_0_1_and_1000_responses_final_flag_and_unary_refused(tmp_path: Path) -> None:
     repo, _ = counter_repo(tmp_path)
 
     async def main(serving: Serving) -> None:
         async with grpc.aio.insecure_channel(serving.address) as channel:
             await wait_serving(channel)
-            outgoing: asyncio.Queue[bytes | None] = asyncio.Queue()
-
-            async def requests() -> Any:
-                while (item := await outgoing.get()) is not None:
-                    yield item
-
-            call = channel.stream_stream(STREAM)(requests(), timeout=60)
+            outgoing, call = open_stream(channel)
             replies = call.__aiter__()
 
             async def take(count: int) -> list[pb.ModelStreamInferResponse]:
@@ -383,13 +388,7 @@ def test_bad_messages_in_a_stream_are_answered_in_place_and_the_stream_goes_on(
     async def main(serving: Serving) -> None:
         async with grpc.aio.insecure_channel(serving.address) as channel:
             await wait_serving(channel)
-            outgoing: asyncio.Queue[bytes | None] = asyncio.Queue()
-
-            async def requests() -> Any:
-                while (item := await outgoing.get()) is not None:
-                    yield item
-
-            call = channel.stream_stream(STREAM)(requests(), timeout=60)
+            outgoing, call = open_stream(channel)
             replies = call.__aiter__()
             got: list[str] = []
             for message, expected in zip(sent, (1, 1, 2, 1, 1, 1, 1), strict=True):

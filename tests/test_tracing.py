@@ -7,7 +7,7 @@ import os
 import socket
 import statistics
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import grpc
@@ -59,16 +59,22 @@ def repo(tmp_path: Path) -> Path:
     return root
 
 
-def test_one_trace_through_router_and_pool(tmp_path: Path) -> None:
+def traced_tree(tmp_path: Path, body: Callable[[Serving, Receiver], Awaitable[None]]) -> None:
+    """Runs ``body`` against a tree (one worker) that exports to a real OTLP receiver."""
+
     async def main() -> None:
         receiver = Receiver()
         port = await receiver.start()
         try:
             with Serving(repo(tmp_path), tmp_path / "run", workers=1, env=otel_env(port)) as s:
-                await traced_calls(s, receiver)
+                await body(s, receiver)
         finally:
             await receiver.stop()
 
+    asyncio.run(main())
+
+
+def test_one_trace_through_router_and_pool(tmp_path: Path) -> None:
     async def traced_calls(serving: Serving, receiver: Receiver) -> None:
         async with grpc.aio.insecure_channel(serving.address) as channel:
             await wait_serving(channel)
@@ -158,22 +164,13 @@ def test_one_trace_through_router_and_pool(tmp_path: Path) -> None:
             }
             assert "pool queue" in stages
 
-    asyncio.run(main())
+    traced_tree(tmp_path, traced_calls)
 
 
 def test_a_stream_is_one_span_with_its_counts(tmp_path: Path) -> None:
     """ModelStreamInfer through the router: one SERVER span for the stream,
     continuing the client's trace, with its model, pool, requests, responses
     and error responses."""
-
-    async def main() -> None:
-        receiver = Receiver()
-        port = await receiver.start()
-        try:
-            with Serving(repo(tmp_path), tmp_path / "run", workers=1, env=otel_env(port)) as s:
-                await streamed(s, receiver)
-        finally:
-            await receiver.stop()
 
     async def streamed(serving: Serving, receiver: Receiver) -> None:
         async with grpc.aio.insecure_channel(serving.address) as channel:
@@ -212,7 +209,7 @@ def test_a_stream_is_one_span_with_its_counts(tmp_path: Path) -> None:
             assert attrs["poolserve.stream.error_responses"] == 1
             assert 25_000 < attrs["poolserve.deadline.budget_ms"] <= 30_100
 
-    asyncio.run(main())
+    traced_tree(tmp_path, streamed)
 
 
 def test_collector_down_costs_requests_nothing(tmp_path: Path) -> None:
