@@ -6,10 +6,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+from poolserve.supervisor.helptext import plain
 
 
 def _server_flags(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +39,7 @@ def _flags(args: argparse.Namespace) -> dict[str, object]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="poolserve", description=__doc__)
+    parser = argparse.ArgumentParser(prog="poolserve", description=plain(__doc__))
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="run the supervision tree: pools and router")
     _server_flags(serve)
@@ -65,13 +68,27 @@ def build_parser() -> argparse.ArgumentParser:
     flat.add_argument(
         "--log-stdout", action="store_true", help="programs log to supervisord's stdout"
     )
+    flat.add_argument(
+        "--standalone",
+        type=Path,
+        metavar="DIR",
+        help="print a complete supervisord.conf (supervisord, its socket, supervisorctl), "
+        "with supervisord's log, pid file and socket in DIR; without it, only the "
+        "program sections, for an [include]",
+    )
+    from poolserve.supervisor import status_cli
     from poolserve.supervisor.status_cli import (
         DEFAULT_RELOAD_TIMEOUT,
         DEFAULT_STATUS_TIMEOUT,
         add_control_arguments,
     )
 
-    status = commands.add_parser("status", help="print the supervision tree of a running server")
+    status = commands.add_parser(
+        "status",
+        help="print the supervision tree of a running server",
+        description=plain(status_cli.__doc__),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_control_arguments(status, DEFAULT_STATUS_TIMEOUT)
     status.add_argument("--json", action="store_true", help="one JSON object, for machines")
     reload = commands.add_parser(
@@ -87,6 +104,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # The reader went away (`poolserve status --json | head`): what it did
+        # not read is nobody's; stdout is pointed at /dev/null so that the
+        # interpreter's own flush at exit does not fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+
+
+def _main(argv: Sequence[str] | None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
     if arguments[:1] == ["probe"]:
         # Its own parser: bad arguments exit 1, as grpc_health_probe's do.
@@ -103,6 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             executable=shlex.split(args.executable) if args.executable else None,
             user=args.user,
             log_stdout=args.log_stdout,
+            standalone=args.standalone,
         )
     if args.command == "top":
         from poolserve.supervisor.top_cli import top_main

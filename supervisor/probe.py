@@ -15,11 +15,21 @@ By default it calls grpc.health.v1 ``Check(--service)``; ``--ready`` calls
 ServerReady, ``--live`` ServerLive, ``--model NAME`` ModelReady. One line
 goes to stderr, like grpc_health_probe's log.
 
+When the answer is "not serving", the line says why: each model that is
+not ready, with its state and reason, as ``poolserve status`` shows them
+(read with RepositoryIndex on the same connection).
+
+Without ``--addr``, the probe asks the router of the local tree: the
+address it wrote in its run directory (``--run-dir``, ``POOLSERVE_RUN_DIR``,
+or the default of ``POOLSERVE_GRPC_PORT``, as ``poolserve status`` finds
+it), else ``localhost:8081``.
+
 The connection is made first (bounded by ``--connect-timeout``), then the
 one RPC (bounded by ``--rpc-timeout``), so the exit code says which failed.
-A probe is a short-lived process: it uses the synchronous gRPC API, and
-imports gRPC only once its arguments are valid.
 """
+
+# A probe is a short-lived process: it uses the synchronous gRPC API, and
+# imports gRPC only once its arguments are valid.
 
 from __future__ import annotations
 
@@ -33,6 +43,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, cast
+
+from poolserve.supervisor.helptext import plain
 
 if TYPE_CHECKING:
     import grpc
@@ -112,7 +124,14 @@ def parse_duration(text: str) -> float:
 
 def add_probe_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``poolserve probe`` (grpc_health_probe's, plus the V2 checks)."""
-    parser.add_argument("--addr", default="", help="(required) host:port, :port or unix:PATH")
+    parser.add_argument(
+        "--addr",
+        default="",
+        help="host:port, :port or unix:PATH (default: the local tree's router, as status finds it)",
+    )
+    parser.add_argument(
+        "--run-dir", default=None, help="without --addr: the run directory of the tree to probe"
+    )
     parser.add_argument("--service", default=None, help='health service name (default: "")')
     what = parser.add_mutually_exclusive_group()
     what.add_argument("--ready", action="store_true", help="check ServerReady instead of health")
@@ -143,8 +162,7 @@ def add_probe_arguments(parser: argparse.ArgumentParser) -> None:
 
 def options_from_args(args: argparse.Namespace) -> ProbeOptions:
     """Validates the combination of flags, as grpc_health_probe does."""
-    if not args.addr:
-        raise BadArguments("--addr not specified")
+    addr = args.addr or default_address(args.run_dir)
     for name in ("connect_timeout", "rpc_timeout"):
         if getattr(args, name) <= 0:
             flag = "--" + name.replace("_", "-")
@@ -173,7 +191,7 @@ def options_from_args(args: argparse.Namespace) -> ProbeOptions:
     if check is not Check.MODEL and args.model_version:
         raise BadArguments("--model-version goes with --model")
     return ProbeOptions(
-        addr=args.addr,
+        addr=addr,
         check=check,
         service=args.service or "",
         model=args.model or "",
@@ -190,6 +208,20 @@ def options_from_args(args: argparse.Namespace) -> ProbeOptions:
     )
 
 
+def default_address(run_dir: str | None, environ: Mapping[str, str] | None = None) -> str:
+    """The router address of the local tree, as ``poolserve status`` finds its run
+    directory; ``localhost:PORT`` when the tree wrote none (or runs elsewhere)."""
+    from poolserve.service.contract.rundir import ADDRESS_FILE
+    from poolserve.supervisor.status_cli import default_grpc_port, resolve_run_dir
+
+    env = os.environ if environ is None else environ
+    try:
+        written = (resolve_run_dir(run_dir, None, env) / ADDRESS_FILE).read_text().strip()
+    except OSError:
+        written = ""
+    return written or f"localhost:{default_grpc_port(env)}"
+
+
 class ProbeArgumentParser(argparse.ArgumentParser):
     """Usage errors exit with 1, grpc_health_probe's code for bad arguments."""
 
@@ -199,7 +231,11 @@ class ProbeArgumentParser(argparse.ArgumentParser):
 
 
 def build_probe_parser(prog: str = "poolserve probe") -> ProbeArgumentParser:
-    parser = ProbeArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    parser = ProbeArgumentParser(
+        prog=prog,
+        description=plain(__doc__),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_probe_arguments(parser)
     return parser
 
@@ -252,9 +288,39 @@ def probe(options: ProbeOptions) -> ProbeResult:
             healthy, status = call(options.rpc_timeout)
         except grpc.RpcError as exc:
             return _rpc_failure(options, state, exc)
+        why = _why_not_ready(options, channel) if not healthy else ""
     if not healthy:
-        return ProbeResult(EXIT_UNHEALTHY, f"service unhealthy (responded with {status})")
+        return ProbeResult(EXIT_UNHEALTHY, f"service unhealthy (responded with {status}){why}")
     return ProbeResult(EXIT_SERVING, f"status: {status}")
+
+
+def _why_not_ready(options: ProbeOptions, channel: grpc.Channel) -> str:
+    """``: model 'm' UNAVAILABLE: reason; ...`` for the models the failed check
+    covers that are not READY; empty when the server cannot say."""
+    import grpc
+
+    from poolserve.protos import inference_pb2 as pb
+    from poolserve.protos import inference_pb2_grpc as pbg
+
+    wanted = options.model if options.check is Check.MODEL else ""
+    if options.check is Check.HEALTH and options.service.startswith("model:"):
+        wanted = options.service.removeprefix("model:")
+    elif options.check is Check.HEALTH and options.service:
+        return ""  # a pool's or another service's health: no model to name
+    stub = pbg.GRPCInferenceServiceStub(channel)  # type: ignore[no-untyped-call]
+    try:
+        index = stub.RepositoryIndex(pb.RepositoryIndexRequest(), timeout=options.rpc_timeout)
+    except grpc.RpcError:
+        return ""
+    reasons = [
+        f"model {model.name!r} {model.state or 'UNKNOWN'}"
+        + (f": {model.reason}" if model.reason else "")
+        for model in index.models
+        if model.state != "READY" and (not wanted or model.name == wanted)
+    ]
+    if wanted and not reasons and all(model.name != wanted for model in index.models):
+        reasons = [f"model {wanted!r} is not in the repository"]
+    return ": " + "; ".join(reasons) if reasons else ""
 
 
 def _rpc_failure(

@@ -147,9 +147,10 @@ class ServeTree:
                 POOLS, self._build_pools, restart=Restart.PERMANENT, stop_timeout=pools_budget
             ),
             self.router_spec(settings),
-            # Last, so READY=1 reaches systemd only once the router serves.
-            ChildSpec("systemd", lambda: SystemdService(notify)),
         ]
+        if notify.enabled:  # started by systemd (NOTIFY_SOCKET): nothing to tell otherwise
+            # Last, so READY=1 reaches systemd only once the router serves.
+            children.append(ChildSpec("systemd", lambda: SystemdService(notify)))
         if control is not None:
             children.insert(0, ChildSpec("control", control, stop_timeout=CONTROL_STOP_TIMEOUT))
         budget = pools_budget + grace + 2 * KILL_GRACE + CONTROL_STOP_TIMEOUT + 10

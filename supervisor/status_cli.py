@@ -9,7 +9,9 @@ zygote and workers). ``--json`` prints the same as one JSON object.
 Exit codes, LSB status style like supervisorctl's:
 
 - status: 0 every node runs; 3 some node does not (starting, backoff,
-  stopped, failed); 4 no supervisor answers on the socket.
+  stopped, failed); 4 no supervisor answers on the socket (no tree runs
+  with that run directory, or it runs under supervisord's flat layout,
+  which has no supervisor: the one line on stderr says which).
 - reload: 0 the tree converged; 1 the reload reported problems; 4 no
   supervisor answers on the socket.
 """
@@ -59,11 +61,14 @@ def resolve_run_dir(
     explicit = run_dir or env.get("POOLSERVE_RUN_DIR")
     if explicit:
         return Path(explicit)
-    port = grpc_port
-    if port is None:
-        raw = env.get("POOLSERVE_GRPC_PORT", "")
-        port = int(raw) if raw.isdigit() else ServerSettings.grpc_port
+    port = default_grpc_port(env) if grpc_port is None else grpc_port
     return ServerSettings(grpc_port=port).resolved_run_dir()
+
+
+def default_grpc_port(environ: Mapping[str, str]) -> int:
+    """POOLSERVE_GRPC_PORT when it is a port number, else the default (8081)."""
+    raw = environ.get("POOLSERVE_GRPC_PORT", "")
+    return int(raw) if raw.isdigit() else ServerSettings.grpc_port
 
 
 def status_main(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
@@ -121,14 +126,33 @@ def ports_text(run_dir: Path) -> str:
 def _unreachable(run_dir: Path, error: Exception) -> int:
     import grpc
 
+    details = error.details() if isinstance(error, grpc.aio.AioRpcError) else str(error)
+    print(f"poolserve: {why_unreachable(run_dir, details or '')}", file=sys.stderr)
+    return EXIT_UNREACHABLE
+
+
+def why_unreachable(run_dir: Path, details: str) -> str:
+    """One sentence on why no supervisor answered in ``run_dir``, and what to do."""
+    from poolserve.service.contract.rundir import ADDRESS_FILE
     from poolserve.supervisor.control import control_socket_path
 
-    details = error.details() if isinstance(error, grpc.aio.AioRpcError) else str(error)
-    print(
-        f"poolserve: no supervisor answers on {control_socket_path(run_dir)}: {details}",
-        file=sys.stderr,
+    socket = control_socket_path(run_dir)
+    if socket.exists():
+        return (
+            f"a control socket exists at {socket} but no supervisor answers on it "
+            f"({details}): the tree may be starting or stopping, or it died and left it"
+        )
+    if (run_dir / ADDRESS_FILE).exists():
+        return (
+            f"the tree in {run_dir} has no supervisor (no {socket.name}): it runs under "
+            "supervisord's flat layout (poolserve supervisord-config), where "
+            "`supervisorctl status` shows its programs and "
+            f"`poolserve probe --run-dir {run_dir}` its health"
+        )
+    return (
+        f"no poolserve tree is running with run directory {run_dir} (no {socket.name}); "
+        "start one with `poolserve serve REPO`, or name another with --run-dir or --grpc-port"
     )
-    return EXIT_UNREACHABLE
 
 
 # -- JSON -------------------------------------------------------------------------

@@ -188,6 +188,23 @@ def render_config(repo: Path, programs: Sequence[Program]) -> str:
     return header + "".join("\n" + p.render() for p in programs)
 
 
+def standalone_sections(directory: Path) -> str:
+    """The sections that make the programs a whole supervisord.conf, every
+    path under ``directory``: supervisord itself (in the foreground, so a
+    terminal, systemd or a container can own it), its private control socket,
+    and what ``supervisorctl`` needs to reach it."""
+    root = directory.resolve()
+    return (
+        f"; run it: supervisord -c THIS_FILE; then supervisorctl -c THIS_FILE status\n"
+        f"[unix_http_server]\nfile={root}/supervisord.sock\nchmod=0700\n\n"
+        f"[supervisord]\nlogfile={root}/supervisord.log\npidfile={root}/supervisord.pid\n"
+        f"childlogdir={root}\nnodaemon=true\n\n"
+        "[rpcinterface:supervisor]\n"
+        "supervisor.rpcinterface_factory = supervisor.rpcinterface:make_main_rpcinterface\n\n"
+        f"[supervisorctl]\nserverurl=unix://{root}/supervisord.sock\n\n"
+    )
+
+
 def main(
     repo: Path,
     flags: Mapping[str, object],
@@ -195,8 +212,13 @@ def main(
     executable: Sequence[str] | None = None,
     user: str | None = None,
     log_stdout: bool = False,
+    standalone: Path | None = None,
 ) -> int:
-    """Prints the configuration; exit code 2 for an invalid configuration."""
+    """Prints the configuration; exit code 2 for an invalid configuration.
+
+    With ``standalone``, a complete supervisord.conf (see
+    :func:`standalone_sections`); without, only the program sections, for an
+    ``[include]`` in an existing supervisord.conf."""
     try:
         programs = build_programs(
             repo, flags, executable=executable, user=user, log_stdout=log_stdout
@@ -204,5 +226,6 @@ def main(
     except ConfigError as exc:
         print(f"poolserve supervisord-config: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    sys.stdout.write(render_config(repo, programs))
+    sections = standalone_sections(standalone) if standalone is not None else ""
+    sys.stdout.write(sections + render_config(repo, programs))
     return EXIT_OK

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import shutil
 import socket
 import subprocess
@@ -55,7 +56,9 @@ class NoLoad(Model):
 SLOW_OK = ("--connect-timeout", "30", "--rpc-timeout", "30")
 
 
-def run_probe(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def run_probe(
+    *args: str, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """The real command line, in its own process, as exec probes run it."""
     return subprocess.run(
         [str(BIN / "poolserve"), "probe", *args],
@@ -63,6 +66,7 @@ def run_probe(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[s
         text=True,
         timeout=timeout,
         check=False,
+        env=env,
     )
 
 
@@ -85,7 +89,7 @@ def _options(*argv: str) -> probe_module.ProbeOptions:
 @pytest.mark.parametrize(
     "argv",
     [
-        [],
+        ["--connect-timeout", "0"],
         ["--addr", "x:1", "--connect-timeout", "0"],
         ["--addr", "x:1", "--rpc-timeout", "-1"],
         ["--addr", "x:1", "--tls-no-verify"],
@@ -113,7 +117,7 @@ def test_invalid_combinations_are_bad_arguments(argv: list[str]) -> None:
         ["--addr", "127.0.0.1:1", "--ready", "--live"],
         ["--addr", "127.0.0.1:1", "--rpc-timeout", "soon"],
         ["--addr", "127.0.0.1:1", "--tls", "--tls-no-verify", "--tls-ca-cert", "x"],
-        ["--service", "x"],
+        ["--service", "x", "--connect-timeout", "0"],
         ["--addr", "127.0.0.1:1", "--tls", "--tls-ca-cert", "/nonexistent/ca.pem"],
     ],
 )
@@ -234,6 +238,28 @@ def test_not_serving_exits_4(unready_server: Serving, check: list[str]) -> None:
     proc = run_probe("--addr", unready_server.address, *check, *SLOW_OK)
     assert_code(proc, EXIT_UNHEALTHY)
     assert "unhealthy" in proc.stderr
+    # ... and says why: the model's state and the reason its load failed.
+    assert "model 'broken' UNAVAILABLE" in proc.stderr, proc.stderr
+    assert "weights file is corrupt" in proc.stderr, proc.stderr
+    assert "'echo'" not in proc.stderr, "only what is not ready is named"
+
+
+@pytest.mark.e2e
+def test_without_addr_probes_the_local_tree(unready_server: Serving) -> None:
+    """No --addr: the router of the tree whose run directory status would use."""
+    env = {**os.environ, "POOLSERVE_RUN_DIR": str(unready_server.run_dir)}
+    proc = run_probe("--model", "echo", *SLOW_OK, env=env)
+    assert_code(proc, EXIT_SERVING)
+    proc = run_probe("--run-dir", str(unready_server.run_dir), "--ready", *SLOW_OK)
+    assert_code(proc, EXIT_UNHEALTHY)
+    assert "weights file is corrupt" in proc.stderr, proc.stderr
+
+
+def test_default_address_without_a_tree(tmp_path: Path) -> None:
+    env = {"POOLSERVE_RUN_DIR": str(tmp_path / "none"), "POOLSERVE_GRPC_PORT": "9123"}
+    assert probe_module.default_address(None, env) == "localhost:9123"
+    (tmp_path / "router.addr").write_text("127.0.0.1:4567\n")
+    assert probe_module.default_address(str(tmp_path), env) == "127.0.0.1:4567"
 
 
 @pytest.mark.e2e

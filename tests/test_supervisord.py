@@ -79,10 +79,10 @@ serverurl=unix://{root}/supervisor.sock
 class Supervisord:
     """One real supervisord; kills every PID it saw when it closes."""
 
-    def __init__(self, root: Path, programs: str) -> None:
+    def __init__(self, root: Path, programs: str, *, complete: bool = False) -> None:
         self.root = root
         self.conf = root / "supervisord.conf"
-        self.conf.write_text(header(root) + "\n" + programs)
+        self.conf.write_text(programs if complete else header(root) + "\n" + programs)
         self.proc: subprocess.Popen[bytes] | None = None
         self.seen: set[int] = set()
 
@@ -348,6 +348,32 @@ def test_flat_config(tmp_path: Path) -> None:
         shutdown = log_path.read_text()[already:]
         stops = [shutdown.index(f"stopped: {p} (exit status 0)") for p in programs]
         assert stops[2] < min(stops[:2]), "the router stops (drains) before the pools"
+
+
+@pytest.mark.timeout(300)
+def test_standalone_config_runs_as_printed(tmp_path: Path) -> None:
+    """`supervisord-config --standalone DIR` is a whole supervisord.conf: supervisord
+    and supervisorctl run from it with nothing added, and the tree serves."""
+    repo = flat_repo(tmp_path)
+    run_dir = tmp_path / "run"
+    home = tmp_path / "sd"
+    home.mkdir()
+    proc = subprocess.run(
+        [str(BIN / "poolserve"), "supervisord-config", str(repo), "--run-dir", str(run_dir),
+         "--grpc-port", "0", "--workers", "1", "--standalone", str(home)],
+        capture_output=True, text=True, timeout=TIMEOUT, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    sections = configparser.ConfigParser(interpolation=None)
+    sections.read_string(proc.stdout)
+    for name in ("unix_http_server", "supervisord", "rpcinterface:supervisor", "supervisorctl"):
+        assert sections.has_section(name), name
+    assert sections["unix_http_server"]["file"].startswith(str(home.resolve()))
+    programs = [pool_program_name("default"), pool_program_name("other"), ROUTER_PROGRAM]
+    with Supervisord(home, proc.stdout, complete=True) as sd:
+        sd.wait_for(programs, "RUNNING")
+        infer_echo(wait_router(run_dir))
+    assert (home / "supervisord.log").exists()
 
 
 # -- the generated configuration, read by supervisord's own parser -----------------
