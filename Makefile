@@ -4,6 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+RUN_STAMP := $(VENV)/.run-installed
 REPO ?= examples/models
 PACKAGES := -p poolserve.protos -p poolserve.service -p poolserve.supervisor
 PROTOS := $(wildcard protos/*.proto)
@@ -40,7 +41,16 @@ test: lint typecheck pytest
 protos: install
 	$(BIN)/python -m poolserve.protos.generate
 
-run: install
+# What serving examples/models needs, and no more (scikit-learn for iris and
+# boosted); a .venv that `make install` made already has it all.
+$(RUN_STAMP): pyproject.toml
+	@test -x $(BIN)/python || { echo "make run: creating $(VENV)"; $(PYTHON) -m venv $(VENV); }
+	@if [ -f $(STAMP) ] && [ $(STAMP) -nt pyproject.toml ]; then :; else \
+		echo "make run: installing poolserve and scikit-learn into $(VENV) (make install adds the developer tools)"; \
+		$(BIN)/python -m pip install --disable-pip-version-check -e '.[sklearn]'; fi
+	touch $@
+
+run: $(RUN_STAMP)
 	@test -f examples/models/iris/model.joblib || $(BIN)/python examples/models/iris/train.py
 	@test -f examples/models/boosted/model.joblib || $(BIN)/python examples/models/boosted/train.py
 	@echo "poolserve: serving $(REPO) on 127.0.0.1:8081 (Ctrl-C stops it)."

@@ -3,7 +3,7 @@ workers and the real MLServer 1.7.1 of the test extra.
 
 One tree serves, in one pool (one zygote): a custom ``mlserver.MLModel``
 using ``decode_args``, ``mlserver_sklearn.SKLearnModel`` on a joblib model
-trained here, the example folder examples/models/wordcount as it is, an
+trained here, the example folder examples/mlserver/wordcount as it is, an
 MLModel whose load raises, one whose load returns False, and a native
 poolserve model beside them. The last test sends the same requests to
 MLServer 1.7.1 itself (from the bench's peer environment) serving the same
@@ -241,7 +241,11 @@ def mlserver_folders(repo: Path) -> list[str]:
             }
         )
     )
-    copy_example(repo, "wordcount")
+    shutil.copytree(
+        ROOT / "examples" / "mlserver" / "wordcount",
+        repo / "wordcount",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
     write_model(
         repo,
         "tokens",

@@ -1,7 +1,7 @@
 """An MLServer custom runtime, written for MLServer and served by poolserve as is.
 
-`mlserver start examples/models/wordcount` and `poolserve serve
-examples/models/wordcount` both serve it (docs/migrating-from-mlserver.md):
+`mlserver start examples/mlserver/wordcount` and `poolserve serve
+examples/mlserver/wordcount` both serve it (docs/migrating-from-mlserver.md):
 the number of words in each string of ``text``. ``decode_args`` decodes the
 inputs with MLServer's codecs (``text`` with StringCodec, as its content type
 says) and encodes the returned array with NumpyCodec, as ``output-0``.
