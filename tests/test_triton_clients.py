@@ -595,8 +595,10 @@ def test_infer_objects_are_reused_with_and_without_shared_memory(
         through_shm()  # and back again
     finally:
         for name in names:
-            client.unregister_system_shared_memory(f"{prefix}_{name}")
-            shm.destroy_shared_memory_region(handles[name])
+            try:
+                client.unregister_system_shared_memory(f"{prefix}_{name}")
+            finally:
+                shm.destroy_shared_memory_region(handles[name])
     regions = client.get_system_shared_memory_status(as_json=True).get("regions", {})
     assert not [r for r in regions if r.startswith(prefix)]
 
@@ -924,6 +926,64 @@ def test_sequences_on_an_aio_stream(address: str, dyna: bool) -> None:
     plan = sequences(dyna)
     got = asyncio.run(_aio_stream(address, dyna, plan))
     assert got == {str(sid): expected for sid, (_, _, expected) in plan.items()}
+
+
+async def _raw_stream(address: str, requests: list[tpb.ModelInferRequest]) -> list[Any]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = tpbg.GRPCInferenceServiceStub(channel).ModelStreamInfer(timeout=TIMEOUT * 2)
+        replies = []
+        for request in requests:  # one at a time: each answer before the next request
+            await call.write(request)
+            replies.append(await call.read())
+        await call.done_writing()
+        assert await call.read() == grpc.aio.EOF
+        return replies
+
+
+def test_uint64_and_string_sequence_ids_on_a_raw_aio_stream(address: str) -> None:
+    """An id tritonclient cannot send: a uint64_param past int64, interleaved
+    with int64 id 1000 (its low 32 bits) and the string id. Were the uint64 id
+    cut to 32 or 63 bits, the two integer sequences would be one, and the
+    second END would find it ended. CORRID (UINT64) carries the id to the
+    model, which adds it at END modulo 2**32 (its output is INT32)."""
+    big = 2**63 + 1000
+    up = [0, *VALUES]
+    down = [100] + [-v for v in VALUES]
+    _, string, expected_string = sequences(dyna=True)[STRING_ID]
+    last = len(up) - 1
+    plan: list[tuple[str, int | str, list[int]]] = [
+        ("simple_dyna_sequence", big, up),
+        ("simple_dyna_sequence", 1000, down),
+        ("simple_string_dyna_sequence", STRING_ID, string),
+    ]
+    requests = []
+    for step in range(last + 1):
+        for model, sid, sent in plan:
+            request = tpb.ModelInferRequest(model_name=model, id=f"{sid}_{step}")
+            request.inputs.add(name="INPUT", datatype="INT32", shape=[1, 1])
+            request.raw_input_contents.append(np.int32(sent[step]).tobytes())
+            if isinstance(sid, str):
+                request.parameters["sequence_id"].string_param = sid
+            elif sid > 2**63 - 1:
+                request.parameters["sequence_id"].uint64_param = sid
+            else:
+                request.parameters["sequence_id"].int64_param = sid
+            request.parameters["sequence_start"].bool_param = step == 0
+            request.parameters["sequence_end"].bool_param = step == last
+            requests.append(request)
+    replies = asyncio.run(_raw_stream(address, requests))
+    assert [r.error_message for r in replies] == [""] * len(requests)
+    assert [r.infer_response.id for r in replies] == [r.id for r in requests]
+    got: dict[str, list[int]] = {}
+    for reply in replies:
+        sid = reply.infer_response.id.rsplit("_", 1)[0]
+        value = np.frombuffer(reply.infer_response.raw_output_contents[0], "<i4")[0]
+        got.setdefault(sid, []).append(int(value))
+    assert got == {
+        str(big): [1, 11, 7, 5, 3, 2, 0, 1 + 1000],  # + (2**63 + 1000) mod 2**32
+        "1000": [101, -11, -7, -5, -3, -2, 0, -1 + 1000],
+        STRING_ID: expected_string,
+    }
 
 
 def test_a_sequence_request_without_start_is_refused(client: tc.InferenceServerClient) -> None:
