@@ -245,11 +245,11 @@ def _typed_request(model: str, datatype: str) -> tpb.ModelInferRequest:
     for k in (0, 1):
         tensor = request.inputs.add(name=f"INPUT{k}", datatype=datatype, shape=[1, 16])
         if datatype == "BYTES":
-            values = [str(i).encode() for i in range(16)] if k == 0 else [b"1"] * 16
-            tensor.contents.bytes_contents.extend(values)
+            strings = [str(i).encode() for i in range(16)] if k == 0 else [b"1"] * 16
+            tensor.contents.bytes_contents.extend(strings)
         else:
-            values = list(range(-8, 8)) if k == 0 else [3] * 16
-            tensor.contents.int_contents.extend(values)
+            numbers = list(range(-8, 8)) if k == 0 else [3] * 16
+            tensor.contents.int_contents.extend(numbers)
     request.outputs.add(name="OUTPUT0")
     request.outputs.add(name="OUTPUT1")
     return request
@@ -791,7 +791,7 @@ def sequences(dyna: bool) -> dict[int | str, tuple[str, list[int], list[int]]]:
     string = [20] + [-v for v in VALUES]
     starts = [1] + [0] * len(VALUES)
     if not dyna:
-        plain = {
+        plain: dict[int | str, tuple[str, list[int]]] = {
             INT_IDS[0]: ("simple_sequence", up),
             INT_IDS[1]: ("simple_sequence", down),
             f"{uuid.uuid4()}": ("simple_sequence", string),
@@ -936,7 +936,7 @@ async def _raw_stream(address: str, requests: list[tpb.ModelInferRequest]) -> li
             await call.write(request)
             replies.append(await call.read())
         await call.done_writing()
-        assert await call.read() == grpc.aio.EOF
+        assert await call.read() == grpc.aio.EOF  # type: ignore[attr-defined]
         return replies
 
 
