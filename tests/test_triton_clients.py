@@ -1014,11 +1014,17 @@ def repeat_inputs(values: np.ndarray, delay_ms: int) -> list[Any]:
     return inputs
 
 
-def test_decoupled_repeat_answers_one_request_many_times(address: str) -> None:
+@pytest.mark.parametrize("compression", [None, "gzip"])
+def test_decoupled_repeat_answers_one_request_many_times(
+    address: str, compression: str | None
+) -> None:
     values = np.arange(100, 110)
     replies: queue.Queue[tuple[Any, Any]] = queue.Queue()
     with tc.InferenceServerClient(address) as client:
-        client.start_stream(callback=lambda result, error: replies.put((result, error)))
+        client.start_stream(
+            callback=lambda result, error: replies.put((result, error)),
+            compression_algorithm=compression,
+        )
         client.async_stream_infer(
             "repeat_int32",
             repeat_inputs(values, 5),
