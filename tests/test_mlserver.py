@@ -308,7 +308,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
         },
         MORPH_UNARY,
     )
-    write_model(  # inline (runs in the pool process): cannot stream, its predict answers
+    write_model(  # inline (runs in the pool process): streams there
         repo,
         "inlinetokens",
         {"name": "inlinetokens", "implementation": "model.Tokens", "parallel_workers": 0},
@@ -662,12 +662,15 @@ def test_stream_only_class_without_the_setting_streams_and_refuses_model_infer(
     assert "'streamonly' is decoupled" in details and "use ModelStreamInfer" in details
 
 
-def test_inline_class_with_predict_stream_answers_with_predict(served: Serving) -> None:
+def test_inline_class_with_predict_stream_streams(served: Serving) -> None:
+    """Inline (parallel_workers 0, as MLServer requires for streaming): the
+    class's predict_stream answers ModelStreamInfer, its predict ModelInfer."""
     request = text_request("a b", "i1", model="inlinetokens")
     replies = asyncio.run(stream(served.address, [request]))
-    assert replies == [("i1", "a", "")]  # predict's one response (its first token shown)
-    assert asyncio.run(decoupled_in_config(served.address, "inlinetokens")) is False
-    assert "inline model inlinetokens implements predict_stream" in served.log()
+    assert replies == [("i1", "a", ""), ("i1", "b", "")]
+    assert asyncio.run(decoupled_in_config(served.address, "inlinetokens")) is True
+    unary = asyncio.run(call(served.address, text_request("a b", "i2", model="inlinetokens")))
+    assert list(unary.outputs[0].contents.bytes_contents) == [b"a", b"b"]
 
 
 async def decoupled_in_config(address: str, model: str) -> bool:

@@ -197,12 +197,16 @@ class PoolBackend:
         Counted once in the statistics, when the stream ends."""
         settings = entry.settings
         assert settings is not None and entry.policy.decoupled
-        if entry.name in self.inline:
-            raise Unimplemented(
-                f"decoupled model '{entry.name}' runs on workers only; "
-                "set parallel_workers to 1 or more"
-            )
         plan = self._plan(entry, routing, deadline)
+        if entry.name in self.inline:
+            if settings.sequence is not None:
+                raise Unimplemented(
+                    f"decoupled sequence model '{entry.name}' runs on workers only; "
+                    "set parallel_workers to 1 or more"
+                )
+            async for body in self.inline.stream(entry, self._inline(request), plan.deadline):
+                yield bytes(body)
+            return
         began = time.monotonic_ns()
         pinned, name, control, table = None, "", None, None
         if settings.sequence is not None:  # a decoupled sequence model: on its worker

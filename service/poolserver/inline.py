@@ -32,7 +32,7 @@ import functools
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -45,12 +45,19 @@ from poolserve.service.contract.errors import (
     Unavailable,
     error_for,
 )
-from poolserve.service.contract.framing import Payload
+from poolserve.service.contract.framing import HEADER, Payload
 from poolserve.service.contract.repository import ModelSettings
 from poolserve.service.contract.schedule import Schedule
 from poolserve.service.grpcserver.status import as_serving_error
 from poolserve.service.poolcore.dispatcher import Job, JobQueue, JobState, Result, take_batch
-from poolserve.service.poolcore.frames import Reply, join_frames, parse_batch_reply
+from poolserve.service.poolcore.frames import (
+    PART,
+    Frame,
+    Reply,
+    join_frames,
+    parse_batch_reply,
+    parse_reply,
+)
 from poolserve.service.poolcore.stats import Timings
 from poolserve.service.poolserver.catalog import Catalog, ModelEntry, ModelState
 
@@ -137,15 +144,12 @@ class InlineRunner:
             )
             mode = "on the event loop" if fast else "on its own thread"
             log.info("inline model %s loaded (runs %s)", settings.name, mode)
-            if model.transaction_policy() != settings.policy:  # inline models cannot stream
-                log.warning(
-                    "inline model %s implements predict_stream, which runs on workers only: "
-                    "ModelStreamInfer runs its predict; set parallel_workers to 1 or more",
-                    settings.name,
-                )
             from poolserve.service.inference.model import tensor_specs
 
-            self._catalog.set_state(settings.name, ModelState.READY, "", tensor_specs(model))
+            policy = model.transaction_policy()  # a class with predict_stream streams here too
+            self._catalog.set_state(
+                settings.name, ModelState.READY, "", tensor_specs(model), policy
+            )
         return failures
 
     async def infer(
@@ -302,6 +306,57 @@ class InlineRunner:
         job.future.set_exception(error)
         _abandon(inline, job)
 
+    async def stream(
+        self, entry: ModelEntry, request: Payload, deadline: float
+    ) -> AsyncIterator[bytes]:
+        """A decoupled inline model's responses (serialized ModelInferResponses),
+        each as its ``predict_stream`` yields it, then the closing response if
+        there is one. Each step of the stream runs on the model's thread (on the
+        event loop for a model declared fast), between the model's other calls;
+        leaving early (the client went away) closes the model's generator there.
+        Counted once in the statistics, when the stream ends."""
+        inline = self._models[entry.name]
+        thread = inline.thread
+        loop = asyncio.get_running_loop()
+        began = time.monotonic()
+        frames = _frames(inline.model, request)
+
+        async def on_thread(fn: Callable[[], _Step]) -> _Step:
+            if thread is None:
+                return fn()
+            try:
+                return await loop.run_in_executor(thread, fn)
+            except RuntimeError as exc:  # its thread ended: unloaded or replaced
+                raise Unavailable(f"inline model '{entry.name}' was unloaded") from exc
+
+        finished = False
+        try:
+            while True:
+                if time.monotonic() >= deadline:
+                    raise DeadlineExceeded(
+                        f"deadline exceeded while inline model '{entry.name}' streamed",
+                        stage="worker",
+                    )
+                kind, body, timings = await on_thread(functools.partial(_step, frames))
+                self._checked(entry.name, body)
+                if kind == _PART:
+                    yield body
+                    continue
+                finished = True
+                elapsed = int((time.monotonic() - began) * 1e9)
+                entry.stats.record_success(0, timings, elapsed)
+                if body:
+                    yield body
+                return
+        except ServingError as exc:
+            finished = True
+            entry.stats.record_failure(int((time.monotonic() - began) * 1e9), error=exc)
+            raise
+        finally:
+            if not finished:  # the caller left: the model's generator ends on its thread
+                with contextlib.suppress(Exception):
+                    await on_thread(functools.partial(_close, frames))
+
     def _checked(self, name: str, body: Payload) -> Payload:
         if len(body) > self.max_message_size:
             raise MessageTooLarge.reply(name, len(body), self.max_message_size)
@@ -392,6 +447,39 @@ def _run(model: Model, request: Payload, deadline: float) -> tuple[bytes, Timing
     from poolserve.service.inference.infer import infer
 
     return infer(model, request)
+
+
+_PART, _END = 0, 1
+_Step = tuple[int, bytes, Timings]  # a stream's step: PART or END, its body, END's timings
+
+
+def _frames(model: Model, request: Payload) -> Iterator[Frame]:
+    """The worker's frames of one stream request (PART frames, then REPLY or ERROR)."""
+    from poolserve.service.inference.cargo import handle_stream
+
+    body = request if isinstance(request, bytes) else bytes(request)
+    return handle_stream({model.settings.name: model}, body, 0)
+
+
+def _step(frames: Iterator[Frame]) -> _Step:
+    """The stream's next frame, run on the model's thread; raises the stream's error."""
+    frame = next(frames)
+    data = frame if isinstance(frame, bytes) else b"".join(frame)
+    _, kind, _ = HEADER.unpack_from(data)
+    payload = data[HEADER.size :]
+    if kind == PART:
+        return _PART, payload, Timings()
+    reply = parse_reply(kind, 0, payload)
+    if reply.failure is not None:
+        raise error_for(reply.failure, reply.message)
+    return _END, bytes(reply.body), reply.timings
+
+
+def _close(frames: Iterator[Frame]) -> _Step:
+    close = getattr(frames, "close", None)
+    if close is not None:
+        close()
+    return _END, b"", Timings()
 
 
 def _sequence_ended(model: Model, ident: int | str, reason: str) -> None:

@@ -1,0 +1,181 @@
+"""MLServer's documentation examples, as a new user runs them (issue 30).
+
+The streaming example's folder is written here as MLServer's docs give it: a
+``settings.json`` with ``"parallel_workers": 0`` (MLServer streams custom
+``predict_stream`` only so) and a text model whose ``predict_stream`` yields
+one token per response, with no ``predict`` of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from poolserve.protos import inference_pb2 as pb
+from poolserve.protos import inference_pb2_grpc as pbg
+
+from serving import Serving, wait_serving
+from support import write_model
+
+pytestmark = pytest.mark.e2e
+
+WAIT = 90.0
+
+TEXT_MODEL = """
+import asyncio
+from typing import AsyncIterator
+
+from mlserver import MLModel
+from mlserver.codecs import StringCodec
+from mlserver.types import InferenceRequest, InferenceResponse
+
+
+class TextModel(MLModel):
+    async def predict_stream(
+        self, payloads: AsyncIterator[InferenceRequest]
+    ) -> AsyncIterator[InferenceResponse]:
+        payload = [_ async for _ in payloads][0]
+        text = StringCodec.decode_input(payload.inputs[0])[0]
+        words = text.split(" ")
+
+        split_text = []
+        for i, word in enumerate(words):
+            split_text.append(word if i == 0 else " " + word)
+
+        for word in split_text:
+            await asyncio.sleep(0.01)
+            yield InferenceResponse(
+                model_name=self._settings.name,
+                outputs=[
+                    StringCodec.encode_output(
+                        name="output",
+                        payload=[word],
+                        use_bytes=True,
+                    ),
+                ],
+            )
+"""
+
+PROMPT = "What is the capital of France?"
+TOKENS = ["What", " is", " the", " capital", " of", " France?"]
+
+
+def streaming_example(repo: Path) -> Path:
+    """MLServer's docs/examples/streaming folder, unchanged but for a shorter sleep."""
+    (repo / "settings.json").parent.mkdir(parents=True, exist_ok=True)
+    (repo / "settings.json").write_text(
+        json.dumps(
+            {
+                "debug": False,
+                "parallel_workers": 0,
+                "gzip_enabled": False,
+                "metrics_endpoint": None,
+            }
+        )
+    )
+    folder = write_model(
+        repo,
+        "text-model",
+        {
+            "name": "text-model",
+            "implementation": "text_model.TextModel",
+            "versions": ["text-model/v1.2.3"],
+            "platform": "mlserver",
+            "inputs": [{"datatype": "BYTES", "name": "prompt", "shape": [1]}],
+            "outputs": [{"datatype": "BYTES", "name": "output", "shape": [1]}],
+        },
+    )
+    (folder / "text_model.py").write_text(TEXT_MODEL)
+    return repo
+
+
+def prompt_request(text: str = PROMPT, request_id: str = "p1") -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name="text-model", id=request_id)
+    given = request.inputs.add(name="prompt", datatype="BYTES", shape=[1])
+    given.contents.bytes_contents.append(text.encode())
+    return request
+
+
+def serve(repo: Path, run_dir: Path, *extra: str) -> Serving:
+    # --workers 0: what the folder's settings.json says (the harness always passes a count)
+    serving = Serving(repo, run_dir, *extra, workers=0)
+    serving.__enter__()
+    try:
+
+        async def ready() -> None:
+            async with grpc.aio.insecure_channel(serving.address) as channel:
+                await wait_serving(channel, "model:text-model", timeout=WAIT)
+
+        asyncio.run(ready())
+    except BaseException:
+        serving.__exit__(None, None, None)
+        raise
+    return serving
+
+
+@pytest.fixture(scope="module")
+def streaming(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
+    root = tmp_path_factory.mktemp("streaming")
+    serving = serve(streaming_example(root / "repo"), root / "run")
+    try:
+        yield serving
+    finally:
+        serving.__exit__(None, None, None)
+
+
+async def kserve_stream(
+    address: str, requests: list[pb.ModelInferRequest]
+) -> list[pb.ModelStreamInferResponse]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = pbg.GRPCInferenceServiceStub(channel).ModelStreamInfer(iter(requests), timeout=60)
+        return [reply async for reply in call]
+
+
+def tokens_of(replies: list[pb.ModelStreamInferResponse]) -> list[str]:
+    return [r.infer_response.outputs[0].contents.bytes_contents[0].decode() for r in replies]
+
+
+# -- 1. an inline MLModel's predict_stream streams ------------------------------------
+
+
+def test_inline_streaming_example_streams_tokens(streaming: Serving) -> None:
+    """parallel_workers 0 (inline, in the pool server's process): the class's
+    predict_stream answers ModelStreamInfer, one response per token."""
+    replies = asyncio.run(kserve_stream(streaming.address, [prompt_request()]))
+    assert [r.error_message for r in replies] == [""] * len(TOKENS)
+    assert tokens_of(replies) == TOKENS
+    assert {r.infer_response.id for r in replies} == {"p1"}
+    assert {r.infer_response.model_name for r in replies} == {"text-model"}
+    # two requests on one stream: each streams in turn
+    two = asyncio.run(
+        kserve_stream(streaming.address, [prompt_request("a b", "x"), prompt_request("c", "y")])
+    )
+    assert [(r.infer_response.id, *tokens_of([r])) for r in two] == [
+        ("x", "a"),
+        ("x", " b"),
+        ("y", "c"),
+    ]
+
+
+def test_inline_stream_error_and_statistics(streaming: Serving) -> None:
+    """A request the model cannot read ends that request's stream with its
+    error; the next request streams; statistics count each stream once."""
+    bad = pb.ModelInferRequest(model_name="text-model", id="bad")
+    replies = asyncio.run(kserve_stream(streaming.address, [bad, prompt_request("ok", "good")]))
+    assert replies[0].error_message.startswith("INTERNAL: "), replies[0]
+    assert "IndexError" in replies[0].error_message
+    assert tokens_of(replies[1:]) == ["ok"]
+
+    async def stats() -> pb.ModelStatisticsResponse:
+        async with grpc.aio.insecure_channel(streaming.address) as channel:
+            return await pbg.GRPCInferenceServiceStub(channel).ModelStatistics(
+                pb.ModelStatisticsRequest(name="text-model"), timeout=30
+            )
+
+    inference = asyncio.run(stats()).model_stats[0].inference_stats
+    assert inference.success.count >= 1 and inference.fail.count >= 1
