@@ -67,9 +67,11 @@ POOL_SETTINGS = (
     "repository_rescan_s",
     "warmup_timeout_s",
     "abandon_grace_s",
+    "stream_messages",
 )
 ROUTER_SETTINGS = (
     "host",
+    "stream_messages",
     "grpc_port",
     "metrics_port",
     "max_message_size",

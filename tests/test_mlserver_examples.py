@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +22,7 @@ from poolserve.protos import inference_pb2 as pb
 from poolserve.protos import inference_pb2_grpc as pbg
 
 from serving import Serving, wait_serving
-from support import write_model
+from support import CLIENTS, run_client, write_model
 
 pytestmark = pytest.mark.e2e
 
@@ -179,3 +181,89 @@ def test_inline_stream_error_and_statistics(streaming: Serving) -> None:
 
     inference = asyncio.run(stats()).model_stats[0].inference_stats
     assert inference.success.count >= 1 and inference.fail.count >= 1
+
+
+# -- 2. MLServer's stream messages (setting stream_messages) ---------------------------
+
+
+@pytest.fixture(scope="module")
+def mlserver_streams(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
+    """The same folder, unchanged, served with MLServer's stream messages (the
+    server setting ``stream_messages``, here from its POOLSERVE_ variable)."""
+    root = tmp_path_factory.mktemp("streaming-mlserver")
+    serving = Serving(
+        streaming_example(root / "repo"),
+        root / "run",
+        workers=0,
+        env={"POOLSERVE_STREAM_MESSAGES": "mlserver"},
+    )
+    serving.__enter__()
+    try:
+
+        async def ready() -> None:
+            async with grpc.aio.insecure_channel(serving.address) as channel:
+                await wait_serving(channel, "model:text-model", timeout=WAIT)
+
+        asyncio.run(ready())
+        yield serving
+    finally:
+        serving.__exit__(None, None, None)
+
+
+def test_mlserver_stubs_stream_with_mlserver_stream_messages(mlserver_streams: Serving) -> None:
+    """MLServer's generated stubs (its example's client) read each message as
+    a ModelInferResponse: they get the tokens, with the request's id."""
+    got = run_client("mlserver_stream.py", mlserver_streams.address, "text-model", PROMPT)
+    assert got == {"tokens": TOKENS, "ids": ["r0"] * len(TOKENS), "status": None}
+    got = run_client("mlserver_stream.py", mlserver_streams.address, "text-model", "a b", "c")
+    assert got == {"tokens": ["a", " b", "c"], "ids": ["r0", "r0", "r1"], "status": None}
+
+
+def test_mlserver_stream_errors_end_the_stream_with_a_status(mlserver_streams: Serving) -> None:
+    """As MLServer: an error ends the stream with its gRPC status (no
+    ModelStreamInferResponse.error_message in MLServer's messages), after the
+    responses already sent; an unknown model too."""
+    got = run_client(
+        "mlserver_stream.py", mlserver_streams.address, "text-model", "a", "<no inputs>", "b"
+    )
+    assert got["tokens"] == ["a"]
+    assert got["status"][0] == "INTERNAL" and "IndexError" in got["status"][1], got
+    got = run_client("mlserver_stream.py", mlserver_streams.address, "nobody", "a")
+    assert got["tokens"] == [] and got["status"][0] == "NOT_FOUND", got
+
+
+def test_kserve_stream_messages_stay_the_default(streaming: Serving) -> None:
+    """Without the setting, the same folder streams to tritonclient (Triton's
+    ModelStreamInferResponse), and MLServer's stubs get no outputs: the
+    example's client fails with IndexError reading them, as the issue saw."""
+    got = run_client("triton_stream.py", streaming.address, "text-model", PROMPT, "x y")
+    assert got == {
+        "tokens": [*TOKENS, "x", " y"],
+        "ids": ["r0"] * len(TOKENS) + ["r1", "r1"],
+        "errors": [],
+    }
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-P",
+            str(CLIENTS / "mlserver_stream.py"),
+            streaming.address,
+            "text-model",
+            "a",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode != 0 and "IndexError" in proc.stderr
+
+
+def test_stream_messages_setting_is_checked(tmp_path: Path) -> None:
+    from poolserve.service.contract.settings import ConfigError, load_server_settings
+
+    (tmp_path / "settings.json").write_text(json.dumps({"stream_messages": "mlserver"}))
+    assert load_server_settings(tmp_path, environ={}).stream_messages == "mlserver"
+    assert load_server_settings(tmp_path / "..", environ={}).stream_messages == "kserve"
+    with pytest.raises(ConfigError, match="expected 'kserve' or 'mlserver'"):
+        load_server_settings(tmp_path, environ={"POOLSERVE_STREAM_MESSAGES": "triton"})

@@ -89,6 +89,10 @@ class ServerSettings:
     warmup_timeout_s: float = 10.0  # a fresh worker's warm-up prediction of each model
     abandon_grace_s: float = 5.0  # a worker still on a job its caller left is killed (0: never)
     start_method: str = "fork"  # "spawn": each worker a fresh interpreter that loads the models
+    # ModelStreamInfer's messages: "kserve" (ModelStreamInferResponse, errors in-stream
+    # in error_message: Triton's and KServe's clients) or "mlserver" (bare
+    # ModelInferResponses, an error ends the stream with its status: MLServer's stubs)
+    stream_messages: str = "kserve"
 
     def threads_for(self, gid: str) -> int:
         override = self.pools.get(gid)
@@ -167,7 +171,9 @@ _STR_FIELDS = {
     "tls_key_file",
     "tls_client_ca_file",
     "start_method",
+    "stream_messages",
 }
+STREAM_MESSAGES = ("kserve", "mlserver")
 
 
 def _check_value(source: str, name: str, value: object) -> object:
@@ -193,6 +199,8 @@ def _check_value(source: str, name: str, value: object) -> object:
             raise ConfigError(source, name, "expected 'text' or 'json'")
         if name == "start_method" and value not in START_METHODS:
             raise ConfigError(source, name, "expected 'fork' or 'spawn'")
+        if name == "stream_messages" and value not in STREAM_MESSAGES:
+            raise ConfigError(source, name, "expected 'kserve' or 'mlserver'")
         return value
     if name in _BOOL_FIELDS:
         if not isinstance(value, bool):

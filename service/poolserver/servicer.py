@@ -21,12 +21,18 @@ import grpc
 
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service import __version__
-from poolserve.service.contract.errors import Failure, ServingError, Unimplemented
+from poolserve.service.contract.errors import Failure, InvalidInput, ServingError, Unimplemented
 from poolserve.service.contract.framing import Payload
 from poolserve.service.contract.lane import Trace, refusal
 from poolserve.service.contract.shm import unwrap
 from poolserve.service.contract.wire import Routing, encode_len_field, peek_routing
-from poolserve.service.grpcserver.handlers import EXTENSIONS, SERVICE, deadline_from, guarded
+from poolserve.service.grpcserver.handlers import (
+    EXTENSIONS,
+    SERVICE,
+    abort,
+    deadline_from,
+    guarded,
+)
 from poolserve.service.grpcserver.shm import SharedMemory
 from poolserve.service.grpcserver.status import grpc_status
 from poolserve.service.grpcserver.tracing import Tracing, deadline_event
@@ -86,8 +92,12 @@ class InferenceServicer:
         control: ModelControl | None = None,
         margin_s: float = 0.0,
         shared_memory: SharedMemory | None = None,
+        mlserver_streams: bool = False,
     ) -> None:
         self.catalog = catalog
+        # setting stream_messages "mlserver": ModelStreamInfer answers bare
+        # ModelInferResponses and an error ends the stream with its status
+        self.mlserver_streams = mlserver_streams
         # This server's own registry, for calls addressed to it directly (a
         # pool's calls through the router come with the router's registrations).
         self.shared_memory = shared_memory or SharedMemory()
@@ -247,8 +257,11 @@ class InferenceServicer:
         def deadline() -> float:
             return deadline_from(context, self.default_timeout_s)
 
-        async for reply in self.answer_stream(requests, deadline, attach=True):
-            yield reply
+        try:
+            async for reply in self.answer_stream(requests, deadline, attach=True):
+                yield reply
+        except ServingError as exc:  # MLServer's streams: the error is the stream's status
+            await abort(context, *grpc_status(exc))
 
     def stream_lane(
         self, requests: AsyncIterator[Payload], deadline: float
@@ -262,11 +275,16 @@ class InferenceServicer:
         self, requests: AsyncIterator[Payload], deadline_of: Callable[[], float], attach: bool
     ) -> AsyncGenerator[bytes, None]:
         """Each request in turn: its response, or a decoupled model's responses;
-        a request's error as a response with ``error_message``."""
+        a request's error as a response with ``error_message``. With MLServer's
+        stream messages, each response is the bare ModelInferResponse and an
+        error is raised: it ends the stream with its status, as MLServer's."""
+        mlserver = self.mlserver_streams
         async for request in requests:
             deadline = deadline_of()
             reason = None if attach else refusal(request)
             if reason is not None:  # a request the router refused: its answer, here
+                if mlserver:
+                    raise InvalidInput(reason)
                 yield pb.ModelStreamInferResponse(error_message=reason).SerializeToString()
                 continue
             try:
@@ -280,9 +298,11 @@ class InferenceServicer:
                     continue
                 body = await self.backend.infer(entry, request, deadline, routing)
             except ServingError as exc:
+                if mlserver:
+                    raise
                 yield pb.ModelStreamInferResponse(error_message=exc.message).SerializeToString()
                 continue
-            yield encode_len_field(2, as_bytes(body))
+            yield as_bytes(body) if mlserver else encode_len_field(2, as_bytes(body))
 
     async def _stream(
         self, entry: ModelEntry, request: Payload, deadline: float, routing: Routing
@@ -298,8 +318,10 @@ class InferenceServicer:
             parts = infer_stream(entry, request, deadline, routing)
             async with contextlib.aclosing(parts):
                 async for body in parts:
-                    yield encode_len_field(2, body)
+                    yield body if self.mlserver_streams else encode_len_field(2, body)
         except ServingError as exc:
+            if self.mlserver_streams:
+                raise
             message = f"{grpc_status(exc)[0].name}: {exc.message}"
             yield pb.ModelStreamInferResponse(error_message=message).SerializeToString()
 

@@ -59,7 +59,13 @@ from poolserve.service.contract.slab import MAX_BODY as SLAB_MAX_BODY
 from poolserve.service.contract.slab import THRESHOLD as SLAB_THRESHOLD
 from poolserve.service.contract.slab import Arena, without_raw_inputs
 from poolserve.service.contract.wire import peek_model
-from poolserve.service.grpcserver.handlers import EXTENSIONS, NO_DEADLINE_S, SERVICE, guarded
+from poolserve.service.grpcserver.handlers import (
+    EXTENSIONS,
+    NO_DEADLINE_S,
+    SERVICE,
+    abort,
+    guarded,
+)
 from poolserve.service.grpcserver.health import SERVING, Health
 from poolserve.service.grpcserver.pacing import Rescanner
 from poolserve.service.grpcserver.shm import SharedMemory
@@ -572,8 +578,11 @@ class Router:
         (and error responses) went, its status and where its deadline ran out."""
         tracing = self.tracing
         if tracing is None:
-            async for reply in self._stream_infer(requests, context, None):
-                yield reply
+            try:
+                async for reply in self._stream_infer(requests, context, None):
+                    yield reply
+            except ServingError as exc:  # MLServer's streams: the error is the stream's status
+                await abort(context, *grpc_status(exc))
             return
         span = self._server_span(tracing, "ModelStreamInfer", context)
         counted = _Counted(requests)
@@ -583,11 +592,14 @@ class Router:
             async with contextlib.aclosing(self._stream_infer(counted, context, span)) as replies:
                 async for reply in replies:
                     responses += 1
-                    errors += reply[:1] == _ERROR_MESSAGE_TAG
+                    errors += not self._mlserver_streams and reply[:1] == _ERROR_MESSAGE_TAG
                     yield reply
         except (asyncio.CancelledError, GeneratorExit):
             code = self._ended_early(span, context)
             raise
+        except ServingError as exc:  # MLServer's streams: the error is the stream's status
+            code = grpc_status(exc)[0]
+            await abort(context, *grpc_status(exc))
         finally:
             span.set_attribute("poolserve.stream.requests", counted.count)
             span.set_attribute("poolserve.stream.responses", responses)
@@ -617,7 +629,7 @@ class Router:
                 deadline = self._deadline(context)
             except ServingError as exc:
                 route = None
-                yield pb.ModelStreamInferResponse(error_message=exc.message).SerializeToString()
+                yield self._stream_error(exc, exc.message)
         assert route.lane is not None
         if span is not None:
             span.set_attribute("poolserve.model.name", name)
@@ -632,12 +644,22 @@ class Router:
                 if isinstance(item, ServingError):  # the stream failed as a whole
                     if span is not None and item.failure is Failure.DEADLINE:
                         deadline_event(span, item.stage or "router", item.message)
-                    message = f"{grpc_status(item)[0].name}: {item.message}"
-                    yield pb.ModelStreamInferResponse(error_message=message).SerializeToString()
+                    yield self._stream_error(item, f"{grpc_status(item)[0].name}: {item.message}")
                     return
                 yield item
         except ServingError as exc:  # the lane is not reachable
-            yield pb.ModelStreamInferResponse(error_message=exc.message).SerializeToString()
+            yield self._stream_error(exc, exc.message)
+
+    @property
+    def _mlserver_streams(self) -> bool:
+        return self.settings.stream_messages == "mlserver"
+
+    def _stream_error(self, exc: ServingError, message: str) -> bytes:
+        """An error in a stream: a ModelStreamInferResponse with ``message`` (Triton,
+        KServe); with MLServer's stream messages, raised: the stream's status."""
+        if self._mlserver_streams:
+            raise exc
+        return pb.ModelStreamInferResponse(error_message=message).SerializeToString()
 
     def _attach_in_stream(self, route: PoolRoute, message: bytes) -> bytes:
         """A streamed request with its registrations. One that names an unknown
