@@ -267,3 +267,35 @@ def test_stream_messages_setting_is_checked(tmp_path: Path) -> None:
     assert load_server_settings(tmp_path / "..", environ={}).stream_messages == "kserve"
     with pytest.raises(ConfigError, match="expected 'kserve' or 'mlserver'"):
         load_server_settings(tmp_path, environ={"POOLSERVE_STREAM_MESSAGES": "triton"})
+
+
+# -- 3. MLServer's model repository service ---------------------------------------------
+
+
+def test_mlserver_model_repository_service(streaming: Serving) -> None:
+    """inference.model_repository.ModelRepositoryService, through MLServer's own
+    generated stub: the index with MLServer's state names, unload and load
+    through the same model control as the Open Inference Protocol's calls."""
+    got = run_client(
+        "mlserver_repository.py",
+        streaming.address,
+        "index",
+        "unload:text-model",
+        "index",
+        "ready-index",
+        "load:text-model",
+        "index",
+        "ready-index",
+        "load:nobody",
+        "unload:nobody",
+    )
+    # version "1": poolserve numbers a model without parameters.version (MLServer: "")
+    ready = ["text-model", "1", "READY", ""]
+    assert got[:2] == [[ready], "unloaded"]
+    name, version, state, _ = got[2][0]
+    assert (name, version, state) == ("text-model", "1", "UNAVAILABLE")  # MLServer: no UNLOADED
+    assert got[3:7] == [[], "loaded", [ready], [ready]]
+    assert got[7][0] == "NOT_FOUND" and got[8][0] == "NOT_FOUND", got
+    # the model streams again after its reload
+    replies = asyncio.run(kserve_stream(streaming.address, [prompt_request("again", "z")]))
+    assert tokens_of(replies) == ["again"]

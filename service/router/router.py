@@ -80,6 +80,7 @@ from poolserve.service.lifecycle.limits import (
 from poolserve.service.router.lane_client import LaneClient
 from poolserve.service.router.metrics import MetricsSource, RouterCounts
 from poolserve.service.router.metrics_http import MetricsServer
+from poolserve.service.router.model_repository import model_repository_handler
 from poolserve.service.router.replybudget import TRACKED_REPLY, ReplyBudget
 
 log = logging.getLogger(__name__)
@@ -855,7 +856,14 @@ class Router:
         self._sync_health()
         return_large_frees()
         server = grpc.aio.server(options=server_options(self.settings))
-        server.add_generic_rpc_handlers((self.generic_handler(), self.health.generic_handler()))
+        mlserver_repository = model_repository_handler(  # MLServer's, over the same calls
+            self.repository_index,
+            self._routed_by_field2("RepositoryModelLoad"),
+            self._routed_by_field2("RepositoryModelUnload"),
+        )
+        server.add_generic_rpc_handlers(
+            (self.generic_handler(), mlserver_repository, self.health.generic_handler())
+        )
         address = bind or f"{self.settings.host}:{self.settings.grpc_port}"
         credentials = server_credentials(self.settings)
         try:
