@@ -5,22 +5,19 @@ One tree serves, in one pool (one zygote): a custom ``mlserver.MLModel``
 using ``decode_args``, ``mlserver_sklearn.SKLearnModel`` on a joblib model
 trained here, the example folder examples/mlserver/wordcount as it is, an
 MLModel whose load raises, one whose load returns False, and a native
-poolserve model beside them. The last test sends the same requests to
-MLServer 1.7.1 itself (from the bench's peer environment) serving the same
-folders and wants the same replies; it alone is skipped when that
-environment is absent (``make bench`` installs it).
+poolserve model beside them. The last tests send the same requests to
+MLServer 1.7.1 itself (``mlserver start``, the one the [mlserver] extra puts
+in this environment: tests/mlserver_peer.py) serving the same folders and
+want the same replies.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,14 +31,13 @@ from sklearn.linear_model import LogisticRegression
 from poolserve.protos import inference_pb2 as pb
 from poolserve.protos import inference_pb2_grpc as pbg
 
-from harness import free_port
+from mlserver_peer import mlserver_serving
 from serving import Serving, wait_serving
 from support import ROOT, copy_example, wait_until, write_model
 
 pytestmark = pytest.mark.e2e
 
 WAIT = 90.0
-MLSERVER_PEER = ROOT / "bench" / ".peers" / "mlserver" / "bin" / "mlserver"
 
 CUSTOM = """
 from typing import List
@@ -713,68 +709,14 @@ def test_reload_turns_a_class_streaming_and_back(served: Serving) -> None:
 
 @pytest.fixture(scope="module")
 def mlserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    if not MLSERVER_PEER.exists():
-        pytest.skip(
-            f"MLServer 1.7.1 is not installed at {MLSERVER_PEER} (the bench's peer "
-            "environment: `make bench`, or `python bench/install.py`)"
-        )
+    """MLServer 1.7.1 of this environment (the [mlserver] extra) on the same folders."""
     root = tmp_path_factory.mktemp("mlserver-peer")
     repo = root / "repo"
-    mlserver_folders(repo)
-    port = free_port()
-    settings = {
-        "parallel_workers": 0,
-        "host": "127.0.0.1",
-        "grpc_port": port,
-        "http_port": free_port(),
-        "metrics_port": free_port(),
-    }
-    (repo / "settings.json").write_text(json.dumps(settings))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLSERVER", "PYTHON"))}
-    log = (root / "mlserver.log").open("w")
-    process = subprocess.Popen(
-        [str(MLSERVER_PEER), "start", str(repo)],
-        cwd=root,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    address = f"127.0.0.1:{port}"
-    try:
-
-        def ready() -> bool:
-            assert process.poll() is None, (root / "mlserver.log").read_text()[-3000:]
-
-            async def ask() -> bool:
-                async with grpc.aio.insecure_channel(address) as channel:
-                    stub = pbg.GRPCInferenceServiceStub(channel)
-                    try:
-                        reply = await stub.ServerReady(pb.ServerReadyRequest(), timeout=2)
-                    except grpc.aio.AioRpcError:
-                        return False
-                    return bool(reply.ready)
-
-            return asyncio.run(ask())
-
-        assert wait_until(ready, WAIT, interval=0.5), (root / "mlserver.log").read_text()[-3000:]
+    models = mlserver_folders(repo)
+    (repo / "settings.json").write_text(json.dumps({"parallel_workers": 0}))
+    with mlserver_serving(repo, root / "mlserver.log", *models) as address:
         yield address
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)  # its own session: MLServer and its children
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=30)
-        log.close()
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:  # its children leave the group too
-            try:
-                os.killpg(process.pid, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.1)
-        shutil.rmtree(repo, ignore_errors=True)
+    shutil.rmtree(repo, ignore_errors=True)
 
 
 def test_same_replies_as_mlserver(served: Serving, mlserver: str) -> None:
@@ -838,3 +780,27 @@ def test_same_stream_as_mlserver(served: Serving, mlserver: str) -> None:
         ]
         assert our_error == their_error
     assert len(asyncio.run(ours(text_request("one two three", "n")))[0]) == 3
+
+
+def test_same_metadata_as_mlserver(served: Serving, mlserver: str) -> None:
+    """ModelMetadata of models loaded in a pool's zygote (workers): byte for byte
+    MLServer's answer (content types, versions, platform as its settings say)."""
+
+    async def metadata(address: str, name: str, version: str = "") -> bytes:
+        async with grpc.aio.insecure_channel(address) as channel:
+            call = channel.unary_unary("/inference.GRPCInferenceService/ModelMetadata")
+            request = pb.ModelMetadataRequest(name=name, version=version)
+            return bytes(await call(request.SerializeToString(), timeout=60))
+
+    for name, version in (
+        ("scaler", ""),
+        ("iris", ""),
+        ("iris", "v2"),
+        ("wordcount", ""),
+        ("tokens", ""),
+    ):
+        ours = asyncio.run(metadata(served.address, name, version))
+        theirs = asyncio.run(metadata(mlserver, name, version))
+        assert ours == theirs, (name, ours, theirs)
+    scaler = pb.ModelMetadataResponse.FromString(asyncio.run(metadata(served.address, "scaler")))
+    assert list(scaler.versions) == [] and scaler.platform == ""  # none in its settings

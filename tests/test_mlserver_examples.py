@@ -21,6 +21,7 @@ import pytest
 from poolserve.protos import inference_pb2 as pb
 from poolserve.protos import inference_pb2_grpc as pbg
 
+from mlserver_peer import mlserver_serving
 from serving import Serving, wait_serving
 from support import CLIENTS, run_client, write_model
 
@@ -63,6 +64,23 @@ class TextModel(MLModel):
             )
 """
 
+SUM_MODEL = """
+import numpy as np
+from mlserver import MLModel
+from mlserver.codecs import NumpyCodec
+from mlserver.types import InferenceRequest, InferenceResponse
+
+
+class SumModel(MLModel):
+    async def predict(self, payload: InferenceRequest) -> InferenceResponse:
+        total = NumpyCodec.decode_input(payload.inputs[0]).sum(keepdims=True)
+        return InferenceResponse(
+            model_name=self.name,
+            model_version=self.version,
+            outputs=[NumpyCodec.encode_output("total", total)],
+        )
+"""
+
 PROMPT = "What is the capital of France?"
 TOKENS = ["What", " is", " the", " capital", " of", " France?"]
 
@@ -93,6 +111,34 @@ def streaming_example(repo: Path) -> Path:
         },
     )
     (folder / "text_model.py").write_text(TEXT_MODEL)
+    # beside it, a model with a version and content types (as MLServer's docs write them)
+    folder = write_model(
+        repo,
+        "sum-model",
+        {
+            "name": "sum-model",
+            "implementation": "sum_model.SumModel",
+            "versions": ["sum-model/v1.2.3"],
+            "parameters": {"version": "v1.2.3", "content_type": "np"},
+            "inputs": [
+                {
+                    "name": "a",
+                    "datatype": "FP32",
+                    "shape": [-1],
+                    "parameters": {"content_type": "np"},
+                }
+            ],
+            "outputs": [
+                {
+                    "name": "total",
+                    "datatype": "FP32",
+                    "shape": [1],
+                    "parameters": {"content_type": "np"},
+                }
+            ],
+        },
+    )
+    (folder / "sum_model.py").write_text(SUM_MODEL)
     return repo
 
 
@@ -291,11 +337,67 @@ def test_mlserver_model_repository_service(streaming: Serving) -> None:
     )
     # version "1": poolserve numbers a model without parameters.version (MLServer: "")
     ready = ["text-model", "1", "READY", ""]
-    assert got[:2] == [[ready], "unloaded"]
-    name, version, state, _ = got[2][0]
+    summed = ["sum-model", "v1.2.3", "READY", ""]
+    assert got[:2] == [[summed, ready], "unloaded"]
+    name, version, state, _ = got[2][1]
     assert (name, version, state) == ("text-model", "1", "UNAVAILABLE")  # MLServer: no UNLOADED
-    assert got[3:7] == [[], "loaded", [ready], [ready]]
+    assert got[3:7] == [[summed], "loaded", [summed, ready], [summed, ready]]
     assert got[7][0] == "NOT_FOUND" and got[8][0] == "NOT_FOUND", got
     # the model streams again after its reload
     replies = asyncio.run(kserve_stream(streaming.address, [prompt_request("again", "z")]))
     assert tokens_of(replies) == ["again"]
+
+
+# -- 4. ModelMetadata of MLServer models, as MLServer answers it ------------------------
+
+
+@pytest.fixture(scope="module")
+def mlserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """MLServer 1.7.1 itself (``mlserver start`` of this environment) on the same folder."""
+    root = tmp_path_factory.mktemp("streaming-peer")
+    repo = streaming_example(root / "repo")
+    with mlserver_serving(repo, root / "mlserver.log", "text-model", "sum-model") as address:
+        yield address
+
+
+async def raw_call(address: str, method: str, request: bytes) -> bytes | tuple[str, str]:
+    """A unary call's reply bytes, or its status (code name, details)."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = channel.unary_unary(f"/inference.GRPCInferenceService/{method}")
+        try:
+            return bytes(await call(request, timeout=60))
+        except grpc.aio.AioRpcError as exc:
+            return exc.code().name, str(exc.details())
+
+
+def test_model_metadata_as_mlserver_answers_it(streaming: Serving, mlserver: str) -> None:
+    """Byte for byte MLServer's answer: its versions (the settings' ``versions``,
+    "sum-model/v1.2.3"), its platform, the tensors' content_type parameters
+    (and the model's), no version or platform where the settings have none."""
+    for name, version in (("text-model", ""), ("sum-model", ""), ("sum-model", "v1.2.3")):
+        request = pb.ModelMetadataRequest(name=name, version=version).SerializeToString()
+        ours = asyncio.run(raw_call(streaming.address, "ModelMetadata", request))
+        theirs = asyncio.run(raw_call(mlserver, "ModelMetadata", request))
+        assert ours == theirs, (name, version, ours, theirs)
+    request = pb.ModelMetadataRequest(name="sum-model").SerializeToString()
+    reply = asyncio.run(raw_call(streaming.address, "ModelMetadata", request))
+    assert isinstance(reply, bytes)
+    metadata = pb.ModelMetadataResponse.FromString(reply)
+    assert list(metadata.versions) == ["sum-model/v1.2.3"] and metadata.platform == ""
+    request = pb.ModelMetadataRequest(name="text-model").SerializeToString()
+    reply = asyncio.run(raw_call(streaming.address, "ModelMetadata", request))
+    assert isinstance(reply, bytes)
+    metadata = pb.ModelMetadataResponse.FromString(reply)
+    assert list(metadata.versions) == ["text-model/v1.2.3"] and metadata.platform == "mlserver"
+
+
+def test_same_predictions_as_mlserver(streaming: Serving, mlserver: str) -> None:
+    request = pb.ModelInferRequest(model_name="sum-model", model_version="v1.2.3", id="s")
+    given = request.inputs.add(name="a", datatype="FP32", shape=[3])
+    given.contents.fp32_contents.extend([1.0, 2.0, 3.5])
+    body = request.SerializeToString()
+    ours = asyncio.run(raw_call(streaming.address, "ModelInfer", body))
+    theirs = asyncio.run(raw_call(mlserver, "ModelInfer", body))
+    assert isinstance(ours, bytes) and ours == theirs
+    assert pb.ModelInferResponse.FromString(ours).outputs[0].contents.fp32_contents == [6.5]
+

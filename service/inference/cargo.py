@@ -156,6 +156,7 @@ class InferenceCargo:
             emit({"event": "model", "name": settings.name, "ok": False, "reason": reason})
             return
         self.models[settings.name] = model
+        own_metadata = getattr(model, "own_metadata", None)  # an adapter's server's answer
         inputs, outputs = tensor_specs(model)
         try:
             example, source = warmup_inputs(model, inputs)
@@ -177,6 +178,7 @@ class InferenceCargo:
                 "outputs": specs_json(outputs),
                 "decoupled": policy.decoupled,
                 "unary": policy.unary,
+                **metadata_json(own_metadata),
             }
         )
 
@@ -314,3 +316,12 @@ class InferenceZygote(ForkedZygote):
         if overrides:
             message["overrides"] = dict(overrides)
         self.command(message)
+
+
+def metadata_json(own_metadata: object) -> dict[str, str]:
+    """A model's own ModelMetadata answer in a load report (base64), if it has one."""
+    if not isinstance(own_metadata, bytes):
+        return {}
+    import base64
+
+    return {"metadata": base64.b64encode(own_metadata).decode("ascii")}

@@ -10,6 +10,7 @@ messages are described in :mod:`poolserve.service.poolcore.zygote`.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import os
@@ -45,6 +46,8 @@ class ZygoteEvents:
     on_exit: Callable[[int, str], None]
     on_lost: Callable[[], None]
     on_unloaded: Callable[[str], None]
+    # a loaded model's own ModelMetadata answer (an adapter's), before its on_model
+    on_metadata: Callable[[str, bytes], None] | None = None
 
 
 class ZygoteControl:
@@ -83,6 +86,8 @@ class ZygoteControl:
     def _deliver(self, events: ZygoteEvents, msg: dict[str, Any], fds: list[int]) -> None:
         kind = msg.get("event")
         if kind == "model":
+            if events.on_metadata is not None and "metadata" in msg:
+                events.on_metadata(msg["name"], base64.b64decode(msg["metadata"]))
             events.on_model(
                 msg["name"],
                 bool(msg["ok"]),

@@ -49,6 +49,9 @@ class ModelEntry:
     stats: ModelStats = field(default_factory=ModelStats)
     # what the loaded model declared (the zygote's load report); None: not loaded yet
     declared: TransactionPolicy | None = None
+    # the model's own ModelMetadata answer (an MLServer model's, made by MLServer's
+    # code when it loaded); None: poolserve's, from the specs
+    own_metadata: bytes | None = None
 
     @property
     def policy(self) -> TransactionPolicy:

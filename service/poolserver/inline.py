@@ -147,6 +147,10 @@ class InlineRunner:
             from poolserve.service.inference.model import tensor_specs
 
             policy = model.transaction_policy()  # a class with predict_stream streams here too
+            entry = self._catalog.find(settings.name)
+            if entry is not None:
+                own = getattr(model, "own_metadata", None)  # an adapter's server's answer
+                entry.own_metadata = own if isinstance(own, bytes) else None
             self._catalog.set_state(
                 settings.name, ModelState.READY, "", tensor_specs(model), policy
             )

@@ -68,6 +68,7 @@ class LiveModels:
     _model_ops: asyncio.Lock
     _flights: dict[tuple[str, str], asyncio.Task[ServingError | None]]
     _model_replies: dict[str, asyncio.Future[ModelReply]]
+    _own_metadata: dict[str, bytes]
     _rescanner: Rescanner[Repository] | None
     _reloads: Pacer
     _loaded_from: dict[str, Fingerprint | None]
@@ -212,6 +213,7 @@ class LiveModels:
             # every worker holds the new version now: its policy replaces the old one
             entry.settings, entry.version = settings, settings.version
             entry.declared = outcome.policy
+            entry.own_metadata = self._own_metadata.pop(name, None)
             failed = self.fleet.respawner.failed_warmup.get(name)
             if failed is not None:  # the fresh workers of the roll could not warm it up
                 self.catalog.set_state(name, ModelState.UNAVAILABLE, failed)

@@ -139,6 +139,7 @@ class PoolServer(LiveModels):
         # One load per (name, config override): concurrent ones share it.
         self._flights: dict[tuple[str, str], asyncio.Task[ServingError | None]] = {}
         self._model_replies: dict[str, asyncio.Future[ModelReply]] = {}
+        self._own_metadata: dict[str, bytes] = {}  # a loaded model's, until the catalog takes it
         self._rescanner: Rescanner[Repository] | None = None
         self._rescan_task: asyncio.Task[None] | None = None
         self._reloads = Pacer(settings.repository_rescan_s)
@@ -181,10 +182,16 @@ class PoolServer(LiveModels):
             return
         if ok:
             log.info("pool %s: model %s loaded", self.gid, name)
+            entry = self.catalog.find(name)
+            if entry is not None:
+                entry.own_metadata = self._own_metadata.pop(name, None)
             self.catalog.set_state(name, ModelState.READY, "", (inputs, outputs), policy)
         else:
             log.error("pool %s: model %s: %s", self.gid, name, reason)
             self.catalog.set_state(name, ModelState.UNAVAILABLE, reason)
+
+    def _on_metadata(self, name: str, data: bytes) -> None:
+        self._own_metadata[name] = data  # the catalog takes it with the model's load
 
     def _on_loaded(self) -> None:
         if not self.worker_models:
@@ -282,6 +289,7 @@ class PoolServer(LiveModels):
                     self._on_exit,
                     self._on_zygote_lost,
                     self._on_unloaded,
+                    self._on_metadata,
                 )
             )
             # The lane listens before the gRPC socket answers: the router follows

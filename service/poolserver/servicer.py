@@ -135,6 +135,8 @@ class InferenceServicer:
         self, req: pb.ModelMetadataRequest, _: Any
     ) -> pb.ModelMetadataResponse:
         e = self.catalog.lookup(req.name, req.version)
+        if e.own_metadata is not None:  # an MLServer model: as MLServer answers it
+            return pb.ModelMetadataResponse.FromString(e.own_metadata)
         return model_metadata(e.name, e.version, e.platform, e.inputs, e.outputs)
 
     async def model_config(self, req: pb.ModelConfigRequest, _: Any) -> pb.ModelConfigResponse:

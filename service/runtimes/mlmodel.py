@@ -118,6 +118,9 @@ class MLModelAdapter(WireModel):
         self.cls = cls
         self.mlmodel: Any = None
         self._loops = _Loops()
+        # ModelMetadata as MLServer answers it (its MLModel.metadata() and gRPC
+        # converter): the pool answers these bytes for this model
+        self.own_metadata: bytes | None = None
 
     def load(self) -> None:
         from mlserver.repository.load import load_model_settings
@@ -127,6 +130,8 @@ class MLModelAdapter(WireModel):
         loop = asyncio.new_event_loop()
         try:
             ready = loop.run_until_complete(self.mlmodel.load())
+            if ready:
+                self.own_metadata = loop.run_until_complete(self._metadata())
             loop.run_until_complete(loop.shutdown_asyncgens())
             loop.run_until_complete(loop.shutdown_default_executor())
         finally:
@@ -137,6 +142,19 @@ class MLModelAdapter(WireModel):
                 "such a model ready (load() must return True)"
             )
         self.mlmodel.ready = True
+
+    async def _metadata(self) -> bytes | None:
+        """MLServer's ModelMetadataResponse of this model, as its data plane makes it."""
+        from mlserver.context import model_context
+        from mlserver.grpc.converters import ModelMetadataResponseConverter
+
+        try:
+            with model_context(self.mlmodel.settings):
+                metadata = await self.mlmodel.metadata()
+            return bytes(ModelMetadataResponseConverter.from_types(metadata).SerializeToString())
+        except Exception:  # poolserve's own answer then
+            log.exception("model %s: its metadata() failed", self.settings.name)
+            return None
 
     def transaction_policy(self) -> TransactionPolicy:
         """As MLServer: ModelStreamInfer runs the class's own ``predict_stream``
