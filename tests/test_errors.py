@@ -79,3 +79,26 @@ def test_unknown_models_and_versions_are_refused_in_tritons_words(
         got, message = grpc_status(exc)
     assert got.name == code
     assert text in message
+
+
+def test_versions_are_refused_truthfully() -> None:
+    """A model with a string version takes string versions: another one is
+    NOT_FOUND (not "a version is an integer"); an MLServer model's answer is
+    MLServer's text (mlserver.errors.ModelNotFound)."""
+    catalog = Catalog()
+    catalog.upsert(ModelSettings("named", "m.A", Path("."), Path("x"), version="v2"))
+    catalog.upsert(ModelSettings("mls", "m.A", Path("."), Path("y")))
+    mls = catalog.find("mls")
+    assert mls is not None
+    mls.own_metadata = b""  # it answers MLServer's metadata: an MLServer model
+    for name, version, code, text in (
+        ("named", "v3", "NOT_FOUND", "Request for unknown model: 'named' version v3 is not found"),
+        ("named", "3", "NOT_FOUND", "Request for unknown model: 'named' version 3 is not found"),
+        ("mls", "v1.2.3", "NOT_FOUND", "Model mls with version v1.2.3 not found"),
+        ("mls", "2", "NOT_FOUND", "Model mls with version 2 not found"),
+    ):
+        with pytest.raises((ModelNotFound, InvalidInput)) as caught:
+            catalog.lookup(name, version)
+        got, message = grpc_status(caught.value)
+        assert (got.name, message) == (code, text)
+    assert catalog.lookup("named", "v2").name == "named"

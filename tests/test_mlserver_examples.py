@@ -401,3 +401,28 @@ def test_same_predictions_as_mlserver(streaming: Serving, mlserver: str) -> None
     assert isinstance(ours, bytes) and ours == theirs
     assert pb.ModelInferResponse.FromString(ours).outputs[0].contents.fp32_contents == [6.5]
 
+
+# -- 5. versions a model does not have ---------------------------------------------------
+
+
+def test_wrong_versions_as_mlserver_answers_them(streaming: Serving, mlserver: str) -> None:
+    """NOT_FOUND with MLServer's text, for a model without a version asked for
+    one (the issue's "v1.2.3") and for one with another version."""
+    calls = []
+    for name, version in (("text-model", "v1.2.3"), ("sum-model", "v9"), ("sum-model", "2")):
+        calls.append(("ModelMetadata", pb.ModelMetadataRequest(name=name, version=version)))
+        request = pb.ModelInferRequest(model_name=name, model_version=version)
+        given = request.inputs.add(name="a", datatype="FP32", shape=[1])
+        given.contents.fp32_contents.append(1.0)
+        calls.append(("ModelInfer", request))
+    for method, message in calls:
+        body = message.SerializeToString()
+        ours = asyncio.run(raw_call(streaming.address, method, body))
+        theirs = asyncio.run(raw_call(mlserver, method, body))
+        assert ours == theirs, (method, message, ours, theirs)
+    assert asyncio.run(
+        raw_call(streaming.address, *("ModelInfer", calls[1][1].SerializeToString()))
+    ) == (
+        "NOT_FOUND",
+        "Model text-model with version v1.2.3 not found",
+    )

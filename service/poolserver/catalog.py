@@ -117,7 +117,7 @@ class Catalog:
         if entry is None:
             raise unknown_model(name)
         if version and version != entry.version:
-            raise wrong_version(name, version)
+            raise wrong_version(entry, version)
         return entry
 
     def lookup_ready(self, name: str, version: str = "") -> ModelEntry:
@@ -171,15 +171,26 @@ class Catalog:
         return bool(configured) and all(e.ready for e in configured)
 
 
-def wrong_version(name: str, version: str) -> ServingError:
-    """A version the model does not have, in Triton's words (its examples
-    match on them): INVALID_ARGUMENT if it is no version number at all,
-    NOT_FOUND if it is one the model does not have."""
-    if not (version.isascii() and version.isdigit()):
+def wrong_version(entry: ModelEntry, version: str) -> ServingError:
+    """A version the model does not have, NOT_FOUND, in the words of the server
+    its clients know: MLServer's for an MLServer model (one that answers
+    MLServer's own metadata); Triton's otherwise (its examples match on them),
+    where a version that is no number at all is INVALID_ARGUMENT only if the
+    model's own version is a number (Triton's integer versions): a model with
+    a string version (``parameters.version: "v2"``) takes string versions."""
+    name = entry.name
+    if entry.own_metadata is not None:  # mlserver.errors.ModelNotFound's text
+        return ModelNotFound(f"Model {clip(name)} with version {clip(version)} not found")
+    if not _numbered(version) and _numbered(entry.version):
         return InvalidInput(
             f"failed to get model version from specified version string '{clip(version)}' "
-            "(a version is an integer > 0, or empty for the model's version)"
+            f"(model '{clip(name)}' is numbered: a version is an integer > 0, or empty for "
+            "the model's version)"
         )
     return ModelNotFound(
         f"Request for unknown model: '{clip(name)}' version {clip(version)} is not found"
     )
+
+
+def _numbered(version: str) -> bool:
+    return version.isascii() and version.isdigit()
