@@ -439,7 +439,10 @@ def _abandon(inline: _Inline, job: Job) -> None:
 def _load(settings: ModelSettings) -> Model:
     from poolserve.service.inference.model import load_model
 
-    return load_model(settings)
+    model = load_model(settings)
+    if hasattr(model, "runs_inline"):  # an adapter that answers as its server's inline models
+        model.runs_inline = True
+    return model
 
 
 def _run(model: Model, request: Payload, deadline: float) -> tuple[bytes, Timings]:

@@ -35,7 +35,10 @@ this module as a string: poolserve's core never imports mlserver).
   (its HTTP status mapped as ``mlserver.grpc.utils`` does: 400
   INVALID_ARGUMENT, e.g. ``InferenceError``; 404 NOT_FOUND; 422
   FAILED_PRECONDITION; 500 INTERNAL; another status INTERNAL where MLServer
-  says UNKNOWN), anything else INTERNAL with the type and message.
+  says UNKNOWN), anything else INTERNAL, with MLServer's text
+  (:func:`serving_error`); a request with an invalid datatype (``INT322``)
+  or that MLServer's types refuse (pydantic) is INVALID_ARGUMENT, with
+  MLServer's text, where MLServer says INTERNAL.
 """
 
 from __future__ import annotations
@@ -80,18 +83,26 @@ def adapt(cls: type[Any], settings: ModelSettings) -> MLModelAdapter:
     return MLModelAdapter(settings, cls)
 
 
-def serving_error(model: str, exc: BaseException) -> ServingError:
-    """The error a client gets for what an MLModel raised, as MLServer maps it."""
+def serving_error(model: str, exc: BaseException, worker: bool = False) -> ServingError:
+    """The error a client gets for what an MLModel raised, in MLServer's words:
+    an ``MLServerError`` keeps its status (its HTTP status mapped as
+    MLServer's gRPC server maps it), anything else is INTERNAL. The text is
+    the exception's, as MLServer's servicer says it (``str(exc)``); for what
+    raises in a parallel worker (``worker``: its ``predict``, when MLServer
+    would run it in a worker) MLServer wraps it in its ``WorkerError``, whose
+    text names the exception's class: ``builtins.TypeError: message``."""
     from mlserver.errors import MLServerError
 
     if isinstance(exc, ServingError):
         return exc
+    text = str(exc)
+    if worker:  # mlserver.parallel.errors.WorkerError's text
+        kind = type(exc)
+        text = f"{kind.__module__}.{kind.__name__}: {exc}"
     if isinstance(exc, MLServerError):
-        kind = _ERROR_FOR_HTTP.get(int(exc.status_code))
-        if kind is None:  # MLServer answers UNKNOWN; poolserve has INTERNAL for it
-            return ModelError(f"model '{model}' raised {type(exc).__name__}: {exc}")
-        return kind(str(exc))
-    return ModelError.from_exception(model, exc)
+        # a status MLServer's table lacks: MLServer says UNKNOWN, poolserve INTERNAL
+        return _ERROR_FOR_HTTP.get(int(exc.status_code), ModelError)(text)
+    return ModelError(text)
 
 
 class _Loops(threading.local):
@@ -118,6 +129,9 @@ class MLModelAdapter(WireModel):
         self.cls = cls
         self.mlmodel: Any = None
         self._loops = _Loops()
+        # run in the pool server's process (parallel_workers 0): MLServer's errors
+        # are then those of its inline models, not of its parallel workers
+        self.runs_inline = False
         # ModelMetadata as MLServer answers it (its MLModel.metadata() and gRPC
         # converter): the pool answers these bytes for this model
         self.own_metadata: bytes | None = None
@@ -190,9 +204,9 @@ class MLModelAdapter(WireModel):
                 raise Unimplemented(
                     f"model '{name}' implements predict_stream only: use ModelStreamInfer"
                 ) from exc
-            raise serving_error(name, exc) from exc
+            raise serving_error(name, exc, not self.runs_inline) from exc
         except Exception as exc:
-            raise serving_error(name, exc) from exc
+            raise serving_error(name, exc, not self.runs_inline) from exc
         t2 = time.perf_counter_ns()
         try:
             response.id = payload.id  # as MLServer's data plane
@@ -301,7 +315,9 @@ def _parse(name: str, body: bytes) -> tuple[Any, Any, bool]:
     from google.protobuf.message import DecodeError
     from mlserver.grpc import dataplane_pb2
     from mlserver.grpc.converters import ModelInferRequestConverter
+    from mlserver.types import Datatype
     from mlserver.utils import generate_uuid
+    from pydantic import ValidationError
 
     try:
         request = dataplane_pb2.ModelInferRequest.FromString(body)
@@ -309,8 +325,15 @@ def _parse(name: str, body: bytes) -> tuple[Any, Any, bool]:
         payload = ModelInferRequestConverter.to_types(request)
     except DecodeError as exc:
         raise InvalidInput(f"ModelInferRequest cannot be parsed: {exc}") from None
+    except ValidationError as exc:  # a request MLServer's types refuse: MLServer says INTERNAL
+        raise InvalidInput(str(exc)) from exc
     except Exception as exc:
         raise serving_error(name, exc) from exc
+    for tensor in request.inputs:  # MLServer fails on it in the model (INTERNAL): a mistake
+        try:
+            Datatype(tensor.datatype)
+        except ValueError as exc:  # its text: "'INT322' is not a valid Datatype"
+            raise InvalidInput(str(exc)) from None
     if payload.id is None:
         payload.id = generate_uuid()  # as MLServer's data plane
     return request, payload, use_raw
