@@ -22,7 +22,7 @@ from poolserve.protos import inference_pb2 as pb
 from poolserve.protos import inference_pb2_grpc as pbg
 
 from mlserver_peer import mlserver_serving
-from serving import Serving, wait_serving
+from serving import Serving, wait_idle_workers, wait_serving
 from support import CLIENTS, run_client, write_model
 
 pytestmark = pytest.mark.e2e
@@ -462,3 +462,62 @@ def test_errors_as_mlserver_answers_them_inline(streaming: Serving, mlserver: st
     assert isinstance(ours, tuple) and isinstance(theirs, tuple)
     assert (ours[0], theirs[0]) == ("INVALID_ARGUMENT", "INTERNAL"), (ours, theirs)
     assert ours[1] == theirs[1] and "INT322" in ours[1]
+
+
+# -- 6. no warm-up surprise for a custom runtime -----------------------------------------
+
+COUNTER = """
+import os
+
+from mlserver import MLModel
+from mlserver.codecs import NumpyCodec
+from mlserver.types import InferenceRequest, InferenceResponse
+
+
+class Counter(MLModel):
+    async def predict(self, payload: InferenceRequest) -> InferenceResponse:
+        with open(self.settings.parameters.extra["calls"], "a") as calls:
+            calls.write(f"{os.getpid()} {payload.id}\\n")  # a side effect: an audit log
+        given = NumpyCodec.decode_input(payload.inputs[0])
+        return InferenceResponse(
+            model_name=self.name, outputs=[NumpyCodec.encode_output("y", given + 1)]
+        )
+"""
+
+
+def test_custom_runtime_sees_only_the_clients_requests(tmp_path: Path) -> None:
+    """Each fresh worker's self-test does not call a custom MLModel's predict
+    on zeros: its audit log shows the client's one request, not the warm-ups."""
+    repo = tmp_path / "repo"
+    for name, extra in (("counter", {}), ("warmed", {"warmup": True})):
+        write_model(
+            repo,
+            name,
+            {
+                "name": name,
+                "implementation": "model.Counter",
+                "parameters": {"extra": {"calls": str(tmp_path / f"{name}.log"), **extra}},
+                "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1]}],
+            },
+            COUNTER,
+        )
+    with Serving(repo, tmp_path / "run", workers=2) as serving:
+
+        async def main() -> pb.ModelInferResponse:
+            async with grpc.aio.insecure_channel(serving.address) as channel:
+                await wait_serving(channel, "model:counter", timeout=WAIT)
+                await wait_idle_workers(serving, "default", 2, timeout=WAIT)
+                request = pb.ModelInferRequest(model_name="counter", id="client-1")
+                given = request.inputs.add(name="x", datatype="FP32", shape=[1])
+                given.contents.fp32_contents.append(1.0)
+                stub = pbg.GRPCInferenceServiceStub(channel)
+                return await stub.ModelInfer(request, timeout=60)
+
+        reply = asyncio.run(main())
+        assert reply.outputs[0].contents.fp32_contents == [2.0]
+        counted = (tmp_path / "counter.log").read_text().splitlines()
+        assert [line.split()[1] for line in counted] == ["client-1"]
+        # asked for (parameters.extra.warmup true): each fresh worker's self-test runs it
+        warmed = (tmp_path / "warmed.log").read_text().splitlines()
+        assert len(warmed) == 2 and len({line.split()[0] for line in warmed}) == 2
+        assert "model counter: self-test in each fresh worker: no warm-up" in serving.log()

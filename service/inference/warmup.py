@@ -3,7 +3,10 @@
 In order: nothing if ``parameters.extra.warmup`` is false; the model's own
 :meth:`~poolserve.service.inference.model.Model.example`; ``parameters.extra.example``
 (input name -> nested list, with the declared datatype where there is one);
-else zeros of the declared inputs, a dimension of -1 taken as 1. A model
+else zeros of the declared inputs, a dimension of -1 taken as 1, unless the
+model is one that is not called on inputs no client sent unless it asks
+(``warm_up_by_default`` false: a custom MLServer runtime, whose ``predict``
+may have side effects; ``parameters.extra.warmup: true`` asks). A model
 with none of these (no declared inputs) gets no warm-up: the reason says so.
 """
 
@@ -33,6 +36,11 @@ def warmup_inputs(
     given = extra.get("example")
     if isinstance(given, Mapping):
         return _from_settings(given, inputs), "parameters.extra.example"
+    if extra.get("warmup") is not True and not getattr(model, "warm_up_by_default", True):
+        return None, (
+            "no warm-up: its predict is not called on inputs no client sent "
+            "(parameters.extra.warmup true or parameters.extra.example asks for one)"
+        )
     if not inputs:
         return None, "no warm-up: no declared inputs and no example"
     try:

@@ -170,6 +170,18 @@ class MLModelAdapter(WireModel):
             log.exception("model %s: its metadata() failed", self.settings.name)
             return None
 
+    @property
+    def warm_up_by_default(self) -> bool:
+        """Whether each fresh worker's self-test calls ``predict`` on zeros with
+        no setting: for MLServer's packaged runtimes (``mlserver_sklearn``,
+        ``mlserver_xgboost``, ...: pure functions of their inputs, and the
+        native thread pools whose hang after fork the self-test is there to
+        catch), not for a custom runtime, whose ``predict`` may count, call
+        another service or write an audit log, and would see requests no
+        client sent (``parameters.extra.warmup: true`` or
+        ``parameters.extra.example`` ask for one)."""
+        return self.cls.__module__.split(".")[0].startswith("mlserver_")
+
     def transaction_policy(self) -> TransactionPolicy:
         """As MLServer: ModelStreamInfer runs the class's own ``predict_stream``
         if it has one, ModelInfer its ``predict`` if it has one; the settings'
