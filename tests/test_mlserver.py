@@ -801,7 +801,13 @@ def test_same_stream_as_mlserver(served: Serving, mlserver: str) -> None:
                 got.append(reply.infer_response.SerializeToString())
         return got, ""
 
-    for request in (text_request("one two three", "cmp-1"), text_request("x boom", "cmp-2")):
+    for request in (
+        text_request("one two three", "cmp-1"),
+        text_request("x boom", "cmp-2"),
+        # a predict-only class: MLModel's own predict_stream, its predict's one response
+        scaler_request([1.0, 2.0], request_id="cmp-3"),
+        text_request("crash", "cmp-4"),
+    ):
         our_parts, our_error = asyncio.run(ours(request))
         their_parts, their_error = asyncio.run(theirs(request))
         assert [pb.ModelInferResponse.FromString(p) for p in our_parts] == [
