@@ -223,8 +223,8 @@ def test_inline_stream_error_and_statistics(streaming: Serving) -> None:
     error; the next request streams; statistics count each stream once."""
     bad = pb.ModelInferRequest(model_name="text-model", id="bad")
     replies = asyncio.run(kserve_stream(streaming.address, [bad, prompt_request("ok", "good")]))
-    assert replies[0].error_message.startswith("INTERNAL: "), replies[0]
-    assert "IndexError" in replies[0].error_message
+    # the text as MLServer's inline models say it: the exception's message
+    assert replies[0].error_message == "INTERNAL: list index out of range", replies[0]
     assert tokens_of(replies[1:]) == ["ok"]
 
     async def stats() -> pb.ModelStatisticsResponse:
@@ -281,7 +281,7 @@ def test_mlserver_stream_errors_end_the_stream_with_a_status(mlserver_streams: S
         "mlserver_stream.py", mlserver_streams.address, "text-model", "a", "<no inputs>", "b"
     )
     assert got["tokens"] == ["a"]
-    assert got["status"][0] == "INTERNAL" and "IndexError" in got["status"][1], got
+    assert got["status"] == ["INTERNAL", "list index out of range"], got
     got = run_client("mlserver_stream.py", mlserver_streams.address, "nobody", "a")
     assert got["tokens"] == [] and got["status"][0] == "NOT_FOUND", got
 
@@ -521,3 +521,33 @@ def test_custom_runtime_sees_only_the_clients_requests(tmp_path: Path) -> None:
         warmed = (tmp_path / "warmed.log").read_text().splitlines()
         assert len(warmed) == 2 and len({line.split()[0] for line in warmed}) == 2
         assert "model counter: self-test in each fresh worker: no warm-up" in serving.log()
+
+
+async def raw_stream(address: str, request: bytes) -> tuple[list[bytes], tuple[str, str] | None]:
+    """A one-request ModelStreamInfer: the messages' bytes, and its status if not OK."""
+    got: list[bytes] = []
+    async with grpc.aio.insecure_channel(address) as channel:
+        method = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")
+        call = method(iter([request]), timeout=60)
+        try:
+            async for reply in call:
+                got.append(bytes(reply))
+        except grpc.aio.AioRpcError as exc:
+            return got, (exc.code().name, str(exc.details()))
+    return got, None
+
+
+def test_mlserver_stream_messages_are_mlserver_s_bytes(
+    mlserver_streams: Serving, mlserver: str
+) -> None:
+    """With stream_messages "mlserver", the same messages as MLServer's own
+    ModelStreamInfer, byte for byte, and the same status for an error."""
+    for request in (
+        prompt_request(PROMPT, "b1"),
+        pb.ModelInferRequest(model_name="text-model", id="b2"),  # no input: IndexError
+    ):
+        body = request.SerializeToString()
+        ours = asyncio.run(raw_stream(mlserver_streams.address, body))
+        theirs = asyncio.run(raw_stream(mlserver, body))
+        assert ours == theirs
+    assert ours == ([], ("INTERNAL", "list index out of range"))
