@@ -22,7 +22,7 @@ from poolserve.protos import inference_pb2 as pb
 from poolserve.protos import inference_pb2_grpc as pbg
 
 from mlserver_peer import mlserver_serving
-from serving import Serving, wait_idle_workers, wait_serving
+from serving import Serving, pool_status, wait_idle_workers, wait_serving
 from support import CLIENTS, run_client, write_model
 
 pytestmark = pytest.mark.e2e
@@ -157,15 +157,19 @@ def prompt_request(text: str = PROMPT, request_id: str = "p1") -> pb.ModelInferR
     return request
 
 
-def serve(repo: Path, run_dir: Path, *extra: str) -> Serving:
-    # --workers 0: what the folder's settings.json says (the harness always passes a count)
-    serving = Serving(repo, run_dir, *extra, workers=0)
+def serve(repo: Path, run_dir: Path, env: dict[str, str] | None = None) -> Serving:
+    """``poolserve serve`` on the folder, its settings.json deciding the workers
+    (the harness's --workers left out: the folder says parallel_workers 0)."""
+    serving = Serving(repo, run_dir, env=env)
+    at = serving.argv.index("--workers")
+    del serving.argv[at : at + 2]
     serving.__enter__()
     try:
 
         async def ready() -> None:
             async with grpc.aio.insecure_channel(serving.address) as channel:
                 await wait_serving(channel, "model:text-model", timeout=WAIT)
+                await wait_serving(channel, "model:sum-model", timeout=WAIT)
 
         asyncio.run(ready())
     except BaseException:
@@ -200,8 +204,10 @@ def tokens_of(replies: list[pb.ModelStreamInferResponse]) -> list[str]:
 
 
 def test_inline_streaming_example_streams_tokens(streaming: Serving) -> None:
-    """parallel_workers 0 (inline, in the pool server's process): the class's
-    predict_stream answers ModelStreamInfer, one response per token."""
+    """parallel_workers 0 in settings.json (inline, in the pool server's
+    process): the class's predict_stream answers ModelStreamInfer, one
+    response per token."""
+    assert not asyncio.run(pool_status(streaming)).workers  # inline: no worker at all
     replies = asyncio.run(kserve_stream(streaming.address, [prompt_request()]))
     assert [r.error_message for r in replies] == [""] * len(TOKENS)
     assert tokens_of(replies) == TOKENS
@@ -245,20 +251,9 @@ def mlserver_streams(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servi
     """The same folder, unchanged, served with MLServer's stream messages (the
     server setting ``stream_messages``, here from its POOLSERVE_ variable)."""
     root = tmp_path_factory.mktemp("streaming-mlserver")
-    serving = Serving(
-        streaming_example(root / "repo"),
-        root / "run",
-        workers=0,
-        env={"POOLSERVE_STREAM_MESSAGES": "mlserver"},
-    )
-    serving.__enter__()
+    env = {"POOLSERVE_STREAM_MESSAGES": "mlserver"}
+    serving = serve(streaming_example(root / "repo"), root / "run", env)
     try:
-
-        async def ready() -> None:
-            async with grpc.aio.insecure_channel(serving.address) as channel:
-                await wait_serving(channel, "model:text-model", timeout=WAIT)
-
-        asyncio.run(ready())
         yield serving
     finally:
         serving.__exit__(None, None, None)
