@@ -14,6 +14,7 @@ import pytest
 
 from poolserve.service.contract.settings import ServerSettings
 from poolserve.supervisor import cli
+
 from support import ROOT
 
 PAGE = ROOT / "docs" / "settings.md"

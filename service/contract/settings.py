@@ -84,7 +84,7 @@ class ServerSettings:
     max_unread_reply_bytes: int = 32 * MIB  # per client connection
     max_unread_reply_bytes_total: int = 256 * MIB  # all connections together
 
-    # Native runtimes and fork (README "Native runtimes and fork"):
+    # Native runtimes and fork (docs/native-runtimes.md):
     threads_per_worker: int = 1  # OMP/MKL/OpenBLAS/... threads in each pool process
     warmup_timeout_s: float = 10.0  # a fresh worker's warm-up prediction of each model
     abandon_grace_s: float = 5.0  # a worker still on a job its caller left is killed (0: never)
