@@ -90,6 +90,11 @@ class ServerSettings:
     abandon_grace_s: float = 5.0  # a worker still on a job its caller left is killed (0: never)
     start_method: str = "fork"  # "spawn": each worker a fresh interpreter that loads the models
 
+    # Shared memory and the workers' own memory (README "Shared memory"):
+    shm_max_regions: int = 1024  # registered at once, per registry (RESOURCE_EXHAUSTED beyond)
+    shm_max_name_length: int = 255  # characters of a region's name (keys: NAME_MAX bytes)
+    slab_mapped_bytes: int = 512 * MIB  # the router's slabs one worker keeps mapped
+
     def threads_for(self, gid: str) -> int:
         override = self.pools.get(gid)
         if override is not None and override.threads_per_worker is not None:
@@ -125,6 +130,9 @@ _INT_FIELDS = {
     "max_unread_reply_bytes",
     "max_unread_reply_bytes_total",
     "threads_per_worker",
+    "shm_max_regions",
+    "shm_max_name_length",
+    "slab_mapped_bytes",
 }
 _FLOAT_FIELDS = {
     "default_timeout_s",
@@ -157,6 +165,10 @@ _POSITIVE_FIELDS = {
     "warmup_timeout_s",
 }
 HEARTBEAT_MISSES = 2  # heartbeat_timeout_s spans at least this many intervals
+# A SystemSharedMemoryStatus row besides its name (UTF-8, up to 4 bytes a
+# character, written twice: the map key and the row's name): the key (NAME_MAX
+# and '/'), offset, byte_size and protobuf's framing.
+SHM_ROW_BYTES = 256 + 64
 _BOOL_FIELDS = {"reject_hopeless", "model_control"}
 _STR_FIELDS = {
     "host",
@@ -361,6 +373,16 @@ def check_together(settings: ServerSettings, sources: Mapping[str, str]) -> None
             "heartbeat_timeout_s",
             f"{timeout:g} s is below {HEARTBEAT_MISSES} x heartbeat_interval_s ({interval:g} s): "
             "healthy workers would be killed for a late heartbeat",
+        )
+    status_bytes = settings.shm_max_regions * (settings.shm_max_name_length * 8 + SHM_ROW_BYTES)
+    if status_bytes > settings.max_message_size:
+        raise ConfigError(
+            source("shm_max_regions", "shm_max_name_length", "max_message_size"),
+            "shm_max_regions",
+            f"{settings.shm_max_regions} regions with names of up to "
+            f"{settings.shm_max_name_length} characters may need {status_bytes} bytes in one "
+            f"SystemSharedMemoryStatus reply, over max_message_size "
+            f"({settings.max_message_size} bytes)",
         )
     if settings.deadline_margin_ms >= settings.default_timeout_s * 1000:
         raise ConfigError(

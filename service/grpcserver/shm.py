@@ -18,7 +18,6 @@ UNIMPLEMENTED, its status and unregister answer OK with nothing registered
 
 from __future__ import annotations
 
-import errno
 import os
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -30,43 +29,42 @@ from poolserve.service.contract.errors import (
     AlreadyExists,
     InvalidInput,
     NotFound,
+    QueueFull,
+    ServingError,
     Unimplemented,
     clip,
+    error_for,
 )
+from poolserve.service.contract.settings import ServerSettings
 from poolserve.service.contract.shm import (
+    NAME_MAX,
     Region,
     forged,
     is_wrapped,
     new_generation,
-    shm_path,
+    open_object,
     wrap,
 )
 from poolserve.service.grpcserver.handlers import guarded
 
 SHARED_MEMORY_REGION = "shared_memory_region"
+DEFAULT_MAX_REGIONS = 1024  # the defaults of settings shm_max_regions ...
+DEFAULT_MAX_NAME_LENGTH = 255  # ... and shm_max_name_length
 _MENTION = SHARED_MEMORY_REGION.encode()
 
 
 def _object_size(name: str, key: str) -> int:
-    """The current size of the shared-memory object ``key``, opened as a worker will."""
-    path = shm_path(key)
+    """The current size of the shared-memory object ``key``, opened as a worker
+    will (:func:`poolserve.service.contract.shm.open_object`: no symlink, a
+    regular file of the server's uid)."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    except OSError as exc:
-        reason = exc.strerror or str(exc)
-        if exc.errno == errno.ENOENT:
-            raise NotFound(
-                f"cannot register shared-memory region '{clip(name)}': "
-                f"no shared-memory object '{clip(key)}' ({path}: {reason})"
-            ) from None
-        raise InvalidInput(
-            f"cannot register shared-memory region '{clip(name)}': cannot open "
-            f"shared-memory object '{clip(key)}' for reading and writing: {reason}"
+        fd, size = open_object(key)
+    except ServingError as exc:
+        raise error_for(
+            exc.failure, f"cannot register shared-memory region '{clip(name)}': {exc.message}"
         ) from None
-    try:
-        return os.fstat(fd).st_size
-    finally:
-        os.close(fd)
+    os.close(fd)
+    return size
 
 
 class SharedMemory:
@@ -75,21 +73,58 @@ class SharedMemory:
     ``accept_attached``: requests may arrive with registrations already in
     front (a pool's private socket, where only the router and the owner
     connect); elsewhere such a request is refused as malformed.
+
+    ``max_regions`` and ``max_name_length`` bound what clients can make the
+    server keep (settings ``shm_max_regions``, ``shm_max_name_length``; keys
+    are file names, at most NAME_MAX bytes): so that a full registry still fits
+    one SystemSharedMemoryStatus reply.
     """
 
-    def __init__(self, accept_attached: bool = False) -> None:
+    def __init__(
+        self,
+        accept_attached: bool = False,
+        *,
+        max_regions: int = DEFAULT_MAX_REGIONS,
+        max_name_length: int = DEFAULT_MAX_NAME_LENGTH,
+    ) -> None:
         self.regions: dict[str, Region] = {}
         self.accept_attached = accept_attached
+        self.max_regions = max_regions
+        self.max_name_length = max_name_length
+
+    @classmethod
+    def from_settings(cls, settings: ServerSettings, accept_attached: bool = False) -> SharedMemory:
+        return cls(
+            accept_attached,
+            max_regions=settings.shm_max_regions,
+            max_name_length=settings.shm_max_name_length,
+        )
 
     # -- the registry ----------------------------------------------------------
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> Region:
         if not name:
             raise InvalidInput("a shared-memory region needs a name")
+        if len(name) > self.max_name_length:
+            raise InvalidInput(
+                f"shared-memory region name '{clip(name)}' is longer than "
+                f"{self.max_name_length} characters (shm_max_name_length)"
+            )
+        if len(key) > NAME_MAX + 1:  # '/' and a file name; shm_path checks the bytes
+            raise InvalidInput(
+                f"cannot register shared-memory region '{clip(name)}': key '{clip(key)}' is "
+                f"longer than {NAME_MAX} bytes (NAME_MAX), so it names no shared-memory object"
+            )
         if name in self.regions:
             raise AlreadyExists(
                 f"shared-memory region '{clip(name)}' is already registered "
                 f"(key '{clip(self.regions[name].key)}'); unregister it first"
+            )
+        if len(self.regions) >= self.max_regions:
+            raise QueueFull(
+                f"cannot register shared-memory region '{clip(name)}': {len(self.regions)} "
+                f"regions are registered, the most this server keeps (shm_max_regions); "
+                "unregister some first"
             )
         if byte_size <= 0:
             raise InvalidInput(f"shared-memory region '{clip(name)}': byte_size must be above 0")
