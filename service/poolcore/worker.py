@@ -238,7 +238,8 @@ def run_prepared(sock: socket.socket, heartbeat_s: float, prepare: Prepare) -> N
             # Anything else is a death, said as one: a reply whose bytes cannot be
             # read (EFAULT: a view of a mapping that shrank) once exited 0 here,
             # logged as "exited with code 0" as if the pool had closed us.
-            print(f"poolserve worker {os.getpid()}: {exc!r}", file=sys.stderr, flush=True)
+            print(f"poolserve worker {os.getpid()}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            sys.stderr.flush()
             os._exit(EXIT_OS_ERROR)
     os._exit(0)
 
