@@ -165,10 +165,6 @@ _POSITIVE_FIELDS = {
     "warmup_timeout_s",
 }
 HEARTBEAT_MISSES = 2  # heartbeat_timeout_s spans at least this many intervals
-# A SystemSharedMemoryStatus row besides its name (UTF-8, up to 4 bytes a
-# character, written twice: the map key and the row's name): the key (NAME_MAX
-# and '/'), offset, byte_size and protobuf's framing.
-SHM_ROW_BYTES = 256 + 64
 _BOOL_FIELDS = {"reject_hopeless", "model_control"}
 _STR_FIELDS = {
     "host",
@@ -373,16 +369,6 @@ def check_together(settings: ServerSettings, sources: Mapping[str, str]) -> None
             "heartbeat_timeout_s",
             f"{timeout:g} s is below {HEARTBEAT_MISSES} x heartbeat_interval_s ({interval:g} s): "
             "healthy workers would be killed for a late heartbeat",
-        )
-    status_bytes = settings.shm_max_regions * (settings.shm_max_name_length * 8 + SHM_ROW_BYTES)
-    if status_bytes > settings.max_message_size:
-        raise ConfigError(
-            source("shm_max_regions", "shm_max_name_length", "max_message_size"),
-            "shm_max_regions",
-            f"{settings.shm_max_regions} regions with names of up to "
-            f"{settings.shm_max_name_length} characters may need {status_bytes} bytes in one "
-            f"SystemSharedMemoryStatus reply, over max_message_size "
-            f"({settings.max_message_size} bytes)",
         )
     if settings.deadline_margin_ms >= settings.default_timeout_s * 1000:
         raise ConfigError(

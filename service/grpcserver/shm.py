@@ -50,6 +50,20 @@ from poolserve.service.grpcserver.handlers import guarded
 SHARED_MEMORY_REGION = "shared_memory_region"
 DEFAULT_MAX_REGIONS = 1024  # the defaults of settings shm_max_regions ...
 DEFAULT_MAX_NAME_LENGTH = 255  # ... and shm_max_name_length
+DEFAULT_MAX_STATUS_BYTES = 64 * 1024 * 1024  # max_message_size's
+_ROW_FRAMING = 48  # a Status row's tags, lengths, offset and byte_size, at most
+
+
+def _status_row_bytes(name: str, key: str) -> int:
+    """At most what one region adds to a SystemSharedMemoryStatus reply: its
+    name twice (the map's key and the row's), its key, and the framing."""
+    return (
+        2 * len(name.encode(errors="surrogatepass"))
+        + len(key.encode(errors="surrogatepass"))
+        + _ROW_FRAMING
+    )
+
+
 _MENTION = SHARED_MEMORY_REGION.encode()
 
 
@@ -76,8 +90,10 @@ class SharedMemory:
 
     ``max_regions`` and ``max_name_length`` bound what clients can make the
     server keep (settings ``shm_max_regions``, ``shm_max_name_length``; keys
-    are file names, at most NAME_MAX bytes): so that a full registry still fits
-    one SystemSharedMemoryStatus reply.
+    are file names, at most NAME_MAX bytes). ``max_status_bytes`` (the
+    server's max_message_size) bounds the registry's SystemSharedMemoryStatus
+    reply: a registration that would make it larger is refused, so Status for
+    all regions is always answerable, whatever the other settings.
     """
 
     def __init__(
@@ -86,11 +102,14 @@ class SharedMemory:
         *,
         max_regions: int = DEFAULT_MAX_REGIONS,
         max_name_length: int = DEFAULT_MAX_NAME_LENGTH,
+        max_status_bytes: int = DEFAULT_MAX_STATUS_BYTES,
     ) -> None:
         self.regions: dict[str, Region] = {}
         self.accept_attached = accept_attached
         self.max_regions = max_regions
         self.max_name_length = max_name_length
+        self.max_status_bytes = max_status_bytes
+        self.status_bytes = 0  # what Status for all regions answers, at most
 
     @classmethod
     def from_settings(cls, settings: ServerSettings, accept_attached: bool = False) -> SharedMemory:
@@ -98,6 +117,7 @@ class SharedMemory:
             accept_attached,
             max_regions=settings.shm_max_regions,
             max_name_length=settings.shm_max_name_length,
+            max_status_bytes=settings.max_message_size,
         )
 
     # -- the registry ----------------------------------------------------------
@@ -126,6 +146,13 @@ class SharedMemory:
                 f"regions are registered, the most this server keeps (shm_max_regions); "
                 "unregister some first"
             )
+        row = _status_row_bytes(name, key)
+        if self.status_bytes + row > self.max_status_bytes:
+            raise QueueFull(
+                f"cannot register shared-memory region '{clip(name)}': the status of all "
+                f"{len(self.regions)} regions and this one would not fit one reply of "
+                f"max_message_size ({self.max_status_bytes} bytes); unregister some first"
+            )
         if byte_size <= 0:
             raise InvalidInput(f"shared-memory region '{clip(name)}': byte_size must be above 0")
         size = _object_size(name, key)
@@ -137,14 +164,18 @@ class SharedMemory:
             )
         region = Region(name, key, offset, byte_size, new_generation())
         self.regions[name] = region
+        self.status_bytes += row
         return region
 
     def unregister(self, name: str) -> None:
         """One region, or all when ``name`` is empty; an unknown name is no error (as Triton)."""
         if name:
-            self.regions.pop(name, None)
+            region = self.regions.pop(name, None)
+            if region is not None:
+                self.status_bytes -= _status_row_bytes(region.name, region.key)
         else:
             self.regions.clear()
+            self.status_bytes = 0
 
     def status(self, name: str) -> list[Region]:
         if not name:
