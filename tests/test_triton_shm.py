@@ -41,7 +41,6 @@ Stub = pbg.GRPCInferenceServiceStub
 ADD_SUB = '''
 import os
 import select
-import time
 
 import numpy as np
 
@@ -59,15 +58,6 @@ class AddSub(Model):
             as_bytes = np.vectorize(lambda v: str(v).encode(), otypes=[object])
             return {"OUTPUT0": as_bytes(x + y), "OUTPUT1": as_bytes(x - y)}
         return {"OUTPUT0": a + b, "OUTPUT1": a - b}
-
-
-class SlowEcho(Model):
-    """INPUT0 as OUTPUT0, after sleep_ms (read before the sleep, written after it)."""
-
-    def predict(self, inputs, parameters):
-        copy = np.array(inputs["INPUT0"])
-        time.sleep(int(parameters.get("sleep_ms", 0)) / 1000)
-        return {"OUTPUT0": copy}
 
 
 class Gate(Model):
@@ -117,17 +107,6 @@ def model_repository(repo: Path) -> Path:
         repo,
         "simple_string",
         {"name": "simple_string", "implementation": "model.AddSub", **_io("BYTES")},
-        ADD_SUB,
-    )
-    write_model(
-        repo,
-        "slow_echo",
-        {
-            "name": "slow_echo",
-            "implementation": "model.SlowEcho",
-            "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [-1]}],
-            "outputs": [{"name": "OUTPUT0", "datatype": "FP32", "shape": [-1]}],
-        },
         ADD_SUB,
     )
     for name, workers in (("gate", None), ("gate_inline", 0)):
