@@ -135,6 +135,22 @@ def test_an_input_is_the_requests_own_copy_and_a_shrunk_object_is_invalid_input(
     assert path.stat().st_size == 0  # a refused write does not grow it
 
 
+def test_an_object_truncated_during_the_read_is_invalid_input(tmp_path: Path) -> None:
+    """The size check and the copy are two steps: a truncation between them
+    ends the copy early (pread returns 0), never with a fault."""
+    from poolserve.service.inference.shm import _pread_into
+
+    path = tmp_path / "short"
+    path.write_bytes(b"x" * 100)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        target = np.empty(4096, np.uint8)
+        with pytest.raises(InvalidInput, match=r"truncated while being read, below the 4196"):
+            _pread_into(fd, target.data, 100, Region("r", "/k", 0, 8192, 1))
+    finally:
+        os.close(fd)
+
+
 def test_outputs_are_written_little_endian_whatever_their_layout(
     planted: dict[str, Path],
 ) -> None:

@@ -82,7 +82,8 @@ def _pread_into(fd: int, target: memoryview, offset: int, region: Region) -> Non
         if count == 0:  # its end moved under us: truncated since the size check
             raise _gone(
                 region,
-                f"is now {offset + got} bytes, below the {offset + len(target)} this tensor needs",
+                f"was truncated while being read, below the {offset + len(target)} bytes "
+                "this tensor needs",
             )
         got += count
 
