@@ -3,9 +3,11 @@
 The router owns the one registry of a ``poolserve serve`` tree; a pool
 server addressed directly on its private socket and ``serve-inprocess`` each
 have their own, through this same code. Registering checks what can be
-checked at once: the key names an existing POSIX shared-memory object, the
-region lies within its current size, the name is free (ALREADY_EXISTS as
-Triton). A ModelInfer that names regions gets their registrations in front of
+checked at once: the key names an existing POSIX shared-memory object that is
+the server's own regular file, not a symlink (the worker checks that again,
+:func:`poolserve.service.contract.shm.open_object`), the region lies within
+its current size, the name is free (ALREADY_EXISTS as Triton), and the
+registry stays within its bounds (RESOURCE_EXHAUSTED). A ModelInfer that names regions gets their registrations in front of
 its bytes (:meth:`SharedMemory.attach`, the wire format in
 :mod:`poolserve.service.contract.shm`): a request that does not mention
 ``shared_memory_region`` costs one substring search and nothing else. The
