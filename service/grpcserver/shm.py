@@ -8,10 +8,11 @@ the server's own regular file, not a symlink (the worker checks that again,
 :func:`poolserve.service.contract.shm.open_object`), the region lies within
 its current size, the name is free (ALREADY_EXISTS as Triton), and the
 registry stays within its bounds (RESOURCE_EXHAUSTED). A ModelInfer that
-names regions gets their registrations in front of its bytes (:meth:`SharedMemory.attach`, the wire format in
+names regions gets their registrations in front of its bytes
+(:meth:`SharedMemory.attach`, the wire format in
 :mod:`poolserve.service.contract.shm`): a request that does not mention
 ``shared_memory_region`` costs one substring search and nothing else. The
-tensors themselves are never read here; the worker maps the regions.
+tensors themselves are never read here; the worker reads and writes them.
 
 CUDA shared memory is not supported on CPU hosts: its register answers
 UNIMPLEMENTED, its status and unregister answer OK with nothing registered
