@@ -90,6 +90,11 @@ class ServerSettings:
     abandon_grace_s: float = 5.0  # a worker still on a job its caller left is killed (0: never)
     start_method: str = "fork"  # "spawn": each worker a fresh interpreter that loads the models
 
+    # Shared memory and the workers' own memory (README "Shared memory"):
+    shm_max_regions: int = 1024  # registered at once, per registry (RESOURCE_EXHAUSTED beyond)
+    shm_max_name_length: int = 255  # characters of a region's name (keys: NAME_MAX bytes)
+    slab_mapped_bytes: int = 512 * MIB  # the router's slabs one worker keeps mapped
+
     def threads_for(self, gid: str) -> int:
         override = self.pools.get(gid)
         if override is not None and override.threads_per_worker is not None:
@@ -125,6 +130,9 @@ _INT_FIELDS = {
     "max_unread_reply_bytes",
     "max_unread_reply_bytes_total",
     "threads_per_worker",
+    "shm_max_regions",
+    "shm_max_name_length",
+    "slab_mapped_bytes",
 }
 _FLOAT_FIELDS = {
     "default_timeout_s",

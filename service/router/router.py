@@ -206,7 +206,8 @@ class Router:
             for name in route.models:
                 self.routes[name] = route
         self.health = Health()
-        self.shared_memory = SharedMemory()  # the one registry of the whole server
+        # the one registry of the whole server
+        self.shared_memory = SharedMemory.from_settings(settings)
         # large ModelInfer bodies go to the workers through these (contract/slab.py)
         self.arena = Arena(min(settings.max_message_size, SLAB_MAX_BODY))
         self.replies = ReplyBudget(
