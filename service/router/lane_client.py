@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
 
 from poolserve.service.contract import slab
@@ -193,7 +193,7 @@ class LaneClient:
         deadline: float,
         attach: Callable[[bytes], bytes],
         stall_s: float = 0.0,
-    ) -> AsyncIterator[bytes | ServingError]:
+    ) -> AsyncGenerator[bytes | ServingError, None]:
         """Runs one ModelStreamInfer in the pool until ``deadline`` (monotonic):
         its serialized responses as they come, then a ServingError if the stream
         failed as a whole. Leaving early (the client went away) cancels it there;

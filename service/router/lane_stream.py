@@ -13,7 +13,7 @@ generator and is free), the responses still here are dropped, and the call
 ends with RESOURCE_EXHAUSTED (:class:`StreamStalled`) after whatever gRPC
 already holds for the client. One timer per stream, re-armed every
 ``stall_s`` at most, watches for it; a client that takes anything restarts the
-count."""
+count. A stream the pool has ended holds no worker, and is left to its reader."""
 
 from __future__ import annotations
 
@@ -141,6 +141,8 @@ class LaneStream:
         """The stall timer: ends the stream if the response being sent has waited
         ``stall_s`` for the client's window; else looks again when it could."""
         self._watch = None
+        if self.ended:
+            return  # the pool is done with it: an unread rest holds no worker
         offered = self._offered
         loop = asyncio.get_running_loop()
         if offered is not None and loop.time() - offered >= self.stall_s:
@@ -150,9 +152,8 @@ class LaneStream:
         self._watch = loop.call_at(since + self.stall_s, self._check, transport)
 
     def _stalled(self, transport: Batcher) -> None:
-        if not self.ended:
-            transport.write(HEADER.pack(0, CANCEL, self.seq))  # the worker is free at once
-            self.ended = True
+        transport.write(HEADER.pack(0, CANCEL, self.seq))  # the worker is free at once
+        self.ended = True
         self.frames.clear()  # what the client will not read goes now, not at its deadline
         self.fail(StreamStalled.after(self.stall_s))
 

@@ -639,16 +639,18 @@ class Router:
         try:
             attach = functools.partial(self._attach_in_stream, route)
             stall_s = self.settings.stream_stall_s
-            async for item in route.lane.stream(first, requests, deadline, attach, stall_s):
-                if isinstance(item, StreamStalled):  # the client stopped reading: a status
-                    await abort(context, *grpc_status(item))
-                if isinstance(item, ServingError):  # the stream failed as a whole
-                    if span is not None and item.failure is Failure.DEADLINE:
-                        deadline_event(span, item.stage or "router", item.message)
-                    message = f"{grpc_status(item)[0].name}: {item.message}"
-                    yield pb.ModelStreamInferResponse(error_message=message).SerializeToString()
-                    return
-                yield item
+            lane = route.lane.stream(first, requests, deadline, attach, stall_s)
+            async with contextlib.aclosing(lane):  # closed here, whatever ends the call
+                async for item in lane:
+                    if isinstance(item, StreamStalled):  # the client stopped reading: a status
+                        await abort(context, *grpc_status(item))
+                    if isinstance(item, ServingError):  # the stream failed as a whole
+                        if span is not None and item.failure is Failure.DEADLINE:
+                            deadline_event(span, item.stage or "router", item.message)
+                        message = f"{grpc_status(item)[0].name}: {item.message}"
+                        yield pb.ModelStreamInferResponse(error_message=message).SerializeToString()
+                        return
+                    yield item
         except ServingError as exc:  # the lane is not reachable
             yield pb.ModelStreamInferResponse(error_message=exc.message).SerializeToString()
 
