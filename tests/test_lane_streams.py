@@ -304,6 +304,21 @@ def test_a_stream_whose_reader_takes_nothing_for_stall_s_is_cancelled_in_the_poo
     asyncio.run(with_streams(sock, endless, test))
 
 
+def test_a_stream_the_pool_ended_is_left_to_its_reader(sock: Path) -> None:
+    """No worker is held once the pool has ended the stream: its responses wait
+    for the reader, however long past stall_s, and none is dropped."""
+
+    async def test(client: LaneClient, server: LaneServer) -> None:
+        replies = client.stream(b"3:r", listed(), soon(), same, stall_s=0.5)
+        assert await anext(replies) == b"r0"
+        (stream,) = client.streams.values()
+        await until(lambda: stream.ended)  # the pool's REPLY is here
+        await asyncio.sleep(1.5)  # three times stall_s, reading nothing
+        assert [i async for i in replies] == [b"r1", b"r2"]
+
+    asyncio.run(with_streams(sock, repeat, test))
+
+
 def test_errors_end_a_stream_with_their_kind(sock: Path) -> None:
     async def failing(requests: AsyncIterator[Payload], deadline: float) -> AsyncGenerator[bytes]:
         async for request in requests:

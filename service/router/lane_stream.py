@@ -47,7 +47,17 @@ _FAILED = -1  # a frame kind of our own: the stream failed here (connection, dea
 class LaneStream:
     """One stream's frames from the pool, queued for the stream's reader."""
 
-    __slots__ = ("_arrived", "_offered", "_watch", "ended", "frames", "requests", "seq", "stall_s")
+    __slots__ = (
+        "_arrived",
+        "_failed",
+        "_offered",
+        "_watch",
+        "ended",
+        "frames",
+        "requests",
+        "seq",
+        "stall_s",
+    )
 
     def __init__(self, seq: int, stall_s: float = 0.0) -> None:
         self.seq = seq
@@ -56,6 +66,7 @@ class LaneStream:
         self.ended = False  # nothing to cancel in the pool: it ended it, or we cancelled it
         self.stall_s = stall_s  # 0: a client may leave its responses unread until its deadline
         self._arrived: asyncio.Future[None] | None = None
+        self._failed = False  # its end is queued already (the lane lost, the deadline)
         self._offered: float | None = None  # when the response gRPC is sending was handed over
         self._watch: asyncio.TimerHandle | None = None
 
@@ -63,10 +74,13 @@ class LaneStream:
         if kind == STREAM_ACK:
             self.requests.acked(parse_count(payload))
             return
+        if kind != STREAM_RESPONSE:
+            self.ended = True  # REPLY or ERROR: the pool ended it, nothing to cancel there
         self.frames.append((kind, payload))
         self._wake()
 
     def fail(self, error: ServingError) -> None:
+        self._failed = True
         self.frames.append((_FAILED, error))
         self._wake()
 
@@ -118,8 +132,6 @@ class LaneStream:
                         transport.write(stream_ack_frame(seq, taken))
                         taken = 0
                     continue
-                if kind != _FAILED:
-                    self.ended = True  # the pool ended it: nothing to cancel there
                 if kind == REPLY:
                     return
                 if kind == ERROR:
@@ -141,8 +153,8 @@ class LaneStream:
         """The stall timer: ends the stream if the response being sent has waited
         ``stall_s`` for the client's window; else looks again when it could."""
         self._watch = None
-        if self.ended:
-            return  # the pool is done with it: an unread rest holds no worker
+        if self.ended or self._failed:
+            return  # the pool is done with it (an unread rest holds no worker), or it failed
         offered = self._offered
         loop = asyncio.get_running_loop()
         if offered is not None and loop.time() - offered >= self.stall_s:
