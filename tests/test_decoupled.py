@@ -346,6 +346,7 @@ def test_streams_nobody_reads_are_ended_and_free_their_workers(tmp_path: Path) -
                 assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value
                 assert "stream_stall_s" in (info.value.details() or "")
                 assert len(got) < asked
+        assert "Traceback" not in serving.log()
 
     stall = {"POOLSERVE_STREAM_STALL_S": "1"}  # small for the test (default 10)
     with Serving(repo, tmp_path / "run", workers=2, env=stall) as serving:
