@@ -97,6 +97,7 @@ ROUTER_SETTINGS = (
     "max_connection_age_grace_s",
     "max_unread_reply_bytes",
     "max_unread_reply_bytes_total",
+    "stream_stall_s",
     "repository_rescan_s",
     "shm_max_regions",
     "shm_max_name_length",

@@ -83,6 +83,10 @@ class ServerSettings:
     # Reply bytes held for clients that do not read them (RESOURCE_EXHAUSTED beyond).
     max_unread_reply_bytes: int = 32 * MIB  # per client connection
     max_unread_reply_bytes_total: int = 256 * MIB  # all connections together
+    # A ModelStreamInfer whose client takes none of its responses for this long
+    # (they wait on its gRPC window) is ended with RESOURCE_EXHAUSTED and its
+    # worker freed for the pool's other callers; 0: never (README "Decoupled models").
+    stream_stall_s: float = 10.0
 
     # Native runtimes and fork (README "Native runtimes and fork"):
     threads_per_worker: int = 1  # OMP/MKL/OpenBLAS/... threads in each pool process
@@ -145,6 +149,7 @@ _FLOAT_FIELDS = {
     "max_connection_idle_s",
     "keepalive_time_s",
     "keepalive_timeout_s",
+    "stream_stall_s",
     "max_connection_age_s",
     "max_connection_age_grace_s",
     "repository_rescan_s",
