@@ -165,6 +165,27 @@ def encode_outputs(
         _put(tensor, arr, target, "output", view=raw is not None)
 
 
+def reply_bytes(
+    request: inference_pb2.ModelInferRequest, outputs: Mapping[str, npt.NDArray[Any]]
+) -> int:
+    """At least the raw bytes :func:`encode_outputs` would put in the reply
+    (outputs placed in shared memory aside), known before any is encoded: a
+    fixed-size tensor's exact size, a BYTES tensor's length prefixes only
+    (its strings are counted when encoded, not walked twice)."""
+    placed = _placed_outputs(request)
+    total = 0
+    for name, value in outputs.items():
+        if name in placed or (request.outputs and not _requested(request, name)):
+            continue
+        arr = np.asarray(value)
+        total += arr.size * _LENGTH.size if arr.dtype.kind in "OSU" else arr.nbytes
+    return total
+
+
+def _requested(request: inference_pb2.ModelInferRequest, name: str) -> bool:
+    return any(o.name == name for o in request.outputs)
+
+
 def _placed_outputs(
     request: inference_pb2.ModelInferRequest,
 ) -> dict[str, inference_pb2.ModelInferRequest.InferRequestedOutputTensor]:

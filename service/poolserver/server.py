@@ -122,7 +122,7 @@ class PoolServer(LiveModels):
             control=self,
             margin_s=settings.deadline_margin_ms / 1000,
             # its socket is private: the router's calls come with their registrations
-            shared_memory=SharedMemory(accept_attached=True),
+            shared_memory=SharedMemory.from_settings(settings, accept_attached=True),
         )
         self.lane = LaneServer(
             lane_path(socket_path),

@@ -37,6 +37,7 @@ from poolserve.service.contract.errors import (
     InvalidInput,
     ModelNotReady,
     ServingError,
+    StreamStalled,
     Unavailable,
     clip,
     load_failed,
@@ -59,7 +60,13 @@ from poolserve.service.contract.slab import MAX_BODY as SLAB_MAX_BODY
 from poolserve.service.contract.slab import THRESHOLD as SLAB_THRESHOLD
 from poolserve.service.contract.slab import Arena, without_raw_inputs
 from poolserve.service.contract.wire import peek_model
-from poolserve.service.grpcserver.handlers import EXTENSIONS, NO_DEADLINE_S, SERVICE, guarded
+from poolserve.service.grpcserver.handlers import (
+    EXTENSIONS,
+    NO_DEADLINE_S,
+    SERVICE,
+    abort,
+    guarded,
+)
 from poolserve.service.grpcserver.health import SERVING, Health
 from poolserve.service.grpcserver.pacing import Rescanner
 from poolserve.service.grpcserver.shm import SharedMemory
@@ -206,7 +213,8 @@ class Router:
             for name in route.models:
                 self.routes[name] = route
         self.health = Health()
-        self.shared_memory = SharedMemory()  # the one registry of the whole server
+        # the one registry of the whole server
+        self.shared_memory = SharedMemory.from_settings(settings)
         # large ModelInfer bodies go to the workers through these (contract/slab.py)
         self.arena = Arena(min(settings.max_message_size, SLAB_MAX_BODY))
         self.replies = ReplyBudget(
@@ -588,6 +596,9 @@ class Router:
         except (asyncio.CancelledError, GeneratorExit):
             code = self._ended_early(span, context)
             raise
+        except grpc.aio.AbortError:  # ended with a status (a client that stopped reading)
+            code = context.code()  # set by the abort
+            raise
         finally:
             span.set_attribute("poolserve.stream.requests", counted.count)
             span.set_attribute("poolserve.stream.responses", responses)
@@ -628,14 +639,19 @@ class Router:
             )
         try:
             attach = functools.partial(self._attach_in_stream, route)
-            async for item in route.lane.stream(first, requests, deadline, attach):
-                if isinstance(item, ServingError):  # the stream failed as a whole
-                    if span is not None and item.failure is Failure.DEADLINE:
-                        deadline_event(span, item.stage or "router", item.message)
-                    message = f"{grpc_status(item)[0].name}: {item.message}"
-                    yield pb.ModelStreamInferResponse(error_message=message).SerializeToString()
-                    return
-                yield item
+            stall_s = self.settings.stream_stall_s
+            lane = route.lane.stream(first, requests, deadline, attach, stall_s)
+            async with contextlib.aclosing(lane):  # closed here, whatever ends the call
+                async for item in lane:
+                    if isinstance(item, StreamStalled):  # the client stopped reading: a status
+                        await abort(context, *grpc_status(item))
+                    if isinstance(item, ServingError):  # the stream failed as a whole
+                        if span is not None and item.failure is Failure.DEADLINE:
+                            deadline_event(span, item.stage or "router", item.message)
+                        message = f"{grpc_status(item)[0].name}: {item.message}"
+                        yield pb.ModelStreamInferResponse(error_message=message).SerializeToString()
+                        return
+                    yield item
         except ServingError as exc:  # the lane is not reachable
             yield pb.ModelStreamInferResponse(error_message=exc.message).SerializeToString()
 
