@@ -299,7 +299,8 @@ def test_cpu_per_request_and_outside_load() -> None:
 def test_docs_section_replaces_only_what_is_between_the_markers() -> None:
     results = report.summarize(sample_results())
     section = report.docs_section(results)
-    before = f"# title\n\nintro\n\n{report.SECTION_START}\nstale section\n{report.SECTION_END}\n\n## after\n"
+    stale = f"{report.SECTION_START}\nstale section\n{report.SECTION_END}"
+    before = f"# title\n\nintro\n\n{stale}\n\n## after\n"
     updated = report.update_section(before, section)
     assert updated.startswith("# title\n\nintro\n\n")
     assert updated.endswith("\n\n## after\n")
