@@ -64,6 +64,7 @@ from poolserve.supervisor.reconcile import (
     Routes,
     pool_child_id,
 )
+from poolserve.supervisor.relay import LineSink, json_sink
 from poolserve.supervisor.spec import (
     ChildSpec,
     Restart,
@@ -107,6 +108,13 @@ def watchdog_timeout(settings: ServerSettings) -> float:
     the router calls a pool NOT_SERVING after heartbeat_timeout_s; the
     supervisor gives it watchdog_grace_s more to come back by itself."""
     return settings.heartbeat_timeout_s + settings.watchdog_grace_s
+
+
+def child_output(child_id: str, settings: ServerSettings) -> LineSink | None:
+    """With log_format json a child's stdout and stderr are relayed, each line
+    one JSON object (:mod:`poolserve.supervisor.relay`); with text they are the
+    supervisor's own."""
+    return json_sink(child_id) if settings.log_format == "json" else None
 
 
 def _pools_budget(count: int, grace: float) -> float:
@@ -176,6 +184,7 @@ class ServeTree:
             argv,
             stop_timeout=settings.stop_grace_s,
             watchdog_timeout=watchdog_timeout(settings),
+            output=child_output(ROUTER, settings),
         )
 
     def use(self, desired: Desired) -> None:
@@ -189,9 +198,14 @@ class ServeTree:
         argv = [*child_argv("pool", self.repo, self.flags), "--gid", gid]
         grace = settings.stop_grace_s
         watchdog = watchdog_timeout(settings)
+        output = child_output(pool_child_id(gid), settings)
         if exit_codes is None:
             return process_child(
-                pool_child_id(gid), argv, stop_timeout=grace, watchdog_timeout=watchdog
+                pool_child_id(gid),
+                argv,
+                stop_timeout=grace,
+                watchdog_timeout=watchdog,
+                output=output,
             )
         return process_child(
             pool_child_id(gid),
@@ -199,6 +213,7 @@ class ServeTree:
             stop_timeout=grace,
             exit_codes=exit_codes,
             watchdog_timeout=watchdog,
+            output=output,
         )
 
     def _build_pools(self) -> Service:

@@ -1,0 +1,148 @@
+"""``log_format json`` (issue 28, item 8): every line a tree writes is one JSON
+object, through a worker's death, a model whose load fails, output written
+outside any log handler, and the stop.
+
+Before the fix, 18 of 48 lines of a plain run failed ``json.loads``: the
+supervisor's events were JSON inside an unescaped ``"msg"`` string, and
+tracebacks spanned lines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from harness import Tree, make_repo, pool_status, wait_serving
+from support import wait_until, write_model
+
+pytestmark = pytest.mark.e2e
+
+FAILS_TO_LOAD = """
+from poolserve.service import Model
+
+class M(Model):
+    def load(self):
+        raise OSError("weights missing")
+
+    def predict(self, inputs, parameters):
+        return {}
+"""
+
+# Writes past every log handler at load: Python's stderr, stdout, and fd 2
+# directly (as a native library or grpc's C core would).
+CHATTY = """
+import os
+import sys
+
+from poolserve.service import Model
+
+class M(Model):
+    def load(self):
+        print("chatty: print to stdout")
+        print('chatty: a "quoted" line\\nand a second line', file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.write(2, b"chatty: raw bytes on fd 2\\n")
+
+    def predict(self, inputs, parameters):
+        return {}
+"""
+
+
+def parse_all(text: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """Every line of ``text`` as a JSON object, and the lines that are not."""
+    records: list[dict[str, Any]] = []
+    bad: list[str] = []
+    for line in text.splitlines():
+        try:
+            value = json.loads(line)
+        except ValueError:
+            bad.append(line)
+            continue
+        if isinstance(value, dict):
+            records.append(value)
+        else:
+            bad.append(line)
+    return records, bad
+
+
+def test_every_line_of_a_json_tree_parses(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "repo", {"echo": None})
+    write_model(repo, "fails-to-load", {"name": "fails-to-load", "implementation": "model.M"},
+                FAILS_TO_LOAD)  # fmt: skip
+    write_model(repo, "chatty", {"name": "chatty", "implementation": "model.M"}, CHATTY)
+    tree = Tree(repo, tmp_path / "run", workers=2, extra=("--log-format", "json"))
+    with tree:
+
+        async def serving_workers() -> list[int]:
+            async with grpc.aio.insecure_channel(
+                f"unix:{tree.run_dir / 'pool-default.sock'}"
+            ) as channel:
+                await wait_serving(channel, "model:echo")
+            return [w.pid for w in (await pool_status(tree.run_dir)).workers]
+
+        workers = asyncio.run(serving_workers())
+        assert workers, "the pool reports no worker"
+        victim = workers[0]
+        assert victim in tree.snapshot()  # a worker of this tree, by PID
+        os.kill(victim, signal.SIGKILL)
+
+        def death_logged() -> bool:
+            records, _ = parse_all(tree.log())
+            return any(r.get("worker_pid") == victim for r in records)
+
+        assert wait_until(death_logged, timeout=60, interval=0.1), tree.log()[-3000:]
+        assert tree.terminate(timeout=90) == 0
+    assert tree.leftovers() == []
+
+    text = tree.log()
+    records, bad = parse_all(text)
+    lines = len(text.splitlines())
+    assert bad == [], f"{len(bad)} of {lines} lines are not JSON objects:\n" + "\n".join(bad[:20])
+    assert len(records) == lines > 10
+    for record in records:
+        for key in ("ts", "level", "role", "pid", "msg"):
+            assert key in record, (key, record)
+
+    # The worker's death, as fields: which worker, how it died.
+    (death,) = [r for r in records if r.get("worker_pid") == victim]
+    assert death["role"] == "pool:default" and death["level"] == "WARNING", death
+    assert "SIGKILL" in death["worker_status"], death
+
+    # The failed load: one record, its traceback in a field of its own.
+    failed = [r for r in records if r.get("model") == "fails-to-load"]
+    assert len(failed) == 1, failed
+    assert "load failed: OSError: weights missing" in failed[0]["msg"]
+    trace = failed[0]["traceback"]
+    assert trace.startswith("Traceback (most recent call last)"), trace
+    assert 'raise OSError("weights missing")' in trace and "\n" in trace
+
+    # The supervisor's events are objects, not JSON inside a string.
+    events = [r["event"] for r in records if isinstance(r.get("event"), dict)]
+    names = {e["event"] for e in events}
+    assert {"child_started", "child_ready"} <= names, names
+    assert any(e["event"] == "child_started" and e["id"] == "router" for e in events), events
+    assert not any(r["msg"].lstrip().startswith("{") for r in records)
+
+    # Output past every handler is wrapped, naming the child it came from.
+    raw = {r["msg"]: r for r in records if r.get("raw") is True}
+    for line in (
+        "chatty: print to stdout",
+        'chatty: a "quoted" line',
+        "and a second line",
+        "chatty: raw bytes on fd 2",
+    ):
+        assert line in raw, (line, sorted(raw))
+        assert raw[line]["role"] == "pool:default", raw[line]
+
+    # Every process of the tree wrote its own lines.
+    roles = {r["role"] for r in records}
+    assert {"supervisor", "router", "pool:default"} <= roles, roles
+    assert "Traceback" not in "".join(r["msg"] for r in records)
