@@ -17,13 +17,16 @@ the inference protocol.
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import logging
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from poolserve.service.contract.repository import scan
 from poolserve.service.contract.rundir import (
@@ -108,6 +111,47 @@ def watchdog_timeout(settings: ServerSettings) -> float:
     the router calls a pool NOT_SERVING after heartbeat_timeout_s; the
     supervisor gives it watchdog_grace_s more to come back by itself."""
     return settings.heartbeat_timeout_s + settings.watchdog_grace_s
+
+
+def check_metrics_port(settings: ServerSettings, source: str) -> None:
+    """Binds each address the router's /metrics would listen on, and lets go:
+    a port in use is a configuration error (exit 2) before any process starts.
+    Another program may still take the port between this check and the
+    router's bind; the router then exits 2 as before. Port 0 (any free port)
+    and -1 (off) cannot clash."""
+    port = settings.metrics_port
+    if port <= 0:
+        return
+    try:
+        addresses = socket.getaddrinfo(
+            settings.host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except OSError:
+        return  # the router names the host it cannot resolve
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            # As asyncio.start_server binds: SO_REUSEADDR, IPv6 sockets v6 only.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
+                    continue  # e.g. no IPv6 here: the router skips it too
+                raise ConfigError(
+                    source,
+                    "metrics_port",
+                    f"the router's /metrics cannot listen on {_host_port(address)}: "
+                    f"{exc.strerror} (another tree? each tree needs its own: "
+                    "set --metrics-port / metrics_port / POOLSERVE_METRICS_PORT to a "
+                    "free port, 0 for any free port, -1 for no /metrics)",
+                ) from None
+
+
+def _host_port(address: tuple[Any, ...]) -> str:
+    host, port = address[0], address[1]
+    return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
 
 
 def child_output(child_id: str, settings: ServerSettings) -> LineSink | None:
@@ -246,6 +290,7 @@ def status_hook(notifier: SystemdNotifier) -> EventHook:
 def run_serve(repo: Path, flags: Mapping[str, object]) -> int:
     # Resolved first: a reload scans the same paths, so unchanged models compare equal.
     repo = repo.resolve()
+    given = {name for name, value in flags.items() if value is not None}
     try:
         settings = load_server_settings(repo, flags=flags)
         repository = scan(repo)
@@ -256,6 +301,10 @@ def run_serve(repo: Path, flags: Mapping[str, object]) -> int:
             raise ConfigError(str(repo), "(repository)", f"no valid model: {reasons}")
         run_dir = settings.resolved_run_dir()
         check_socket_paths(run_dir, repository.pools())
+        # Before run_dir and any pool: a second tree with the same metrics port
+        # (the default 8082 with another --grpc-port) fails now, not after its
+        # pools loaded.
+        check_metrics_port(settings, "--metrics-port" if "metrics_port" in given else "settings")
         ensure_private_dir(run_dir)
         # Before anything in run_dir is touched: it belongs to one live tree.
         lock = RunDirLock.take(run_dir)
