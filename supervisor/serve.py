@@ -20,11 +20,12 @@ import asyncio
 import errno
 import functools
 import logging
+import os
 import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -152,6 +153,55 @@ def check_metrics_port(settings: ServerSettings, source: str) -> None:
 def _host_port(address: tuple[Any, ...]) -> str:
     host, port = address[0], address[1]
     return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+
+
+# A pool's workers x threads_per_worker above this many per usable core is
+# warned about. Up to a few per core is a trade people make on purpose (workers
+# waiting on I/O or idle between calls, a BLAS call's threads short-lived; the
+# default 2 workers x 1 thread on a one-core container is 2 per core). Beyond
+# 4, whenever the pool is busy every core is shared by more threads than it
+# can run, and OpenMP's threads spin-wait for one another: throughput falls and
+# latency grows. That is a mistake far more often than a choice.
+THREADS_PER_CORE_WARNING = 4
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity), else os.cpu_count()."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def warn_oversubscribed(
+    settings: ServerSettings, gids: Iterable[str], cores: int | None = None
+) -> list[str]:
+    """Logs a warning for each pool whose workers x threads_per_worker exceeds
+    :data:`THREADS_PER_CORE_WARNING` per usable core (pools with one thread
+    per worker are left alone: their count is the workers setting, not this
+    one). Returns the warnings."""
+    cores = cores or usable_cores()
+    warnings: list[str] = []
+    for gid in sorted(gids):
+        threads = settings.threads_for(gid)
+        workers = max(settings.workers_for(gid), 1)  # 0: the models run in the pool itself
+        total = workers * threads
+        if threads <= 1 or total <= THREADS_PER_CORE_WARNING * cores:
+            continue
+        text = (
+            f"threads_per_worker {threads} in pool {gid!r}: {workers} worker(s) x {threads} "
+            f"threads = {total} native threads on {cores} usable core(s) (sched_getaffinity), "
+            f"more than {THREADS_PER_CORE_WARNING} per core: when the pool is busy they "
+            "fight for the cores (OpenMP threads spin-wait); workers x threads_per_worker "
+            "<= cores is the rule of thumb"
+        )
+        log.warning(
+            "%s",
+            text,
+            extra={"setting": "threads_per_worker", "pool": gid, "threads": total, "cores": cores},
+        )
+        warnings.append(text)
+    return warnings
 
 
 def child_output(child_id: str, settings: ServerSettings) -> LineSink | None:
@@ -324,6 +374,7 @@ def run_serve(repo: Path, flags: Mapping[str, object]) -> int:
         resolved = dict(flags)
         resolved["run_dir"] = str(run_dir)
         desired = Desired.from_repository(settings, repository)
+        warn_oversubscribed(settings, desired.pools)
         return asyncio.run(_serve(repo, desired, resolved, run_dir))
 
 
