@@ -66,7 +66,11 @@ def json_formatter() -> logging.Formatter:
     return Formatter(list(JSON_FIELDS), rename_fields=dict(JSON_NAMES), timestamp="ts")
 
 
-def setup_logging(role: str, log_format: str = "text") -> None:
+def setup_logging(role: str, log_format: str = "text", *, relay_own_output: bool = False) -> None:
+    """``relay_own_output`` (json only; the supervisor): fd 2 becomes a pipe
+    that a thread relays, see :func:`_relay_own_stderr`. Not for a process
+    that forks: a fork while that thread writes would leave the stream's lock
+    held in the child."""
     handler = logging.StreamHandler(sys.stderr)
     if log_format == "json":
         handler.setFormatter(json_formatter())
@@ -82,7 +86,7 @@ def setup_logging(role: str, log_format: str = "text") -> None:
         logging.captureWarnings(True)
         sys.excepthook = _log_uncaught
         threading.excepthook = _log_thread_uncaught
-        if os.environ.get(RELAYED_ENV) != "1":
+        if relay_own_output and os.environ.get(RELAYED_ENV) != "1":
             _relay_own_stderr(handler)
 
 
@@ -119,12 +123,11 @@ def write_verbatim(text: str) -> None:
 
 
 def _relay_own_stderr(handler: logging.StreamHandler[Any]) -> None:
-    """json, in the top process of a tree (the supervisor; a router or pool run
-    alone, by supervisord say): fd 2 becomes a pipe that a thread reads, each
+    """json, in the supervisor: fd 2 becomes a pipe that a thread reads, each
     line wrapped as an object (:func:`wrap_line`), so what grpc's C core, a
     native library or ``print`` writes there is JSON too. The handler writes
-    to the real stderr. Children inherit the variable and leave theirs alone
-    (the supervisor relays its children's output itself)."""
+    to the real stderr. The supervisor relays its children's output itself
+    (:mod:`poolserve.supervisor.relay`); the variable tells them so."""
     sys.stderr.flush()
     real = os.dup(2)
     read_fd, write_fd = os.pipe()
