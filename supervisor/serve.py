@@ -362,7 +362,7 @@ def run_serve(repo: Path, flags: Mapping[str, object]) -> int:
         print(f"poolserve: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     with lock:
-        setup_logging("supervisor", settings.log_format, relay_own_output=True)
+        setup_logging("supervisor", settings.log_format, relay="thread")
         for notice in mlserver_notices(repo):
             log.warning("MLServer setting: %s", notice)
         before, after = raise_open_file_limit()  # the children inherit it

@@ -13,13 +13,25 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 
-from harness import Tree, make_repo, pool_status, wait_serving
+from harness import (
+    BIN,
+    Tree,
+    cmdline,
+    descendants,
+    kill_pids,
+    make_repo,
+    pid_alive,
+    pool_status,
+    wait_gone,
+    wait_serving,
+)
 from support import wait_until, write_model
 
 pytestmark = pytest.mark.e2e
@@ -146,3 +158,46 @@ def test_every_line_of_a_json_tree_parses(tmp_path: Path) -> None:
     roles = {r["role"] for r in records}
     assert {"supervisor", "router", "pool:default"} <= roles, roles
     assert "Traceback" not in "".join(r["msg"] for r in records)
+
+
+def test_a_pool_run_alone_wraps_its_own_output(tmp_path: Path) -> None:
+    """Under supervisord (deploy/supervisord, json on) no poolserve supervisor
+    relays a pool's output: the pool starts a small relay process of its own,
+    so a model's print, on stdout or fd 2, is still one JSON object."""
+    repo = make_repo(tmp_path / "repo", {"echo": None})
+    write_model(repo, "chatty", {"name": "chatty", "implementation": "model.M"}, CHATTY)
+    run_dir = tmp_path / "run"
+    log_path = tmp_path / "pool.log"
+    argv = [str(BIN / "poolserve"), "pool", str(repo), "--gid", "default",
+            "--run-dir", str(run_dir), "--workers", "1", "--log-format", "json"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("POOLSERVE_")}
+    with open(log_path, "wb") as log:
+        pool = subprocess.Popen(argv, stdout=log, stderr=log, env=env)
+    started: set[int] = {pool.pid}
+    try:
+
+        async def serving() -> None:
+            async with grpc.aio.insecure_channel(f"unix:{run_dir / 'pool-default.sock'}") as ch:
+                await wait_serving(ch, "model:chatty")
+
+        asyncio.run(serving())
+        started.update(descendants(pool.pid))
+        relays = [p for p in started if "poolserve.service.lifecycle.logs" in " ".join(cmdline(p))]
+        assert len(relays) == 1, [cmdline(p) for p in started]
+        pool.send_signal(signal.SIGTERM)
+        assert pool.wait(timeout=60) == 0
+        # The relay ends by itself once every writer (pool, zygote, workers) is gone.
+        assert wait_gone(started, timeout=30), [p for p in started if pid_alive(p)]
+    finally:
+        if pool.poll() is None:
+            pool.kill()
+            pool.wait(timeout=30)
+        kill_pids(started)
+        wait_gone(started, timeout=10)
+    records, bad = parse_all(log_path.read_text())
+    assert bad == [], bad
+    raw = {r["msg"]: r for r in records if r.get("raw") is True}
+    for line in ("chatty: print to stdout", 'chatty: a "quoted" line', "chatty: raw bytes on fd 2"):
+        assert line in raw, (line, sorted(raw))
+        assert raw[line]["role"] == "pool:default" and raw[line]["pid"] == pool.pid, raw[line]
+    assert any(r.get("logger", "").endswith("poolserver.server") for r in records), records

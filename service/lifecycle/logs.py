@@ -23,8 +23,10 @@ import json
 import logging
 import os
 import re
+import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
@@ -44,6 +46,7 @@ JSON_FIELDS = ("levelname", "role", "process", "name", "message")
 JSON_NAMES = {"levelname": "level", "process": "pid", "name": "logger", "message": "msg"}
 
 _role = "poolserve"
+_relay_process: subprocess.Popen[bytes] | None = None  # relay="process": kept, never waited
 
 
 class _RoleFilter(logging.Filter):
@@ -66,11 +69,19 @@ def json_formatter() -> logging.Formatter:
     return Formatter(list(JSON_FIELDS), rename_fields=dict(JSON_NAMES), timestamp="ts")
 
 
-def setup_logging(role: str, log_format: str = "text", *, relay_own_output: bool = False) -> None:
-    """``relay_own_output`` (json only; the supervisor): fd 2 becomes a pipe
-    that a thread relays, see :func:`_relay_own_stderr`. Not for a process
-    that forks: a fork while that thread writes would leave the stream's lock
-    held in the child."""
+def setup_logging(
+    role: str, log_format: str = "text", *, relay: str = "", relay_stdout: bool = False
+) -> None:
+    """``relay`` (json only, in a process whose output nobody relays yet):
+    fd 2 (and fd 1) become a pipe whose lines are wrapped as JSON objects
+    (:func:`wrap_line`), so what grpc's C core, a native library or ``print``
+    writes there is JSON too; the handler itself writes to the real stderr.
+    ``"thread"`` (the supervisor, which never forks) relays in a thread of
+    this process; ``"process"`` (a router or pool run alone, by supervisord
+    say, or ``serve-inprocess``) in a small child process, since a fork while
+    a thread writes would leave the stream's lock held in the forked child.
+    ``relay_stdout``: fd 1 goes into the same pipe (a model's ``print`` in a
+    process that prints nothing of its own on stdout)."""
     handler = logging.StreamHandler(sys.stderr)
     if log_format == "json":
         handler.setFormatter(json_formatter())
@@ -86,8 +97,8 @@ def setup_logging(role: str, log_format: str = "text", *, relay_own_output: bool
         logging.captureWarnings(True)
         sys.excepthook = _log_uncaught
         threading.excepthook = _log_thread_uncaught
-        if relay_own_output and os.environ.get(RELAYED_ENV) != "1":
-            _relay_own_stderr(handler)
+        if relay and os.environ.get(RELAYED_ENV) != "1":
+            _relay_own_output(handler, relay, relay_stdout)
 
 
 def wrap_line(text: str, role: str, pid: int) -> str:
@@ -122,21 +133,32 @@ def write_verbatim(text: str) -> None:
         each.handle(record)
 
 
-def _relay_own_stderr(handler: logging.StreamHandler[Any]) -> None:
-    """json, in the supervisor: fd 2 becomes a pipe that a thread reads, each
-    line wrapped as an object (:func:`wrap_line`), so what grpc's C core, a
-    native library or ``print`` writes there is JSON too. The handler writes
-    to the real stderr. The supervisor relays its children's output itself
-    (:mod:`poolserve.supervisor.relay`); the variable tells them so."""
+def _relay_own_output(handler: logging.StreamHandler[Any], how: str, stdout: bool) -> None:
+    """See :func:`setup_logging`. Children inherit :data:`RELAYED_ENV` and
+    leave their output alone (the supervisor relays its children's itself)."""
+    sys.stdout.flush()
     sys.stderr.flush()
     real = os.dup(2)
     read_fd, write_fd = os.pipe()
+    if how == "process":
+        # Started by vfork+exec (no preexec hook): safe beside threads. It
+        # exits at EOF, once this process and all it started are gone.
+        argv = [sys.executable, "-P", "-m", "poolserve.service.lifecycle.logs"]
+        global _relay_process
+        _relay_process = subprocess.Popen(
+            [*argv, _role, str(os.getpid())], stdin=read_fd, stdout=real, stderr=real
+        )
+        os.close(read_fd)
     os.dup2(write_fd, 2)
+    if stdout:
+        os.dup2(write_fd, 1)
     os.close(write_fd)
     stream = open(real, "w", encoding="utf-8", errors="backslashreplace", buffering=1)  # noqa: SIM115
     handler.setStream(stream)
     os.environ[RELAYED_ENV] = "1"
-    pump = threading.Thread(target=_pump, args=(read_fd,), name="stderr-relay", daemon=True)
+    if how != "thread":
+        return
+    pump = threading.Thread(target=_pump, args=(read_fd, _relay), name="stderr-relay", daemon=True)
     pump.start()
 
     def stop() -> None:
@@ -148,7 +170,7 @@ def _relay_own_stderr(handler: logging.StreamHandler[Any]) -> None:
     atexit.register(stop)
 
 
-def _pump(fd: int) -> None:
+def _pump(fd: int, relay: Callable[[bytes], None]) -> None:
     pending = b""
     while True:
         try:
@@ -160,12 +182,12 @@ def _pump(fd: int) -> None:
         pending += chunk
         *lines, pending = pending.split(b"\n")
         for line in lines:
-            _relay(line)
+            relay(line)
         if len(pending) >= MAX_LINE:
-            _relay(pending)
+            relay(pending)
             pending = b""
     if pending:
-        _relay(pending)
+        relay(pending)
     os.close(fd)
 
 
@@ -237,3 +259,26 @@ def _late_reply_filter(record: logging.LogRecord) -> bool:
         record.exc_text = None
         record.levelno, record.levelname = logging.INFO, "INFO"
     return True
+
+
+def _relay_main(role: str, pid: int) -> None:
+    """The relay process of :func:`setup_logging` (``relay="process"``): its
+    stdin is the pipe, its stdout the real stderr. Stops at EOF only: a
+    SIGTERM to the process group must not cut the last lines off."""
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    out = sys.stdout
+
+    def relay(line: bytes) -> None:
+        text = line.decode("utf-8", errors="replace").rstrip("\r")
+        if text.strip():
+            out.write(wrap_line(text, role, pid) + "\n")
+            out.flush()
+
+    _pump(0, relay)
+
+
+if __name__ == "__main__":
+    _relay_main(sys.argv[1], int(sys.argv[2]))

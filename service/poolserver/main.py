@@ -45,7 +45,7 @@ def run_pool(repo: Path, gid: str, flags: Mapping[str, object]) -> int:
     pipe = take_ready_pipe()
     try:
         settings = load_server_settings(repo, flags=flags)
-        setup_logging(f"pool:{gid}", settings.log_format)
+        setup_logging(f"pool:{gid}", settings.log_format, relay="process", relay_stdout=True)
         # Before any model code loads, here (inline models) or in the zygote and workers.
         limit_native_threads(settings.threads_for(gid), f"pool {gid}")
         models = scan(repo).pools().get(gid)
