@@ -201,3 +201,39 @@ def test_a_pool_run_alone_wraps_its_own_output(tmp_path: Path) -> None:
         assert line in raw, (line, sorted(raw))
         assert raw[line]["role"] == "pool:default" and raw[line]["pid"] == pool.pid, raw[line]
     assert any(r.get("logger", "").endswith("poolserver.server") for r in records), records
+
+
+def test_wrap_line_keeps_records_and_wraps_everything_else() -> None:
+    from poolserve.service.lifecycle.logs import wrap_line
+
+    record = '{"ts": "t", "level": "INFO", "role": "router", "pid": 3, "msg": "m"}'
+    assert wrap_line(record, "pool:a", 9) == record
+    for text in ('{"a": 1}', "[1, 2]", '{"ts": "half', 'say "hi"\\ \t', "Traceback (most"):
+        wrapped = json.loads(wrap_line(text, "pool:a", 9))
+        assert wrapped["msg"] == text and wrapped["raw"] is True
+        assert (wrapped["role"], wrapped["pid"], wrapped["level"]) == ("pool:a", 9, "WARNING")
+    glog = "E1201 14:20:02.510713   17173 chttp2_transport.cc:1376] bind failed"
+    assert json.loads(wrap_line(glog, "router", 1))["level"] == "ERROR"
+
+
+def test_pipe_relay_splits_lines_across_reads_and_flushes_at_eof() -> None:
+    from poolserve.supervisor.relay import MAX_LINE, PipeRelay
+
+    got: list[tuple[bytes, int]] = []
+    read_fd, write_fd = os.pipe()
+    relay = PipeRelay(read_fd, 42, lambda line, pid: got.append((line, pid)))
+
+    def feed(data: bytes) -> None:  # below the pipe's capacity at a time
+        while data:
+            data = data[os.write(write_fd, data[:32768]) :]
+            relay.drain()
+
+    feed(b"one\ntw")
+    assert got == [(b"one", 42)]
+    feed(b"o\n" + b"x" * (MAX_LINE + 5))
+    assert got[1:] == [(b"two", 42), (b"x" * MAX_LINE, 42)]
+    os.close(write_fd)
+    relay.drain()  # EOF: the rest, without its newline; the pipe is closed
+    assert got[3:] == [(b"xxxxx", 42)]
+    with pytest.raises(OSError, match="Bad file descriptor"):
+        os.fstat(read_fd)

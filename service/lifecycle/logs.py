@@ -43,6 +43,7 @@ _GLOG = re.compile(r"([IWEF])\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ ")
 _GLOG_LEVELS = {"I": "INFO", "W": "WARNING", "E": "ERROR", "F": "CRITICAL"}
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(role)s[%(process)d] %(message)s"
 JSON_FIELDS = ("levelname", "role", "process", "name", "message")
+RECORD_KEYS = frozenset({"ts", "level", "role", "pid"})
 JSON_NAMES = {"levelname": "level", "process": "pid", "name": "logger", "message": "msg"}
 
 _role = "poolserve"
@@ -103,13 +104,15 @@ def setup_logging(
 
 def wrap_line(text: str, role: str, pid: int) -> str:
     """A line written outside any log handler, as one JSON object; a line
-    that is one already is returned as it is."""
+    that is a log record already (an object with ``ts``, ``level``, ``role``
+    and ``pid``: what a handler of the tree writes) is returned as it is."""
     if text.startswith("{"):
         try:
-            if isinstance(json.loads(text), dict):
-                return text
+            value = json.loads(text)
         except ValueError:
-            pass
+            value = None
+        if isinstance(value, dict) and value.keys() >= RECORD_KEYS:
+            return text
     glog = _GLOG.match(text)  # grpc's C core: "E1201 14:20:02.510713 17173 file.cc:1] ..."
     record = {
         "ts": datetime.datetime.now(datetime.UTC).isoformat(),
