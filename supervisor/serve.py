@@ -130,24 +130,28 @@ def check_metrics_port(settings: ServerSettings, source: str) -> None:
     except OSError:
         return  # the router names the host it cannot resolve
     for family, kind, proto, _, address in addresses:
-        with socket.socket(family, kind, proto) as probe:
-            # As asyncio.start_server binds: SO_REUSEADDR, IPv6 sockets v6 only.
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            try:
-                probe.bind(address)
-            except OSError as exc:
-                if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
-                    continue  # e.g. no IPv6 here: the router skips it too
-                raise ConfigError(
-                    source,
-                    "metrics_port",
-                    f"the router's /metrics cannot listen on {_host_port(address)}: "
-                    f"{exc.strerror} (another tree? each tree needs its own: "
-                    "set --metrics-port / metrics_port / POOLSERVE_METRICS_PORT to a "
-                    "free port, 0 for any free port, -1 for no /metrics)",
-                ) from None
+        try:
+            _probe_bind(family, kind, proto, address)
+        except OSError as exc:
+            if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
+                continue  # e.g. no IPv6 here: the router skips that address too
+            raise ConfigError(
+                source,
+                "metrics_port",
+                f"the router's /metrics cannot listen on {_host_port(address)}: "
+                f"{exc.strerror} (another tree? each tree needs its own: "
+                "set --metrics-port / metrics_port / POOLSERVE_METRICS_PORT to a "
+                "free port, 0 for any free port, -1 for no /metrics)",
+            ) from None
+
+
+def _probe_bind(family: int, kind: int, proto: int, address: tuple[Any, ...]) -> None:
+    with socket.socket(family, kind, proto) as probe:
+        # As asyncio.start_server binds: SO_REUSEADDR, IPv6 sockets v6 only.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        probe.bind(address)
 
 
 def _host_port(address: tuple[Any, ...]) -> str:
