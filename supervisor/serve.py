@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import functools
+import json
 import logging
 import os
 import signal
@@ -45,7 +46,7 @@ from poolserve.service.contract.settings import (
 )
 from poolserve.service.lifecycle.exitcodes import EXIT_CONFIG, EXIT_OK, EXIT_UNRECOVERABLE
 from poolserve.service.lifecycle.limits import raise_open_file_limit
-from poolserve.service.lifecycle.logs import setup_logging
+from poolserve.service.lifecycle.logs import setup_logging, wrap_line
 from poolserve.supervisor.announce import announce_serving, listening_line
 from poolserve.supervisor.control import ControlService, push_routes
 from poolserve.supervisor.events import (
@@ -112,6 +113,19 @@ def watchdog_timeout(settings: ServerSettings) -> float:
     the router calls a pool NOT_SERVING after heartbeat_timeout_s; the
     supervisor gives it watchdog_grace_s more to come back by itself."""
     return settings.heartbeat_timeout_s + settings.watchdog_grace_s
+
+
+def early_error(text: str, flags: Mapping[str, object]) -> str:
+    """An error from before logging is set up: one JSON object when json was
+    asked for (by the flag or POOLSERVE_LOG_FORMAT; settings.json may be the
+    broken part), else the text as it is."""
+    wanted = flags.get("log_format") or os.environ.get("POOLSERVE_LOG_FORMAT")
+    if wanted != "json":
+        return text
+    record = json.loads(wrap_line(text, "supervisor", os.getpid()))
+    record.update(level="ERROR", logger="poolserve.serve")
+    del record["raw"]
+    return json.dumps(record)
 
 
 def check_metrics_port(settings: ServerSettings, source: str) -> None:
@@ -363,7 +377,7 @@ def run_serve(repo: Path, flags: Mapping[str, object]) -> int:
         # Before anything in run_dir is touched: it belongs to one live tree.
         lock = RunDirLock.take(run_dir)
     except ConfigError as exc:
-        print(f"poolserve: {exc}", file=sys.stderr)
+        print(early_error(f"poolserve: {exc}", flags), file=sys.stderr)
         return EXIT_CONFIG
     with lock:
         setup_logging("supervisor", settings.log_format, relay="thread")

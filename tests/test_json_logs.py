@@ -237,3 +237,24 @@ def test_pipe_relay_splits_lines_across_reads_and_flushes_at_eof() -> None:
     assert got[3:] == [(b"xxxxx", 42)]
     with pytest.raises(OSError, match="Bad file descriptor"):
         os.fstat(read_fd)
+
+
+def test_a_configuration_error_is_one_json_object_too(tmp_path: Path) -> None:
+    """Before logging is set up (settings.json may be what is broken), an error
+    still follows the format asked for by the flag or POOLSERVE_LOG_FORMAT."""
+    repo = make_repo(tmp_path / "repo", {"echo": None}, {"max_queue": "big"})
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("POOLSERVE_")}
+    for how, extra in (("flag", ["--log-format", "json"]), ("variable", [])):
+        if how == "variable":
+            env["POOLSERVE_LOG_FORMAT"] = "json"
+        argv = [str(BIN / "poolserve"), "serve", str(repo), "--grpc-port", "0",
+                "--run-dir", str(run_dir), *extra]  # fmt: skip
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+        assert done.returncode == 2, (how, done.stderr)
+        records, bad = parse_all(done.stderr)
+        assert bad == [] and len(records) == 1, (how, done.stderr)
+        (record,) = records
+        assert record["level"] == "ERROR" and record["role"] == "supervisor", record
+        assert "max_queue" in record["msg"] and str(repo / "settings.json") in record["msg"]
+        assert not run_dir.exists() or not any(run_dir.iterdir())
