@@ -8,10 +8,17 @@ supervisor's ``event``) as fields of their own. Uncaught exceptions (of the
 main thread and of other threads) and :mod:`warnings` go through the same
 handler, so they are objects too.
 
-A process started by exec from one that set up logging (a pool's exec'd
-zygote, a spawned worker) reads the format from :data:`LOG_FORMAT_ENV` with
-:func:`setup_inherited_logging`; a forked one keeps its parent's handler and
-only changes its role (:func:`set_role`).
+A process started by exec from one that set up logging (a spawned worker;
+the library's exec'd zygote when its host is a poolserve process) reads the
+format from :data:`LOG_FORMAT_ENV` with :func:`setup_inherited_logging`; a
+forked one (a pool's zygote, its workers) keeps its parent's handler and only
+changes its role (:func:`set_role_kind`).
+
+What a process writes past its handler (grpc's C core, a native library, a
+``print``) is made JSON by a relay: the supervisor relays its children's
+stdout and stderr (:mod:`poolserve.supervisor.relay`) and its own fd 2 (a
+thread); a router or pool run alone relays its own through a child process
+(``setup_logging(relay=...)``).
 """
 
 from __future__ import annotations
