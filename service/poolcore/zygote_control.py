@@ -45,6 +45,8 @@ class ZygoteEvents:
     on_exit: Callable[[int, str], None]
     on_lost: Callable[[], None]
     on_unloaded: Callable[[str], None]
+    # A load that failed, with its traceback (name, traceback), before its on_model.
+    on_load_traceback: Callable[[str, str], None] | None = None
 
 
 class ZygoteControl:
@@ -83,6 +85,9 @@ class ZygoteControl:
     def _deliver(self, events: ZygoteEvents, msg: dict[str, Any], fds: list[int]) -> None:
         kind = msg.get("event")
         if kind == "model":
+            trace = msg.get("traceback")
+            if trace and events.on_load_traceback is not None:
+                events.on_load_traceback(str(msg["name"]), str(trace))
             events.on_model(
                 msg["name"],
                 bool(msg["ok"]),

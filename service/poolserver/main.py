@@ -46,7 +46,7 @@ def run_pool(repo: Path, gid: str, flags: Mapping[str, object]) -> int:
     pipe = take_ready_pipe()
     try:
         settings = load_server_settings(repo, flags=flags)
-        setup_logging(f"pool:{gid}", settings.log_format)
+        setup_logging(f"pool:{gid}", settings.log_format, relay="process", relay_stdout=True)
         # Before the zygote: its forked workers inherit them, spawned ones read the environment.
         configure_worker_limits(settings.max_message_size, settings.slab_mapped_bytes)
         # Before any model code loads, here (inline models) or in the zygote and workers.

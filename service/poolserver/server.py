@@ -72,6 +72,7 @@ class PoolServer(LiveModels):
     ) -> None:
         self.gid = gid
         self.repo = repo
+        self._load_tracebacks: dict[str, str] = {}  # model -> its failed load's traceback
         self.models = list(models)
         self.settings = settings
         self.socket_path = socket_path
@@ -173,6 +174,7 @@ class PoolServer(LiveModels):
         outputs: tuple[TensorSpec, ...],
         policy: TransactionPolicy,
     ) -> None:
+        trace = self._load_tracebacks.pop(name, "")
         waiting = self._model_replies.pop(name, None)
         if waiting is not None:  # a live load: _load decides what the catalog says
             if not waiting.done():
@@ -182,8 +184,14 @@ class PoolServer(LiveModels):
             log.info("pool %s: model %s loaded", self.gid, name)
             self.catalog.set_state(name, ModelState.READY, "", (inputs, outputs), policy)
         else:
-            log.error("pool %s: model %s: %s", self.gid, name, reason)
+            # The traceback goes in a field of its own (log_format json); a text
+            # line stays one line.
+            extra = {"model": name, "traceback": trace} if trace else {"model": name}
+            log.error("pool %s: model %s: %s", self.gid, name, reason, extra=extra)
             self.catalog.set_state(name, ModelState.UNAVAILABLE, reason)
+
+    def _on_load_traceback(self, name: str, trace: str) -> None:
+        self._load_tracebacks[name] = trace
 
     def _on_loaded(self) -> None:
         if not self.worker_models:
@@ -281,6 +289,7 @@ class PoolServer(LiveModels):
                     self._on_exit,
                     self._on_zygote_lost,
                     self._on_unloaded,
+                    self._on_load_traceback,
                 )
             )
             # The lane listens before the gRPC socket answers: the router follows
