@@ -20,7 +20,13 @@ from poolserve.service.contract.shm import Region, unwrap
 from poolserve.service.inference.classification import classify, requested_classes
 from poolserve.service.inference.codec import decode_inputs, encode_outputs, parameters_to_dict
 from poolserve.service.inference.controls import add_controls
-from poolserve.service.inference.model import Model, WireModel, check_outputs, class_labels
+from poolserve.service.inference.model import (
+    Model,
+    WireModel,
+    check_outputs,
+    class_labels,
+    declared_inputs,
+)
 from poolserve.service.inference.rawwire import Buffer, raw_output_parts, split_raw_inputs
 from poolserve.service.inference.shm import SharedTensors
 from poolserve.service.poolcore.stats import Timings
@@ -68,7 +74,7 @@ def infer_parts(
     head, raw = split_raw_inputs(data)
     request = parse_request(head)
     shared = SharedTensors(regions)
-    inputs = decode_inputs(request, shared.read, raw=raw or None)
+    inputs = decode_inputs(request, shared.read, raw=raw or None, declared=declared_inputs(model))
     parameters = parameters_to_dict(request.parameters)
     sequence = model.settings.sequence
     if sequence is not None and sequence.controls:
