@@ -166,12 +166,19 @@ def test_router_statuses(served: Serving) -> None:
             index = await stub.RepositoryIndex(pb.RepositoryIndexRequest())
             assert {m.name: m.state for m in index.models} == {
                 "echo": "READY",
+                "echo_any": "READY",
                 "burn": "READY",
                 "sleep": "READY",
                 "iris": "READY",
             }
             stats = await stub.ModelStatistics(pb.ModelStatisticsRequest())
-            assert {s.name for s in stats.model_stats} == {"echo", "burn", "sleep", "iris"}
+            assert {s.name for s in stats.model_stats} == {
+                "echo",
+                "echo_any",
+                "burn",
+                "sleep",
+                "iris",
+            }
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await stub.ModelInfer(pb.ModelInferRequest(model_name="ghost"))
             assert info.value.code() == grpc.StatusCode.NOT_FOUND
