@@ -76,6 +76,15 @@ def dims(shape: Iterable[int]) -> str:
 class _Input:
     datatype: str  # "" takes any
     dims: tuple[int, ...] | None  # without the batch dimension; None takes any
+    rank: int = -1  # of the request's shape, batch included; -1 takes any
+    fixed: tuple[tuple[int, int], ...] = ()  # (index in the request's shape, size), not -1
+
+    @classmethod
+    def of(cls, datatype: str, dims: tuple[int, ...] | None, skip: int) -> _Input:
+        if dims is None:
+            return cls(datatype, None)
+        fixed = tuple((i + skip, d) for i, d in enumerate(dims) if d != -1)
+        return cls(datatype, dims, len(dims) + skip, fixed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +109,7 @@ class DeclaredInputs:
         skipped = frozenset(controls)
         batch = 1 if max_batch_size > 0 else 0
         inputs = {
-            s.name: _Input(s.datatype, tuple(s.shape[batch:]) if s.shape else None)
+            s.name: _Input.of(s.datatype, tuple(s.shape[batch:]) if s.shape else None, batch)
             for s in specs
             if s.name not in skipped
         }
@@ -110,6 +119,45 @@ class DeclaredInputs:
 
     def check(self, tensors: Sequence[Tensor]) -> None:
         """Raises InvalidInput, in Triton's words, for the first rule a request breaks."""
+        if not self._fits(tensors):
+            self._refuse(tensors)
+
+    def _fits(self, tensors: Sequence[Tensor]) -> bool:
+        """One pass, reading each field once: whether the request keeps every
+        rule (the hot path; :meth:`_refuse` finds which one it breaks)."""
+        inputs = self.inputs
+        batched = self.max_batch_size > 0
+        batch = -1
+        count = 0
+        for tensor in tensors:
+            declared = inputs.get(tensor.name)
+            if declared is None:
+                if tensor.name in self.controls:
+                    continue  # add_controls refuses it, in its own words
+                return False
+            count += 1
+            if declared.datatype and tensor.datatype != declared.datatype:
+                return False
+            shape = tensor.shape
+            if batched:
+                if not shape:
+                    return False
+                if batch < 0:
+                    batch = shape[0]
+                elif shape[0] != batch:
+                    return False
+            if declared.rank >= 0:
+                if len(shape) != declared.rank:
+                    return False
+                for index, size in declared.fixed:
+                    if shape[index] != size:
+                        return False
+        if count != len(inputs) or batch > self.max_batch_size:
+            return False
+        # as many as declared, each declared: all there unless one came twice
+        return count == 1 or len({t.name for t in tensors} - self.controls) == count
+
+    def _refuse(self, tensors: Sequence[Tensor]) -> None:
         sent = [t for t in tensors if t.name not in self.controls] if self.controls else tensors
         model = clip(self.model)
         if len(sent) != len(self.inputs):
