@@ -2,16 +2,16 @@
 
 Each path a request takes to a model is driven here in-process: a worker's
 or inline model's :func:`infer`, a batch (:func:`run_batch`), a decoupled
-stream (:func:`stream_infer`), an input in shared memory, and an MLServer
-model through its adapter. The same checks through real trees are in
-test_protocol (workers and inline), test_pipeline and test_inprocess
-(tritonclient). The messages are Triton core's (src/infer_request.cc,
+stream (:func:`stream_infer`) and an input in shared memory. The same
+checks through real trees are in test_protocol (workers and inline),
+test_pipeline and test_inprocess (tritonclient), and test_mlserver (MLServer
+models, and their strings that are not UTF-8). The messages are Triton core's (src/infer_request.cc,
 src/model.cc, r24.10).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,21 +20,16 @@ import pytest
 
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service.contract.errors import Failure, InvalidInput
-from poolserve.service.contract.repository import (
-    ModelSettings,
-    TensorSpec,
-    parse_model_settings,
-)
+from poolserve.service.contract.repository import ModelSettings, TensorSpec
 from poolserve.service.contract.sequence import ControlInput, SequencePolicy
 from poolserve.service.inference.batch import run_batch
 from poolserve.service.inference.codec import decode_inputs, decode_outputs, encode_inputs
 from poolserve.service.inference.declared import DeclaredInputs
 from poolserve.service.inference.infer import infer
-from poolserve.service.inference.model import Array, Model, declared_inputs, load_model
+from poolserve.service.inference.model import Array, Model, declared_inputs
 from poolserve.service.inference.stream import stream_infer
 from poolserve.service.poolcore.frames import HEADER, Reply, join_frames, parse_reply
-
-from support import EXAMPLES
+from poolserve.service.runtimes.mlmodel import not_utf8
 
 
 class Identity(Model):
@@ -241,56 +236,33 @@ def test_names_and_shapes_a_client_sends_are_clipped_in_messages() -> None:
     assert message.startswith("unexpected inference input 'xxx") and len(message) < 400
 
 
-# -- MLServer models, through the adapter (the example wordcount, as it is) ------------
-
-# MLServer 1.7.1's converters call pydantic's deprecated construct(): a warning
-# that a worker ignores, and pytest's "error" filter would raise.
-mlserver_warnings = pytest.mark.filterwarnings("ignore::DeprecationWarning")
-
-
-@pytest.fixture(scope="module")
-def wordcount() -> Iterator[Model]:
-    pytest.importorskip("mlserver")
-    adapter = load_model(parse_model_settings(EXAMPLES / "wordcount" / "model-settings.json"))
-    yield adapter
-    loop = adapter._loops.loop  # type: ignore[attr-defined]  # a worker's, closed with it
-    if loop is not None:
-        loop.close()
+# -- MLServer models --------------------------------------------------------------
+# Served by workers in test_mlserver (invalid UTF-8 and a declared datatype,
+# through a real tree): MLServer's dataplane_pb2 cannot be imported in this
+# process once test_triton_client_examples has imported tritonclient (both
+# register protobuf package "inference"). Here, the mapping alone.
 
 
-def text_request(values: list[bytes], *, raw: bool, datatype: str = "BYTES") -> bytes:
+@pytest.mark.parametrize("raw", [True, False])
+def test_the_input_that_is_not_utf8_is_named(raw: bool) -> None:
     request = pb.ModelInferRequest(model_name="wordcount")
-    tensor = request.inputs.add(name="text", datatype=datatype, shape=[len(values)])
+    request.inputs.add(name="n", datatype="INT64", shape=[1]).contents.int64_contents.append(1)
+    values = [b"fine", "caf\u00e9".encode(), b"\xe9t\xe9"]
+    text = request.inputs.add(name="text", datatype="BYTES", shape=[3])
     if raw:
+        request.inputs[0].ClearField("contents")
+        request.raw_input_contents.append(np.ones(1, "<i8").tobytes())
         request.raw_input_contents.append(
             b"".join(len(v).to_bytes(4, "little") + v for v in values)
         )
     else:
-        tensor.contents.bytes_contents.extend(values)
-    return request.SerializeToString()
-
-
-@mlserver_warnings
-@pytest.mark.parametrize("raw", [True, False])
-def test_invalid_utf8_to_an_mlserver_model_is_invalid_argument_naming_the_input(
-    wordcount: Model, raw: bool
-) -> None:
-    with pytest.raises(InvalidInput) as info:
-        infer(wordcount, text_request([b"fine words", b"\xff\xfe oops"], raw=raw))
-    assert info.value.message == (
-        "input 'text' of model 'wordcount': BYTES element 1 is not valid UTF-8 "
-        "(invalid start byte at byte 0); a string input must be UTF-8"
-    )
-    reply, _ = infer(wordcount, text_request([b"two words"], raw=raw))
-    assert decode_outputs(pb.ModelInferResponse.FromString(reply))["output-0"].tolist() == [[2]]
-
-
-@mlserver_warnings
-def test_an_mlserver_model_gets_its_declared_inputs_enforced(wordcount: Model) -> None:
-    request = pb.ModelInferRequest(model_name="wordcount")
-    encode_inputs({"text": np.ones(2, np.int64)}, request, raw=True)
-    with pytest.raises(InvalidInput) as info:
-        infer(wordcount, request.SerializeToString())
-    assert info.value.message == (
-        "inference input 'text' data-type is 'INT64', but model 'wordcount' expects 'BYTES'"
+        text.contents.bytes_contents.extend(values)
+    try:
+        b"\xe9t\xe9".decode()
+    except UnicodeDecodeError as exc:
+        error = not_utf8("wordcount", request, exc)
+    assert isinstance(error, InvalidInput)
+    assert error.message == (
+        "input 'text' of model 'wordcount': BYTES element 2 is not valid UTF-8 "
+        "(invalid continuation byte at byte 0); a string input must be UTF-8"
     )
