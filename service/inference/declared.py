@@ -19,6 +19,10 @@ and their messages are Triton's (core ``InferenceRequest::Normalize`` and
    ("unexpected shape for input 'X' for model 'm'. Expected [-1,16], got
    [2,3]. ...").
 
+(Triton's other wording, "unexpected datatype TYPE_INT32 for inference input
+'X', expecting TYPE_FP32", is a backend's load-time check of its config
+against the model file, not an answer to a request.)
+
 Where a declaration leaves something out it is not checked: an input
 declared without a datatype takes any datatype, one declared without a shape
 any shape (Triton requires both, so its configs never leave them out).
@@ -28,10 +32,14 @@ are filled in by the server: they are neither required nor checked here
 that sends one).
 
 The table is built once per loaded model (:func:`declared_inputs`); a check
-reads only the tensors' names, datatypes and shapes, which every path has
-parsed already: worker and inline models, batches, shared-memory inputs
-(after their regions are read, as Triton resolves regions first) and the
-MLServer adapter (before MLServer's converters run).
+reads only the tensors' names, datatypes and shapes of the request every
+path has parsed already, in one pass when the request keeps the rules (the
+ordered checks run only to word a refusal). Native models check in
+:func:`poolserve.service.inference.codec.decode_inputs`, once the tensors
+are read (a malformed tensor or an unregistered region is named first, as
+Triton resolves regions before it checks the config): worker and inline
+models, batches, streams, shared-memory inputs. The MLServer adapter checks
+right after parsing, before MLServer's converters run.
 """
 
 from __future__ import annotations
