@@ -38,6 +38,7 @@ from poolserve.service.inference.model import (
     WireModel,
     check_outputs,
     class_labels,
+    declared_inputs,
 )
 from poolserve.service.inference.rawwire import Buffer, raw_output_parts, split_raw_inputs
 from poolserve.service.inference.shm import SharedTensors
@@ -97,7 +98,7 @@ def infer_parts(
     head, raw = split_raw_inputs(data)
     request = parse_request(head)
     shared = SharedTensors(regions)
-    inputs = decode_inputs(request, shared.read, raw=raw or None)
+    inputs = decode_inputs(request, shared.read, raw=raw or None, declared=declared_inputs(model))
     parameters = parameters_to_dict(request.parameters)
     sequence = model.settings.sequence
     if sequence is not None and sequence.controls:
