@@ -70,7 +70,7 @@ bench-workerpool: install
 bench-quick: install
 	$(BIN)/python bench/run.py --mode quick
 
-# Reliability suite (figures in README): pass options with ARGS, e.g.
+# Reliability suite (docs/reliability.md): pass options with ARGS, e.g.
 # `make stress ARGS=--assert-bound` or `make chaos ARGS=--quick`.
 stress: install
 	$(BIN)/python reliability/stress.py $(ARGS)

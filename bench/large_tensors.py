@@ -12,7 +12,7 @@ UNIMPLEMENTED gets "not supported" in its cells instead of failing the bench.
 
 The figure is MB/s moved: (input + output bytes) x inferences per second /
 1e6. Beside it, the copies poolserve makes of a request's tensor bytes on
-their way, as counted in its code (README, "Large tensors").
+their way, as counted in its code (docs/performance.md, "Large tensors: slabs and copies").
 
 Only the standard library at import time: run.py registers this module's
 targets and section in report.py, and tests load it by path.
@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-TITLE = "Large tensors (echo, issue 20)"
+TITLE = "Large tensors (echo)"
 SIZES: tuple[tuple[str, tuple[int, ...]], ...] = (
     ("588 KiB", (1, 3, 224, 224)),
     ("9.2 MiB", (16, 3, 224, 224)),
@@ -43,9 +43,10 @@ WINDOW_MS = 3000  # MLServer moves a 9.2 MiB echo a few times a second: windows 
 UNSUPPORTED = ("UNIMPLEMENTED", "Unimplemented", "Method not found", "not supported")
 # Copies of a request's tensor bytes in poolserve's code and in the kernel's
 # socket hops, request and reply ways together, counted in the code path
-# (README "Large tensors" has the table); gRPC's own copies are counted apart.
+# (docs/performance.md, "Large tensors: slabs and copies", has the table); gRPC's
+# own copies are counted apart.
 COPIES = {
-    SUBJECT: "3, no socket hop (the router's slabs; before: 1 and 8 in the kernel)",
+    SUBJECT: "3, no socket hop (the router's slabs)",
     SHM: "0 in transit (the worker maps the regions)",
 }
 

@@ -1,4 +1,4 @@
-"""From the raw measurements of a run to medians, target ratios, Markdown and the README.
+"""From the raw measurements of a run to medians, target ratios, Markdown and docs/performance.md.
 
 Pure functions over the JSON-able ``results`` dict that run.py fills in, so
 that tests/test_bench_report.py can check them on a recorded sample.
@@ -30,8 +30,10 @@ def _sibling(name: str) -> ModuleType:
 batching = _sibling("batching")
 decoupled = _sibling("decoupled")
 
-README_START = "<!-- bench:start -->"
-README_END = "<!-- bench:end -->"
+# The generated section of docs/performance.md lies between these markers.
+DOCS_PAGE = "docs/performance.md"
+SECTION_START = "<!-- bench:start -->"
+SECTION_END = "<!-- bench:end -->"
 MODELS = ("echo", "burn")
 XGB = "xgb"  # the XGBoost model (FP32 [1,20], 200 trees), issue 22
 ROUND_MODELS = (*MODELS, XGB)  # what the perf_analyzer rounds measure
@@ -500,16 +502,16 @@ def cpu_table(results: Results) -> str:
     return table(["server", "echo c16: ms CPU/request (by process)", "burn c16"], rows)
 
 
-def targets_table(results: Results) -> str:
+def targets_table(results: Results, with_issue: bool = True) -> str:
     rows = []
     for t in results.get("targets", []):
         value = fmt(t["value"], 2) if t["value"] is not None else "n/a"
         detail = f" ({t['detail']})" if t.get("detail") else ""
         verdict = "PASS" if t["passed"] else "MISS"
-        issue = t.get("issue", "")
-        rows.append([issue, t["label"] + detail, value, f"{t['op']} {t['threshold']}", verdict])
-    header = ["issue", "target (poolserve, same run)", "measured", "target", "result"]
-    return table(header, rows)
+        row = [t["label"] + detail, value, f"{t['op']} {t['threshold']}", verdict]
+        rows.append([t.get("issue", ""), *row] if with_issue else row)
+    header = ["target (poolserve, same run)", "measured", "target", "result"]
+    return table(["issue", *header] if with_issue else header, rows)
 
 
 def burn_line(results: Results) -> str:
@@ -683,34 +685,74 @@ def overload_note(results: Results) -> str:
     )
 
 
-def readme_section(results: Results, chart: str = "bench/results/latest.png") -> str:
+def duration_line(results: Results) -> str:
+    """How long the run took, from its own timings (meta.timings_s.total)."""
+    meta = results.get("meta", {})
+    total = meta.get("timings_s", {}).get("total")
+    if not total:
+        return ""
+    return (
+        f"This run took {total / 60:.0f} minutes on {meta.get('cores', '?')} cores "
+        "(`meta.timings_s` in bench/results/latest.json has each phase); `make bench` then "
+        "runs bench/workerpool_bench.py too. `make bench-quick` measures one run per cell "
+        "instead of three, and is shorter."
+    )
+
+
+def docs_section(results: Results, chart: str = "../bench/results/latest.png") -> str:
+    """The generated part of docs/performance.md: the whole report of a run, one
+    heading level down, without the tracker's issue numbers."""
+    memory = memory_table(results)
+    dropin = dropin_table(results)
     return "\n\n".join(
         part
         for part in [
-            README_START,
+            SECTION_START,
             "## Benchmark",
-            "`make bench` (about 16 minutes on 2 cores; `make bench-quick` about 3) installs "
-            "MLServer, KServe and perf_analyzer under bench/.peers and measures poolserve against "
-            "them and a bare grpc.aio server side by side. Full report: "
-            "[bench/results/latest.md](bench/results/latest.md).",
+            "`make bench` installs MLServer, KServe and perf_analyzer under bench/.peers and "
+            "measures poolserve against them and a bare grpc.aio server side by side. Every "
+            "figure below is generated from bench/results/latest.json; the same figures are in "
+            "[bench/results/latest.md](../bench/results/latest.md).",
+            duration_line(results),
             "\n".join(header_lines(results)),
-            targets_table(results),
-            perf_tables(results),
-            xgb_tables(results),
+            "### Targets\n\n" + targets_table(results, with_issue=False),
+            "### Throughput and latency\n\n" + perf_tables(results),
+            ("### XGBoost\n\n" + xgb_note(results) + "\n\n" + xgb_tables(results))
+            if xgb_tables(results)
+            else "",
+            (
+                "### Memory (PSS of the whole process tree, after warm-up)\n\n"
+                + memory
+                + memory_note(results)
+            )
+            if memory
+            else "",
+            "### Server CPU per request at concurrency 16 (approximate)\n\n"
+            "CPU of the server's process tree during a cell over the requests it served "
+            "(throughput x duration of the perf_analyzer run), median of the runs.\n\n"
+            + cpu_table(results),
+            "### Overload\n\n" + overload_note(results) + "\n\n" + overload_table(results),
+            f"### MLServer runtimes under poolserve\n\n{dropin}" if dropin else "",
+            ("### Batching\n\n" + batching.markdown(results["batching"]))
+            if results.get("batching")
+            else "",
+            ("### Decoupled models\n\n" + decoupled.markdown(results["decoupled"]))
+            if results.get("decoupled")
+            else "",
             *parts_sections(results, "###"),
             f"![throughput and p99 per concurrency]({chart})",
-            README_END,
+            SECTION_END,
         ]
         if part
     )
 
 
-def update_readme(text: str, section: str) -> str:
+def update_section(text: str, section: str) -> str:
     """Replaces what is between the markers (adds them at the end when missing)."""
-    start, end = text.find(README_START), text.find(README_END)
+    start, end = text.find(SECTION_START), text.find(SECTION_END)
     if start == -1 or end == -1 or end < start:
         return text.rstrip("\n") + "\n\n" + section + "\n"
-    return text[:start] + section + text[end + len(README_END) :]
+    return text[:start] + section + text[end + len(SECTION_END) :]
 
 
 def console(results: Results) -> str:

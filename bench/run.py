@@ -1,8 +1,8 @@
 """`make bench`: poolserve against MLServer, KServe and a bare grpc.aio server, side by side.
 
-  python bench/run.py --mode full    # make bench: 3 runs per cell, about 15 minutes on 2 cores
-  python bench/run.py --mode quick   # make bench-quick: 1 run per cell, about 3 minutes
-  python bench/run.py --render       # rewrite latest.md, latest.png and README from latest.json
+  python bench/run.py --mode full    # make bench: 3 runs per cell (37 min on 2 cores, Dec 1)
+  python bench/run.py --mode quick   # make bench-quick: 1 run per cell, shorter
+  python bench/run.py --render       # rewrite latest.md, latest.png, docs/performance.md
   python bench/run.py --only overload --servers poolserve --repeat 3
                                      # the overload part alone (mode's duration), never published
   python bench/run.py --only batching  # the batching part alone (bench/batching.py)
@@ -12,7 +12,8 @@
 Phases: install the peers (once, under bench/.peers); calibrate ``burn``;
 start every server with the same models; perf_analyzer rounds with the
 servers interleaved; overload; memory; then results in bench/results
-(JSON, Markdown, PNG) and, for a full run, the README section. Every process
+(JSON, Markdown, PNG) and, for a full run, the generated section of
+docs/performance.md. Every process
 it starts is stopped by PID, whatever happens.
 """
 
@@ -72,7 +73,7 @@ class Mode:
     overload_s: float
     overload_servers: tuple[str, ...]
     memory_c_peer: bool  # also MLServer with the 400 MiB model (information, no target)
-    publish: bool  # write latest.* and the README section
+    publish: bool  # write latest.* and docs/performance.md's section
     quiet_wait_s: float  # how long to wait for the machine to calm down before measuring
     retries: int  # cells re-measured because other processes loaded the machine (whole run)
     large: bool = False  # the large-tensor echo (issue 20; bench/large_tensors.py)
@@ -717,8 +718,8 @@ def cpu_model() -> str:
     return platform.processor() or "?"
 
 
-def publish(results: dict[str, Any], tools_python: Path, out: Path, readme: bool) -> None:
-    """latest.json, latest.md and latest.png in ``out``; the README section if asked."""
+def publish(results: dict[str, Any], tools_python: Path, out: Path, docs: bool) -> None:
+    """latest.json, latest.md and latest.png in ``out``; docs/performance.md's section if asked."""
     out.mkdir(parents=True, exist_ok=True)
     json_path = out / "latest.json"
     json_path.write_text(json.dumps(results, indent=1) + "\n")
@@ -730,11 +731,11 @@ def publish(results: dict[str, Any], tools_python: Path, out: Path, readme: bool
     )
     if chart.returncode != 0:
         log(f"chart failed: {chart.stderr[-1500:]}")
-    if readme:
-        path = ROOT / "README.md"
-        section = report.readme_section(results, "bench/results/latest.png")
-        path.write_text(report.update_readme(path.read_text(), section))
-    log(f"wrote {json_path.with_suffix('.*')}" + (" and the README section" if readme else ""))
+    if docs:
+        path = ROOT / report.DOCS_PAGE
+        section = report.docs_section(results)
+        path.write_text(report.update_section(path.read_text(), section))
+    log(f"wrote {json_path.with_suffix('.*')}" + (f" and {report.DOCS_PAGE}" if docs else ""))
 
 
 def run(mode: Mode, only: Sequence[str], publish_results: bool) -> dict[str, Any]:
@@ -822,7 +823,7 @@ def run(mode: Mode, only: Sequence[str], publish_results: bool) -> dict[str, Any
     timings["total"] = round(time.monotonic() - began, 1)
     report.summarize(results)
     out = RESULTS if publish_results else run_dir
-    publish(results, installed.tools_python, out, readme=publish_results)
+    publish(results, installed.tools_python, out, docs=publish_results)
     return results
 
 
@@ -848,7 +849,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--publish",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="write bench/results/latest.* and the README section (default: full mode only)",
+        help="write bench/results/latest.* and docs/performance.md's section "
+        "(default: full mode only)",
     )
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _raise_stopped)
@@ -856,7 +858,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     only = [s for s in args.servers.split(",") if s]
     if args.render:
         results = report.summarize(json.loads((RESULTS / "latest.json").read_text()))
-        publish(results, install.tools_venv().python, RESULTS, readme=True)
+        publish(results, install.tools_venv().python, RESULTS, docs=True)
         print(report.console(results))
         return 0
     mode = MODES[args.mode]

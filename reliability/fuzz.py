@@ -33,7 +33,7 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import spec_oracle
-from fuzzing import Oracle, crafted, random_inputs
+from fuzzing import Oracle, crafted, random_inputs, undeclare
 from fuzzing import field as wire_field
 from harness import (
     INFER,
@@ -156,6 +156,7 @@ def oversized() -> list[tuple[str, bytes]]:
 
 def run(count: int, seed: int, workdir: Path) -> Report:
     repo = make_repo(workdir / "repo", {"echo": None, "sleep": "slow"}, {"max_message_size": LIMIT})
+    undeclare(repo)  # every datatype and shape reaches the decoder (fuzzing.Oracle)
     expected = {"default": 2, "slow": 2}
     report = Report()
     oracle = Oracle(LIMIT)

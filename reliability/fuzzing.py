@@ -9,14 +9,22 @@ messages). :class:`Oracle` says what the server must answer by running the
 very functions the router, the pool and the worker run, in this process, on
 the same bytes: the server's status must be the oracle's, and an OK reply
 must be byte for byte the oracle's reply.
+
+The fuzzed ``echo`` declares no inputs (:func:`undeclare`): a model that
+declares none takes any tensor, so every datatype and shape reaches the
+decoder and comes back. ``Oracle(limit, declared=True)`` is the example echo
+as shipped (INPUT0 FP32 [-1,-1]), whose declared inputs are enforced.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import random
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -342,13 +350,30 @@ class Expected:
     reply: bytes = b""  # for OK: the exact response bytes
 
 
+def undeclare(repo: Path, name: str = "echo") -> None:
+    """Drops the declared inputs and outputs of ``name`` in ``repo``: it takes any tensor."""
+    path = repo / name / "model-settings.json"
+    settings = json.loads(path.read_text())
+    settings.pop("inputs", None)
+    settings.pop("outputs", None)
+    path.write_text(json.dumps(settings))
+
+
+def declared_inputs(name: str = "echo") -> dict[str, tuple[str, tuple[int, ...]]]:
+    """An example model's declared inputs as the spec oracle reads them."""
+    settings = json.loads((EXAMPLES / name / "model-settings.json").read_text())
+    return {i["name"]: (i["datatype"], tuple(i["shape"])) for i in settings["inputs"]}
+
+
 class Oracle:
     """What a tree serving the example ``echo`` (and ``sleep``) answers to bytes."""
 
-    def __init__(self, max_message_size: int) -> None:
+    def __init__(self, max_message_size: int, *, declared: bool = False) -> None:
         self.limit = max_message_size
         self.models: dict[str, Model] = {}
         settings = parse_model_settings(EXAMPLES / "echo" / "model-settings.json")
+        if not declared:  # as the fuzzed tree serves it (undeclare)
+            settings = dataclasses.replace(settings, inputs=(), outputs=())
         model = instantiate(settings)
         model.load()
         self.models["echo"] = model

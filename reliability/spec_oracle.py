@@ -21,7 +21,12 @@ of poolserve but the generated protobuf classes:
 
 For a request to ``echo`` (which answers OUTPUT<k> = INPUT<k>) it predicts
 INVALID_ARGUMENT or OK with the exact tensors, and checks a reply by decoding
-it the same independent way. It abstains (None) on what is not decoding:
+it the same independent way. Given the model's declared inputs (name ->
+datatype and shape, a model without ``max_batch_size``), it also applies
+Triton's rules for them (its core's InferenceRequest::Normalize): exactly the
+declared names, each with its declared datatype and as many dimensions, each
+dimension equal to the declared one unless that is -1; a request that breaks
+one is INVALID_ARGUMENT. It abstains (None) on what is not decoding:
 routing, scheduling parameters, requested outputs, input names echo refuses,
 messages too large to send, unknown top-level fields, and shapes numpy
 cannot represent (more than 32 dimensions, or nonzero dimensions whose
@@ -30,7 +35,7 @@ product overflows its index type).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -179,8 +184,27 @@ def decode(
     return out
 
 
-def predict(body: bytes, limit: int) -> Verdict | None:
-    """What a server serving ``echo`` must answer to ``body``; None: not modelled here."""
+Declared = Mapping[str, tuple[str, tuple[int, ...]]]
+
+
+def breaks_declaration(inputs: Sequence[Tensor], declared: Declared) -> str:
+    """ "" when ``inputs`` are what ``declared`` asks for, else which rule they break."""
+    if sorted(t.name for t in inputs) != sorted(declared):
+        return f"inputs {[t.name for t in inputs]}, declared {sorted(declared)}"
+    for tensor in inputs:
+        datatype, shape = declared[tensor.name]
+        if tensor.datatype != datatype:
+            return f"{tensor.name} is {tensor.datatype}, declared {datatype}"
+        if len(tensor.shape) != len(shape) or any(
+            want not in (-1, got) for want, got in zip(shape, tensor.shape, strict=True)
+        ):
+            return f"{tensor.name} has shape {list(tensor.shape)}, declared {list(shape)}"
+    return ""
+
+
+def predict(body: bytes, limit: int, declared: Declared | None = None) -> Verdict | None:
+    """What a server serving ``echo`` must answer to ``body``; None: not modelled
+    here. ``declared``: echo's declared inputs, when it declares some."""
     if len(body) > limit // 2:
         return None  # size limits: the other oracle's part
     try:
@@ -193,7 +217,7 @@ def predict(body: bytes, limit: int) -> Verdict | None:
         return None  # poolserve's router refuses some (groups) that protobuf skips
     if request.outputs or any(key in request.parameters for key in SCHEDULING):
         return None
-    if any(not t.name.startswith("INPUT") for t in request.inputs):
+    if declared is None and any(not t.name.startswith("INPUT") for t in request.inputs):
         return None
     if any(not _numpy_can_hold(t.shape, ITEMSIZE.get(t.datatype, 8)) for t in request.inputs):
         return None
@@ -201,6 +225,9 @@ def predict(body: bytes, limit: int) -> Verdict | None:
         inputs = decode(list(request.inputs), list(request.raw_input_contents))
     except SpecError as exc:
         return Verdict("INVALID_ARGUMENT", reason=str(exc))
+    broken = breaks_declaration(inputs, declared) if declared is not None else ""
+    if broken:
+        return Verdict("INVALID_ARGUMENT", reason=broken)
     outputs = tuple(
         Tensor("OUTPUT" + t.name[len("INPUT") :], t.datatype, t.shape, t.data) for t in inputs
     )

@@ -170,7 +170,7 @@ def _serve_inprocess(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"poolserve: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    setup_logging("inprocess", settings.log_format)
+    setup_logging("inprocess", settings.log_format, relay="process")
 
     async def run() -> None:
         server = InProcessServer(repository, settings)

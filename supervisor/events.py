@@ -9,7 +9,6 @@ child, because child ids only need to be unique among siblings.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -172,12 +171,15 @@ def _where(supervisor: str) -> str:
 def event_logger(
     logger: logging.Logger | None = None, *, style: Literal["text", "json"] = "text"
 ) -> EventHook:
-    """A hook that logs each event as text or as one JSON object per line."""
+    """A hook that logs each event: its readable ``str`` as the message, and
+    with ``style="json"`` its ``to_json()`` as the record's ``event`` field
+    (a JSON formatter writes it as an object; the message stays text, so a
+    log line is never JSON inside a JSON string)."""
     log = logger or logging.getLogger("poolserve.supervisor")
 
     def hook(event: Event) -> None:
-        message = json.dumps(event.to_json(), sort_keys=True) if style == "json" else str(event)
-        log.log(event.log_level(), "%s", message)
+        extra = {"event": event.to_json()} if style == "json" else None
+        log.log(event.log_level(), "%s", str(event), extra=extra)
 
     return hook
 

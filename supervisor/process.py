@@ -53,6 +53,7 @@ from poolserve.service.lifecycle.exitcodes import (
 )
 from poolserve.supervisor.clock import Clock, RealClock, wait_done
 from poolserve.supervisor.reaper import OWNED_PIDS, OwnedPids
+from poolserve.supervisor.relay import LineSink, PipeRelay
 from poolserve.supervisor.spec import (
     ChildSpec,
     Restart,
@@ -115,6 +116,7 @@ class ProcessService:
         clock: Clock | None = None,
         owned: OwnedPids = OWNED_PIDS,
         watchdog_timeout: float | None = None,
+        output: LineSink | None = None,
     ) -> None:
         if not argv:
             raise ValueError("argv must not be empty")
@@ -134,6 +136,8 @@ class ProcessService:
         self.watchdog_timeout = watchdog_timeout
         self._last_beat = 0.0  # clock reading of the latest READY=1 or WATCHDOG=1
         self._hung_for: float | None = None  # set when the watchdog killed it
+        # Set: the child's stdout and stderr are one pipe, each line relayed to it.
+        self._output = output
 
     @property
     def pid(self) -> int | None:
@@ -145,14 +149,24 @@ class ProcessService:
             raise RuntimeError(f"{self.name} is already running (pid {self._pid})")
         loop = asyncio.get_running_loop()
         read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
+        out_r, out_w = os.pipe2(os.O_CLOEXEC) if self._output is not None else (-1, -1)
         try:
-            process = self._spawn(write_fd)
+            process = self._spawn(write_fd, out_w)
         except BaseException:
             os.close(read_fd)
+            if out_r >= 0:
+                os.close(out_r)
             raise
         finally:
             os.close(write_fd)  # the child has its copy; EOF then means it closed or died
+            if out_w >= 0:
+                os.close(out_w)
         pid = process.pid
+        relay: PipeRelay | None = None
+        if self._output is not None:
+            # Reads until every writer is gone (the child's own children too).
+            relay = PipeRelay(out_r, pid, self._output)
+            relay.start(loop)
         self._owned.add(pid)
         self._pid = pid
         try:
@@ -164,13 +178,15 @@ class ProcessService:
             os.close(read_fd)
             _kill_group(pid, signal.SIGKILL)
             status = _reap(pid)
+            if relay is not None:
+                relay.drain()  # its last lines, before the exit is reported
             process.returncode = status.code if status.code is not None else -(status.signal or 0)
             self.last_exit = status
             self._pid = None
             self._owned.release(pid)
         self._conclude(status)
 
-    def _spawn(self, ready_fd: int) -> subprocess.Popen[bytes]:
+    def _spawn(self, ready_fd: int, output_fd: int = -1) -> subprocess.Popen[bytes]:
         env = dict(os.environ) if self._env is None else dict(self._env)
         env[PARENT_PID_ENV] = str(os.getpid())
         env[READY_FD_ENV] = str(ready_fd)
@@ -181,6 +197,8 @@ class ProcessService:
             env=env,
             cwd=self._cwd,
             stdin=subprocess.DEVNULL,
+            stdout=output_fd if output_fd >= 0 else None,
+            stderr=output_fd if output_fd >= 0 else None,
             pass_fds=(ready_fd, *self._pass_fds),
             process_group=0,
         )
@@ -288,6 +306,7 @@ def process_child(
     cwd: str | os.PathLike[str] | None = None,
     exit_codes: Mapping[int, ExitAction] = DEFAULT_EXIT_CODES,
     watchdog_timeout: float | None = None,
+    output: LineSink | None = None,
 ) -> ChildSpec:
     """A ChildSpec for a process, with the two stop bounds in the right order.
 
@@ -305,6 +324,7 @@ def process_child(
             exit_codes=exit_codes,
             name=id,
             watchdog_timeout=watchdog_timeout,
+            output=output,
         )
 
     return ChildSpec(id, start, restart=restart, stop_timeout=stop_timeout + KILL_GRACE)

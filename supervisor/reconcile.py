@@ -67,6 +67,9 @@ POOL_SETTINGS = (
     "repository_rescan_s",
     "warmup_timeout_s",
     "abandon_grace_s",
+    "shm_max_regions",  # a pool's own registry (its private socket)
+    "shm_max_name_length",
+    "slab_mapped_bytes",
     "stream_messages",
 )
 ROUTER_SETTINGS = (
@@ -96,7 +99,10 @@ ROUTER_SETTINGS = (
     "max_connection_age_grace_s",
     "max_unread_reply_bytes",
     "max_unread_reply_bytes_total",
+    "stream_stall_s",
     "repository_rescan_s",
+    "shm_max_regions",
+    "shm_max_name_length",
 )
 # compared through workers_for(gid), threads_for(gid) and start_method_for(gid)
 PER_POOL_SETTINGS = ("parallel_workers", "pools", "threads_per_worker", "start_method")

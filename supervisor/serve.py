@@ -17,13 +17,18 @@ the inference protocol.
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
+import json
 import logging
+import os
 import signal
+import socket
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 from poolserve.service.contract.repository import scan
 from poolserve.service.contract.rundir import (
@@ -41,7 +46,7 @@ from poolserve.service.contract.settings import (
 )
 from poolserve.service.lifecycle.exitcodes import EXIT_CONFIG, EXIT_OK, EXIT_UNRECOVERABLE
 from poolserve.service.lifecycle.limits import raise_open_file_limit
-from poolserve.service.lifecycle.logs import setup_logging
+from poolserve.service.lifecycle.logs import setup_logging, wrap_line
 from poolserve.supervisor.announce import announce_serving, listening_line
 from poolserve.supervisor.control import ControlService, push_routes
 from poolserve.supervisor.events import (
@@ -64,6 +69,7 @@ from poolserve.supervisor.reconcile import (
     Routes,
     pool_child_id,
 )
+from poolserve.supervisor.relay import LineSink, json_sink
 from poolserve.supervisor.spec import (
     ChildSpec,
     Restart,
@@ -107,6 +113,120 @@ def watchdog_timeout(settings: ServerSettings) -> float:
     the router calls a pool NOT_SERVING after heartbeat_timeout_s; the
     supervisor gives it watchdog_grace_s more to come back by itself."""
     return settings.heartbeat_timeout_s + settings.watchdog_grace_s
+
+
+def early_error(text: str, flags: Mapping[str, object]) -> str:
+    """An error from before logging is set up: one JSON object when json was
+    asked for (by the flag or POOLSERVE_LOG_FORMAT; settings.json may be the
+    broken part), else the text as it is."""
+    wanted = flags.get("log_format") or os.environ.get("POOLSERVE_LOG_FORMAT")
+    if wanted != "json":
+        return text
+    record = json.loads(wrap_line(text, "supervisor", os.getpid()))
+    record.update(level="ERROR", logger="poolserve.serve")
+    del record["raw"]
+    return json.dumps(record)
+
+
+def check_metrics_port(settings: ServerSettings, source: str) -> None:
+    """Binds each address the router's /metrics would listen on, and lets go:
+    a port in use is a configuration error (exit 2) before any process starts.
+    Another program may still take the port between this check and the
+    router's bind; the router then exits 2 as before. Port 0 (any free port)
+    and -1 (off) cannot clash."""
+    port = settings.metrics_port
+    if port <= 0:
+        return
+    try:
+        addresses = socket.getaddrinfo(
+            settings.host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except OSError:
+        return  # the router names the host it cannot resolve
+    for family, kind, proto, _, address in addresses:
+        try:
+            _probe_bind(family, kind, proto, address)
+        except OSError as exc:
+            if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
+                continue  # e.g. no IPv6 here: the router skips that address too
+            raise ConfigError(
+                source,
+                "metrics_port",
+                f"the router's /metrics cannot listen on {_host_port(address)}: "
+                f"{exc.strerror} (another tree? each tree needs its own: "
+                "set --metrics-port / metrics_port / POOLSERVE_METRICS_PORT to a "
+                "free port, 0 for any free port, -1 for no /metrics)",
+            ) from None
+
+
+def _probe_bind(family: int, kind: int, proto: int, address: tuple[Any, ...]) -> None:
+    with socket.socket(family, kind, proto) as probe:
+        # As asyncio.start_server binds: SO_REUSEADDR, IPv6 sockets v6 only.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        probe.bind(address)
+
+
+def _host_port(address: tuple[Any, ...]) -> str:
+    host, port = address[0], address[1]
+    return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+
+
+# A pool's workers x threads_per_worker above this many per usable core is
+# warned about. Up to a few per core is a trade people make on purpose (workers
+# waiting on I/O or idle between calls, a BLAS call's threads short-lived; the
+# default 2 workers x 1 thread on a one-core container is 2 per core). Beyond
+# 4, whenever the pool is busy every core is shared by more threads than it
+# can run, and OpenMP's threads spin-wait for one another: throughput falls and
+# latency grows. That is a mistake far more often than a choice.
+THREADS_PER_CORE_WARNING = 4
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity), else os.cpu_count()."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def warn_oversubscribed(
+    settings: ServerSettings, gids: Iterable[str], cores: int | None = None
+) -> list[str]:
+    """Logs a warning for each pool whose workers x threads_per_worker exceeds
+    :data:`THREADS_PER_CORE_WARNING` per usable core (pools with one thread
+    per worker are left alone: their count is the workers setting, not this
+    one). Returns the warnings."""
+    cores = cores or usable_cores()
+    warnings: list[str] = []
+    for gid in sorted(gids):
+        threads = settings.threads_for(gid)
+        workers = max(settings.workers_for(gid), 1)  # 0: the models run in the pool itself
+        total = workers * threads
+        if threads <= 1 or total <= THREADS_PER_CORE_WARNING * cores:
+            continue
+        text = (
+            f"threads_per_worker {threads} in pool {gid!r}: {workers} worker(s) x {threads} "
+            f"threads = {total} native threads on {cores} usable core(s) (sched_getaffinity), "
+            f"more than {THREADS_PER_CORE_WARNING} per core: when the pool is busy they "
+            "fight for the cores (OpenMP threads spin-wait); workers x threads_per_worker "
+            "<= cores is the rule of thumb"
+        )
+        log.warning(
+            "%s",
+            text,
+            extra={"setting": "threads_per_worker", "pool": gid, "threads": total, "cores": cores},
+        )
+        warnings.append(text)
+    return warnings
+
+
+def child_output(child_id: str, settings: ServerSettings) -> LineSink | None:
+    """With log_format json a child's stdout and stderr are relayed, each line
+    one JSON object (:mod:`poolserve.supervisor.relay`); with text they are the
+    supervisor's own."""
+    return json_sink(child_id) if settings.log_format == "json" else None
 
 
 def _pools_budget(count: int, grace: float) -> float:
@@ -177,6 +297,7 @@ class ServeTree:
             argv,
             stop_timeout=settings.stop_grace_s,
             watchdog_timeout=watchdog_timeout(settings),
+            output=child_output(ROUTER, settings),
         )
 
     def use(self, desired: Desired) -> None:
@@ -190,9 +311,14 @@ class ServeTree:
         argv = [*child_argv("pool", self.repo, self.flags), "--gid", gid]
         grace = settings.stop_grace_s
         watchdog = watchdog_timeout(settings)
+        output = child_output(pool_child_id(gid), settings)
         if exit_codes is None:
             return process_child(
-                pool_child_id(gid), argv, stop_timeout=grace, watchdog_timeout=watchdog
+                pool_child_id(gid),
+                argv,
+                stop_timeout=grace,
+                watchdog_timeout=watchdog,
+                output=output,
             )
         return process_child(
             pool_child_id(gid),
@@ -200,6 +326,7 @@ class ServeTree:
             stop_timeout=grace,
             exit_codes=exit_codes,
             watchdog_timeout=watchdog,
+            output=output,
         )
 
     def _build_pools(self) -> Service:
@@ -232,6 +359,7 @@ def status_hook(notifier: SystemdNotifier) -> EventHook:
 def run_serve(repo: Path, flags: Mapping[str, object]) -> int:
     # Resolved first: a reload scans the same paths, so unchanged models compare equal.
     repo = repo.resolve()
+    given = {name for name, value in flags.items() if value is not None}
     try:
         settings = load_server_settings(repo, flags=flags)
         repository = scan(repo)
@@ -242,14 +370,18 @@ def run_serve(repo: Path, flags: Mapping[str, object]) -> int:
             raise ConfigError(str(repo), "(repository)", f"no valid model: {reasons}")
         run_dir = settings.resolved_run_dir()
         check_socket_paths(run_dir, repository.pools())
+        # Before run_dir and any pool: a second tree with the same metrics port
+        # (the default 8082 with another --grpc-port) fails now, not after its
+        # pools loaded.
+        check_metrics_port(settings, "--metrics-port" if "metrics_port" in given else "settings")
         ensure_private_dir(run_dir)
         # Before anything in run_dir is touched: it belongs to one live tree.
         lock = RunDirLock.take(run_dir)
     except ConfigError as exc:
-        print(f"poolserve: {exc}", file=sys.stderr)
+        print(early_error(f"poolserve: {exc}", flags), file=sys.stderr)
         return EXIT_CONFIG
     with lock:
-        setup_logging("supervisor", settings.log_format)
+        setup_logging("supervisor", settings.log_format, relay="thread")
         for notice in mlserver_notices(repo):
             log.warning("MLServer setting: %s", notice)
         before, after = raise_open_file_limit()  # the children inherit it
@@ -261,6 +393,7 @@ def run_serve(repo: Path, flags: Mapping[str, object]) -> int:
         resolved = dict(flags)
         resolved["run_dir"] = str(run_dir)
         desired = Desired.from_repository(settings, repository)
+        warn_oversubscribed(settings, desired.pools)
         return asyncio.run(_serve(repo, desired, resolved, run_dir))
 
 

@@ -47,6 +47,22 @@ def copy_example(repo: Path, name: str, gid: str | None = None) -> Path:
     return target
 
 
+def copy_echo_any(repo: Path, name: str = "echo_any", gid: str | None = None) -> Path:
+    """The example echo as ``name``, declaring no inputs or outputs: it takes any
+    tensors (a model that declares none is not checked), for tests that send
+    every datatype and shape through the codec."""
+    target = repo / name
+    shutil.copytree(EXAMPLES / "echo", target, ignore=shutil.ignore_patterns("__pycache__"))
+    settings_path = target / "model-settings.json"
+    settings = json.loads(settings_path.read_text())
+    settings["name"] = name
+    del settings["inputs"], settings["outputs"]
+    if gid is not None:
+        settings.setdefault("parameters", {})["inference_pool_gid"] = gid
+    settings_path.write_text(json.dumps(settings))
+    return target
+
+
 def train_iris(folder: Path) -> None:
     subprocess.run([sys.executable, str(folder / "train.py")], check=True, capture_output=True)
 

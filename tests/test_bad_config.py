@@ -27,6 +27,7 @@ from harness import (
     BIN,
     LISTENING_PREFIX,
     Tree,
+    free_port,
     infer_bytes,
     kill_pids,
     make_repo,
@@ -187,6 +188,44 @@ def test_router_port_in_use_exits_2_with_nothing_left(tmp_path: Path) -> None:
     assert str(port) in err and "Traceback" not in err, err
     assert LISTENING_PREFIX not in out
     assert stray == []
+
+
+MARKS_ITS_LOAD = """
+from pathlib import Path
+
+from poolserve.service import Model
+
+class M(Model):
+    def load(self):
+        Path(__file__).with_name("loaded").write_text("a pool loaded me")
+
+    def predict(self, inputs, parameters):
+        return {}
+"""
+
+
+def test_second_tree_on_the_same_metrics_port_exits_2_before_any_pool(tmp_path: Path) -> None:
+    """Issue 28, item 9: the metrics port stays 8082 when --grpc-port changes,
+    and a second tree found the clash only in its router, after its pools had
+    loaded, leaving a socket in its run_dir. It must fail before any pool."""
+    port = free_port()
+    first = Tree(make_repo(tmp_path / "repo1", {"echo": None}), tmp_path / "run1",
+                 workers=1, extra=("--metrics-port", str(port)))  # fmt: skip
+    with first:
+        assert (first.run_dir / "metrics.addr").read_text().strip().endswith(f":{port}")
+        repo = tmp_path / "repo2"
+        write(repo / "marker" / "model-settings.json",
+              json.dumps({"name": "marker", "implementation": "model.M"}))  # fmt: skip
+        write(repo / "marker" / "model.py", MARKS_ITS_LOAD)
+        run_dir = tmp_path / "run2"
+        done = serve(repo, run_dir, "--metrics-port", str(port), timeout=60)
+        assert first.proc is not None and first.proc.poll() is None  # the first tree serves on
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "--metrics-port" in done.stderr and "metrics_port" in done.stderr, done.stderr
+    assert str(port) in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert LISTENING_PREFIX not in done.stdout
+    assert not (repo / "marker" / "loaded").exists(), "a pool loaded a model first"
+    assert not run_dir.exists() or not any(run_dir.iterdir()), list(run_dir.iterdir())
 
 
 # --- model-level problems: one tree holding every kind of broken model -------

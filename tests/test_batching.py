@@ -285,6 +285,16 @@ def test_worker_killed_during_a_batch_retries_it_once(tmp_path: Path) -> None:
             assert blocker.done()
             pids = {line["pid"] for line in batch_lines()}
             assert len(pids) >= 2, "the batch was not run again on another worker"
+            # every predict is logged before it holds: the killed batch's callers
+            # ran exactly twice (the killed run, one retry), the others once
+            killed = set(first["rows"])  # type: ignore[call-overload]
+            runs = logged(log)
+            for caller in callers:
+                tag = float(caller.rows[0, 0])
+                ran = [line for line in runs if tag in line["rows"]]  # type: ignore[operator]
+                assert len(ran) == (2 if tag in killed else 1), (caller.number, ran)
+                if tag in killed:
+                    assert ran[1]["pid"] != first["pid"], ran
 
     with Serving(repo, tmp_path / "run", workers=1) as serving:
         asyncio.run(main(serving))

@@ -296,18 +296,21 @@ def test_cpu_per_request_and_outside_load() -> None:
     assert results["foreign_load"]["max_cores"] == pytest.approx(0.3)
 
 
-def test_readme_section_replaces_only_what_is_between_the_markers() -> None:
+def test_docs_section_replaces_only_what_is_between_the_markers() -> None:
     results = report.summarize(sample_results())
-    section = report.readme_section(results)
-    before = f"# title\n\nintro\n\n{report.README_START}\nold\n{report.README_END}\n\n## after\n"
-    updated = report.update_readme(before, section)
+    section = report.docs_section(results)
+    stale = f"{report.SECTION_START}\nstale section\n{report.SECTION_END}"
+    before = f"# title\n\nintro\n\n{stale}\n\n## after\n"
+    updated = report.update_section(before, section)
     assert updated.startswith("# title\n\nintro\n\n")
     assert updated.endswith("\n\n## after\n")
-    assert "old" not in updated
-    assert report.update_readme(updated, section) == updated  # idempotent
-    appended = report.update_readme("# title\n", section)
-    assert appended.startswith("# title\n\n" + report.README_START)
-    assert appended.rstrip().endswith(report.README_END)
+    assert "stale section" not in updated
+    assert report.update_section(updated, section) == updated  # idempotent
+    appended = report.update_section("# title\n", section)
+    assert appended.startswith("# title\n\n" + report.SECTION_START)
+    assert appended.rstrip().endswith(report.SECTION_END)
+    # user docs name no tracker issues: the section's targets have no issue column
+    assert "| issue |" not in section and "| issue |" in report.markdown(results)
 
 
 # -- the hand-encoded protobuf the bench's client and add-on handlers speak ------------------
@@ -474,7 +477,7 @@ def test_xgboost_targets_compare_with_kserve_and_mlserver_in_the_same_run() -> N
     ]  # the inline server does not serve it: no row
     assert "| n/a | n/a | 950.0 | n/a | n/a | 20.0 |" in rows[1]
     assert "(x) the XGBoost model alone, 2 workers" in report.memory_table(results)
-    assert "xgb c16 infer/s" in report.readme_section(results)
+    assert "xgb c16 infer/s" in report.docs_section(results)
 
 
 def test_results_without_xgboost_have_no_xgboost_section_and_miss_its_targets() -> None:

@@ -246,14 +246,15 @@ def test_a_loaded_model_answers_classes_with_its_labels(tmp_path: Path) -> None:
     folder = classifier(tmp_path)
     (folder / "labels.txt").write_text("low\nhigh\n")  # fewer labels than classes
     model = load_model(parse_model_settings(folder / "model-settings.json"))
-    request = pb.ModelInferRequest.FromString(infer_request("classifier", np.zeros((1, 3, 2, 2))))
+    image = np.zeros((1, 3, 2, 2), np.float32)  # the declared FP32 [-1,3,2,2]
+    request = pb.ModelInferRequest.FromString(infer_request("classifier", image))
     request.outputs.add(name="probs").parameters["classification"].int64_param = 2
     reply, _ = infer(model, request.SerializeToString())
     response = pb.ModelInferResponse.FromString(reply)
     assert response.outputs[0].datatype == "BYTES"
     assert list(response.outputs[0].shape) == [1, 2]  # batched: [batch, k]
     assert strings(decode_outputs(response)["probs"]) == ["0.500000:1:high", "0.300000:2"]
-    named = pb.ModelInferRequest.FromString(infer_request("classifier", np.zeros((1, 3, 2, 2))))
+    named = pb.ModelInferRequest.FromString(infer_request("classifier", image))
     named.outputs.add(name="name").parameters["classification"].int64_param = 1
     with pytest.raises(InvalidInput, match=r"output 'name'.*unsupported type 'BYTES'"):
         infer(model, named.SerializeToString())

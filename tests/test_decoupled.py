@@ -116,7 +116,9 @@ async def success_count(channel: grpc.aio.Channel) -> tuple[int, int]:
     return inference.success.count, inference.fail.count
 
 
-def open_stream(channel: grpc.aio.Channel) -> tuple[asyncio.Queue[bytes | None], Any]:
+def open_stream(
+    channel: grpc.aio.Channel, timeout: float = 60
+) -> tuple[asyncio.Queue[bytes | None], Any]:
     """A ModelStreamInfer whose requests are what the queue is given (None ends them)."""
     outgoing: asyncio.Queue[bytes | None] = asyncio.Queue()
 
@@ -124,7 +126,7 @@ def open_stream(channel: grpc.aio.Channel) -> tuple[asyncio.Queue[bytes | None],
         while (item := await outgoing.get()) is not None:
             yield item
 
-    return outgoing, channel.stream_stream(STREAM)(requests(), timeout=60)
+    return outgoing, channel.stream_stream(STREAM)(requests(), timeout=timeout)
 
 
 def test_streams_of_0_1_and_1000_responses_final_flag_and_unary_refused(tmp_path: Path) -> None:
@@ -244,7 +246,11 @@ async def _until_error(call: Any) -> Any:
 
 
 def test_slow_reader_holds_the_worker_within_its_window(tmp_path: Path) -> None:
-    window = 4
+    """The model runs ``stream_window`` responses ahead of what the pool has
+    passed on, and no further while the client reads nothing: at least the
+    window (a model given 16, the default, or 4 stops well short of it), at
+    most the window plus what the pipes hold (one given none runs to 1,000)."""
+    window = 100
     repo, marks = counter_repo(tmp_path, window=window)
     size = 256 * 1024  # large enough that gRPC's own buffers hold few responses
     progress = marks / "slow.progress"
@@ -262,8 +268,10 @@ def test_slow_reader_holds_the_worker_within_its_window(tmp_path: Path) -> None:
             taken = 3
             for _ in range(taken):
                 await anext(replies)
-            # the model gets as far as the window lets it ...
-            assert await asyncio.to_thread(wait_until, lambda: read_int(progress) >= taken, 60)
+            # the model gets as far as the window lets it: the worker sends a
+            # window's responses before it needs the pool's first ACK (a window
+            # of 16 measured 41 here, one of 100 measured 101) ...
+            assert await asyncio.to_thread(wait_until, lambda: read_int(progress) >= window, 60)
             # ... and no further while we do not read (without a window it would
             # run through all 1,000 in this time)
             # gRPC's flow-control windows on the way (pool, router, client) grow to
@@ -278,8 +286,76 @@ def test_slow_reader_holds_the_worker_within_its_window(tmp_path: Path) -> None:
             assert idx(rest[-1].infer_response) == 999
             call.cancel()
 
-    with Serving(repo, tmp_path / "run", workers=1) as serving:
+    # a reader that pauses is what this is about: no stall limit (stream_stall_s 0)
+    never = {"POOLSERVE_STREAM_STALL_S": "0"}
+    with Serving(repo, tmp_path / "run", workers=1, env=never) as serving:
         asyncio.run(main(serving))
+
+
+def test_streams_nobody_reads_are_ended_and_free_their_workers(tmp_path: Path) -> None:
+    """One client opens a stream per worker, each asking for 200,000 responses,
+    with an hour's deadline, and reads none. Within stream_stall_s of their
+    windows filling, the streams are ended and their workers freed: another
+    model of the pool (echo) and a stream that reads are answered well before
+    their deadlines, and a stalled stream, read at last, ends with
+    RESOURCE_EXHAUSTED naming stream_stall_s (issue 28, item 5)."""
+    repo, marks = counter_repo(tmp_path)
+    copy_example(repo, "echo")  # the same pool (default), the same 2 workers
+    asked, tags = 200_000, ("stall0", "stall1")
+
+    async def echo(stub: pbg.GRPCInferenceServiceStub, value: float) -> None:
+        req = pb.ModelInferRequest(model_name="echo")
+        encode_inputs({"INPUT0": np.full((1, 16), value, np.float32)}, req, raw=True)
+        reply = await stub.ModelInfer(req, timeout=30)  # generous: a loaded 2-core CI
+        assert np.frombuffer(reply.raw_output_contents[0], np.float32)[0] == value
+
+    async def polite(channel: grpc.aio.Channel) -> list[int]:
+        outgoing, call = open_stream(channel, timeout=30)
+        await outgoing.put(counter_request(500, rid="polite"))
+        await outgoing.put(None)
+        got = [parse(reply) async for reply in call]
+        assert not any(r.error_message for r in got), [r.error_message for r in got][-1]
+        return [idx(r.infer_response) for r in got]
+
+    async def main(serving: Serving) -> None:
+        async with grpc.aio.insecure_channel(serving.address) as channel:
+            await wait_serving(channel)
+            stub = pbg.GRPCInferenceServiceStub(channel)
+            stalled = []
+            for tag in tags:
+                outgoing, call = open_stream(channel, timeout=3600)
+                await outgoing.put(counter_request(asked, tag=tag, size=16 * 1024))
+                stalled.append(call)
+            for tag in tags:  # both streams hold a worker: the pool has no other
+                progress = marks / f"{tag}.progress"
+                assert await asyncio.to_thread(wait_until, progress.exists, 60)
+            began = time.monotonic()
+            answered = await asyncio.gather(polite(channel), *(echo(stub, v) for v in range(5)))
+            print(f"echo 5/5 and a polite stream answered in {time.monotonic() - began:.2f} s")
+            assert answered[0] == list(range(500))
+            # the models' generators were closed: the workers left the streams
+            for tag in tags:
+                closed = marks / f"{tag}.closed"
+                assert await asyncio.to_thread(wait_until, closed.exists, 60)
+                assert read_int(closed) < asked
+            # read at last, a stalled stream has what gRPC held, then its status
+            for call in stalled:
+                got: list[bytes] = []
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await drain(call, got)
+                assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value
+                assert "stream_stall_s" in (info.value.details() or "")
+                assert len(got) < asked
+        assert "Traceback" not in serving.log()
+
+    stall = {"POOLSERVE_STREAM_STALL_S": "1"}  # small for the test (default 10)
+    with Serving(repo, tmp_path / "run", workers=2, env=stall) as serving:
+        asyncio.run(main(serving))
+
+
+async def drain(call: Any, into: list[bytes]) -> None:
+    async for reply in call:
+        into.append(reply)
 
 
 def test_tritonclient_stream_api_with_the_repeat_example(tmp_path: Path) -> None:

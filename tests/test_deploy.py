@@ -54,7 +54,7 @@ SUPERVISORD_CONF = DEPLOY / "supervisord" / "poolserve.conf"
 DEFAULT_GRACE = ServerSettings().stop_grace_s
 
 
-# The shipped timeouts are sized for this many pools (deploy/README.md).
+# The shipped timeouts are sized for this many pools (docs/operations.md, "Timeouts").
 POOLS_SIZED_FOR = 2
 
 

@@ -43,7 +43,8 @@ pytestmark = pytest.mark.e2e
 
 LIMIT = fuzz.LIMIT
 ORACLE = fuzzing.Oracle(LIMIT)
-ECHO = ORACLE.models["echo"]
+ECHO = ORACLE.models["echo"]  # declaring nothing: every datatype reaches the decoder
+DECLARED = fuzzing.Oracle(LIMIT, declared=True)  # the example echo: INPUT0 FP32 [-1,-1]
 INFER = "/inference.GRPCInferenceService/ModelInfer"
 RSS_TOLERANCE = 16 << 20  # per process, after a warm-up
 
@@ -223,6 +224,52 @@ def test_decoder_agrees_with_the_spec_oracle(data: bytes) -> None:
     assert agrees_with_spec(data, expected.code, expected.reply) == ""
 
 
+@settings(max_examples=400, deadline=None)
+@given(data=BODIES)
+def test_declared_inputs_agree_with_the_spec_oracle(data: bytes) -> None:
+    """The example echo as shipped, its declared inputs enforced: poolserve and
+    Triton's rules written from the spec give the same code (and reply)."""
+    expected = DECLARED.expect(data)
+    verdict = spec_oracle.predict(data, LIMIT, fuzzing.declared_inputs("echo"))
+    if verdict is not None:
+        assert spec_oracle.disagreement(verdict, expected.code, expected.reply) == ""
+
+
+def declared_echo_requests(seed: int, count: int) -> Iterator[bytes]:
+    """Requests that fit the example echo's declaration (INPUT0 FP32, 2 dims),
+    raw or typed, and mutants of them."""
+    rng = random.Random(seed)
+    for _ in range(count):
+        shape = [rng.randint(0, 3), rng.randint(0, 4)]
+        values = np.asarray([rng.uniform(-9, 9) for _ in range(shape[0] * shape[1])], "<f4")
+        request = pb.ModelInferRequest(model_name="echo")
+        tensor = request.inputs.add(name="INPUT0", datatype="FP32", shape=shape)
+        if rng.random() < 0.5:
+            request.raw_input_contents.append(values.tobytes())
+        else:
+            tensor.contents.fp32_contents.extend(values.tolist())
+        body = request.SerializeToString()
+        yield body
+        yield fuzzing.mutate(body, rng)
+
+
+def test_the_spec_oracle_judges_declared_inputs_both_ways() -> None:
+    declared = fuzzing.declared_inputs("echo")
+    judged = {"OK": 0, "INVALID_ARGUMENT": 0}
+    bodies = itertools.chain(
+        (body for _, body in itertools.islice(fuzzing.random_inputs(12), 2000)),
+        declared_echo_requests(13, 300),
+    )
+    for body in bodies:
+        verdict = spec_oracle.predict(body, LIMIT, declared)
+        if verdict is None:
+            continue
+        judged[verdict.code] += 1
+        expected = DECLARED.expect(body)
+        assert spec_oracle.disagreement(verdict, expected.code, expected.reply) == "", body.hex()
+    assert judged["OK"] >= 200 and judged["INVALID_ARGUMENT"] >= 100, judged
+
+
 def test_spec_oracle_judges_most_random_inputs_and_agrees() -> None:
     """On the fuzz stream (mostly mutants that protobuf itself refuses) and the
     crafted attacks: the spec oracle judges OK inputs (tensors compared) and
@@ -282,6 +329,7 @@ def test_spec_oracle_catches_a_wrong_decoding() -> None:
 def tree(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tree]:
     root = tmp_path_factory.mktemp("fuzz")
     repo = make_repo(root / "repo", {"echo": None, "sleep": "slow"}, {"max_message_size": LIMIT})
+    fuzzing.undeclare(repo)  # as ORACLE's echo: every datatype and shape reaches the decoder
     with Tree(repo, root / "run", workers=2) as started:
 
         async def ready() -> None:

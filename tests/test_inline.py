@@ -157,8 +157,8 @@ def test_inline_reply_over_max_message_size_is_a_clear_resource_exhausted(
     body = b""
     for size in range(limit - 64, limit):  # the largest request that fits
         req = pb.ModelInferRequest(model_name="echo")
-        req.inputs.add(name="INPUT0", datatype="UINT8", shape=[1, size])
-        req.raw_input_contents.append(b"\0" * size)
+        req.inputs.add(name="INPUT0", datatype="FP32", shape=[1, size // 4])  # echo's
+        req.raw_input_contents.append(b"\0" * (size // 4 * 4))
         if len(req.SerializeToString()) <= limit:
             body = req.SerializeToString()
 

@@ -17,7 +17,7 @@ from poolserve.service.contract.settings import ServerSettings
 from poolserve.service.inference.codec import decode_outputs, encode_inputs
 from poolserve.service.poolserver.inprocess import InProcessServer
 
-from support import copy_example, run_client, write_model
+from support import copy_echo_any, copy_example, run_client, write_model
 
 FAULTY = """
 from poolserve.service import InvalidInput, Model
@@ -124,12 +124,12 @@ def test_metadata_and_config(repo: Path) -> None:
     async def body(stub: Stub, _: int) -> None:
         meta = await stub.ModelMetadata(pb.ModelMetadataRequest(name="echo"))
         assert [(t.name, t.datatype, list(t.shape)) for t in meta.inputs] == [
-            ("INPUT0", "FP32", [1, 16])
+            ("INPUT0", "FP32", [-1, -1])
         ]
         config = (await stub.ModelConfig(pb.ModelConfigRequest(name="echo"))).config
         assert config.name == "echo"
         assert config.input[0].data_type == pb.TYPE_FP32
-        assert list(config.input[0].dims) == [1, 16]
+        assert list(config.input[0].dims) == [-1, -1]
         server = await stub.ServerMetadata(pb.ServerMetadataRequest())
         assert server.name == "poolserve" and server.version
 
@@ -161,6 +161,8 @@ def test_failed_load_keeps_server_not_ready(repo: Path) -> None:
 
 
 def test_tritonclient_raw_typed_every_datatype(repo: Path) -> None:
+    copy_echo_any(repo)  # the sweep's model: echo itself declares FP32 only
+
     async def body(stub: Stub, port: int) -> None:
         report = await asyncio.to_thread(run_client, "triton_echo.py", f"127.0.0.1:{port}")
         assert report["live"] and report["ready"]
@@ -169,6 +171,10 @@ def test_tritonclient_raw_typed_every_datatype(repo: Path) -> None:
         assert all(report["typed"].values()), report["typed"]
         assert report["unknown_model"] == "StatusCode.NOT_FOUND"
         assert report["malformed"] == "StatusCode.INVALID_ARGUMENT"
+        assert report["undeclared_datatype"] == [
+            "StatusCode.INVALID_ARGUMENT",
+            "inference input 'INPUT0' data-type is 'INT32', but model 'echo' expects 'FP32'",
+        ]
         assert report["models"]["echo"]["config_name"] == "echo"
         assert report["models"]["echo"]["infer"]["typed_reads_as_raw"]
         assert report["model_ready"] == {"echo": True, "no-such-model": False}

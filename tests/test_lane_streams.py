@@ -16,6 +16,7 @@ from poolserve.service.contract.errors import (
     Failure,
     InvalidInput,
     ServingError,
+    StreamStalled,
     Unavailable,
 )
 from poolserve.service.contract.framing import HEADER, Payload
@@ -260,6 +261,62 @@ def test_a_deadline_ends_the_stream_and_cancels_it_in_the_pool(sock: Path) -> No
         await until(lambda: server.in_flight() == 0)
 
     asyncio.run(with_streams(sock, stuck, test))
+
+
+def test_a_stream_whose_reader_takes_nothing_for_stall_s_is_cancelled_in_the_pool(
+    sock: Path,
+) -> None:
+    """A reader that takes responses, however slowly, keeps its stream; a model
+    slow to produce is no stall; a reader that leaves a response untaken for
+    stall_s has its stream cancelled in the pool (the worker's generator closes
+    while the reader still takes nothing) and then reads StreamStalled."""
+    closed = asyncio.Event()
+    produced = 0
+
+    async def endless(requests: AsyncIterator[Payload], deadline: float) -> AsyncGenerator[bytes]:
+        nonlocal produced
+        try:
+            async for _ in requests:
+                while True:
+                    produced += 1
+                    if produced == 50:
+                        await asyncio.sleep(2.0)  # slow to produce: the reader waits
+                    yield b"%d" % produced
+        finally:
+            closed.set()
+
+    async def test(client: LaneClient, server: LaneServer) -> None:
+        replies = client.stream(b"go", listed(), soon(), same, stall_s=0.5)
+        taken = []
+        for _ in range(60):  # 2 s of reading, a response every 20 ms, then 2 s waiting
+            taken.append(await anext(replies))
+            await asyncio.sleep(0.02)
+        assert taken == [b"%d" % i for i in range(1, 61)]
+        assert not closed.is_set()
+        # the reader takes nothing more: the pool's generator is closed without it
+        await asyncio.wait_for(closed.wait(), 30)
+        stalled = await anext(replies)
+        assert isinstance(stalled, StreamStalled), stalled
+        assert stalled.failure is Failure.QUEUE_FULL and "(stream_stall_s)" in stalled.message
+        assert await anext(replies, None) is None
+        await until(lambda: server.in_flight() == 0 and not client.streams)
+
+    asyncio.run(with_streams(sock, endless, test))
+
+
+def test_a_stream_the_pool_ended_is_left_to_its_reader(sock: Path) -> None:
+    """No worker is held once the pool has ended the stream: its responses wait
+    for the reader, however long past stall_s, and none is dropped."""
+
+    async def test(client: LaneClient, server: LaneServer) -> None:
+        replies = client.stream(b"3:r", listed(), soon(), same, stall_s=0.5)
+        assert await anext(replies) == b"r0"
+        (stream,) = client.streams.values()
+        await until(lambda: stream.ended)  # the pool's REPLY is here
+        await asyncio.sleep(1.5)  # three times stall_s, reading nothing
+        assert [i async for i in replies] == [b"r1", b"r2"]
+
+    asyncio.run(with_streams(sock, repeat, test))
 
 
 def test_errors_end_a_stream_with_their_kind(sock: Path) -> None:

@@ -446,6 +446,32 @@ def test_inference_error_is_invalid_argument(served: Serving) -> None:
     assert details == "mlserver.errors.InferenceError: negative input for ab"
 
 
+def test_invalid_utf8_in_a_string_input_is_invalid_argument_naming_it(served: Serving) -> None:
+    """MLServer's StringCodec decodes ``text`` as UTF-8 in the model's predict;
+    bytes that are not UTF-8 are the client's error, not the model's (issue 28 §12)."""
+    typed = wordcount_request()
+    typed.inputs[0].contents.bytes_contents[1] = b"\xc3\x28 not utf-8"
+    raw = pb.ModelInferRequest(model_name="wordcount", id="wc-raw")
+    raw.inputs.add(name="text", datatype="BYTES", shape=[1])
+    raw.raw_input_contents.append(b"\x03\0\0\0\xff\xfeA")
+    for request, element in ((typed, 1), (raw, 0)):
+        code, details = asyncio.run(call_error(served.address, request))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+        assert details.startswith(
+            f"input 'text' of model 'wordcount': BYTES element {element} is not valid UTF-8"
+        ), details
+
+
+def test_declared_shapes_are_not_enforced_for_mlserver_models(served: Serving) -> None:
+    """As under `mlserver start`: wordcount declares `text` [-1]; a [3, 1] tensor
+    is decoded by MLServer's StringCodec and answered, not refused by shape."""
+    request = wordcount_request()
+    del request.inputs[0].shape[:]
+    request.inputs[0].shape.extend([3, 1])
+    reply = asyncio.run(call(served.address, request))
+    assert list(reply.outputs[0].contents.int64_contents) == [3, 1, 4]
+
+
 def test_other_exception_is_internal_with_type_and_message(served: Serving) -> None:
     code, details = asyncio.run(call_error(served.address, scaler_request([13.0])))
     assert code == grpc.StatusCode.INTERNAL

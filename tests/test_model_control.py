@@ -288,7 +288,7 @@ def test_loads_of_a_loaded_model_replace_no_worker_until_its_files_change(
             assert {w.pid for w in (await pool_status(serving)).workers} == replaced
             assert serving.log().count("model echo loaded live") == 1
             reply = await stub.ModelInfer(
-                pb.ModelInferRequest.FromString(infer_request("echo", np.ones(3, np.float32))),
+                pb.ModelInferRequest.FromString(infer_request("echo", np.ones((1, 3), np.float32))),
                 timeout=30,
             )
             assert reply.outputs

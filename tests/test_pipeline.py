@@ -23,7 +23,7 @@ from poolserve.service.inference.codec import decode_outputs, encode_inputs
 
 from harness import children_of, pid_alive
 from serving import Serving, comm, wait_serving
-from support import copy_example, run_client, train_iris, wait_until, write_model
+from support import copy_echo_any, copy_example, run_client, train_iris, wait_until, write_model
 
 pytestmark = pytest.mark.e2e
 
@@ -54,6 +54,7 @@ def build_repo(root: Path) -> Path:
     """Four models: echo in the default pool, burn+sleep in 'heavy', iris in 'sklearn'."""
     repo = root / "repo"
     copy_example(repo, "echo")
+    copy_echo_any(repo)  # every datatype, for tritonclient's sweep
     copy_example(repo, "burn", gid="heavy")
     copy_example(repo, "sleep", gid="heavy")
     iris = copy_example(repo, "iris")
@@ -123,6 +124,7 @@ def test_tritonclient_infers_every_model(served: Serving) -> None:
     assert all(report["typed"].values()), report["typed"]
     assert report["unknown_model"] == "StatusCode.NOT_FOUND"
     assert report["malformed"] == "StatusCode.INVALID_ARGUMENT"
+    assert report["undeclared_datatype"][0] == "StatusCode.INVALID_ARGUMENT"
     for model in ("burn", "sleep"):
         result = report["models"][model]["infer"]
         assert result["raw_outputs"] == ["OUTPUT0"]
@@ -164,12 +166,19 @@ def test_router_statuses(served: Serving) -> None:
             index = await stub.RepositoryIndex(pb.RepositoryIndexRequest())
             assert {m.name: m.state for m in index.models} == {
                 "echo": "READY",
+                "echo_any": "READY",
                 "burn": "READY",
                 "sleep": "READY",
                 "iris": "READY",
             }
             stats = await stub.ModelStatistics(pb.ModelStatisticsRequest())
-            assert {s.name for s in stats.model_stats} == {"echo", "burn", "sleep", "iris"}
+            assert {s.name for s in stats.model_stats} == {
+                "echo",
+                "echo_any",
+                "burn",
+                "sleep",
+                "iris",
+            }
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await stub.ModelInfer(pb.ModelInferRequest(model_name="ghost"))
             assert info.value.code() == grpc.StatusCode.NOT_FOUND

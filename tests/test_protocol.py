@@ -1,6 +1,7 @@
 """Protocol fidelity end to end, with raw gRPC stubs (issue 20 §1, issue 21 §6).
 
-One tree serves echo on workers, a copy of it inline, and a model that
+One tree serves echo on workers, a copy of it inline, the same two declaring
+no inputs (``echo_any``: every datatype and shape), and a model that
 reports the settings it was loaded with. tritonclient's view of the same
 answers is in test_pipeline and test_inprocess (it cannot share a process
 with our protos).
@@ -23,7 +24,7 @@ from poolserve.protos import inference_pb2_grpc as pbg
 from poolserve.service.inference.codec import decode_outputs
 
 from serving import Serving, pool_status, wait_serving
-from support import copy_example, write_model
+from support import copy_echo_any, copy_example, write_model
 
 pytestmark = pytest.mark.e2e
 
@@ -56,6 +57,11 @@ def serving(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
     inline = json.loads((repo / "echo" / "model-settings.json").read_text())
     inline.update(name="echo_inline", parallel_workers=0)
     (repo / "echo_inline" / "model-settings.json").write_text(json.dumps(inline))
+    copy_echo_any(repo)
+    copy_echo_any(repo, "echo_any_inline")
+    inline_any = json.loads((repo / "echo_any_inline" / "model-settings.json").read_text())
+    inline_any.update(parallel_workers=0)
+    (repo / "echo_any_inline" / "model-settings.json").write_text(json.dumps(inline_any))
     write_model(
         repo,
         "settings",
@@ -94,15 +100,17 @@ async def status(call: object) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.OK, ""
 
 
-def typed_request(model: str, datatype: str, values: list[object]) -> pb.ModelInferRequest:
+def typed_request(
+    model: str, datatype: str, values: list[object], shape: list[int] | None = None
+) -> pb.ModelInferRequest:
     request = pb.ModelInferRequest(model_name=model)
-    tensor = request.inputs.add(name="INPUT0", datatype=datatype, shape=[len(values)])
+    tensor = request.inputs.add(name="INPUT0", datatype=datatype, shape=shape or [len(values)])
     field = {"FP32": "fp32_contents", "BYTES": "bytes_contents", "INT64": "int64_contents"}
     getattr(tensor.contents, field[datatype]).extend(values)
     return request
 
 
-@pytest.mark.parametrize("model", ["echo", "echo_inline"])
+@pytest.mark.parametrize("model", ["echo_any", "echo_any_inline"])
 def test_typed_inputs_are_answered_raw_for_every_datatype_kind(
     serving: Serving, model: str
 ) -> None:
@@ -143,6 +151,38 @@ def test_model_ready_of_a_missing_model_is_false_at_the_router_and_the_pool(
 
     run(serving.address, body)
     run(f"unix:{serving.run_dir / 'pool-default.sock'}", body)
+
+
+@pytest.mark.parametrize("model", ["echo", "echo_inline"])
+def test_declared_datatypes_and_shapes_are_enforced_in_tritons_words(
+    serving: Serving, model: str
+) -> None:
+    """echo declares INPUT0 FP32 [-1,-1] (examples/models/echo), on workers and inline."""
+    cases = [
+        (
+            typed_request(model, "INT64", [1, 2], [1, 2]),
+            f"inference input 'INPUT0' data-type is 'INT64', but model '{model}' expects 'FP32'",
+        ),
+        (
+            typed_request(model, "FP32", [1.0, 2.0]),
+            f"unexpected shape for input 'INPUT0' for model '{model}'. Expected [-1,-1], got [2].",
+        ),
+        (
+            typed_request(model, "FP32", [1.0], [1, 1]),
+            "",
+        ),
+    ]
+    renamed = typed_request(model, "FP32", [1.0], [1, 1])
+    renamed.inputs[0].name = "INPUT1"
+    cases.append((renamed, f"unexpected inference input 'INPUT1' for model '{model}'"))
+
+    async def body(stub: Stub) -> None:
+        for request, message in cases:
+            code, details = await status(stub.ModelInfer(request, timeout=30))
+            expected = grpc.StatusCode.INVALID_ARGUMENT if message else grpc.StatusCode.OK
+            assert (code, details) == (expected, message)
+
+    run(serving.address, body)
 
 
 @pytest.mark.parametrize("model", ["echo", "echo_inline"])
@@ -257,7 +297,7 @@ def test_refused_loads_say_failed_to_load_and_change_nothing(serving: Serving) -
         assert {w.pid for w in (await pool_status(serving)).workers} == workers
         config = (await stub.ModelConfig(pb.ModelConfigRequest(name="echo"))).config
         assert config.max_batch_size == 0
-        reply = await stub.ModelInfer(typed_request("echo", "FP32", [3.0]), timeout=30)
+        reply = await stub.ModelInfer(typed_request("echo", "FP32", [3.0], [1, 1]), timeout=30)
         assert np.frombuffer(reply.raw_output_contents[0], "<f4").tolist() == [3.0]
 
     run(serving.address, body)

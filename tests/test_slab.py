@@ -169,7 +169,7 @@ def test_a_worker_maps_the_slab_it_is_named_and_refuses_anything_else() -> None:
 def test_a_worker_keeps_its_mappings_bounded_by_count_and_size(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(slab, "MAPPED_BYTES", 3 * slab.MIN_SLAB)
+    monkeypatch.setattr(slab.LIMITS, "slab_mapped_bytes", 3 * slab.MIN_SLAB)
     arena = slab.Arena(max_reply=1 << 20)
     try:
         refs = [arena.lease(10, 10)[1] for _ in range(5)]  # type: ignore[index]

@@ -137,3 +137,49 @@ def test_workers_and_inline_models_run_with_the_pools_thread_count(tmp_path: Pat
         seen = asyncio.run(main())
     # OMP_NUM_THREADS, then numpy's OpenBLAS threads: the pool's setting, the default elsewhere
     assert seen == {"forked": [2, 2], "inline": [2, 2], "other": [1, 1]}
+
+
+# Issue 28, item 12: threads_per_worker 512 on 2 cores was accepted without a word.
+
+
+def test_threads_far_above_the_cores_are_warned_about_naming_the_setting(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from poolserve.supervisor.serve import warn_oversubscribed
+
+    settings = apply_overrides(ServerSettings(), {"threads_per_worker": 512}, "test")
+    with caplog.at_level(logging.WARNING, logger="poolserve.serve"):
+        warnings = warn_oversubscribed(settings, ["default"], cores=2)
+    assert len(warnings) == 1
+    (record,) = [r for r in caplog.records if r.name == "poolserve.serve"]
+    assert record.levelno == logging.WARNING
+    text = record.getMessage()
+    for words in ("threads_per_worker 512", "2 worker(s) x 512", "1024 native threads",
+                  "2 usable core(s)", "'default'"):  # fmt: skip
+        assert words in text, (words, text)
+    assert record.__dict__["setting"] == "threads_per_worker"
+
+
+def test_the_warning_rule_more_than_4_threads_per_core() -> None:
+    from poolserve.supervisor.serve import THREADS_PER_CORE_WARNING, warn_oversubscribed
+
+    assert THREADS_PER_CORE_WARNING == 4
+
+    def warned(values: dict[str, object], cores: int, gids: tuple[str, ...] = ("default",)) -> int:
+        settings = apply_overrides(ServerSettings(), values, "test")
+        return len(warn_oversubscribed(settings, gids, cores=cores))
+
+    assert warned({}, cores=1) == 0  # the defaults, even on one core
+    assert warned({"parallel_workers": 16}, cores=1) == 0  # workers alone: not this setting
+    assert warned({"threads_per_worker": 4}, cores=2) == 0  # 2 x 4 = 8: 4 per core
+    assert warned({"threads_per_worker": 5}, cores=2) == 1  # 2 x 5 = 10
+    assert warned({"threads_per_worker": 16, "parallel_workers": 0}, cores=2) == 1  # inline
+    assert warned({"threads_per_worker": 16}, cores=8) == 0
+    heavy = {"pools": {"heavy": {"threads_per_worker": 64}}}
+    assert warned(heavy, cores=2, gids=("default", "heavy")) == 1
+
+
+def test_usable_cores_is_the_affinity() -> None:
+    from poolserve.supervisor.serve import usable_cores
+
+    assert usable_cores() == len(os.sched_getaffinity(0))

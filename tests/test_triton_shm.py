@@ -13,6 +13,7 @@ import asyncio
 import json
 import mmap
 import os
+import select
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -38,7 +39,8 @@ pytestmark = pytest.mark.e2e
 Stub = pbg.GRPCInferenceServiceStub
 
 ADD_SUB = '''
-import time
+import os
+import select
 
 import numpy as np
 
@@ -58,13 +60,22 @@ class AddSub(Model):
         return {"OUTPUT0": a + b, "OUTPUT1": a - b}
 
 
-class SlowEcho(Model):
-    """INPUT0 as OUTPUT0, after sleep_ms (read before the sleep, written after it)."""
+class Gate(Model):
+    """INPUT0 as OUTPUT0, read only once the test opens the gate: the model
+    says it is in predict on the FIFO named by parameter "ready", then waits
+    for a byte on the FIFO "go" (tests/test_triton_shm.py's Gate)."""
 
     def predict(self, inputs, parameters):
-        copy = np.array(inputs["INPUT0"])
-        time.sleep(int(parameters.get("sleep_ms", 0)) / 1000)
-        return {"OUTPUT0": copy}
+        if "go" in parameters:
+            go = os.open(parameters["go"], os.O_RDONLY | os.O_NONBLOCK)
+            try:
+                ready = os.open(parameters["ready"], os.O_WRONLY | os.O_NONBLOCK)
+                os.write(ready, b"in")
+                os.close(ready)
+                select.select([go], [], [], 300)
+            finally:
+                os.close(go)
+        return {"OUTPUT0": np.array(inputs["INPUT0"])}
 '''
 
 
@@ -98,18 +109,67 @@ def model_repository(repo: Path) -> Path:
         {"name": "simple_string", "implementation": "model.AddSub", **_io("BYTES")},
         ADD_SUB,
     )
-    write_model(
-        repo,
-        "slow_echo",
-        {
-            "name": "slow_echo",
-            "implementation": "model.SlowEcho",
+    for name, workers in (("gate", None), ("gate_inline", 0)):
+        settings: dict[str, Any] = {
+            "name": name,
+            "implementation": "model.Gate",
             "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [-1]}],
             "outputs": [{"name": "OUTPUT0", "datatype": "FP32", "shape": [-1]}],
-        },
-        ADD_SUB,
-    )
+        }
+        if workers is not None:
+            settings["parallel_workers"] = workers
+        write_model(repo, name, settings, ADD_SUB)
     return repo
+
+
+class Gate:
+    """The test's side of model Gate: two FIFOs per request, no sleeps.
+    :meth:`entered` returns once the request is in the model's predict (its
+    input decoded), :meth:`open` lets the model go on."""
+
+    def __init__(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.folder = folder
+        self.uses = 0
+        self.ready = -1
+
+    def into(self, request: pb.ModelInferRequest) -> None:
+        """Gates ``request``: fresh FIFOs (one whose writer came and went
+        polls readable for good), their read end open before the model's
+        non-blocking open for writing needs it."""
+        self.close()
+        self.uses += 1
+        self.ready_path = self.folder / f"ready{self.uses}"
+        self.go_path = self.folder / f"go{self.uses}"
+        os.mkfifo(self.ready_path)
+        os.mkfifo(self.go_path)
+        self.ready = os.open(self.ready_path, os.O_RDONLY | os.O_NONBLOCK)
+        request.parameters["ready"].string_param = str(self.ready_path)
+        request.parameters["go"].string_param = str(self.go_path)
+
+    async def entered(self, timeout: float = 120) -> None:
+        readable, _, _ = await asyncio.to_thread(select.select, [self.ready], [], [], timeout)
+        assert readable, f"the request did not reach the model's gate in {timeout} s"
+        assert os.read(self.ready, 16) == b"in"
+
+    def open(self) -> None:
+        go = os.open(self.go_path, os.O_WRONLY | os.O_NONBLOCK)  # the model holds its read end
+        try:
+            os.write(go, b"go")
+        finally:
+            os.close(go)
+
+    def close(self) -> None:
+        if self.ready >= 0:
+            os.close(self.ready)
+            self.ready = -1
+
+
+@pytest.fixture
+def gate(tmp_path: Path) -> Iterator[Gate]:
+    made = Gate(tmp_path / "gate")
+    yield made
+    made.close()
 
 
 @pytest.fixture(scope="module")
@@ -386,41 +446,97 @@ def test_tensors_out_of_bounds_or_of_the_wrong_size_are_invalid_argument(
     run(serving.address, body)
 
 
+async def pool_pids(serving: Serving) -> tuple[int, list[int]]:
+    """The pool server's pid and its workers' (an inline model runs in the former)."""
+    state = await pool_status(serving)
+    return state.pid, sorted(w.pid for w in state.workers)
+
+
+@pytest.mark.parametrize("model", ["gate", "gate_inline"])
 def test_an_object_truncated_or_unlinked_under_a_request_takes_no_worker_down(
-    serving: Serving, objects: list[ShmObject]
+    serving: Serving, objects: list[ShmObject], gate: Gate, model: str
 ) -> None:
     source, target = make(objects, 4096), make(objects, 4096)
     source.write(floats(np.arange(1024)))
 
     async def body(stub: Stub) -> None:
-        before = await worker_pids(serving)
+        before = await pool_pids(serving)
         await register(stub, "src", source, 4096)
         await register(stub, "dst", target, 4096)
-        request = echo_request("slow_echo", "src", 1024, out_region="dst")
+        request = echo_request(model, "src", 1024, out_region="dst")
         request.inputs[0].shape[:] = [1024]
-        for _ in range(4):  # both workers map both regions
-            await stub.ModelInfer(request, timeout=30)
-        request.parameters["sleep_ms"].int64_param = 1500
+        await stub.ModelInfer(request, timeout=60)
+        gate.into(request)
         # The output object shrinks while the model runs: checked before the write.
-        call = stub.ModelInfer(request, timeout=60)
-        await asyncio.sleep(0.5)  # the request is in the model's sleep (1.5 s)
+        call = stub.ModelInfer(request, timeout=300)
+        await gate.entered()
         target.truncate(16)
+        gate.open()
         code, message = await status(call)
-        assert code is grpc.StatusCode.INVALID_ARGUMENT
-        assert "'dst'" in message and "is now 16 bytes" in message
-        # Unregistered and unlinked under a request: the worker's mapping holds the pages.
-        del request.parameters["sleep_ms"]
-        await register(stub, "dst2", make(objects, 4096), 4096)
+        assert (code, message) == (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "shared-memory region 'dst': its object "
+            f"'{target.key}' is now 16 bytes, below the 4096 this tensor needs",
+        )
+        # Unregistered and its input's object unlinked while the request is in the
+        # model: the input was read before predict, so the request completes.
+        await register(stub, "dst2", dst2 := make(objects, 4096), 4096)
         in_region(request.outputs[0], "dst2", 4096)
-        request.parameters["sleep_ms"].int64_param = 1500
-        call = stub.ModelInfer(request, timeout=60)
-        await asyncio.sleep(0.5)
+        gate.into(request)
+        call = stub.ModelInfer(request, timeout=300)
+        await gate.entered()
         await stub.SystemSharedMemoryUnregister(pb.SystemSharedMemoryUnregisterRequest())
         source.unlink()
-        assert (await status(call))[0] in (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT)
-        code, message = await status(stub.ModelInfer(request, timeout=30))
+        gate.open()
+        reply = await call
+        assert list(reply.raw_output_contents) == [b""]
+        assert np.frombuffer(dst2.read(4096), "<f4").tolist() == list(range(1024))
+        code, message = await status(stub.ModelInfer(request, timeout=60))  # the router refuses
         assert code is grpc.StatusCode.INVALID_ARGUMENT and "not registered" in message
-        assert await worker_pids(serving) == before
+        assert await pool_pids(serving) == before
+
+    run(serving.address, body)
+
+
+@pytest.mark.parametrize("model", ["gate", "gate_inline"])
+def test_an_input_object_shrunk_while_the_model_reads_it_is_that_clients_error_only(
+    serving: Serving, objects: list[ShmObject], gate: Gate, model: str
+) -> None:
+    """Issue 28 §2: the model reads its input after the client truncated the
+    object (SIGBUS through a mapping: the worker, or the inline pool, died)."""
+    count = 4 * 4096  # 64 KiB: pages past the first are gone after the truncation
+    obj = make(objects, count * 4)
+    obj.write(floats(np.arange(count)))
+    other = make(objects, 64)
+    other.write(floats(np.arange(16)))
+
+    async def body(stub: Stub) -> None:
+        before = await pool_pids(serving)
+        await register(stub, "shrinks", obj, count * 4)
+        await register(stub, "other", other, 64)
+        request = echo_request(model, "shrinks", count, out_region="shrinks")
+        request.inputs[0].shape[:] = [count]
+        gate.into(request)
+        call = stub.ModelInfer(request, timeout=300)
+        await gate.entered()
+        obj.truncate(16)
+        gate.open()
+        code, message = await status(call)
+        assert (code, message) == (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "shared-memory region 'shrinks': its object "
+            f"'{obj.key}' is now 16 bytes, below the {count * 4} this tensor needs",
+        )
+        # Nobody else noticed: the same processes, the model ready, others served.
+        assert await pool_pids(serving) == before
+        ready = await stub.ModelReady(pb.ModelReadyRequest(name=model), timeout=30)
+        assert ready.ready
+        assert (await stub.ServerReady(pb.ServerReadyRequest(), timeout=30)).ready
+        for name in ("echo", "echo_inline"):
+            reply = await stub.ModelInfer(echo_request(name, "other", 16), timeout=60)
+            assert np.frombuffer(reply.raw_output_contents[0], "<f4").tolist() == list(range(16))
+        model_state = [m for m in (await pool_status(serving)).models if m.name == model]
+        assert [m.state for m in model_state] == ["READY"]
 
     run(serving.address, body)
 
@@ -438,8 +554,11 @@ def test_a_request_that_brings_its_own_registrations_is_refused(
     async def main() -> None:
         async with grpc.aio.insecure_channel(serving.address) as channel:
             infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
-            code, _ = await status(infer(forged, timeout=30))
-            assert code is grpc.StatusCode.INVALID_ARGUMENT
+            code, message = await status(infer(forged, timeout=30))
+            assert (code, message) == (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "request bytes hold a field number 0",
+            )
 
     asyncio.run(main())
 
@@ -511,3 +630,179 @@ def test_registrations_of_the_wrong_types_are_invalid_input() -> None:
     bad = b"\x00shm1" + len(table).to_bytes(4, "little") + table.encode() + b"body"
     with pytest.raises(InvalidInput, match="is not int"):
         unwrap(bad)
+
+
+# -- issue 28: objects that are not the client's own, and bounds --------------
+
+
+class Planted:
+    """Things another local user could plant in /dev/shm, removed at the end:
+    a symlink to a file of ours, a file owned by another uid, a FIFO."""
+
+    def __init__(self, folder: Path) -> None:
+        tag = uuid.uuid4().hex[:12]
+        self.secret = folder / "secret"
+        self.secret.write_bytes(b"top secret, not shared memory!!\n" * 2)  # 64 bytes
+        self.link = Path(f"/dev/shm/poolserve_link_{tag}")
+        self.link.symlink_to(self.secret)
+        self.foreign = Path(f"/dev/shm/poolserve_foreign_{tag}")
+        self.foreign.write_bytes(b"\0" * 64)
+        os.chown(self.foreign, 65534, 65534)  # nobody's (the tests run as root)
+        self.fifo = Path(f"/dev/shm/poolserve_fifo_{tag}")
+        os.mkfifo(self.fifo)
+
+    def keys(self) -> dict[str, str]:
+        return {what: "/" + path.name for what, path in self.paths().items()}
+
+    def paths(self) -> dict[str, Path]:
+        return {"link": self.link, "foreign": self.foreign, "fifo": self.fifo}
+
+    def close(self) -> None:
+        for path in self.paths().values():
+            path.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def planted(tmp_path: Path) -> Iterator[Planted]:
+    made = Planted(tmp_path)
+    yield made
+    made.close()
+
+
+REFUSED = {
+    "link": "is a symbolic link",
+    "foreign": "is owned by uid 65534, not by the server's uid 0",
+    "fifo": "is not a regular file",
+}
+
+
+def test_register_refuses_symlinks_other_users_objects_and_non_files(
+    serving: Serving, planted: Planted
+) -> None:
+    """Issue 28 §1: a symlink planted in /dev/shm must not reach the file it points to."""
+
+    async def body(stub: Stub) -> None:
+        for what, key in planted.keys().items():
+            request = pb.SystemSharedMemoryRegisterRequest(
+                name=what, key=key, offset=0, byte_size=16
+            )
+            code, message = await status(stub.SystemSharedMemoryRegister(request, timeout=30))
+            assert code is grpc.StatusCode.INVALID_ARGUMENT, (what, code, message)
+            assert message.startswith(f"cannot register shared-memory region '{what}': ")
+            assert f"shared-memory object '{key}' {REFUSED[what]}" in message
+        listed = await stub.SystemSharedMemoryStatus(pb.SystemSharedMemoryStatusRequest())
+        assert dict(listed.regions) == {}
+
+    run(serving.address, body)
+
+
+@pytest.mark.parametrize("model", ["echo", "echo_inline"])
+def test_a_worker_refuses_a_forged_table_naming_such_objects(
+    serving: Serving, planted: Planted, model: str
+) -> None:
+    """The pool's private socket takes registrations as they come: the process
+    that reads the tensors checks the object itself (it does not trust the router)."""
+
+    async def main() -> None:
+        socket = f"unix:{serving.run_dir / 'pool-default.sock'}"
+        async with grpc.aio.insecure_channel(socket) as channel:
+            infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+            for what, key in planted.keys().items():
+                reading = echo_request(model, "forged", 16).SerializeToString()
+                table = [Region("forged", key, 0, 64, int(uuid.uuid4().int >> 65))]
+                code, message = await status(infer(wrap(table, reading), timeout=60))
+                assert code is grpc.StatusCode.INVALID_ARGUMENT, (what, code, message)
+                assert message == (
+                    f"shared-memory region 'forged': shared-memory object '{key}' "
+                    f"{REFUSED[what]} ({planted.paths()[what]})"
+                    + ("; refused: it could point anywhere" if what == "link" else "; refused")
+                    + (": create it as that user" if what == "foreign" else "")
+                )
+                # ... and writing through one: the secret stays as it was
+                writing = echo_request(model, "in", 16, out_region="forged")
+                writing.inputs[0].ClearField("parameters")
+                writing.raw_input_contents.append(floats(np.arange(16)))
+                table = [Region("forged", key, 0, 64, int(uuid.uuid4().int >> 65))]
+                code, message = await status(
+                    infer(wrap(table, writing.SerializeToString()), timeout=60)
+                )
+                assert code is grpc.StatusCode.INVALID_ARGUMENT, (what, code, message)
+                assert REFUSED[what] in message
+        assert planted.secret.read_bytes() == b"top secret, not shared memory!!\n" * 2
+
+    asyncio.run(main())
+
+
+def test_the_registry_is_bounded_and_its_status_stays_answerable(
+    serving: Serving, objects: list[ShmObject]
+) -> None:
+    """Issue 28 §3: defaults shm_max_regions 1024, shm_max_name_length 255."""
+    obj = make(objects, 64)
+
+    async def body(stub: Stub) -> None:
+        def call(name: str, key: str = obj.key) -> object:
+            request = pb.SystemSharedMemoryRegisterRequest(
+                name=name, key=key, offset=0, byte_size=8
+            )
+            return stub.SystemSharedMemoryRegister(request, timeout=60)
+
+        code, message = await status(call("n" * 256))
+        assert code is grpc.StatusCode.INVALID_ARGUMENT
+        assert "longer than 255 characters (shm_max_name_length)" in message
+        assert len(message) < 1000  # the name is clipped, not repeated
+        code, message = await status(call("long key", "/" + "k" * (4 << 20)))
+        assert code is grpc.StatusCode.INVALID_ARGUMENT
+        assert "longer than 255 bytes (NAME_MAX)" in message and len(message) < 1000
+        names = [f"{i:04d}" + "r" * 251 for i in range(1024)]  # the longest names allowed
+        for start in range(0, len(names), 64):
+            await asyncio.gather(*(call(name) for name in names[start : start + 64]))  # type: ignore[misc]
+        code, message = await status(call("one too many"))
+        assert code is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert message == (
+            "cannot register shared-memory region 'one too many': 1024 regions are "
+            "registered, the most this server keeps (shm_max_regions); unregister some first"
+        )
+        listed = await stub.SystemSharedMemoryStatus(pb.SystemSharedMemoryStatusRequest())
+        assert sorted(listed.regions) == names
+        await stub.SystemSharedMemoryUnregister(
+            pb.SystemSharedMemoryUnregisterRequest(name=names[0])
+        )
+        await call("one too many")  # room again
+
+    run(serving.address, body)
+
+
+def _peak_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmHWM for pid {pid}")
+
+
+@pytest.mark.parametrize("model", ["echo", "echo_inline"])
+def test_a_sparse_region_over_the_message_limit_costs_no_memory(
+    serving: Serving, objects: list[ShmObject], model: str
+) -> None:
+    """Issue 28 §4: 256 MiB of a sparse object cost its client nothing; echoing
+    them must not cost the worker (or the inline pool) 256 MiB before the
+    reply is refused as over max_message_size (64 MiB)."""
+    size = 256 << 20
+    obj = make(objects, size)  # ftruncate: sparse, no page touched
+
+    async def body(stub: Stub) -> None:
+        state = await pool_status(serving)
+        pids = [state.pid, *(w.pid for w in state.workers)]
+        peaks = {pid: _peak_rss(pid) for pid in pids}
+        await register(stub, "sparse", obj, size)
+        request = echo_request(model, "sparse", size // 4)
+        code, message = await status(stub.ModelInfer(request, timeout=120))
+        assert code is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert message == (
+            f"input 'INPUT0' reads {size} bytes from shared-memory region 'sparse': with the "
+            "request's other shared-memory inputs (0 bytes) that is over max_message_size "
+            f"({64 << 20} bytes)"
+        )
+        grown = {pid: _peak_rss(pid) - peak for pid, peak in peaks.items()}
+        assert max(grown.values()) < 32 << 20, grown
+
+    run(serving.address, body)

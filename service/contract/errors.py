@@ -87,6 +87,21 @@ class QueueFull(ServingError):
     failure = Failure.QUEUE_FULL
 
 
+class StreamStalled(QueueFull):
+    """A ModelStreamInfer whose client took none of its responses for
+    ``stream_stall_s``: it is ended, and its worker freed for other callers.
+    RESOURCE_EXHAUSTED, as the router's other bounds on what an unread client
+    may hold; the message names the setting."""
+
+    @classmethod
+    def after(cls, stall_s: float) -> StreamStalled:
+        return cls(
+            f"the stream was ended: its client took none of its responses for {stall_s:g} s "
+            "while they waited to be sent (stream_stall_s); its worker is freed for other "
+            "callers. Read a stream's responses as they come, or raise stream_stall_s"
+        )
+
+
 class DeadlineExceeded(ServingError):
     failure = Failure.DEADLINE
 

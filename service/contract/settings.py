@@ -83,8 +83,12 @@ class ServerSettings:
     # Reply bytes held for clients that do not read them (RESOURCE_EXHAUSTED beyond).
     max_unread_reply_bytes: int = 32 * MIB  # per client connection
     max_unread_reply_bytes_total: int = 256 * MIB  # all connections together
+    # A ModelStreamInfer whose client takes none of its responses for this long
+    # (they wait on its gRPC window) is ended with RESOURCE_EXHAUSTED and its
+    # worker freed for the pool's other callers; 0: never (docs/streaming.md).
+    stream_stall_s: float = 10.0
 
-    # Native runtimes and fork (README "Native runtimes and fork"):
+    # Native runtimes and fork (docs/native-runtimes.md):
     threads_per_worker: int = 1  # OMP/MKL/OpenBLAS/... threads in each pool process
     warmup_timeout_s: float = 10.0  # a fresh worker's warm-up prediction of each model
     abandon_grace_s: float = 5.0  # a worker still on a job its caller left is killed (0: never)
@@ -93,6 +97,11 @@ class ServerSettings:
     # in error_message: Triton's and KServe's clients) or "mlserver" (bare
     # ModelInferResponses, an error ends the stream with its status: MLServer's stubs)
     stream_messages: str = "kserve"
+
+    # Shared memory and the workers' own memory (docs/protocol.md):
+    shm_max_regions: int = 1024  # registered at once, per registry (RESOURCE_EXHAUSTED beyond)
+    shm_max_name_length: int = 255  # characters of a region's name (keys: NAME_MAX bytes)
+    slab_mapped_bytes: int = 512 * MIB  # the router's slabs one worker keeps mapped
 
     def threads_for(self, gid: str) -> int:
         override = self.pools.get(gid)
@@ -129,6 +138,9 @@ _INT_FIELDS = {
     "max_unread_reply_bytes",
     "max_unread_reply_bytes_total",
     "threads_per_worker",
+    "shm_max_regions",
+    "shm_max_name_length",
+    "slab_mapped_bytes",
 }
 _FLOAT_FIELDS = {
     "default_timeout_s",
@@ -141,6 +153,7 @@ _FLOAT_FIELDS = {
     "max_connection_idle_s",
     "keepalive_time_s",
     "keepalive_timeout_s",
+    "stream_stall_s",
     "max_connection_age_s",
     "max_connection_age_grace_s",
     "repository_rescan_s",

@@ -19,16 +19,19 @@ Standard library only: the router and the supervisor carry no numpy.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 import struct
 from dataclasses import asdict, dataclass
 
-from poolserve.service.contract.errors import InvalidInput, clip
+from poolserve.service.contract.errors import InvalidInput, NotFound, clip
 from poolserve.service.contract.slab import head as slab_head
 from poolserve.service.contract.wire import Wire
 
 SHM_DIR = "/dev/shm"
+NAME_MAX = 255  # a key longer than a file name can be names no object
 MARK = b"\x00shm1"  # a zero byte first: never the start of a protobuf message
 _LENGTH = struct.Struct("<I")
 
@@ -62,7 +65,62 @@ def shm_path(key: str) -> str:
             f"shared-memory key '{clip(key)}' is not a POSIX shared-memory name "
             "('/name', with no other '/')"
         )
+    if len(name.encode(errors="surrogatepass")) > NAME_MAX:
+        raise InvalidInput(
+            f"shared-memory key '{clip(key)}' is longer than {NAME_MAX} bytes (NAME_MAX)"
+        )
     return f"{SHM_DIR}/{name}"
+
+
+# O_NOFOLLOW: /dev/shm is world-writable, so anyone can plant a symlink there
+# to a file of ours; O_NONBLOCK: a FIFO or device another user made there must
+# not block or wake anything when opened (the type is refused right after).
+_OPEN_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
+
+
+def open_object(key: str) -> tuple[int, int]:
+    """Opens the shared-memory object ``key`` for reading and writing as
+    ``shm_open`` would, and only if it is safe to: (descriptor, current size).
+
+    The one place that opens a client-named object: registration (the router,
+    a pool's own registry) and the process that reads and writes the tensors
+    (a worker, an inline pool) call it independently, so a worker never trusts
+    the router's check. Refused: a symlink (it would escape /dev/shm), anything
+    but a regular file, and a file owned by another uid (another local user's
+    object, or one they hard-linked there). NOT_FOUND for a missing object,
+    INVALID_ARGUMENT otherwise; the message names the key, the caller says what
+    it was doing.
+    """
+    path = shm_path(key)
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        if exc.errno == errno.ENOENT:
+            raise NotFound(f"no shared-memory object '{clip(key)}' ({path}: {reason})") from None
+        if exc.errno == errno.ELOOP:  # what O_NOFOLLOW answers for a symlink
+            raise InvalidInput(
+                f"shared-memory object '{clip(key)}' is a symbolic link ({path}); "
+                "refused: it could point anywhere"
+            ) from None
+        raise InvalidInput(
+            f"cannot open shared-memory object '{clip(key)}' for reading and writing: {reason}"
+        ) from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise InvalidInput(
+                f"shared-memory object '{clip(key)}' is not a regular file ({path}); refused"
+            )
+        if info.st_uid != os.geteuid():
+            raise InvalidInput(
+                f"shared-memory object '{clip(key)}' is owned by uid {info.st_uid}, not by "
+                f"the server's uid {os.geteuid()} ({path}); refused: create it as that user"
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, info.st_size
 
 
 def wrap(regions: list[Region], request: bytes) -> bytes:

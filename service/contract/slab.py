@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 from poolserve.service.contract.errors import InvalidInput, Unavailable, clip
 from poolserve.service.contract.wire import Wire, read_varint
+from poolserve.service.contract.worker_limits import LIMITS
 
 THRESHOLD = 64 * 1024  # a larger ModelInfer body goes through a slab ...
 MAX_BODY = 16 * 1024 * 1024  # ... up to this size, and a reply area never takes more:
@@ -63,8 +64,8 @@ MIN_SLAB = 1 << 20  # slab sizes are powers of two from 1 MiB
 MAX_SLABS = 64  # leased and idle together, per router; beyond, a body goes inline
 IDLE_BYTES = 512 << 20  # idle slabs kept, by their sizes (what is touched stays in memory)
 MAPPED = 64  # slabs a worker keeps mapped (least recently used dropped first) ...
-MAPPED_BYTES = 512 << 20  # ... and their sizes together (a retired slab's memory is
-# held until its last mapping goes)
+# ... and their sizes together: setting slab_mapped_bytes (512 MiB), in
+# worker_limits.LIMITS (a retired slab's memory is held until its last mapping goes)
 _RAW_INPUT_TAG = (7 << 3) | 2  # ModelInferRequest.raw_input_contents
 
 
@@ -271,7 +272,7 @@ class Mapper:
     """A worker's (or an inline pool's) mappings of the router's slabs, by name.
 
     A slab is mapped once and kept (the router reuses its slabs); the least
-    recently used beyond :data:`MAPPED` slabs or :data:`MAPPED_BYTES` is
+    recently used beyond :data:`MAPPED` slabs or ``slab_mapped_bytes`` is
     dropped (a retired slab's memory goes once nothing maps it).
     """
 
@@ -290,7 +291,7 @@ class Mapper:
             self._maps[name] = view
             self.mapped_bytes += len(view)
             while len(self._maps) > 1 and (
-                len(self._maps) > MAPPED or self.mapped_bytes > MAPPED_BYTES
+                len(self._maps) > MAPPED or self.mapped_bytes > LIMITS.slab_mapped_bytes
             ):
                 _, dropped = self._maps.popitem(last=False)  # unmapped when its last view goes
                 self.mapped_bytes -= len(dropped)

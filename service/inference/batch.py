@@ -32,7 +32,7 @@ from poolserve.service.contract.errors import (
 from poolserve.service.contract.wire import SCHEDULING_KEYS, Wire, peek_model
 from poolserve.service.inference.codec import decode_inputs, encode_outputs, parameters_to_dict
 from poolserve.service.inference.infer import parse_request
-from poolserve.service.inference.model import Array, Model, check_outputs
+from poolserve.service.inference.model import Array, Model, check_outputs, declared_inputs
 from poolserve.service.poolcore.frames import Frame, error_frame, reply_frame
 from poolserve.service.poolcore.stats import Timings
 
@@ -68,7 +68,7 @@ def run_batch(models: Mapping[str, Model], bodies: Sequence[Wire]) -> list[Frame
             if model is None or (version and version != model.settings.version):
                 raise ModelNotFound(f"model '{clip(name)}' is not loaded in this worker")
             request = parse_request(body)
-            inputs = decode_inputs(request)
+            inputs = decode_inputs(request, declared=declared_inputs(model))
             parameters = parameters_to_dict(request.parameters)
         except ServingError as exc:
             frames[index] = error_frame(index, Timings(), exc.failure, exc.message)

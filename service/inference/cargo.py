@@ -18,6 +18,7 @@ import logging
 import os
 import socket
 import sys
+import traceback
 from collections.abc import Collection, Generator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -153,7 +154,17 @@ class InferenceCargo:
             reason = truncate_reason(
                 f"load failed: {type(exc).__name__}: {exc} (model {settings.source})"
             )
-            emit({"event": "model", "name": settings.name, "ok": False, "reason": reason})
+            # The whole traceback, for the log's field (never in the reason clients see).
+            trace = truncate_reason("".join(traceback.format_exception(exc)))
+            emit(
+                {
+                    "event": "model",
+                    "name": settings.name,
+                    "ok": False,
+                    "reason": reason,
+                    "traceback": trace,
+                }
+            )
             return
         self.models[settings.name] = model
         own_metadata = getattr(model, "own_metadata", None)  # an adapter's server's answer

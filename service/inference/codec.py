@@ -28,6 +28,7 @@ import numpy.typing as npt
 
 from poolserve.protos import inference_pb2
 from poolserve.service.contract.errors import InvalidInput, clip
+from poolserve.service.inference.declared import DeclaredInputs
 
 _Tensor: TypeAlias = (
     inference_pb2.ModelInferRequest.InferInputTensor
@@ -116,6 +117,7 @@ def decode_inputs(
     shared: SharedReader | None = None,
     *,
     raw: list[Any] | None = None,
+    declared: DeclaredInputs | None = None,
 ) -> dict[str, npt.NDArray[Any]]:
     """The request's input tensors by name; raises InvalidInput for any malformed one.
 
@@ -123,9 +125,15 @@ def decode_inputs(
     input that names a shared-memory region is read by ``shared``. ``raw``,
     when given, holds the raw entries instead of the request (views of the
     wire bytes, split off by :func:`poolserve.service.inference.rawwire.split_raw_inputs`).
+    ``declared``: the model's declared inputs, which the tensors must match
+    (:mod:`poolserve.service.inference.declared`; checked once they are read,
+    as Triton resolves shared-memory regions before it checks the config).
     """
     entries = list(request.raw_input_contents) if raw is None else raw
-    return _decode(request.inputs, entries, "input", shared, model=request.model_name)
+    arrays = _decode(request.inputs, entries, "input", shared, model=request.model_name)
+    if declared is not None:
+        declared.check(request.inputs)
+    return arrays
 
 
 def decode_outputs(response: inference_pb2.ModelInferResponse) -> dict[str, npt.NDArray[Any]]:
@@ -163,6 +171,27 @@ def encode_outputs(
             target.append(b"")
             continue
         _put(tensor, arr, target, "output", view=raw is not None)
+
+
+def reply_bytes(
+    request: inference_pb2.ModelInferRequest, outputs: Mapping[str, npt.NDArray[Any]]
+) -> int:
+    """At least the raw bytes :func:`encode_outputs` would put in the reply
+    (outputs placed in shared memory aside), known before any is encoded: a
+    fixed-size tensor's exact size, a BYTES tensor's length prefixes only
+    (its strings are counted when encoded, not walked twice)."""
+    placed = _placed_outputs(request)
+    total = 0
+    for name, value in outputs.items():
+        if name in placed or (request.outputs and not _requested(request, name)):
+            continue
+        arr = np.asarray(value)
+        total += arr.size * _LENGTH.size if arr.dtype.kind in "OSU" else arr.nbytes
+    return total
+
+
+def _requested(request: inference_pb2.ModelInferRequest, name: str) -> bool:
+    return any(o.name == name for o in request.outputs)
 
 
 def _placed_outputs(

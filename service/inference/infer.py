@@ -10,17 +10,36 @@ arrays, written after the serialized rest of the response as parts.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import cast
 
 from google.protobuf.message import DecodeError
 
 from poolserve.protos import inference_pb2 as pb
-from poolserve.service.contract.errors import InvalidInput, ModelError, ServingError
+from poolserve.service.contract.errors import (
+    InvalidInput,
+    MessageTooLarge,
+    ModelError,
+    ServingError,
+)
 from poolserve.service.contract.shm import Region, unwrap
+from poolserve.service.contract.worker_limits import LIMITS
 from poolserve.service.inference.classification import classify, requested_classes
-from poolserve.service.inference.codec import decode_inputs, encode_outputs, parameters_to_dict
+from poolserve.service.inference.codec import (
+    decode_inputs,
+    encode_outputs,
+    parameters_to_dict,
+    reply_bytes,
+)
 from poolserve.service.inference.controls import add_controls
-from poolserve.service.inference.model import Model, WireModel, check_outputs, class_labels
+from poolserve.service.inference.model import (
+    Array,
+    Model,
+    WireModel,
+    check_outputs,
+    class_labels,
+    declared_inputs,
+)
 from poolserve.service.inference.rawwire import Buffer, raw_output_parts, split_raw_inputs
 from poolserve.service.inference.shm import SharedTensors
 from poolserve.service.poolcore.stats import Timings
@@ -33,6 +52,17 @@ def parse_request(data: Buffer) -> pb.ModelInferRequest:
         return pb.ModelInferRequest.FromString(cast(bytes, data))
     except DecodeError as exc:
         raise InvalidInput(f"ModelInferRequest cannot be parsed: {exc}") from None
+
+
+def check_reply_size(
+    name: str, request: pb.ModelInferRequest, outputs: Mapping[str, Array]
+) -> None:
+    """A reply that could not be sent is refused before it is built: its
+    tensors would be copied or encoded for nothing (a 1 GiB echo of a sparse
+    shared-memory object costs its client nothing, the worker 1 GiB)."""
+    size = reply_bytes(request, outputs)
+    if size > LIMITS.max_message_size:
+        raise MessageTooLarge.reply(name, size, LIMITS.max_message_size)
 
 
 def infer(
@@ -68,7 +98,7 @@ def infer_parts(
     head, raw = split_raw_inputs(data)
     request = parse_request(head)
     shared = SharedTensors(regions)
-    inputs = decode_inputs(request, shared.read, raw=raw or None)
+    inputs = decode_inputs(request, shared.read, raw=raw or None, declared=declared_inputs(model))
     parameters = parameters_to_dict(request.parameters)
     sequence = model.settings.sequence
     if sequence is not None and sequence.controls:
@@ -87,6 +117,7 @@ def infer_parts(
     if classes:  # Triton's classification extension, counted as encoding
         batched = model.settings.max_batch_size > 0
         outputs = classify(outputs, classes, class_labels(model), batched)
+    check_reply_size(name, request, outputs)
     response = pb.ModelInferResponse(
         model_name=name, model_version=model.settings.version, id=request.id
     )

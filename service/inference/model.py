@@ -22,6 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from poolserve.service.contract.repository import ModelSettings, TensorSpec, TransactionPolicy
+from poolserve.service.inference.declared import DeclaredInputs
 from poolserve.service.poolcore.stats import Timings
 
 Array = npt.NDArray[Any]
@@ -35,6 +36,8 @@ class Model:
     inline_fast = False
     # Set by load_model: the outputs' class labels (a name of ours, not the model's).
     _poolserve_class_labels: Mapping[str, Sequence[bytes]] = MappingProxyType({})
+    # Set by declared_inputs on first use (load_model: in the zygote, before forks).
+    _poolserve_declared: DeclaredInputs | None
 
     def __init__(self, settings: ModelSettings) -> None:
         self.settings = settings
@@ -178,7 +181,26 @@ def load_model(settings: ModelSettings) -> Model:
     model.load()
     _, outputs = tensor_specs(model)
     model._poolserve_class_labels = read_labels(settings.folder, outputs)
+    declared_inputs(model)
     return model
+
+
+def declared_inputs(model: Model) -> DeclaredInputs | None:
+    """The inputs ``model`` declares, as every request to it is checked against
+    (None: it declares none and takes anything); built once per model instance,
+    after its load (an MLServer model's load may set its inputs)."""
+    try:
+        return model._poolserve_declared
+    except AttributeError:
+        pass
+    settings = model.settings
+    inputs, _ = tensor_specs(model)
+    controls = settings.sequence.controls if settings.sequence is not None else ()
+    table = DeclaredInputs.build(
+        settings.name, inputs, settings.max_batch_size, (c.name for c in controls)
+    )
+    model._poolserve_declared = table
+    return table
 
 
 def class_labels(model: Model) -> Mapping[str, Sequence[bytes]]:

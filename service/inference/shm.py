@@ -1,84 +1,52 @@
 """System shared memory in the process that runs a request (a worker, or the
-pool server for inline models): regions mapped once and cached, inputs
-decoded straight from them, outputs written straight into them.
+pool server for inline models): inputs read out of their regions, outputs
+written into them, through the file, never through a mapping.
 
-The registrations come with the request (:mod:`poolserve.service.contract.shm`).
-A mapping is cached per process under the registration's generation: a name
-unregistered and registered again (another key, another size) has a new
-generation, and the old mapping of that name is closed when the new one is
-first used. The object's current size is checked (``fstat``) before every
-read and write, so a client that truncated its object gets INVALID_ARGUMENT
-instead of a worker killed by SIGBUS; a client that truncates it *while* a
-tensor is being copied can still bring that worker down (it is respawned,
-the call gets an error).
+The registrations come with the request (:mod:`poolserve.service.contract.shm`);
+each object is opened again here, as registration opened it
+(:func:`~poolserve.service.contract.shm.open_object`: no symlink, a regular
+file of the server's uid), because a worker must not trust whoever sent it the
+table (a pool's private socket takes tables as they come).
+
+Why ``pread``/``pwrite`` and no ``mmap``: the object belongs to the client,
+which may ``ftruncate`` it at any moment, and touching a mapped page past the
+new end is SIGBUS, which kills the process (a worker; the pool server itself
+for an inline model). A system call past the end returns short instead: an
+input is copied out once (one memcpy, in the kernel) into an array of the
+request, so neither the model nor the reply's encoding holds a view on the
+client's memory; an object found shorter than the tensor is INVALID_ARGUMENT
+for that client, and nobody else notices. An output is written after a size
+check; if the object shrinks between the check and the write, ``pwrite``
+grows it back (at most to the registered size), which cannot fault.
+
+What a request reads from shared memory is charged against max_message_size
+before anything is allocated (:data:`~poolserve.service.contract.worker_limits.LIMITS`):
+a client's sparse object costs it nothing, and must not cost a worker more
+than a request on the wire could.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-import mmap
 import os
-import threading
-from collections import OrderedDict
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from poolserve.protos import inference_pb2 as pb
-from poolserve.service.contract.errors import InvalidInput, clip
-from poolserve.service.contract.shm import Region, shm_path
+from poolserve.service.contract.errors import (
+    InvalidInput,
+    MessageTooLarge,
+    ServingError,
+    clip,
+    error_for,
+)
+from poolserve.service.contract.shm import Region, open_object
+from poolserve.service.contract.worker_limits import LIMITS
 from poolserve.service.inference.codec import decode_raw, dtype_for, encode_raw
-
-MAX_MAPPINGS = 64  # regions mapped at once per process; the least recently used goes
-
-
-@dataclass(eq=False)
-class _Mapped:
-    region: Region
-    fd: int
-    memory: mmap.mmap
-
-    def close(self) -> None:
-        with contextlib.suppress(BufferError):  # arrays still view it: unmapped when they go
-            self.memory.close()
-        os.close(self.fd)
-
-
-class _Mappings:
-    """This process's mapped regions, by registration generation."""
-
-    def __init__(self) -> None:
-        self._mapped: OrderedDict[int, _Mapped] = OrderedDict()
-        self._lock = threading.Lock()  # inline models run on threads of their own
-
-    def get(self, region: Region) -> _Mapped:
-        with self._lock:
-            mapped = self._mapped.get(region.generation)
-            if mapped is not None:
-                self._mapped.move_to_end(region.generation)
-                return mapped
-            for generation, old in list(self._mapped.items()):
-                if old.region.name == region.name:  # registered again since
-                    del self._mapped[generation]
-                    old.close()
-            mapped = _map(region)
-            self._mapped[region.generation] = mapped
-            while len(self._mapped) > MAX_MAPPINGS:
-                self._mapped.popitem(last=False)[1].close()
-            return mapped
-
-    def clear(self) -> None:
-        with self._lock:
-            for mapped in self._mapped.values():
-                mapped.close()
-            self._mapped.clear()
-
-
-MAPPINGS = _Mappings()
 
 
 def _gone(region: Region, why: str) -> InvalidInput:
@@ -87,21 +55,46 @@ def _gone(region: Region, why: str) -> InvalidInput:
     )
 
 
-def _map(region: Region) -> _Mapped:
-    length = region.offset + region.byte_size
+@contextmanager
+def _opened(region: Region, end: int) -> Iterator[int]:
+    """The region's object, checked (see the module doc) and at least ``end`` bytes now."""
     try:
-        fd = os.open(shm_path(region.key), os.O_RDWR | os.O_CLOEXEC)
-    except OSError as exc:
-        raise _gone(region, f"cannot be opened: {exc.strerror or exc}") from None
+        fd, size = open_object(region.key)
+    except ServingError as exc:
+        raise error_for(
+            exc.failure, f"shared-memory region '{clip(region.name)}': {exc.message}"
+        ) from None
     try:
-        size = os.fstat(fd).st_size
-        if size < length:
-            raise _gone(region, f"is now {size} bytes, below the {length} it was registered with")
-        memory = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    except BaseException:
+        if size < end:
+            raise _gone(region, f"is now {size} bytes, below the {end} this tensor needs")
+        yield fd
+    finally:
         os.close(fd)
-        raise
-    return _Mapped(region, fd, memory)
+
+
+def _pread_into(fd: int, target: memoryview, offset: int, region: Region) -> None:
+    got = 0
+    while got < len(target):
+        try:
+            count = os.preadv(fd, [target[got:]], offset + got)
+        except OSError as exc:
+            raise _gone(region, f"cannot be read: {exc.strerror or exc}") from None
+        if count == 0:  # its end moved under us: truncated since the size check
+            raise _gone(
+                region,
+                f"was truncated while being read, below the {offset + len(target)} bytes "
+                "this tensor needs",
+            )
+        got += count
+
+
+def _pwrite_from(fd: int, source: memoryview, offset: int, region: Region) -> None:
+    done = 0
+    while done < len(source):
+        try:
+            done += os.pwritev(fd, [source[done:]], offset + done)
+        except OSError as exc:  # ENOSPC on a full /dev/shm, say
+            raise _gone(region, f"cannot be written: {exc.strerror or exc}") from None
 
 
 def _int_param(tensor: Any, key: str, where: str) -> int:
@@ -119,9 +112,11 @@ class SharedTensors:
 
     def __init__(self, regions: Mapping[str, Region]) -> None:
         self.regions = regions
+        self.read_bytes = 0  # read out of shared memory by this request so far
 
-    def _view(self, tensor: Any, where: str, used: int | None = None) -> memoryview:
-        """The tensor's bytes in its region (``used`` of them when given), bounds checked."""
+    def _place(self, tensor: Any, where: str, used: int | None = None) -> tuple[Region, int, int]:
+        """(region, start, end): where the tensor's bytes are in the region's
+        object (``used`` of them when given), checked against the registration."""
         name = tensor.parameters["shared_memory_region"].string_param
         region = self.regions.get(name)
         if region is None:
@@ -135,29 +130,37 @@ class SharedTensors:
                 f"{where}: shared_memory_offset {offset} + shared_memory_byte_size {size} "
                 f"run past the {region.byte_size} bytes of shared-memory region '{clip(name)}'"
             )
-        mapped = MAPPINGS.get(region)
         start = region.offset + offset
-        end = start + (size if used is None else used)
-        current = os.fstat(mapped.fd).st_size  # touching pages past it would be SIGBUS
-        if current < end:
-            raise _gone(region, f"is now {current} bytes, below the {end} this tensor needs")
-        return memoryview(mapped.memory)[start:end]
+        return region, start, start + (size if used is None else used)
 
     def read(self, tensor: pb.ModelInferRequest.InferInputTensor) -> npt.NDArray[Any]:
-        """An input straight from its region: a read-only view (BYTES: copied out)."""
+        """An input copied out of its region: the request's own (read-only) array."""
         where = f"input '{clip(tensor.name)}'"
-        view = self._view(tensor, where)
+        region, start, end = self._place(tensor, where)
+        size = end - start
         if tensor.datatype != "BYTES":
             shape = list(tensor.shape)
             if tensor.datatype and all(dim >= 0 for dim in shape):
                 needed = math.prod(shape) * dtype_for(tensor.datatype).itemsize
-                if needed != len(view):
+                if needed != size:
                     raise InvalidInput(
-                        f"{where}: shared_memory_byte_size is {len(view)} but shape {shape} "
+                        f"{where}: shared_memory_byte_size is {size} but shape {shape} "
                         f"of {tensor.datatype} needs {needed} bytes"
                     )
-            return decode_raw(tensor, view.toreadonly())
-        return decode_raw(tensor, bytes(view))
+        limit = LIMITS.max_message_size
+        if self.read_bytes + size > limit:
+            raise MessageTooLarge(
+                f"{where} reads {size} bytes from shared-memory region '{clip(region.name)}': "
+                f"with the request's other shared-memory inputs ({self.read_bytes} bytes) "
+                f"that is over max_message_size ({limit} bytes)"
+            )
+        self.read_bytes += size
+        buffer = np.empty(size, dtype=np.uint8)  # not zeroed: pread fills all of it
+        with _opened(region, end) as fd:
+            _pread_into(fd, buffer.data, start, region)
+        if tensor.datatype != "BYTES":
+            return decode_raw(tensor, buffer.data.toreadonly())
+        return decode_raw(tensor, buffer.tobytes())
 
     def write(
         self,
@@ -165,20 +168,21 @@ class SharedTensors:
         arr: npt.NDArray[Any],
         datatype: str,
     ) -> None:
-        """An output straight into its region; one that does not fit is INVALID_ARGUMENT."""
+        """An output into its region; one that does not fit is INVALID_ARGUMENT."""
         where = f"output '{clip(requested.name)}'"
         size = _int_param(requested, "shared_memory_byte_size", where)
-        data = encode_raw(arr, datatype, where) if datatype == "BYTES" else None
-        needed = len(data) if data is not None else arr.nbytes
+        if datatype == "BYTES":
+            data: Any = encode_raw(arr, datatype, where)
+        else:  # little-endian and contiguous: copied only when it is not already
+            data = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")).reshape(-1)
+            data = data.view(np.uint8)
+        needed = len(data)
         if needed > size:
             region = requested.parameters["shared_memory_region"].string_param
             raise InvalidInput(
                 f"{where} needs {needed} bytes but shared-memory region '{clip(region)}' "
                 f"gives it {size} (shared_memory_byte_size)"
             )
-        view = self._view(requested, where, used=needed)
-        if data is not None:
-            view[:] = data
-            return
-        target = np.frombuffer(view, dtype=arr.dtype.newbyteorder("<")).reshape(arr.shape)
-        np.copyto(target, arr, casting="equiv")  # a byte swap at most
+        placed, start, end = self._place(requested, where, used=needed)
+        with _opened(placed, end) as fd:
+            _pwrite_from(fd, memoryview(data), start, placed)

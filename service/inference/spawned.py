@@ -14,6 +14,7 @@ the model, as a death in the self-test.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import socket
 import sys
@@ -21,10 +22,12 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from poolserve.service.lifecycle.child import die_with_parent
+from poolserve.service.lifecycle.logs import setup_inherited_logging
 from poolserve.service.lifecycle.procutil import set_process_name
 from poolserve.service.poolcore import worker
 
 EXIT_LOAD_FAILED = 3
+log = logging.getLogger(__name__)
 
 
 def main(argv: list[str]) -> NoReturn:
@@ -37,6 +40,7 @@ def main(argv: list[str]) -> NoReturn:
     args = parser.parse_args(argv)
     die_with_parent(args.zygote_pid)
     set_process_name("poolserve-wrk")
+    setup_inherited_logging("worker")
     sock = socket.socket(fileno=args.sock_fd)
     skip = set(args.skip)
 
@@ -54,7 +58,12 @@ def main(argv: list[str]) -> NoReturn:
             cargo.load_one(settings, events.append)
             if settings.name not in cargo.models:
                 reason = events[-1].get("reason", "")
-                print(f"poolserve worker: model {settings.name}: {reason}", file=sys.stderr)
+                log.error(
+                    "poolserve worker: model %s: %s",
+                    settings.name,
+                    reason,
+                    extra={"model": settings.name, "traceback": events[-1].get("traceback", "")},
+                )
                 sys.stderr.flush()
                 os._exit(EXIT_LOAD_FAILED)
         return cargo.handler(), cargo.warmups(skip)

@@ -23,8 +23,8 @@ from poolserve.service.contract.shm import Region
 from poolserve.service.contract.wire import Wire
 from poolserve.service.inference.codec import decode_inputs, encode_outputs, parameters_to_dict
 from poolserve.service.inference.controls import add_controls
-from poolserve.service.inference.infer import parse_request
-from poolserve.service.inference.model import Model, WireModel, check_outputs
+from poolserve.service.inference.infer import check_reply_size, parse_request
+from poolserve.service.inference.model import Model, WireModel, check_outputs, declared_inputs
 from poolserve.service.inference.shm import SharedTensors
 from poolserve.service.poolcore.frames import Frame, part_frame, reply_frame
 from poolserve.service.poolcore.stats import Timings
@@ -51,7 +51,7 @@ def stream_infer(model: Model, data: Wire, regions: dict[str, Region], seq: int)
     t0 = time.perf_counter_ns()
     request = parse_request(data)
     shared = SharedTensors(regions)
-    inputs = decode_inputs(request, shared.read)
+    inputs = decode_inputs(request, shared.read, declared=declared_inputs(model))
     parameters = parameters_to_dict(request.parameters)
     sequence = model.settings.sequence
     if sequence is not None and sequence.controls:
@@ -78,8 +78,10 @@ def stream_infer(model: Model, data: Wire, regions: dict[str, Region], seq: int)
             except Exception as exc:
                 raise ModelError.from_exception(name, exc) from exc
             t2 = time.perf_counter_ns()
+            outputs = check_outputs(name, item)
+            check_reply_size(name, request, outputs)
             response = _response(model, request)
-            encode_outputs(request, check_outputs(name, item), response, shared.write)
+            encode_outputs(request, outputs, response, shared.write)
             if flagged:
                 response.parameters[FINAL].bool_param = False
             frame = part_frame(seq, response.SerializeToString())

@@ -175,7 +175,15 @@ class Fleet:
             return
         running = f" while running model '{gone.tag}'" if gone.tag else ""
         killed = f" (killed: {gone.reason})" if gone.reason else ""
-        log.warning("%s: worker %d %s%s%s", self.label, gone.pid, gone.status, running, killed)
+        log.warning(
+            "%s: worker %d %s%s%s",
+            self.label,
+            gone.pid,
+            gone.status,
+            running,
+            killed,
+            extra={"worker_pid": gone.pid, "worker_status": gone.status, "model": gone.tag},
+        )
         delay = self.respawner.worker_lost(
             gone.tag, gone.reason or gone.status, warmup=gone.warmup, hung=bool(gone.reason)
         )

@@ -17,11 +17,12 @@ pool can name it, instead of in a caller's request.
 
 from __future__ import annotations
 
-import contextlib
+import errno
 import json
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -228,8 +229,25 @@ def run_prepared(sock: socket.socket, heartbeat_s: float, prepare: Prepare) -> N
         with send_lock:
             sock.sendall(loading_frame(model))
 
-    with contextlib.suppress(OSError):  # the pool went away: nothing left to answer
+    try:
         handler, warmups = prepare(announce)
         self_test(sock, warmups, send_lock)
         serve(sock, handler, send_lock)
+    except OSError as exc:
+        if not pool_gone(exc):
+            # Anything else is a death, said as one: a reply whose bytes cannot be
+            # read (EFAULT: a view of a mapping that shrank) once exited 0 here,
+            # logged as "exited with code 0" as if the pool had closed us.
+            print(f"poolserve worker {os.getpid()}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            sys.stderr.flush()
+            os._exit(EXIT_OS_ERROR)
     os._exit(0)
+
+
+EXIT_OS_ERROR = 4  # (3 is a spawned worker's failed load)
+_POOL_GONE = {errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.ESHUTDOWN, errno.EBADF}
+
+
+def pool_gone(exc: OSError) -> bool:
+    """Whether an error on the worker's socket means the pool closed its end."""
+    return isinstance(exc, ConnectionError) or exc.errno in _POOL_GONE

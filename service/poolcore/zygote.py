@@ -51,6 +51,11 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from poolserve.service.lifecycle.child import die_with_parent
+from poolserve.service.lifecycle.logs import (
+    inherited_format,
+    set_role_kind,
+    setup_inherited_logging,
+)
 from poolserve.service.lifecycle.procutil import (
     describe_status,
     set_process_name,
@@ -168,6 +173,7 @@ class _Zygote:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             die_with_parent(zygote_pid)
             set_process_name("poolserve-wrk")
+            set_role_kind("worker")
             warmups = self.cargo.warmups(skip)
             worker.run(theirs, self.cargo.handler(), self.heartbeat_s, warmups)
         theirs.close()
@@ -242,6 +248,7 @@ def forked_main(
     try:
         die_with_parent(parent_pid)
         set_process_name("poolserve-zyg")
+        set_role_kind("zygote")
         # The pool server owns the stop: a SIGTERM to the whole process group (a
         # supervisor's stop) must not take workers away while the pool drains. The
         # zygote ends when the pool closes its socket, or dies with the pool.
@@ -267,6 +274,8 @@ def exec_main(ctrl_fd: int, parent_pid: int, heartbeat_s: float, cargo: Cargo) -
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
         die_with_parent(parent_pid, signal.SIGTERM)
         set_process_name("poolserve-zyg")
+        if inherited_format() is not None:  # started inside a poolserve process
+            setup_inherited_logging("zygote")
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         ctrl = socket.socket(fileno=ctrl_fd)
         _Zygote(ctrl, cargo, heartbeat_s, stop_on_term=True).loop()

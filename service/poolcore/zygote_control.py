@@ -46,6 +46,8 @@ class ZygoteEvents:
     on_exit: Callable[[int, str], None]
     on_lost: Callable[[], None]
     on_unloaded: Callable[[str], None]
+    # A load that failed, with its traceback (name, traceback), before its on_model.
+    on_load_traceback: Callable[[str, str], None] | None = None
     # a loaded model's own ModelMetadata answer (an adapter's), before its on_model
     on_metadata: Callable[[str, bytes], None] | None = None
 
@@ -86,6 +88,9 @@ class ZygoteControl:
     def _deliver(self, events: ZygoteEvents, msg: dict[str, Any], fds: list[int]) -> None:
         kind = msg.get("event")
         if kind == "model":
+            trace = msg.get("traceback")
+            if trace and events.on_load_traceback is not None:
+                events.on_load_traceback(str(msg["name"]), str(trace))
             if events.on_metadata is not None and "metadata" in msg:
                 events.on_metadata(msg["name"], base64.b64decode(msg["metadata"]))
             events.on_model(

@@ -32,6 +32,7 @@ import functools
 import itertools
 import logging
 import time
+import traceback
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -129,7 +130,9 @@ class InlineRunner:
             except Exception as exc:
                 thread.shutdown(wait=False)
                 reason = f"load failed: {type(exc).__name__}: {exc} (model {settings.source})"
-                log.error("inline model %s: %s", settings.name, reason)
+                trace = "".join(traceback.format_exception(exc))
+                extra = {"model": settings.name, "traceback": trace}
+                log.error("inline model %s: %s", settings.name, reason, extra=extra)
                 failures[settings.name] = reason
                 if settings.name not in self._models:
                     self._catalog.set_state(settings.name, ModelState.UNAVAILABLE, reason)

@@ -20,7 +20,9 @@ from poolserve.service.contract.framing import Payload
 from poolserve.service.contract.repository import ModelSettings, Repository
 from poolserve.service.contract.settings import ServerSettings
 from poolserve.service.contract.wire import Routing
+from poolserve.service.contract.worker_limits import configure as configure_worker_limits
 from poolserve.service.grpcserver.health import Health
+from poolserve.service.grpcserver.shm import SharedMemory
 from poolserve.service.inference.infer import infer
 from poolserve.service.inference.model import Model, load_model, tensor_specs
 from poolserve.service.poolserver.catalog import Catalog, ModelEntry, ModelState
@@ -93,11 +95,14 @@ class InProcessServer:
         self.catalog = Catalog.from_settings(repository.models, repository.invalid)
         self.backend = InProcessBackend(self.catalog)
         self.health = Health()
+        # its models run here: the limits a worker would enforce are this process's
+        configure_worker_limits(settings.max_message_size, settings.slab_mapped_bytes, export=False)
         self.servicer = InferenceServicer(
             self.catalog,
             self.backend,
             server_name=settings.server_name,
             default_timeout_s=settings.default_timeout_s,
+            shared_memory=SharedMemory.from_settings(settings),
         )
         self.port = 0
         self._server: grpc.aio.Server | None = None

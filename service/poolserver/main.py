@@ -19,6 +19,7 @@ from poolserve.service.contract.rundir import (
     pool_socket_path,
 )
 from poolserve.service.contract.settings import ConfigError, load_server_settings
+from poolserve.service.contract.worker_limits import configure as configure_worker_limits
 from poolserve.service.lifecycle.child import (
     announce_ready,
     beating,
@@ -45,7 +46,9 @@ def run_pool(repo: Path, gid: str, flags: Mapping[str, object]) -> int:
     pipe = take_ready_pipe()
     try:
         settings = load_server_settings(repo, flags=flags)
-        setup_logging(f"pool:{gid}", settings.log_format)
+        setup_logging(f"pool:{gid}", settings.log_format, relay="process", relay_stdout=True)
+        # Before the zygote: its forked workers inherit them, spawned ones read the environment.
+        configure_worker_limits(settings.max_message_size, settings.slab_mapped_bytes)
         # Before any model code loads, here (inline models) or in the zygote and workers.
         limit_native_threads(settings.threads_for(gid), f"pool {gid}")
         models = scan(repo).pools().get(gid)

@@ -72,6 +72,7 @@ class PoolServer(LiveModels):
     ) -> None:
         self.gid = gid
         self.repo = repo
+        self._load_tracebacks: dict[str, str] = {}  # model -> its failed load's traceback
         self.models = list(models)
         self.settings = settings
         self.socket_path = socket_path
@@ -122,7 +123,7 @@ class PoolServer(LiveModels):
             control=self,
             margin_s=settings.deadline_margin_ms / 1000,
             # its socket is private: the router's calls come with their registrations
-            shared_memory=SharedMemory(accept_attached=True),
+            shared_memory=SharedMemory.from_settings(settings, accept_attached=True),
             mlserver_streams=settings.stream_messages == "mlserver",
         )
         self.lane = LaneServer(
@@ -175,6 +176,7 @@ class PoolServer(LiveModels):
         outputs: tuple[TensorSpec, ...],
         policy: TransactionPolicy,
     ) -> None:
+        trace = self._load_tracebacks.pop(name, "")
         waiting = self._model_replies.pop(name, None)
         if waiting is not None:  # a live load: _load decides what the catalog says
             if not waiting.done():
@@ -187,8 +189,14 @@ class PoolServer(LiveModels):
                 entry.own_metadata = self._own_metadata.pop(name, None)
             self.catalog.set_state(name, ModelState.READY, "", (inputs, outputs), policy)
         else:
-            log.error("pool %s: model %s: %s", self.gid, name, reason)
+            # The traceback goes in a field of its own (log_format json); a text
+            # line stays one line.
+            extra = {"model": name, "traceback": trace} if trace else {"model": name}
+            log.error("pool %s: model %s: %s", self.gid, name, reason, extra=extra)
             self.catalog.set_state(name, ModelState.UNAVAILABLE, reason)
+
+    def _on_load_traceback(self, name: str, trace: str) -> None:
+        self._load_tracebacks[name] = trace
 
     def _on_metadata(self, name: str, data: bytes) -> None:
         self._own_metadata[name] = data  # the catalog takes it with the model's load
@@ -289,6 +297,7 @@ class PoolServer(LiveModels):
                     self._on_exit,
                     self._on_zygote_lost,
                     self._on_unloaded,
+                    self._on_load_traceback,
                     self._on_metadata,
                 )
             )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
 
 from poolserve.service.contract import slab
@@ -192,14 +192,17 @@ class LaneClient:
         requests: AsyncIterator[bytes],
         deadline: float,
         attach: Callable[[bytes], bytes],
-    ) -> AsyncIterator[bytes | ServingError]:
+        stall_s: float = 0.0,
+    ) -> AsyncGenerator[bytes | ServingError, None]:
         """Runs one ModelStreamInfer in the pool until ``deadline`` (monotonic):
         its serialized responses as they come, then a ServingError if the stream
-        failed as a whole. Leaving early (the client went away) cancels it there."""
+        failed as a whole. Leaving early (the client went away) cancels it there;
+        so does a client that takes none of its responses for ``stall_s`` (0: no
+        limit), and the stream then fails with StreamStalled."""
         transport = self._transport or await self._connect()
         loop = asyncio.get_running_loop()
         seq = next(self._seq)
-        stream = self.streams[seq] = LaneStream(seq)
+        stream = self.streams[seq] = LaneStream(seq, stall_s)
         transport.write(stream_open_frame(seq, deadline))
         pump = loop.create_task(stream.pump(transport, first, requests, attach))
         late = DeadlineExceeded(f"deadline exceeded waiting for {self.where} to answer", "pool")
@@ -209,6 +212,7 @@ class LaneClient:
                 yield item
         finally:
             timer.cancel()
+            stream.stop()
             pump.cancel()
             if self.streams.pop(seq, None) is not None and not stream.ended:
                 transport.write(HEADER.pack(0, CANCEL, seq))

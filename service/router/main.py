@@ -39,7 +39,7 @@ def run_router(repo: Path, flags: Mapping[str, object]) -> int:
     pipe = take_ready_pipe()
     try:
         settings: ServerSettings = load_server_settings(repo, flags=flags)
-        setup_logging("router", settings.log_format)
+        setup_logging("router", settings.log_format, relay="process", relay_stdout=True)
         run_dir = settings.resolved_run_dir()
         router = Router(scan(repo), settings, run_dir, repo)
         ensure_private_dir(run_dir)

@@ -37,6 +37,7 @@ from poolserve.service.contract.errors import (
     InvalidInput,
     ModelNotReady,
     ServingError,
+    StreamStalled,
     Unavailable,
     clip,
     load_failed,
@@ -213,7 +214,8 @@ class Router:
             for name in route.models:
                 self.routes[name] = route
         self.health = Health()
-        self.shared_memory = SharedMemory()  # the one registry of the whole server
+        # the one registry of the whole server
+        self.shared_memory = SharedMemory.from_settings(settings)
         # large ModelInfer bodies go to the workers through these (contract/slab.py)
         self.arena = Arena(min(settings.max_message_size, SLAB_MAX_BODY))
         self.replies = ReplyBudget(
@@ -598,6 +600,9 @@ class Router:
         except (asyncio.CancelledError, GeneratorExit):
             code = self._ended_early(span, context)
             raise
+        except grpc.aio.AbortError:  # ended with a status (a client that stopped reading)
+            code = context.code()  # set by the abort
+            raise
         except ServingError as exc:  # MLServer's streams: the error is the stream's status
             code = grpc_status(exc)[0]
             await abort(context, *grpc_status(exc))
@@ -641,13 +646,19 @@ class Router:
             )
         try:
             attach = functools.partial(self._attach_in_stream, route)
-            async for item in route.lane.stream(first, requests, deadline, attach):
-                if isinstance(item, ServingError):  # the stream failed as a whole
-                    if span is not None and item.failure is Failure.DEADLINE:
-                        deadline_event(span, item.stage or "router", item.message)
-                    yield self._stream_error(item, f"{grpc_status(item)[0].name}: {item.message}")
-                    return
-                yield item
+            stall_s = self.settings.stream_stall_s
+            lane = route.lane.stream(first, requests, deadline, attach, stall_s)
+            async with contextlib.aclosing(lane):  # closed here, whatever ends the call
+                async for item in lane:
+                    if isinstance(item, StreamStalled):  # the client stopped reading: a status
+                        await abort(context, *grpc_status(item))
+                    if isinstance(item, ServingError):  # the stream failed as a whole
+                        if span is not None and item.failure is Failure.DEADLINE:
+                            deadline_event(span, item.stage or "router", item.message)
+                        message = f"{grpc_status(item)[0].name}: {item.message}"
+                        yield self._stream_error(item, message)
+                        return
+                    yield item
         except ServingError as exc:  # the lane is not reachable
             yield self._stream_error(exc, exc.message)
 

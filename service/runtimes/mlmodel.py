@@ -38,7 +38,13 @@ this module as a string: poolserve's core never imports mlserver).
   says UNKNOWN), anything else INTERNAL, with MLServer's text
   (:func:`serving_error`); a request with an invalid datatype (``INT322``)
   or that MLServer's types refuse (pydantic) is INVALID_ARGUMENT, with
-  MLServer's text, where MLServer says INTERNAL.
+  MLServer's text, where MLServer says INTERNAL. A
+  UnicodeDecodeError (MLServer's StringCodec decoding a BYTES input as
+  UTF-8) whose cause is an input of the request that is not UTF-8 is
+  INVALID_ARGUMENT naming that input; any other stays the model's INTERNAL.
+- Declared inputs are not enforced, as MLServer does not enforce them: an
+  MLServer folder answers here as under ``mlserver start`` (every other model
+  has them checked, :mod:`poolserve.service.inference.declared`).
 """
 
 from __future__ import annotations
@@ -60,8 +66,10 @@ from poolserve.service.contract.errors import (
     ModelNotFound,
     ServingError,
     Unimplemented,
+    clip,
 )
 from poolserve.service.contract.repository import ModelSettings, TensorSpec, TransactionPolicy
+from poolserve.service.inference.codec import decode_raw
 from poolserve.service.inference.model import Array, WireModel
 from poolserve.service.poolcore.frames import Frame, part_frame, reply_frame
 from poolserve.service.poolcore.stats import Timings
@@ -207,7 +215,7 @@ class MLModelAdapter(WireModel):
 
         name = self.settings.name
         t0 = time.perf_counter_ns()
-        _, payload, use_raw = _parse(name, body)
+        request, payload, use_raw = _parse(name, body)
         t1 = time.perf_counter_ns()
         try:
             response = self._run(self.mlmodel.predict(payload))
@@ -217,6 +225,8 @@ class MLModelAdapter(WireModel):
                     f"model '{name}' implements predict_stream only: use ModelStreamInfer"
                 ) from exc
             raise serving_error(name, exc, not self.runs_inline) from exc
+        except UnicodeDecodeError as exc:
+            raise not_utf8(name, request, exc, not self.runs_inline) from exc
         except Exception as exc:
             raise serving_error(name, exc, not self.runs_inline) from exc
         t2 = time.perf_counter_ns()
@@ -256,6 +266,8 @@ class MLModelAdapter(WireModel):
                     response = self._run(responses.__anext__())
                 except StopAsyncIteration:
                     break
+                except UnicodeDecodeError as exc:
+                    raise not_utf8(name, request, exc) from exc
                 except Exception as exc:
                     raise serving_error(name, exc) from exc
                 t2 = time.perf_counter_ns()
@@ -322,6 +334,37 @@ def overrides_predict(cls: type[Any]) -> bool:
     return getattr(cls, "predict", None) is not MLModel.predict
 
 
+def not_utf8(
+    model: str, request: Any, exc: UnicodeDecodeError, worker: bool = False
+) -> ServingError:
+    """What a UnicodeDecodeError of an MLModel's predict is: INVALID_ARGUMENT
+    naming the request's BYTES input that is not UTF-8 (MLServer's StringCodec
+    decodes str inputs so), else the model's own error (INTERNAL). Runs only
+    after the error, so requests that decode pay nothing for it."""
+    raw = list(request.raw_input_contents)
+    for index, tensor in enumerate(request.inputs):
+        if tensor.datatype != "BYTES":
+            continue
+        try:
+            items = (
+                decode_raw(tensor, raw[index]).ravel().tolist()
+                if raw
+                else list(tensor.contents.bytes_contents)
+            )
+        except (InvalidInput, IndexError):  # not this input's fault: look on
+            continue
+        for position, item in enumerate(items):
+            try:
+                item.decode("utf-8")
+            except UnicodeDecodeError as bad:
+                return InvalidInput(
+                    f"input '{clip(tensor.name)}' of model '{model}': BYTES element "
+                    f"{position} is not valid UTF-8 ({bad.reason} at byte {bad.start}); "
+                    "a string input must be UTF-8"
+                )
+    return serving_error(model, exc, worker)
+
+
 def _parse(name: str, body: bytes) -> tuple[Any, Any, bool]:
     """(the request message, MLServer's InferenceRequest with an id, use_raw)."""
     from google.protobuf.message import DecodeError
@@ -333,10 +376,13 @@ def _parse(name: str, body: bytes) -> tuple[Any, Any, bool]:
 
     try:
         request = dataplane_pb2.ModelInferRequest.FromString(body)
-        use_raw = bool(request.raw_input_contents)  # as MLServer's servicer
-        payload = ModelInferRequestConverter.to_types(request)
     except DecodeError as exc:
         raise InvalidInput(f"ModelInferRequest cannot be parsed: {exc}") from None
+    try:
+        use_raw = bool(request.raw_input_contents)  # as MLServer's servicer
+        payload = ModelInferRequestConverter.to_types(request)
+    except UnicodeDecodeError as exc:
+        raise not_utf8(name, request, exc) from exc
     except ValidationError as exc:  # a request MLServer's types refuse: MLServer says INTERNAL
         raise InvalidInput(str(exc)) from exc
     except Exception as exc:
