@@ -94,6 +94,7 @@ ROUTER_SETTINGS = (
     "max_connection_age_grace_s",
     "max_unread_reply_bytes",
     "max_unread_reply_bytes_total",
+    "unread_reply_grace_s",
     "repository_rescan_s",
 )
 # compared through workers_for(gid), threads_for(gid) and start_method_for(gid)

@@ -90,6 +90,39 @@ def test_the_total_bound_refuses_large_replies_only_and_drains_trim() -> None:
     assert drained == [1]  # no bound was reached since: nothing to give back
 
 
+def test_a_reply_past_the_bound_waits_while_its_connection_reads() -> None:
+    """Issue 28 §11: a client that reads gets its replies later, not refused."""
+
+    async def scenario() -> None:
+        budget = ReplyBudget(per_connection=100, total=1000, grace=WAIT)
+        budget.hold("a", 80)
+        waiting = asyncio.ensure_future(budget.reserve("a", 50))  # 130 > 100: it waits
+        await asyncio.sleep(0)  # it ran up to its wait
+        assert not waiting.done() and budget.held == {"a": 80}
+        budget.release("a", 80)  # the client read its first reply
+        await waiting
+        assert budget.held == {"a": 50}
+        budget.admit("a")  # never refused: nothing marks it full
+
+    asyncio.run(scenario())
+
+
+def test_a_connection_that_reads_nothing_for_the_grace_is_refused() -> None:
+    async def scenario() -> None:
+        budget = ReplyBudget(per_connection=100, total=150, grace=0.2)
+        budget.hold("a", 80)
+        with pytest.raises(RepliesUnread, match="this connection has not read"):
+            await budget.reserve("a", 50)  # no release within the grace
+        with pytest.raises(RepliesUnread):
+            budget.admit("a")  # and its new calls end at once
+        budget.hold("b", 60)  # one reply always passes; 140 held in all
+        with pytest.raises(RepliesUnread, match="max_unread_reply_bytes_total is 150"):
+            await budget.reserve("c", 20)  # nobody read for the grace
+        assert budget.held == {"a": 80, "b": 60}
+
+    asyncio.run(scenario())
+
+
 MALLOC_PROBE = """
 import json, resource, sys
 from poolserve.service.lifecycle.limits import return_large_frees
@@ -406,3 +439,40 @@ def test_the_total_bound_refuses_large_replies_and_frees_when_the_client_goes(
         while (code := asyncio.run(large_call(serving.address))) is not grpc.StatusCode.OK:
             assert code is grpc.StatusCode.RESOURCE_EXHAUSTED, code
             assert time.monotonic() < end, "the held reply was never released"
+
+
+@pytest.mark.e2e
+def test_eight_threads_of_9mib_echo_that_read_promptly_are_all_answered(tmp_path: Path) -> None:
+    """Issue 28 §11, at the default settings: 8 concurrent 9 MiB echo calls on
+    one connection whose client reads every reply at once (72 MiB of replies in
+    flight, more than the 32 MiB a connection may hold unread), 6 rounds. Each
+    is answered OK: a reply past the bound waits for the earlier ones to be
+    read instead of being refused (7 of 48 were refused RESOURCE_EXHAUSTED)."""
+    repo = tmp_path / "repo"
+    copy_example(repo, "echo")
+    tensor = np.ones((1, 9 * MIB // 4), np.float32)
+    body = pb.ModelInferRequest.FromString(infer_request("echo", tensor))
+
+    async def calls(address: str) -> list[str]:
+        async with grpc.aio.insecure_channel(address, options=BIG) as channel:
+            stub = pbg.GRPCInferenceServiceStub(channel)
+
+            async def one() -> str:
+                try:
+                    reply = await stub.ModelInfer(body, timeout=WAIT)
+                except grpc.aio.AioRpcError as error:
+                    return f"{error.code().name}: {error.details()}"
+                assert len(reply.raw_output_contents[0]) == tensor.nbytes
+                return "OK"
+
+            async def thread() -> list[str]:
+                return [await one() for _ in range(6)]
+
+            rounds = await asyncio.gather(*(thread() for _ in range(8)))
+        return [code for each in rounds for code in each]
+
+    with Serving(repo, tmp_path / "run", workers=2) as serving:
+        asyncio.run(warm_up(serving.address))
+        codes = asyncio.run(calls(serving.address))
+        assert codes == ["OK"] * 48, [c for c in codes if c != "OK"][:3]
+        assert "Traceback" not in serving.log()

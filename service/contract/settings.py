@@ -83,6 +83,9 @@ class ServerSettings:
     # Reply bytes held for clients that do not read them (RESOURCE_EXHAUSTED beyond).
     max_unread_reply_bytes: int = 32 * MIB  # per client connection
     max_unread_reply_bytes_total: int = 256 * MIB  # all connections together
+    # A reply past a bound waits while its connection (or, for the total, any)
+    # reads; refused once nothing was read for this long (0: refused at once).
+    unread_reply_grace_s: float = 5.0
 
     # Native runtimes and fork (README "Native runtimes and fork"):
     threads_per_worker: int = 1  # OMP/MKL/OpenBLAS/... threads in each pool process
@@ -134,6 +137,7 @@ _FLOAT_FIELDS = {
     "heartbeat_timeout_s",
     "watchdog_grace_s",
     "handshake_timeout_s",
+    "unread_reply_grace_s",
     "max_connection_idle_s",
     "keepalive_time_s",
     "keepalive_timeout_s",

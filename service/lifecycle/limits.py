@@ -29,6 +29,7 @@ import errno
 import logging
 import os
 import resource
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -133,3 +134,95 @@ def return_large_frees() -> bool:
     mallopt.restype = ctypes.c_int
     trimmed = mallopt(M_TRIM_THRESHOLD, 2 * LARGE_ALLOCATION)
     return bool(mallopt(M_MMAP_THRESHOLD, LARGE_ALLOCATION)) and bool(trimmed)
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def free_heap_bytes() -> int | None:
+    """Bytes malloc holds free in its heaps (glibc's mallinfo2 ``fordblks``);
+    None where malloc is not glibc's (2.33 or later)."""
+    try:
+        mallinfo2 = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.argtypes = []
+    mallinfo2.restype = _Mallinfo2
+    return int(mallinfo2().fordblks)
+
+
+def resident_bytes() -> int:
+    """This process's resident set (RSS), from /proc/self/statm."""
+    with open("/proc/self/statm", "rb") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+TRIM_AFTER_GROWTH = 16 * 1024 * 1024  # RSS grown this much, and as much free in malloc
+
+
+class HeapTrimmer:
+    """Gives freed heap memory back when the process has grown and malloc
+    holds that much free (:func:`trim_freed_memory`), at most once per growth.
+
+    A message grpc refuses for its size (over max_message_size) is read
+    into many small buffers first, and freed before any handler sees it:
+    an 80 MiB request left the router 70 MiB larger for good (issue 28 §7),
+    in malloc's per-thread arenas, which glibc trims only from their top.
+    Nothing in the router hears of such a refusal, so it looks: each check
+    reads RSS (one /proc read), and only when RSS has grown by
+    :data:`TRIM_AFTER_GROWTH` since the last trim asks malloc how much is
+    free. A busy router whose memory is in use is trimmed once per such
+    growth, not at every check.
+    """
+
+    def __init__(
+        self,
+        rss: Callable[[], int] = resident_bytes,
+        free: Callable[[], int | None] = free_heap_bytes,
+        trim: Callable[[], object] = trim_freed_memory,
+        growth: int = TRIM_AFTER_GROWTH,
+    ) -> None:
+        self.rss = rss
+        self.free = free
+        self.trim = trim
+        self.growth = growth
+        self.floor = rss()  # RSS after the last trim (or the lowest seen since)
+
+    def check(self) -> bool:
+        """Trims when due; True if it did."""
+        now = self.rss()
+        if now < self.floor:
+            self.floor = now
+            return False
+        if now - self.floor < self.growth:
+            return False
+        free = self.free()
+        if free is not None and free < self.growth:
+            return False  # the growth is in use: nothing to give back
+        self.trim()
+        self.floor = self.rss()
+        return True
+
+
+async def trim_heap(interval_s: float) -> None:
+    """:class:`HeapTrimmer` every ``interval_s``, for good."""
+    trimmer = HeapTrimmer()
+    while True:
+        await asyncio.sleep(interval_s)
+        trimmer.check()
