@@ -166,10 +166,14 @@ def free_heap_bytes() -> int | None:
     return int(mallinfo2().fordblks)
 
 
-def resident_bytes() -> int:
-    """This process's resident set (RSS), from /proc/self/statm."""
-    with open("/proc/self/statm", "rb") as f:
-        return int(f.read().split()[1]) * PAGE
+def resident_bytes() -> int | None:
+    """This process's resident set (RSS), from /proc/self/statm; None when it
+    cannot be read (no descriptor left to open it)."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * PAGE
+    except OSError:
+        return None
 
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -193,7 +197,7 @@ class HeapTrimmer:
 
     def __init__(
         self,
-        rss: Callable[[], int] = resident_bytes,
+        rss: Callable[[], int | None] = resident_bytes,
         free: Callable[[], int | None] = free_heap_bytes,
         trim: Callable[[], object] = trim_freed_memory,
         growth: int = TRIM_AFTER_GROWTH,
@@ -202,11 +206,13 @@ class HeapTrimmer:
         self.free = free
         self.trim = trim
         self.growth = growth
-        self.floor = rss()  # RSS after the last trim (or the lowest seen since)
+        self.floor = rss() or 0  # RSS after the last trim (or the lowest seen since)
 
     def check(self) -> bool:
         """Trims when due; True if it did."""
         now = self.rss()
+        if now is None:
+            return False  # descriptors ran out: the next check will see
         if now < self.floor:
             self.floor = now
             return False
@@ -216,7 +222,7 @@ class HeapTrimmer:
         if free is not None and free < self.growth:
             return False  # the growth is in use: nothing to give back
         self.trim()
-        self.floor = self.rss()
+        self.floor = self.rss() or now
         return True
 
 
