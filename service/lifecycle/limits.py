@@ -19,6 +19,9 @@
   threshold. The heap keeps at most :data:`LARGE_ALLOCATION` x 2 free at its
   top (M_TRIM_THRESHOLD); :func:`trim_freed_memory` returns what freed
   buffers leave elsewhere.
+- :class:`HeapTrimmer` (:func:`trim_heap`): does so by itself once the
+  process has grown and malloc holds as much free (what a request refused
+  for its size leaves, which no handler hears of).
 """
 
 from __future__ import annotations

@@ -19,7 +19,10 @@ reads none of its held replies for ``unread_reply_grace_s`` (for the total
 bound: while no connection reads any) is not reading: its waiting replies
 are not sent, their calls end with RESOURCE_EXHAUSTED, and from then on,
 while that connection still holds replies, its new calls end so at once,
-before any work. With a grace of 0, a reply past a bound is refused at once.
+before any work. With a grace of 0, a reply past a bound is refused at once. A waiting reply
+is not counted: a connection that does not read makes the router hold, on
+top of its bound, at most the replies of the calls it has in flight
+(max_concurrent_streams) for one grace, as it held their requests before.
 The total bound holds back large replies only, so that clients who read keep
 their small calls. One reply is always let through when nothing is held, so
 a reply of up to max_message_size can always be sent.
