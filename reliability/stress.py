@@ -440,6 +440,7 @@ def print_report(report: Report) -> None:
     print(f"  statuses: {json.dumps(r.codes, sort_keys=True)}")
     for model, codes in sorted(r.by_model.items()):
         print(f"    {model}: {json.dumps(codes, sort_keys=True)}")
+    print(f"  RESOURCE_EXHAUSTED naming no bound: {len(r.unbounded_refusals)}")
     print(
         f"  wrong payloads: {r.wrong_payloads}; hung: {r.hung}; "
         f"CANCELLED not from the client: {r.server_cancelled}"
