@@ -128,6 +128,7 @@ def test_a_connection_that_reads_nothing_for_the_grace_is_refused() -> None:
     asyncio.run(scenario())
 
 
+ROUTER_MALLOC = "router: malloc maps buffers of 16 MiB and up on their own"
 MALLOC_PROBE = """
 import json, resource, sys
 from poolserve.service.lifecycle.limits import return_large_frees
@@ -152,7 +153,10 @@ def test_the_router_reuses_tensor_sized_buffers_and_maps_huge_ones() -> None:
     """Issue 20 §4: a 9.2 MiB buffer freed and allocated again comes back from
     the heap without page faults (a fresh mapping faulted in all its 2,352
     pages each time: half of the router's CPU per large echo); a 24 MiB one
-    still gets its own mapping, given back at free."""
+    still gets its own mapping, given back at free. This probe shows what
+    return_large_frees does to a process; that the router itself applied it is
+    asserted from its log by the e2e tests below (ROUTER_MALLOC: it logs the
+    line only when mallopt took both settings)."""
     probe = subprocess.run(
         [sys.executable, "-c", MALLOC_PROBE], capture_output=True, text=True, timeout=60
     )
@@ -485,6 +489,7 @@ def test_eight_threads_of_9mib_echo_that_read_promptly_are_all_answered(tmp_path
         codes = asyncio.run(calls(serving.address))
         assert codes == ["OK"] * 48, [c for c in codes if c != "OK"][:3]
         assert "Traceback" not in serving.log()
+        assert ROUTER_MALLOC in serving.log()  # its 9 MiB buffers come from its heap
 
 
 def test_the_heap_trimmer_trims_once_per_growth_and_only_what_is_free() -> None:
@@ -548,5 +553,6 @@ def test_requests_refused_for_their_size_leave_no_memory_behind(tmp_path: Path) 
         seen: list[float] = []
         settled = wait_until(lambda: seen.append(rss_mib(router)) or seen[-1] - start < 140, 10)
         print(f"router RSS: start {start:.0f} MiB, after {OVERSIZED} refused: {seen[-1]:.0f}")
+        assert ROUTER_MALLOC in serving.log()  # huge buffers are its own mappings
         assert settled, f"+{seen[-1] - start:.0f} MiB after 5 refused 80 MiB requests"
         assert "Traceback" not in serving.log()
