@@ -20,8 +20,9 @@ microseconds: no more than any call that is answered at once.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -84,7 +85,7 @@ class StreamLimit:
         return handler
 
     def stream_response(
-        self, fn: Callable[[Any, Context], AsyncIterator[Any]]
+        self, fn: Callable[[Any, Context], AsyncGenerator[Any, None]]
     ) -> Callable[[Any, Context], AsyncIterator[Any]]:
         async def handler(request: Any, context: Context) -> AsyncIterator[Any]:
             peer = context.peer()
@@ -94,8 +95,11 @@ class StreamLimit:
                 await abort(context, *grpc_status(exc))
                 raise AssertionError("unreachable: abort raises") from None
             try:
-                async for reply in fn(request, context):
-                    yield reply
+                # closed with this one: the stream's own cleanup (its lane stream,
+                # its worker) runs when the call ends, not when it is collected
+                async with contextlib.aclosing(fn(request, context)) as replies:
+                    async for reply in replies:
+                        yield reply
             finally:
                 self.leave(peer)
 
