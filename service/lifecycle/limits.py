@@ -32,6 +32,7 @@ import errno
 import logging
 import os
 import resource
+import time
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
@@ -181,6 +182,7 @@ def resident_bytes() -> int | None:
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 TRIM_AFTER_GROWTH = 16 * 1024 * 1024  # RSS grown this much, and as much free in malloc
+TRIM_EVERY_S = 10.0  # at most one trim this often: under load, freed buffers are reused
 
 
 class HeapTrimmer:
@@ -195,7 +197,10 @@ class HeapTrimmer:
     reads RSS (one /proc read), and only when RSS has grown by
     :data:`TRIM_AFTER_GROWTH` since the last trim asks malloc how much is
     free. A busy router whose memory is in use is trimmed once per such
-    growth, not at every check.
+    growth, not at every check, and never more than once per
+    :data:`TRIM_EVERY_S`: memory given back is faulted in again when it is
+    used again (9.2 MiB tensors at c8 would otherwise lose some of their
+    reuse, issue 20 §4).
     """
 
     def __init__(
@@ -204,11 +209,16 @@ class HeapTrimmer:
         free: Callable[[], int | None] = free_heap_bytes,
         trim: Callable[[], object] = trim_freed_memory,
         growth: int = TRIM_AFTER_GROWTH,
+        every_s: float = TRIM_EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.rss = rss
         self.free = free
         self.trim = trim
         self.growth = growth
+        self.every_s = every_s
+        self.clock = clock
+        self.trimmed_at = clock() - every_s
         self.floor = rss() or 0  # RSS after the last trim (or the lowest seen since)
 
     def check(self) -> bool:
@@ -219,12 +229,13 @@ class HeapTrimmer:
         if now < self.floor:
             self.floor = now
             return False
-        if now - self.floor < self.growth:
+        if now - self.floor < self.growth or self.clock() - self.trimmed_at < self.every_s:
             return False
         free = self.free()
         if free is not None and free < self.growth:
             return False  # the growth is in use: nothing to give back
         self.trim()
+        self.trimmed_at = self.clock()
         self.floor = self.rss() or now
         return True
 
