@@ -71,7 +71,6 @@ def start(server: str, work: Path, port: int) -> subprocess.Popen[bytes]:
         (repo / "model-settings.json").write_text(SETTINGS)
         argv = [str(ROOT / ".venv" / "bin" / "poolserve"), "serve", str(work / "repo")]
         argv += ["--grpc-port", str(port), "--workers", "2", "--run-dir", str(work / "run")]
-        (work / "repo" / "settings.json").write_text('{"max_unread_reply_bytes": 134217728}')
         env = dict(os.environ)
     else:
         repo = work / "repo" / "echo"  # the bench's own KServe launcher and echo model

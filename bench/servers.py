@@ -43,7 +43,6 @@ XGB_OUTPUT = {"name": "predict", "datatype": "FP32", "shape": [1]}
 # Every server gets the same gRPC message limit (issue 20): gRPC's default 4 MiB and
 # KServe's 8 MiB refuse the large-tensor bench's 9.2 MiB tensors; poolserve's default is 64 MiB.
 MESSAGE_LIMIT = 64 * 1024 * 1024
-UNREAD_REPLIES = 128 * 1024 * 1024  # poolserve's max_unread_reply_bytes in the bench
 MLSERVER_DEBUG = False  # MLServer's default True adds an access-log interceptor to every call
 
 
@@ -172,10 +171,10 @@ def build_poolserve(spec: ServerSpec, ctx: Context) -> Launch:
                                  parallel_workers=0)  # fmt: skip
         else:
             write_model_settings(folder, model, implementation, ctx)
-    # max_message_size: its default. The unread-reply budget per client connection
-    # (32 MiB by default) refuses perf_analyzer's 8 concurrent 9.2 MiB echoes on one
-    # connection when the client lags reading them: room for 8 replies of 16 MiB.
-    limits = {"max_message_size": MESSAGE_LIMIT, "max_unread_reply_bytes": UNREAD_REPLIES}
+    # max_message_size: its default. Every other setting at its default too: the
+    # unread-reply budget lets perf_analyzer's 8 concurrent 9.2 MiB echoes on one
+    # connection wait while it reads them (issue 28 §11), it no longer refuses them.
+    limits = {"max_message_size": MESSAGE_LIMIT}
     write_json(repo / "settings.json", limits)
     run_dir = Path(os.environ.get("XDG_RUNTIME_DIR") or "/tmp") / f"psb-{os.getpid()}-{ctx.port}"
     argv = [str(POOLSERVE), "serve", str(repo), "--grpc-port", str(ctx.port), "--metrics-port", "0"]

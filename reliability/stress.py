@@ -1,7 +1,8 @@
 """Concurrency stress (issue 9.1): many channels, many concurrent calls, random
 deadlines and client cancels; every call accounted for.
 
-    .venv/bin/python reliability/stress.py            # 50 x 25, 20,000 calls
+    .venv/bin/python reliability/stress.py            # 50 x 25, 20,000 calls, then
+                                                      # the seeds' shape (below)
     .venv/bin/python reliability/stress.py --quick    # 10 x 10, 2,000 calls
     .venv/bin/python reliability/stress.py --assert-bound   # also fail on any
                                                              # call > deadline + 20 ms
@@ -11,9 +12,17 @@ with a payload unique to the call, a deadline drawn from [1, 500] ms and, for
 some calls, a client cancel at a random moment before the deadline. A call
 ends OK with its own payload, DEADLINE_EXCEEDED, CANCELLED or
 RESOURCE_EXHAUSTED; anything else (another status, another call's payload, a
-call that never ends) is a failure. Afterwards: no "Traceback" in any
+call that never ends) is a failure; so is a RESOURCE_EXHAUSTED without the
+message of a bound (a pool's queue, or max_concurrent_streams). Afterwards: no "Traceback" in any
 process log, no worker died, every queue is empty, the process tree is
 exactly as it started, and the server answers normally.
+
+Then the seeds' shape (issue 28 §6, :data:`SEEDS_SHAPE`): 50 channels with 25
+``echo`` calls each always in flight, 20 s deadlines, no cancels; every call
+must end OK (or RESOURCE_EXHAUSTED from a bound, with its message). It
+failed with grpc's channel option ``grpc.max_concurrent_streams`` at 1,024,
+which grpcio 1.81 applies to the whole server: 25-40% of the calls were
+refused at the transport (UNAVAILABLE, RST_STREAM REFUSED_STREAM).
 """
 
 from __future__ import annotations
@@ -54,6 +63,9 @@ from harness import (
 )
 
 EXPECTED = ("OK", "DEADLINE_EXCEEDED", "CANCELLED", "RESOURCE_EXHAUSTED")
+# what a RESOURCE_EXHAUSTED must say: a pool's bounded queue, or the router's
+# bound on one connection's calls in flight
+BOUNDS = ("queue is full", "max_concurrent_streams")
 BOUND_S = 0.020  # the issue's bound: no call longer than its deadline + 20 ms
 HANG_S = 10.0  # a call still running this long after its deadline has hung
 
@@ -72,6 +84,18 @@ class Config:
     max_queue: int = 1024
     seed: int = 9
     client_procs: int = 1  # client processes sharing the channels
+
+
+# 50 clients x 25 concurrent async calls, long deadlines, no cancels (issue 28 §6)
+SEEDS_SHAPE = {
+    "channels": 50,
+    "concurrency": 25,
+    "calls": 5000,
+    "min_deadline_s": 20.0,
+    "max_deadline_s": 20.0,
+    "cancel_rate": 0.0,
+    "sleep_share": 0.0,
+}
 
 
 @dataclass
@@ -96,6 +120,9 @@ class Report:
     by_model: dict[str, dict[str, int]] = field(default_factory=dict)
     unexpected: list[str] = field(default_factory=list)
     wrong_payloads: int = 0
+    unbounded_refusals: list[str] = field(
+        default_factory=list
+    )  # RESOURCE_EXHAUSTED, no bound named
     hung: int = 0
     server_cancelled: int = 0
     # DEADLINE_EXCEEDED sent by the server (router or pool, with its reason) before
@@ -127,6 +154,8 @@ class Report:
             out.append(f"unexpected statuses: {self.unexpected[:5]}")
         if self.wrong_payloads:
             out.append(f"{self.wrong_payloads} OK calls came back with another payload")
+        if self.unbounded_refusals:
+            out.append(f"RESOURCE_EXHAUSTED naming no bound: {self.unbounded_refusals[:5]}")
         if self.hung:
             out.append(f"{self.hung} calls hung past their deadline + {HANG_S} s")
         if self.tracebacks:
@@ -323,6 +352,11 @@ def summarize(config: Config, outcomes: list[Outcome], wall: float) -> Report:
         if o.code not in EXPECTED
     ]
     report.wrong_payloads = sum(o.wrong_payload for o in outcomes)
+    report.unbounded_refusals = [
+        f"call {o.key} ({o.model}): {o.details}"
+        for o in outcomes
+        if o.code == "RESOURCE_EXHAUSTED" and not any(bound in o.details for bound in BOUNDS)
+    ]
     report.hung = sum(o.code == "HUNG" for o in outcomes)
     report.server_cancelled = sum(
         o.code == "CANCELLED" and not o.cancelled_by_client for o in outcomes
@@ -406,6 +440,7 @@ def print_report(report: Report) -> None:
     print(f"  statuses: {json.dumps(r.codes, sort_keys=True)}")
     for model, codes in sorted(r.by_model.items()):
         print(f"    {model}: {json.dumps(codes, sort_keys=True)}")
+    print(f"  RESOURCE_EXHAUSTED naming no bound: {len(r.unbounded_refusals)}")
     print(
         f"  wrong payloads: {r.wrong_payloads}; hung: {r.hung}; "
         f"CANCELLED not from the client: {r.server_cancelled}"
@@ -453,6 +488,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help=f"fail when any call took longer than its deadline + {BOUND_S * 1000:.0f} ms",
     )
+    parser.add_argument(
+        "--no-seeds-shape",
+        action="store_true",
+        help="skip the second run, the seeds' shape (50 x 25 echo, 20 s deadlines)",
+    )
     parser.add_argument("--json", type=Path, help="write the report here")
     parser.add_argument("--keep", type=Path, help="work directory to keep (logs)")
     args = parser.parse_args(argv)
@@ -470,17 +510,27 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, name)
         if value is not None:
             setattr(config, name, value)
-    if args.keep:
-        shutil.rmtree(args.keep, ignore_errors=True)
-        args.keep.mkdir(parents=True)
-        report = run(config, args.keep)
-    else:
-        with tempfile.TemporaryDirectory(prefix="poolserve-stress-") as tmp:
-            report = run(config, Path(tmp))
-    print_report(report)
+    runs = [("stress", config, BOUND_S if args.assert_bound else None)]
+    if not (args.quick or args.no_seeds_shape):
+        seeds = Config(**{**asdict(Config(seed=config.seed)), **SEEDS_SHAPE})
+        runs.append(("seeds' shape", seeds, None))  # 20 s deadlines: no lateness bound
+    reports = []
+    problems: list[str] = []
+    for name, each, bound in runs:
+        if args.keep:
+            workdir = args.keep / name.replace("'", "").replace(" ", "-")
+            shutil.rmtree(workdir, ignore_errors=True)
+            workdir.mkdir(parents=True)
+            report = run(each, workdir)
+        else:
+            with tempfile.TemporaryDirectory(prefix="poolserve-stress-") as tmp:
+                report = run(each, Path(tmp))
+        print(f"-- {name}: {each.channels} channels x {each.concurrency} calls in flight")
+        print_report(report)
+        reports.append(asdict(report))
+        problems += [f"{name}: {problem}" for problem in report.problems(bound)]
     if args.json:
-        args.json.write_text(json.dumps(asdict(report), indent=2))
-    problems = report.problems(BOUND_S if args.assert_bound else None)
+        args.json.write_text(json.dumps(reports if len(reports) > 1 else reports[0], indent=2))
     for problem in problems:
         print(f"FAIL: {problem}")
     print("stress: " + ("FAILED" if problems else "passed"))

@@ -100,6 +100,7 @@ ROUTER_SETTINGS = (
     "max_unread_reply_bytes",
     "max_unread_reply_bytes_total",
     "stream_stall_s",
+    "unread_reply_grace_s",
     "repository_rescan_s",
     "shm_max_regions",
     "shm_max_name_length",

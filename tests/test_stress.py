@@ -28,3 +28,27 @@ def test_short_stress_every_call_accounted_for(tmp_path: Path) -> None:
     assert report.codes.get("OK", 0) > 0, report.codes  # the load was not all refused
     assert report.server_cancelled == 0
     assert report.census_before == report.census_after
+
+
+@pytest.mark.parametrize(
+    ("channels", "concurrency"),
+    [(50, 25), (10, 100)],
+    ids=["50x25", "10x100"],
+)
+def test_many_calls_in_flight_are_answered_not_refused_at_the_transport(
+    tmp_path: Path, channels: int, concurrency: int
+) -> None:
+    """Issue 28 §6: 1,250 (50 x 25) and 1,000 (10 x 100) echo calls always in
+    flight, 20 s deadlines, no cancels. grpc's channel option
+    grpc.max_concurrent_streams (1,024) bounded the whole server in grpcio 1.81,
+    and refused streams with RST_STREAM REFUSED_STREAM (UNAVAILABLE). Every call
+    must end OK, or RESOURCE_EXHAUSTED from a bound that says so."""
+    shape = {**stress.SEEDS_SHAPE, "channels": channels, "concurrency": concurrency}
+    config = stress.Config(**{**shape, "calls": 2 * channels * concurrency, "seed": 13})
+    report = stress.run(config, tmp_path)
+    print(report.codes)
+    assert report.problems() == [], report
+    assert sum(report.codes.values()) == config.calls
+    assert set(report.codes) <= {"OK", "RESOURCE_EXHAUSTED"}, report.unexpected[:5]
+    assert report.codes.get("OK", 0) > 0, report.codes
+    assert report.census_before == report.census_after

@@ -87,6 +87,9 @@ class ServerSettings:
     # (they wait on its gRPC window) is ended with RESOURCE_EXHAUSTED and its
     # worker freed for the pool's other callers; 0: never (docs/streaming.md).
     stream_stall_s: float = 10.0
+    # A reply past a bound waits while its connection (or, for the total, any)
+    # reads; refused once nothing was read for this long (0: refused at once).
+    unread_reply_grace_s: float = 5.0
 
     # Native runtimes and fork (docs/native-runtimes.md):
     threads_per_worker: int = 1  # OMP/MKL/OpenBLAS/... threads in each pool process
@@ -150,6 +153,7 @@ _FLOAT_FIELDS = {
     "heartbeat_timeout_s",
     "watchdog_grace_s",
     "handshake_timeout_s",
+    "unread_reply_grace_s",
     "max_connection_idle_s",
     "keepalive_time_s",
     "keepalive_timeout_s",

@@ -76,6 +76,7 @@ from poolserve.service.grpcserver.tracing import Tracing, carried, deadline_even
 from poolserve.service.lifecycle.limits import (
     return_large_frees,
     trim_freed_memory,
+    trim_heap,
     watch_descriptors,
 )
 from poolserve.service.router.lane_client import LaneClient
@@ -83,6 +84,7 @@ from poolserve.service.router.metrics import MetricsSource, RouterCounts
 from poolserve.service.router.metrics_http import MetricsServer
 from poolserve.service.router.model_repository import model_repository_handler
 from poolserve.service.router.replybudget import TRACKED_REPLY, ReplyBudget
+from poolserve.service.router.streams import StreamLimit
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +92,7 @@ _DROP_METADATA = frozenset({"user-agent", "content-type", "te", "host"})
 ROUTED = ("ModelInfer", "ModelReady", "ModelMetadata", "ModelConfig", "ModelStatistics")
 RETRY_WATCH_S = (0.05, 1.0)
 DESCRIPTOR_CHECK_S = 1.0
+HEAP_CHECK_S = 1.0  # freed memory given back within this (limits.HeapTrimmer)
 ROUTER_CONTROL_SERVICE = "poolserve.control.v1.RouterControl"
 Handler = Callable[[bytes, Any], Awaitable[bytes]]
 # The router's span of the call being handled (each RPC runs in its own task).
@@ -168,7 +171,8 @@ def server_options(settings: ServerSettings) -> list[tuple[str, int]]:
     options = [
         ("grpc.max_receive_message_length", limit),
         ("grpc.max_send_message_length", limit),
-        ("grpc.max_concurrent_streams", settings.max_concurrent_streams),
+        # No grpc.max_concurrent_streams: in grpcio 1.81 it bounds the whole
+        # server, not one connection; the router counts them (streams.py).
         ("grpc.so_reuseport", 0),
         # The client's HTTP/2 SETTINGS (and the TLS handshake) must come within
         # this, or the connection is closed: a connection that only sent the
@@ -222,7 +226,9 @@ class Router:
             settings.max_unread_reply_bytes,
             settings.max_unread_reply_bytes_total,
             give_back=trim_freed_memory,
+            grace=settings.unread_reply_grace_s,
         )
+        self.streams = StreamLimit(settings.max_concurrent_streams)  # per connection
         self._stop = asyncio.Event()
         self._tasks: asyncio.TaskGroup | None = None
         self._generation = 0
@@ -453,7 +459,7 @@ class Router:
                         self.replies.check(context)
                     reply = await self._infer(self._route(name), body, context, name)
                     if len(reply) >= TRACKED_REPLY:
-                        self.replies.track(context, len(reply))
+                        await self.replies.track(context, len(reply))
                     return reply
                 return await self._forward(self._route(name), method, body, context)
             except DeadlineExceeded as exc:
@@ -865,7 +871,8 @@ class Router:
             loop.add_signal_handler(sig, self.request_stop)
         self._open_channels()
         self._sync_health()
-        return_large_frees()
+        if return_large_frees():  # (tests/test_client_limits.py looks for this line)
+            log.info("router: malloc maps buffers of 16 MiB and up on their own, reuses smaller")
         server = grpc.aio.server(options=server_options(self.settings))
         mlserver_repository = model_repository_handler(  # MLServer's, over the same calls
             self.repository_index,
@@ -873,7 +880,11 @@ class Router:
             self._routed_by_field2("RepositoryModelUnload"),
         )
         server.add_generic_rpc_handlers(
-            (self.generic_handler(), mlserver_repository, self.health.generic_handler())
+            (
+                self.streams.bound(self.generic_handler()),
+                self.streams.bound(mlserver_repository),
+                self.streams.bound(self.health.generic_handler()),
+            )
         )
         address = bind or f"{self.settings.host}:{self.settings.grpc_port}"
         credentials = server_credentials(self.settings)
@@ -894,6 +905,7 @@ class Router:
         async with asyncio.TaskGroup() as tasks:
             self._tasks = tasks
             fds = tasks.create_task(watch_descriptors("router", DESCRIPTOR_CHECK_S))
+            heap = tasks.create_task(trim_heap(HEAP_CHECK_S))  # issue 28 §7
             rescanner = tasks.create_task(self.rescanner.serve(), name="rescanner")
             for route in self.pools.values():
                 self._watch_pool(route)
@@ -916,6 +928,7 @@ class Router:
                 for task in route.watchers:
                     task.cancel()
             fds.cancel()
+            heap.cancel()
         self._tasks = None
         remove_own(self.control_path, self._control_bound)
         remove_own(self.address_file, self._address_written)
