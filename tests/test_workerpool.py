@@ -108,12 +108,15 @@ def assert_all_gone(pids: set[int]) -> None:
 @contextlib.asynccontextmanager
 async def running(pool: WorkerPool) -> AsyncIterator[WorkerPool]:
     """Starts ``pool``; on the way out closes it and checks every process it had is gone."""
+    # Only what the pool started: an earlier test may have left this process a
+    # long-lived helper of its own (multiprocessing's resource tracker, say).
+    before = set(descendants(os.getpid()))
     seen: set[int] = set()
     try:
         await pool.astart()
         yield pool
     finally:
-        seen.update(descendants(os.getpid()))
+        seen.update(set(descendants(os.getpid())) - before)
         await pool.aclose()
         assert_all_gone(seen)
 
