@@ -3,7 +3,7 @@
 One request, one response per element of IN: response i carries OUT = IN[i]
 and IDX = i, sent DELAY[i] milliseconds after the previous one; WAIT
 milliseconds pass before the stream ends. An empty IN gets no response at all.
-Triton's ``simple_grpc_custom_repeat.py`` client runs unchanged against it.
+tritonclient's stream API (``start_stream``, ``async_stream_infer``) drives it.
 """
 
 from __future__ import annotations
