@@ -83,6 +83,11 @@ class ServerSettings:
     # Reply bytes held for clients that do not read them (RESOURCE_EXHAUSTED beyond).
     max_unread_reply_bytes: int = 32 * MIB  # per client connection
     max_unread_reply_bytes_total: int = 256 * MIB  # all connections together
+    # The router's HTTP/REST door (Open Inference Protocol REST, Triton's HTTP API).
+    http_port: int = 8080  # on host; 0: any free port, -1: off
+    http_max_header_bytes: int = 16 * 1024  # request line and headers together; 431 beyond
+    http_keepalive_timeout_s: float = 75.0  # an idle keep-alive connection is closed after this
+    http_max_connections: int = 1024  # open HTTP connections; one more is closed at once
 
     # Native runtimes and fork (README "Native runtimes and fork"):
     threads_per_worker: int = 1  # OMP/MKL/OpenBLAS/... threads in each pool process
@@ -118,6 +123,9 @@ class ServerSettings:
 _INT_FIELDS = {
     "grpc_port",
     "metrics_port",
+    "http_port",
+    "http_max_header_bytes",
+    "http_max_connections",
     "parallel_workers",
     "max_queue",
     "max_message_size",
@@ -142,6 +150,7 @@ _FLOAT_FIELDS = {
     "repository_rescan_s",
     "warmup_timeout_s",
     "abandon_grace_s",
+    "http_keepalive_timeout_s",
 }
 # Float fields that must be above zero (in the others 0 means "off" or "at
 # once"): a default deadline of 0 fails every call, a heartbeat of 0 kills every
@@ -155,6 +164,7 @@ _POSITIVE_FIELDS = {
     "keepalive_time_s",
     "keepalive_timeout_s",
     "warmup_timeout_s",
+    "http_keepalive_timeout_s",
 }
 HEARTBEAT_MISSES = 2  # heartbeat_timeout_s spans at least this many intervals
 _BOOL_FIELDS = {"reject_hopeless", "model_control"}
@@ -174,8 +184,10 @@ def _check_value(source: str, name: str, value: object) -> object:
     if name in _INT_FIELDS:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(source, name, f"expected an integer, got {value!r}")
-        low = {"grpc_port": 0, "parallel_workers": 0, "metrics_port": -1}.get(name, 1)
-        if value < low or (name in {"grpc_port", "metrics_port"} and value > 65535):
+        low = {"grpc_port": 0, "parallel_workers": 0, "metrics_port": -1, "http_port": -1}.get(
+            name, 1
+        )
+        if value < low or (name in {"grpc_port", "metrics_port", "http_port"} and value > 65535):
             raise ConfigError(source, name, f"out of range: {value}")
         return value
     if name in _FLOAT_FIELDS:

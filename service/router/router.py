@@ -24,6 +24,7 @@ from poolserve.protos import control_pb2 as cpb
 from poolserve.service.contract.repository import Repository
 from poolserve.service.contract.rundir import (
     ADDRESS_FILE,
+    HTTP_ADDRESS_FILE,
     METRICS_ADDRESS_FILE,
     ROUTER_CONTROL_SOCKET,
     FileId,
@@ -44,6 +45,7 @@ from poolserve.service.lifecycle.limits import (
 )
 from poolserve.service.router.forwarding import Forwarder
 from poolserve.service.router.grpc_door import GrpcDoor
+from poolserve.service.router.http_door import HttpDoor
 from poolserve.service.router.metrics import MetricsSource, RouterCounts
 from poolserve.service.router.metrics_http import MetricsServer
 from poolserve.service.router.replybudget import ReplyBudget
@@ -128,6 +130,10 @@ class Router:
         self.grpc_door = GrpcDoor(
             settings, self.routes, self.core, self.shared_memory, self.replies
         )
+        self.http_door: HttpDoor | None = None  # made in serve() when http_port is not -1
+        self.http_port = 0
+        self.http_address_file = run_dir / HTTP_ADDRESS_FILE
+        self._http_written: FileId | None = None
         self._stop = asyncio.Event()
         self.control_path = run_dir / ROUTER_CONTROL_SOCKET
         self._control_bound: FileId | None = None  # what we bound and wrote, we remove
@@ -190,6 +196,7 @@ class Router:
             raise ConfigError("router", "grpc_port", f"cannot listen on {address}: {reason}")
         control = self._control_server()
         metrics = await self._start_metrics()
+        http = await self._start_http()
         async with asyncio.TaskGroup() as tasks:
             fds = tasks.create_task(watch_descriptors("router", DESCRIPTOR_CHECK_S))
             rescanner = tasks.create_task(self.routes.rescanner.serve(), name="rescanner")
@@ -204,7 +211,11 @@ class Router:
             await control.stop(0)
             if metrics is not None:
                 await metrics.stop()
-            await server.stop(self.settings.stop_grace_s)
+            grace = self.settings.stop_grace_s
+            if http is not None:
+                await asyncio.gather(server.stop(grace), http.stop(grace))
+            else:
+                await server.stop(grace)
             log.info("router: drained in %.3f s", time.monotonic() - began)
             rescanner.cancel()
             self.routes.stop_watching()
@@ -212,6 +223,7 @@ class Router:
         remove_own(self.control_path, self._control_bound)
         remove_own(self.address_file, self._address_written)
         remove_own(self.metrics_address_file, self._metrics_written)
+        remove_own(self.http_address_file, self._http_written)
         if self.core.tracing is not None:
             await asyncio.to_thread(self.core.tracing.shutdown)  # flushes, off the loop
         await self.routes.close()
@@ -219,6 +231,23 @@ class Router:
 
     def _publish_address(self) -> None:
         self._address_written = _publish(self.address_file, self.settings.host, self.port)
+
+    async def _start_http(self) -> HttpDoor | None:
+        """The HTTP/REST door (http_port; -1: none), on this event loop."""
+        if self.settings.http_port < 0:
+            return None
+        door = HttpDoor(self.settings, self.routes, self.core)
+        host = self.settings.host
+        try:
+            self.http_port = await door.start(host, self.settings.http_port)
+        except OSError as exc:
+            raise ConfigError(
+                "router", "http_port", f"cannot listen on {host}:{self.settings.http_port}: {exc}"
+            ) from None
+        self.http_door = door
+        self._http_written = _publish(self.http_address_file, host, self.http_port)
+        log.info("router: HTTP/REST on http://%s/v2", _host_port(host, self.http_port))
+        return door
 
     async def _start_metrics(self) -> MetricsServer | None:
         """The HTTP /metrics port (metrics_port; -1: none), on this event loop."""

@@ -1,0 +1,369 @@
+"""The REST codec: an Open Inference Protocol HTTP/REST body in, its reply out.
+
+Beside the protobuf path (:mod:`poolserve.service.inference.infer`), in the
+worker (or an inline model's pool), never in the router. The JSON (orjson)
+and Triton's binary tensor extension are turned into the same parsed
+ModelInferRequest the gRPC door's bytes become, with every input's bytes as
+a raw entry (binary inputs as views of the body, no copy), so that the model
+sees the same tensors and parameters, and checks, classification, sequence
+controls and errors are the gRPC door's own. The response's outputs then go
+back as JSON ``data`` (flat, row-major; BYTES as strings) or, when asked for
+(``binary_data_output`` in the request's parameters, ``binary_data`` in an
+output's), as binary data after the JSON.
+
+The reply is :data:`poolserve.service.contract.rest.REPLY_HEAD` (the JSON's
+length), the JSON, then the binary outputs, in order.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import orjson
+
+from poolserve.protos import inference_pb2 as pb
+from poolserve.service.contract.errors import InvalidInput, clip
+from poolserve.service.contract.rest import REPLY_HEAD, unwrap
+from poolserve.service.contract.shm import Region
+from poolserve.service.inference.codec import dtype_for
+from poolserve.service.inference.infer import run_request
+from poolserve.service.inference.model import Model, WireModel
+from poolserve.service.inference.rawwire import Buffer
+from poolserve.service.poolcore.stats import Timings
+
+BINARY_DATA_SIZE = "binary_data_size"
+BINARY_DATA = "binary_data"
+BINARY_DATA_OUTPUT = "binary_data_output"
+_LENGTH = struct.Struct("<I")
+_INT_KINDS = frozenset("iu")
+_NUMBER_KINDS = frozenset("iuf")
+MAX_DEPTH = 64  # nesting of a tensor's ``data`` beyond any shape we take
+
+
+def infer_rest(
+    model: Model, data: Buffer, regions: dict[str, Region]
+) -> tuple[list[Buffer], Timings]:
+    """One REST inference on ``model``: the reply's parts (see the module)."""
+    t0 = time.perf_counter_ns()
+    unwrapped = unwrap(data)
+    assert unwrapped is not None
+    header_length, body = unwrapped
+    request, raw, binary = decode_request(memoryview(body), header_length)
+    if isinstance(model, WireModel):
+        response, views, timings = _run_wire(model, request, raw, regions)
+    else:
+        response, views, timings = run_request(model, request, raw, regions, t0)
+    t3 = time.perf_counter_ns()
+    parts = encode_response(request, response, views, binary)
+    timings.encode_ns += time.perf_counter_ns() - t3
+    return parts, timings
+
+
+# -- the request -----------------------------------------------------------------
+
+
+class Binary:
+    """Which outputs go as binary data: ``binary_data_output`` for all, an
+    output's own ``binary_data`` over it."""
+
+    def __init__(self, default: bool) -> None:
+        self.default = default
+        self.outputs: dict[str, bool] = {}
+
+    def __call__(self, name: str) -> bool:
+        return self.outputs.get(name, self.default)
+
+
+def decode_request(
+    body: memoryview, header_length: int | None
+) -> tuple[pb.ModelInferRequest, list[Buffer], Binary]:
+    """(the request, each input's raw bytes in order, which outputs go as binary)."""
+    if header_length is None:
+        text, binary = body, body[len(body) :]
+    else:
+        if header_length > len(body):
+            raise InvalidInput(
+                f"Inference-Header-Content-Length {header_length} is past the end of "
+                f"the {len(body)}-byte body"
+            )
+        text, binary = body[:header_length], body[header_length:]
+    try:
+        doc = orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidInput(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise InvalidInput("the request body must be a JSON object")
+    request = pb.ModelInferRequest()
+    ident = doc.get("id")
+    if ident is not None:
+        if not isinstance(ident, str):
+            raise InvalidInput("'id' must be a string")
+        request.id = ident
+    params = _object(doc.get("parameters"), "'parameters'")
+    binary_output = Binary(_flag(params.pop(BINARY_DATA_OUTPUT, False), BINARY_DATA_OUTPUT))
+    _set_parameters(request.parameters, params, "request")
+    inputs = doc.get("inputs")
+    if not isinstance(inputs, list) or not inputs:
+        raise InvalidInput("'inputs' must be a non-empty list of tensors")
+    raw: list[Buffer] = []
+    offset = 0
+    for tensor in inputs:
+        entry, offset = _input(request, tensor, binary, offset)
+        raw.append(entry)
+    if offset != len(binary):
+        raise InvalidInput(
+            f"the body holds {len(binary) - offset} bytes of binary data no input claims"
+        )
+    outputs = doc.get("outputs")
+    if outputs is not None:
+        if not isinstance(outputs, list):
+            raise InvalidInput("'outputs' must be a list")
+        for output in outputs:
+            _requested_output(request, output, binary_output)
+    return request, raw, binary_output
+
+
+def _object(value: object, where: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidInput(f"{where} must be a JSON object")
+    return dict(value)
+
+
+def _set_parameters(target: Any, params: Mapping[str, Any], where: str) -> None:
+    """JSON parameters as InferParameters: true/false bool, integers int64 (uint64
+    beyond), other numbers double, strings string."""
+    for key, value in params.items():
+        param = target[key]
+        if isinstance(value, bool):
+            param.bool_param = value
+        elif isinstance(value, int):
+            if value >= 1 << 63:
+                param.uint64_param = value
+            else:
+                param.int64_param = value
+        elif isinstance(value, float):
+            param.double_param = value
+        elif isinstance(value, str):
+            param.string_param = value
+        else:
+            raise InvalidInput(
+                f"{where} parameter '{clip(key)}' must be a boolean, a number or a string"
+            )
+
+
+def _input(
+    request: pb.ModelInferRequest, tensor: object, binary: memoryview, offset: int
+) -> tuple[Buffer, int]:
+    if not isinstance(tensor, dict):
+        raise InvalidInput("each of 'inputs' must be a JSON object")
+    name = tensor.get("name")
+    datatype = tensor.get("datatype")
+    shape = tensor.get("shape")
+    if not isinstance(name, str):
+        raise InvalidInput("an input has no 'name' string")
+    where = f"input '{clip(name)}'"
+    if not isinstance(datatype, str):
+        raise InvalidInput(f"{where} has no 'datatype' string")
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) for d in shape
+    ):
+        raise InvalidInput(f"{where}: 'shape' must be a list of integers")
+    params = _object(tensor.get("parameters"), f"{where}: 'parameters'")
+    size = params.pop(BINARY_DATA_SIZE, None)
+    entry = request.inputs.add(name=name, datatype=datatype, shape=shape)
+    _set_parameters(entry.parameters, params, where)
+    if size is not None:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise InvalidInput(f"{where}: 'binary_data_size' must be a non-negative integer")
+        if offset + size > len(binary):
+            raise InvalidInput(
+                f"{where}: binary_data_size {size} runs past the end of the body's binary data"
+            )
+        return binary[offset : offset + size], offset + size
+    if "data" not in tensor:
+        if "shared_memory_region" in params:
+            return b"", offset
+        raise InvalidInput(f"{where} has neither 'data' nor binary data")
+    return _json_data(tensor["data"], datatype, shape, where), offset
+
+
+def _json_data(data: object, datatype: str, shape: list[int], where: str) -> bytes:
+    """An input's JSON ``data`` (flat or nested, row-major) as its raw bytes."""
+    count = math.prod(shape) if all(d >= 0 for d in shape) else -1
+    if datatype == "BYTES":
+        items = _flat(data, where)
+        if len(items) != count:
+            raise InvalidInput(
+                f"{where}: {len(items)} elements in 'data', shape {shape} holds {count}"
+            )
+        out = bytearray()
+        for item in items:
+            if not isinstance(item, str):
+                raise InvalidInput(f"{where}: BYTES elements must be strings")
+            encoded = item.encode()
+            out += _LENGTH.pack(len(encoded))
+            out += encoded
+        return bytes(out)
+    dtype = dtype_for(datatype)
+    try:
+        arr = np.asarray(data)
+    except ValueError as exc:  # ragged nesting
+        raise InvalidInput(f"{where}: 'data' is not a regular array: {exc}") from None
+    if arr.ndim > MAX_DEPTH:
+        raise InvalidInput(f"{where}: 'data' is nested deeper than {MAX_DEPTH}")
+    if arr.size != count:
+        raise InvalidInput(f"{where}: {arr.size} elements in 'data', shape {shape} holds {count}")
+    return _cast(arr, dtype, datatype, where).tobytes()
+
+
+def _flat(data: object, where: str, depth: int = 0) -> list[object]:
+    if not isinstance(data, list):
+        return [data]
+    if depth > MAX_DEPTH:
+        raise InvalidInput(f"{where}: 'data' is nested deeper than {MAX_DEPTH}")
+    if not any(isinstance(item, list) for item in data):
+        return data
+    out: list[object] = []
+    for item in data:
+        out.extend(_flat(item, where, depth + 1))
+    return out
+
+
+def _cast(
+    arr: npt.NDArray[Any], dtype: np.dtype[Any], datatype: str, where: str
+) -> npt.NDArray[Any]:
+    kind = arr.dtype.kind
+    if arr.size == 0:
+        return np.zeros(0, dtype)
+    if dtype.kind == "b":
+        ok = kind == "b"
+    elif dtype.kind in _INT_KINDS:
+        ok = kind in _INT_KINDS
+        if ok:
+            info = np.iinfo(dtype)
+            ok = bool(arr.min() >= info.min and arr.max() <= info.max)
+            if not ok:
+                raise InvalidInput(f"{where}: a value in 'data' is out of range for {datatype}")
+    else:
+        ok = kind in _NUMBER_KINDS
+    if not ok:
+        raise InvalidInput(f"{where}: 'data' holds {_json_kind(kind)}, not {datatype} values")
+    return np.ascontiguousarray(arr, dtype=dtype)
+
+
+def _json_kind(kind: str) -> str:
+    return {"b": "booleans", "f": "fractional numbers", "U": "strings", "O": "mixed values"}.get(
+        kind, "integers" if kind in _INT_KINDS else "other values"
+    )
+
+
+def _flag(value: object, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidInput(f"parameter '{name}' must be true or false")
+    return value
+
+
+def _requested_output(request: pb.ModelInferRequest, output: object, binary: Binary) -> None:
+    if not isinstance(output, dict) or not isinstance(output.get("name"), str):
+        raise InvalidInput("each of 'outputs' must be a JSON object with a 'name'")
+    where = f"output '{clip(output['name'])}'"
+    params = _object(output.get("parameters"), f"{where}: 'parameters'")
+    if BINARY_DATA in params:
+        binary.outputs[output["name"]] = _flag(params.pop(BINARY_DATA), BINARY_DATA)
+    entry = request.outputs.add(name=output["name"])
+    _set_parameters(entry.parameters, params, where)
+
+
+def _run_wire(
+    model: WireModel, request: pb.ModelInferRequest, raw: list[Buffer], regions: dict[str, Region]
+) -> tuple[pb.ModelInferResponse, list[Buffer], Timings]:
+    """An adapter's model: the request as protobuf bytes, its answer parsed back."""
+    if regions:
+        raise InvalidInput(
+            f"model '{model.settings.name}' is served through an adapter "
+            "that reads tensors from the request only: shared memory is not supported"
+        )
+    request.raw_input_contents.extend(bytes(entry) for entry in raw)
+    body, timings = model.infer_wire(request.SerializeToString())
+    response = pb.ModelInferResponse.FromString(body)
+    entries: list[Buffer] = list(response.raw_output_contents)
+    del response.raw_output_contents[:]
+    return response, entries, timings
+
+
+# -- the response ----------------------------------------------------------------
+
+
+def encode_response(
+    request: pb.ModelInferRequest,
+    response: pb.ModelInferResponse,
+    views: list[Buffer],
+    binary: Binary,
+) -> list[Buffer]:
+    """The reply's parts: its head, the JSON, then the binary outputs."""
+    wanted = {o.name: o for o in request.outputs}
+    doc: dict[str, Any] = {"model_name": response.model_name}
+    if response.model_version:
+        doc["model_version"] = response.model_version
+    if response.id:
+        doc["id"] = response.id
+    if response.parameters:
+        doc["parameters"] = {k: _value(v) for k, v in response.parameters.items()}
+    tail: list[Buffer] = []
+    outputs: list[dict[str, Any]] = []
+    for tensor, view in zip(response.outputs, views, strict=True):
+        out: dict[str, Any] = {
+            "name": tensor.name,
+            "datatype": tensor.datatype,
+            "shape": list(tensor.shape),
+        }
+        params = {k: _value(v) for k, v in tensor.parameters.items()}
+        requested = wanted.get(tensor.name)
+        if requested is not None and "shared_memory_region" in requested.parameters:
+            out["parameters"] = params  # written into the region, as Triton answers
+            outputs.append(out)
+            continue
+        if binary(tensor.name):
+            params[BINARY_DATA_SIZE] = memoryview(view).nbytes
+            tail.append(view)
+        else:
+            out["data"] = _output_data(tensor.name, tensor.datatype, view)
+        if params:
+            out["parameters"] = params
+        outputs.append(out)
+    doc["outputs"] = outputs
+    text = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
+    return [REPLY_HEAD.pack(len(text)), text, *tail]
+
+
+def _value(param: pb.InferParameter) -> object:
+    choice = param.WhichOneof("parameter_choice")
+    return None if choice is None else getattr(param, choice)
+
+
+def _output_data(name: str, datatype: str, view: Buffer) -> object:
+    if datatype == "BYTES":
+        items: list[str] = []
+        data = memoryview(view).cast("B")
+        pos = 0
+        while pos < len(data):
+            (size,) = _LENGTH.unpack_from(data, pos)
+            pos += _LENGTH.size
+            try:
+                items.append(bytes(data[pos : pos + size]).decode())
+            except UnicodeDecodeError:
+                raise InvalidInput(
+                    f"output '{clip(name)}' holds bytes that are not UTF-8 text: ask for it "
+                    "as binary data (parameter 'binary_data': true)"
+                ) from None
+            pos += size
+        return items
+    return np.frombuffer(view, dtype_for(datatype))

@@ -1,0 +1,595 @@
+"""The router's HTTP/REST door: the Open Inference Protocol's REST API (and
+Triton's HTTP extensions) as a thin translation onto the forwarding core
+(:mod:`poolserve.service.router.forwarding`), on the router's event loop.
+
+The HTTP parser is httptools', driven by uvicorn's protocol (a bare ASGI app,
+no framework; chosen over aiohttp's low-level server for its lower CPU per
+request, measured in the issue note). The router reads the request line and
+the headers only: the model comes from the URL, the deadline from the
+``Grpc-Timeout`` header, the trace context from ``traceparent``. An infer
+body goes to the model's pool unparsed, inside the wrapper of
+:mod:`poolserve.service.contract.rest`; the worker decodes it and encodes the
+reply (:mod:`poolserve.service.inference.rest`). Health and metadata, off the
+hot path, are answered from the same routes and pool calls as the gRPC door
+and rendered as JSON here.
+
+Limits: a body over ``max_message_size`` is 413; request line and headers
+over ``http_max_header_bytes`` are 431, and must come within
+``handshake_timeout_s`` (408); an idle keep-alive connection is closed after
+``http_keepalive_timeout_s``; beyond ``http_max_connections`` open
+connections a new one is answered 503 and closed. A client that closes its
+connection cancels its call, and the lane tells the pool at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import httptools
+import orjson
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+from opentelemetry.trace import Span
+from uvicorn.config import Config
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.server import ServerState
+
+from poolserve.protos import inference_pb2 as pb
+from poolserve.service import __version__
+from poolserve.service.contract.errors import (
+    DeadlineExceeded,
+    Failure,
+    InvalidInput,
+    MessageTooLarge,
+    ServingError,
+    clip,
+)
+from poolserve.service.contract.rest import REPLY_HEAD, routing_head, wrap_head
+from poolserve.service.contract.settings import ServerSettings
+from poolserve.service.grpcserver.handlers import EXTENSIONS
+from poolserve.service.grpcserver.status import http_status
+from poolserve.service.grpcserver.tracing import Tracing, deadline_event
+from poolserve.service.router.forwarding import SPAN, Forwarder
+from poolserve.service.router.routes import Routes
+
+log = logging.getLogger(__name__)
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+# The deadline of a REST call: gRPC's own header and format ("500m", "2S"), so
+# that one value means the same at both doors and through gateways that turn
+# REST into gRPC; Triton's ``timeout`` parameter, in the body, is the model's.
+TIMEOUT_HEADER = b"grpc-timeout"
+_TIMEOUT = re.compile(rb"^([0-9]{1,8})([HMSmun])$")
+_UNIT_S = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
+_CARRIED = frozenset((b"traceparent", b"tracestate"))
+JSON = b"application/json"
+_MODEL_PATH = re.compile(
+    r"^/v2/models/([^/]+)(?:/versions/([^/]+))?(?:/(ready|infer|config|stats))?$"
+)
+
+
+class HttpError(Exception):
+    """An answer that is an HTTP status of the door's own (not a model's error)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def parse_timeout(value: bytes) -> float:
+    """A ``Grpc-Timeout`` value in seconds; InvalidInput when malformed."""
+    match = _TIMEOUT.match(value.strip())
+    if match is None:
+        raise InvalidInput(
+            f"header Grpc-Timeout {clip(value.decode('latin-1'))!r} is not an integer of "
+            "at most 8 digits and a unit (H, M, S, m, u, n), e.g. 500m"
+        )
+    return int(match.group(1)) * _UNIT_S[match.group(2)]
+
+
+def _error_body(message: str) -> bytes:
+    return orjson.dumps({"error": message})
+
+
+class _Connection(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the door's limits, and a hook that
+    cancels a call whose client closed its connection."""
+
+    def __init__(self, door: HttpDoor, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.door = door
+        self.refused = False
+        self.lost = False
+        self.forwarding: asyncio.Task[Any] | None = None
+        self._head_bytes = 0
+        self._body_bytes = 0
+        self._head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if len(self.connections) >= self.door.settings.http_max_connections:
+            self.refused = True
+            body = _error_body("too many connections to the HTTP port (http_max_connections)")
+            transport.write(_raw_response(503, body))  # type: ignore[attr-defined]
+            transport.close()
+            return
+        super().connection_made(transport)  # type: ignore[arg-type]
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self._disarm_head_timer()
+        if self.refused and self not in self.connections:
+            return  # refused in connection_made: uvicorn never saw it
+        if self.forwarding is not None:
+            self.forwarding.cancel()  # the client went: the pool drops its call
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self.refused:
+            return
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._refuse(400, "protocol upgrades are not served on this port")
+        except httptools.HttpParserError as exc:
+            if not self.refused:
+                self._refuse(400, f"invalid HTTP request: {exc}")
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Answers ``status`` (unless a response began) and closes the connection."""
+        if self.refused:
+            return
+        self.refused = True
+        self._disarm_head_timer()
+        cycle = self.cycle
+        if self.transport is None or self.transport.is_closing():
+            return
+        if cycle is None or not cycle.response_started:
+            self.transport.write(_raw_response(status, _error_body(message)))
+        if cycle is not None:
+            cycle.response_complete = True  # the app's answer, if any, goes nowhere
+        self.transport.close()
+
+    def _arm_head_timer(self) -> None:
+        self._disarm_head_timer()
+        limit = self.door.settings.handshake_timeout_s
+        self._head_timer = self.loop.call_later(limit, self._head_timed_out)
+
+    def _disarm_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.cycle is None or self.cycle.response_complete:
+            self._refuse(408, "the request line and headers did not come in time")
+
+    # parser callbacks, counted
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_bytes = self._body_bytes = 0
+        self.scope["poolserve.connection"] = self  # type: ignore[typeddict-unknown-key]
+        if self._head_timer is None:
+            self._arm_head_timer()
+
+    def on_url(self, url: bytes) -> None:
+        self._count_head(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_head(len(name) + len(value) + 4)
+        super().on_header(name, value)
+
+    def _count_head(self, size: int) -> None:
+        self._head_bytes += size
+        if self._head_bytes > self.door.settings.http_max_header_bytes:
+            self._refuse(431, "the request line and headers are over http_max_header_bytes")
+            raise _Refused
+
+    def on_headers_complete(self) -> None:
+        self._disarm_head_timer()
+        super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        self._body_bytes += len(body)
+        if self._body_bytes > self.door.settings.max_message_size:
+            self._refuse(
+                413,
+                f"the body is over max_message_size ({self.door.settings.max_message_size} bytes)",
+            )
+            raise _Refused
+        super().on_body(body)
+
+
+class _Refused(Exception):
+    """Stops the parser: the connection was answered and is closing."""
+
+
+_REASONS = {
+    200: b"OK",
+    400: b"Bad Request",
+    404: b"Not Found",
+    408: b"Request Timeout",
+    413: b"Content Too Large",
+    429: b"Too Many Requests",
+    431: b"Request Header Fields Too Large",
+    500: b"Internal Server Error",
+    501: b"Not Implemented",
+    503: b"Service Unavailable",
+    504: b"Gateway Timeout",
+}
+
+
+def _raw_response(status: int, body: bytes) -> bytes:
+    reason = _REASONS.get(status, b"Error")
+    return (
+        b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+        b"connection: close\r\n\r\n" % (status, reason, len(body))
+    ) + body
+
+
+class HttpDoor:
+    """The REST API on ``http_port``: an ASGI app on uvicorn's httptools protocol."""
+
+    def __init__(self, settings: ServerSettings, routes: Routes, core: Forwarder) -> None:
+        self.settings = settings
+        self.routes = routes
+        self.core = core
+        self.state = ServerState()
+        self._server: asyncio.base_events.Server | None = None
+        self._config = Config(
+            self.app,
+            loop="none",
+            http="httptools",
+            ws="none",
+            lifespan="off",
+            interface="asgi3",
+            proxy_headers=False,
+            server_header=False,
+            date_header=False,
+            access_log=False,
+            log_config=None,
+            timeout_keep_alive=max(1, round(settings.http_keepalive_timeout_s)),
+        )
+        self._config.load()
+
+    async def start(self, host: str, port: int) -> int:
+        """Listens on ``host:port``; the port bound (``port`` 0: any free one)."""
+        loop = asyncio.get_running_loop()
+
+        def connection() -> _Connection:
+            return _Connection(self, config=self._config, server_state=self.state, app_state={})
+
+        self._server = await loop.create_server(connection, host, port, backlog=2048)
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def stop(self, grace_s: float) -> None:
+        """Stops accepting, lets calls in flight finish within ``grace_s``, closes the rest."""
+        if self._server is None:
+            return
+        self._server.close()
+        for connection in list(self.state.connections):
+            connection.shutdown()  # idle ones close now, busy ones after their answer
+        if self.state.tasks:
+            await asyncio.wait(list(self.state.tasks), timeout=grace_s)
+        for task in list(self.state.tasks):
+            task.cancel()
+        if self.state.tasks:
+            await asyncio.wait(list(self.state.tasks))
+        for connection in list(self.state.connections):
+            if connection.transport is not None:
+                connection.transport.close()
+        await self._server.wait_closed()
+
+    # -- the ASGI app ---------------------------------------------------------
+
+    async def app(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        connection: _Connection = scope["poolserve.connection"]
+        method: str = scope["method"]
+        path: str = scope["path"]
+        try:
+            if method == "POST" and path.endswith("/infer"):
+                await self._infer(connection, scope, receive, send, path)
+                return
+            status, body = await self._answer(method, path, scope, receive)
+        except HttpError as exc:
+            status, body = exc.status, _error_body(exc.message)
+        except ServingError as exc:
+            status, message = http_status(exc)
+            body = _error_body(message)
+        await _respond(send, status, body)
+
+    async def _answer(
+        self, method: str, path: str, scope: Scope, receive: Receive
+    ) -> tuple[int, bytes]:
+        if method not in ("GET", "POST"):
+            raise HttpError(
+                405 if path.startswith("/v2") else 404, f"{method} {path} is not served"
+            )
+        if path == "/v2/health/live":
+            return 200, orjson.dumps({"live": True})
+        if path == "/v2/health/ready":
+            ready = self.routes.ready()
+            return (200 if ready else 503), orjson.dumps({"ready": ready})
+        if path == "/v2" or path == "/v2/":
+            return 200, orjson.dumps(
+                {
+                    "name": self.settings.server_name,
+                    "version": __version__,
+                    "extensions": list(EXTENSIONS),
+                }
+            )
+        match = _MODEL_PATH.match(path)
+        if match is None or (method == "POST") != (match.group(3) == "infer"):
+            raise HttpError(404, f"{method} {clip(path)} is not an endpoint of this server")
+        name, version, action = match.group(1), match.group(2) or "", match.group(3)
+        budget = _budget(scope)
+        metadata = _carried(scope)
+        if action == "ready":
+            ready = await self._model_ready(name, version, budget, metadata)
+            return (200 if ready else 503), orjson.dumps({"name": name, "ready": ready})
+        if action is None:
+            request = pb.ModelMetadataRequest(name=name, version=version)
+            reply = await self._forward(name, "ModelMetadata", request, budget, metadata)
+            return 200, _metadata_json(pb.ModelMetadataResponse.FromString(reply))
+        if action == "config":
+            config_request = pb.ModelConfigRequest(name=name, version=version)
+            reply = await self._forward(name, "ModelConfig", config_request, budget, metadata)
+            return 200, orjson.dumps(plain(pb.ModelConfigResponse.FromString(reply).config))
+        if action == "stats":
+            stats_request = pb.ModelStatisticsRequest(name=name, version=version)
+            reply = await self._forward(name, "ModelStatistics", stats_request, budget, metadata)
+            return 200, orjson.dumps(plain(pb.ModelStatisticsResponse.FromString(reply)))
+        raise HttpError(404, f"{method} {clip(path)} is not an endpoint of this server")
+
+    async def _model_ready(
+        self, name: str, version: str, budget: float | None, metadata: list[tuple[str, str]]
+    ) -> bool:
+        if name not in self.routes.routes:
+            return False  # as the gRPC door: a model that does not exist is not ready
+        request = pb.ModelReadyRequest(name=name, version=version)
+        reply = await self._forward(name, "ModelReady", request, budget, metadata)
+        return pb.ModelReadyResponse.FromString(reply).ready
+
+    async def _forward(
+        self,
+        name: str,
+        method: str,
+        request: Any,
+        budget: float | None,
+        metadata: list[tuple[str, str]],
+    ) -> bytes:
+        route = self.routes.route(name)
+        return await self.core.forward(route, method, request.SerializeToString(), budget, metadata)
+
+    # -- infer: the hot path --------------------------------------------------
+
+    async def _infer(
+        self, connection: _Connection, scope: Scope, receive: Receive, send: Send, path: str
+    ) -> None:
+        tracing = self.core.tracing
+        span = None if tracing is None else _server_span(tracing, scope)
+        token = SPAN.set(span) if span is not None else None
+        status = 200
+        try:
+            status = await self._run_infer(connection, scope, receive, send, path, span)
+        finally:
+            if token is not None:
+                SPAN.reset(token)
+            if span is not None:
+                span.set_attribute("http.response.status_code", status)
+                span.end()
+
+    async def _run_infer(
+        self,
+        connection: _Connection,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        path: str,
+        span: Span | None,
+    ) -> int:
+        name, version = "", ""
+        try:
+            match = _MODEL_PATH.match(path)
+            if match is None or match.group(3) != "infer":
+                raise HttpError(404, f"POST {clip(path)} is not an endpoint of this server")
+            name, version = match.group(1), match.group(2) or ""
+            if span is not None:
+                span.set_attribute("poolserve.model.name", name)
+                span.set_attribute("poolserve.model.version", version)
+            headers = _headers(scope)
+            budget = _budget(scope, headers)
+            started = time.monotonic()
+            header_length = _header_length(headers)
+            body = await self._read_body(receive, headers, budget)
+            if body is None:
+                return 499  # the client went away while sending
+            if budget is not None:
+                budget -= time.monotonic() - started
+            if header_length is not None and header_length > len(body):
+                raise InvalidInput(
+                    f"Inference-Header-Content-Length {header_length} is past the end of "
+                    f"the {len(body)}-byte body"
+                )
+            wrapped = b"".join((wrap_head(name, version, len(body), header_length), body))
+            del body
+            connection.forwarding = asyncio.current_task()
+            try:
+                reply = await self.core.infer(
+                    name, version, wrapped, budget, _carried(scope), routing_head(name, version)
+                )
+            finally:
+                connection.forwarding = None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if connection.lost and task is not None and task.uncancel() == 0:
+                if span is not None:
+                    span.add_event("the client closed its connection")
+                return 499  # nobody to answer: the pool dropped the call
+            raise
+        except HttpError as exc:
+            await _respond(send, exc.status, _error_body(exc.message))
+            return exc.status
+        except ServingError as exc:
+            if span is not None and exc.failure is Failure.DEADLINE:
+                deadline_event(span, exc.stage or "router", exc.message)
+            status, message = http_status(exc)
+            await _respond(send, status, _error_body(message))
+            return status
+        await _send_reply(send, reply)
+        return 200
+
+    async def _read_body(
+        self, receive: Receive, headers: dict[bytes, bytes], budget: float | None
+    ) -> bytes | None:
+        """The whole body (None: the client went away), within the call's deadline."""
+        limit = self.settings.max_message_size
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise MessageTooLarge(
+                f"the body of {int(declared)} bytes is over max_message_size ({limit})"
+            )
+        if b"content-encoding" in headers and headers[b"content-encoding"] not in (b"identity",):
+            raise HttpError(
+                415,
+                f"Content-Encoding {clip(headers[b'content-encoding'].decode('latin-1'))} "
+                "is not accepted yet: send the body uncompressed",
+            )
+        chunks: list[bytes] = []
+        timeout = self.core.timeout(budget)
+        try:
+            async with asyncio.timeout(timeout):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return None
+                    chunks.append(message.get("body", b""))
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            raise DeadlineExceeded(
+                "deadline exceeded while the client was still sending its body", stage="router"
+            ) from None
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _headers(scope: Scope) -> dict[bytes, bytes]:
+    return dict(scope["headers"])
+
+
+def _budget(scope: Scope, headers: dict[bytes, bytes] | None = None) -> float | None:
+    value = (headers if headers is not None else _headers(scope)).get(TIMEOUT_HEADER)
+    return None if value is None else parse_timeout(value)
+
+
+def _header_length(headers: dict[bytes, bytes]) -> int | None:
+    value = headers.get(b"inference-header-content-length")
+    if value is None:
+        return None
+    if not value.strip().isdigit():
+        raise InvalidInput("header Inference-Header-Content-Length is not a non-negative integer")
+    return int(value)
+
+
+def _carried(scope: Scope) -> list[tuple[str, str]]:
+    return [
+        (key.decode("latin-1"), value.decode("latin-1"))
+        for key, value in scope["headers"]
+        if key in _CARRIED
+    ]
+
+
+def _server_span(tracing: Tracing, scope: Scope) -> Span:
+    attributes: dict[str, Any] = {
+        "http.request.method": scope["method"],
+        "url.path": scope["path"],
+    }
+    budget = dict(scope["headers"]).get(TIMEOUT_HEADER)
+    if budget is not None:
+        with contextlib.suppress(InvalidInput):
+            attributes["poolserve.deadline.budget_ms"] = parse_timeout(budget) * 1000
+    return tracing.server_span(f"POST {scope['path']}", _carried(scope), attributes)
+
+
+async def _respond(send: Send, status: int, body: bytes, content_type: bytes = JSON) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", content_type), (b"content-length", b"%d" % len(body))],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _send_reply(send: Send, reply: bytes) -> None:
+    """A worker's reply: JSON alone, or JSON and binary outputs (Triton's extension)."""
+    (json_length,) = REPLY_HEAD.unpack_from(reply)
+    start = REPLY_HEAD.size
+    view = memoryview(reply)[start:]
+    headers = [(b"content-length", b"%d" % len(view))]
+    if json_length == len(view):
+        headers.append((b"content-type", JSON))
+    else:
+        headers.append((b"content-type", b"application/octet-stream"))
+        headers.append((b"inference-header-content-length", b"%d" % json_length))
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": view})
+
+
+def _metadata_json(reply: pb.ModelMetadataResponse) -> bytes:
+    def tensors(items: Iterable[pb.ModelMetadataResponse.TensorMetadata]) -> list[dict[str, Any]]:
+        return [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in items]
+
+    return orjson.dumps(
+        {
+            "name": reply.name,
+            "versions": list(reply.versions),
+            "platform": reply.platform,
+            "inputs": tensors(reply.inputs),
+            "outputs": tensors(reply.outputs),
+        }
+    )
+
+
+def plain(message: Message) -> dict[str, Any]:
+    """A message as Triton's HTTP API writes it: field names as in the .proto,
+    enums by name, and 64-bit integers as JSON numbers (protobuf's own JSON
+    mapping writes them as strings)."""
+    out: dict[str, Any] = {}
+    for field, value in message.ListFields():
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            value_field = field.message_type.fields_by_name["value"]
+            out[field.name] = {k: _plain_value(value_field, v) for k, v in value.items()}
+        elif field.is_repeated:
+            out[field.name] = [_plain_value(field, v) for v in value]
+        else:
+            out[field.name] = _plain_value(field, value)
+    return out
+
+
+def _plain_value(field: FieldDescriptor, value: Any) -> Any:
+    if field.type == FieldDescriptor.TYPE_MESSAGE:
+        return plain(value)
+    if field.type == FieldDescriptor.TYPE_ENUM:
+        found = field.enum_type.values_by_number.get(value) if field.enum_type else None
+        return found.name if found is not None else value
+    if field.type == FieldDescriptor.TYPE_BYTES:
+        return value.decode("latin-1")
+    return value
