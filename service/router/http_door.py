@@ -141,12 +141,12 @@ class _Connection(HttpToolsProtocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self._refuse(400, "protocol upgrades are not served on this port")
+            self.refuse(400, "protocol upgrades are not served on this port")
         except httptools.HttpParserError as exc:
             if not self.refused:
-                self._refuse(400, f"invalid HTTP request: {exc}")
+                self.refuse(400, f"invalid HTTP request: {exc}")
 
-    def _refuse(self, status: int, message: str) -> None:
+    def refuse(self, status: int, message: str) -> None:
         """Answers ``status`` (unless a response began) and closes the connection."""
         if self.refused:
             return
@@ -158,7 +158,8 @@ class _Connection(HttpToolsProtocol):
         if cycle is None or not cycle.response_started:
             self.transport.write(_raw_response(status, _error_body(message)))
         if cycle is not None:
-            cycle.response_complete = True  # the app's answer, if any, goes nowhere
+            cycle.disconnected = True  # the app's answer, if any, goes nowhere
+            cycle.message_event.set()
         self.transport.close()
 
     def _arm_head_timer(self) -> None:
@@ -174,7 +175,7 @@ class _Connection(HttpToolsProtocol):
     def _head_timed_out(self) -> None:
         self._head_timer = None
         if self.cycle is None or self.cycle.response_complete:
-            self._refuse(408, "the request line and headers did not come in time")
+            self.refuse(408, "the request line and headers did not come in time")
 
     # parser callbacks, counted
 
@@ -196,7 +197,7 @@ class _Connection(HttpToolsProtocol):
     def _count_head(self, size: int) -> None:
         self._head_bytes += size
         if self._head_bytes > self.door.settings.http_max_header_bytes:
-            self._refuse(431, "the request line and headers are over http_max_header_bytes")
+            self.refuse(431, "the request line and headers are over http_max_header_bytes")
             raise _Refused
 
     def on_headers_complete(self) -> None:
@@ -206,7 +207,7 @@ class _Connection(HttpToolsProtocol):
     def on_body(self, body: bytes) -> None:
         self._body_bytes += len(body)
         if self._body_bytes > self.door.settings.max_message_size:
-            self._refuse(
+            self.refuse(
                 413,
                 f"the body is over max_message_size ({self.door.settings.max_message_size} bytes)",
             )
@@ -405,6 +406,7 @@ class HttpDoor:
         span: Span | None,
     ) -> int:
         name, version = "", ""
+        body_read = False
         try:
             match = _MODEL_PATH.match(path)
             if match is None or match.group(3) != "infer":
@@ -420,6 +422,7 @@ class HttpDoor:
             body = await self._read_body(receive, headers, budget)
             if body is None:
                 return 499  # the client went away while sending
+            body_read = True
             if budget is not None:
                 budget -= time.monotonic() - started
             if header_length is not None and header_length > len(body):
@@ -444,16 +447,19 @@ class HttpDoor:
                 return 499  # nobody to answer: the pool dropped the call
             raise
         except HttpError as exc:
-            await _respond(send, exc.status, _error_body(exc.message))
-            return exc.status
+            status, message = exc.status, exc.message
         except ServingError as exc:
             if span is not None and exc.failure is Failure.DEADLINE:
                 deadline_event(span, exc.stage or "router", exc.message)
             status, message = http_status(exc)
+        else:
+            await _send_reply(send, reply)
+            return 200
+        if body_read:
             await _respond(send, status, _error_body(message))
-            return status
-        await _send_reply(send, reply)
-        return 200
+        else:  # the body is still coming: answered, and the connection closed
+            connection.refuse(status, message)
+        return status
 
     async def _read_body(
         self, receive: Receive, headers: dict[bytes, bytes], budget: float | None

@@ -1,0 +1,314 @@
+"""The HTTP/REST door end to end, through real ``poolserve serve`` trees.
+
+Clients as people use them: tritonclient.http (binary and JSON tensors),
+``requests`` with JSON as MLServer's docs write it, and raw sockets where a
+client misbehaves on purpose. Each error status of the door is pinned, a
+deadline sent as ``Grpc-Timeout``, and a client that closes its connection
+takes its queued job out of the pool's queue. Waits are on health Watch
+streams; the pool's queue depth, which has no event, is polled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import requests
+import tritonclient.http as httpclient
+
+from serving import Serving, pool_status, wait_serving
+from support import copy_example, write_model
+
+pytestmark = pytest.mark.e2e
+
+WAIT = 60.0  # generous: CI is a loaded two-core machine
+BROKEN = "raise RuntimeError('this model never loads')\n"
+
+
+def _wait_serving(tree: Serving, service: str = "") -> None:
+    async def wait() -> None:
+        async with grpc.aio.insecure_channel(tree.address) as channel:
+            await wait_serving(channel, service, timeout=WAIT)
+
+    asyncio.run(wait())
+
+
+def _http(tree: Serving) -> str:
+    return (tree.run_dir / "http.addr").read_text().strip()
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
+    base = tmp_path_factory.mktemp("rest")
+    repo = base / "repo"
+    repo.mkdir()
+    for name in ("echo", "sleep", "wordcount"):
+        copy_example(repo, name)
+    with Serving(repo, base / "run") as serving:
+        _wait_serving(serving)
+        yield serving
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
+    """One worker, a queue of one, and a model that never loads."""
+    base = tmp_path_factory.mktemp("rest-small")
+    repo = base / "repo"
+    repo.mkdir()
+    copy_example(repo, "sleep")
+    write_model(repo, "broken", {"name": "broken", "implementation": "model.Broken"}, BROKEN)
+    (repo / "settings.json").write_text(json.dumps({"max_queue": 1}))
+    with Serving(repo, base / "run", workers=1) as serving:
+        _wait_serving(serving, "model:sleep")
+        yield serving
+
+
+def _infer_body(data: list[float], **parameters: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "inputs": [{"name": "INPUT0", "shape": [1, len(data)], "datatype": "FP32", "data": data}]
+    }
+    if parameters:
+        body["parameters"] = parameters
+    return body
+
+
+# -- health and metadata ---------------------------------------------------------
+
+
+def test_health_and_metadata(tree: Serving) -> None:
+    url = f"http://{_http(tree)}"
+    assert requests.get(f"{url}/v2/health/live", timeout=WAIT).status_code == 200
+    assert requests.get(f"{url}/v2/health/ready", timeout=WAIT).json() == {"ready": True}
+    server = requests.get(f"{url}/v2", timeout=WAIT).json()
+    assert server["name"] == "poolserve" and "model_repository" in server["extensions"]
+    meta = requests.get(f"{url}/v2/models/echo", timeout=WAIT).json()
+    assert meta["name"] == "echo"
+    assert meta["inputs"] == [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 16]}]
+    assert requests.get(f"{url}/v2/models/echo/versions/1", timeout=WAIT).json() == meta
+    assert requests.get(f"{url}/v2/models/echo/ready", timeout=WAIT).status_code == 200
+    missing = requests.get(f"{url}/v2/models/nope/ready", timeout=WAIT)
+    assert missing.status_code == 503 and missing.json()["ready"] is False
+
+
+def test_tritonclient_http_health_metadata_config(tree: Serving) -> None:
+    client = httpclient.InferenceServerClient(_http(tree), network_timeout=WAIT)
+    try:
+        assert client.is_server_live() and client.is_server_ready()
+        assert client.is_model_ready("echo") and not client.is_model_ready("nope")
+        assert client.get_server_metadata()["name"] == "poolserve"
+        assert client.get_model_metadata("echo")["outputs"][0]["name"] == "OUTPUT0"
+        config = client.get_model_config("echo")
+        assert config["input"][0] == {"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [1, 16]}
+        stats = client.get_inference_statistics("echo")
+        assert stats["model_stats"][0]["name"] == "echo"
+    finally:
+        client.close()
+
+
+# -- infer -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("binary_in", [True, False])
+@pytest.mark.parametrize("binary_out", [True, False])
+def test_tritonclient_http_infer(tree: Serving, binary_in: bool, binary_out: bool) -> None:
+    client = httpclient.InferenceServerClient(_http(tree), network_timeout=WAIT)
+    try:
+        x = np.arange(16, dtype=np.float32).reshape(1, 16)
+        h = np.linspace(-2, 2, 8, dtype=np.float16).reshape(2, 4)
+        flags = np.array([[True, False, True]])
+        big = np.array([[2**62, -(2**62)]], dtype=np.int64)
+        inputs = []
+        for name, arr, datatype in (
+            ("INPUT0", x, "FP32"),
+            ("INPUT1", h, "FP16"),
+            ("INPUT2", flags, "BOOL"),
+            ("INPUT3", big, "INT64"),
+        ):
+            tensor = httpclient.InferInput(name, list(arr.shape), datatype)
+            tensor.set_data_from_numpy(arr, binary_data=binary_in)
+            inputs.append(tensor)
+        outputs = [
+            httpclient.InferRequestedOutput(f"OUTPUT{i}", binary_data=binary_out) for i in range(4)
+        ]
+        result = client.infer("echo", inputs, outputs=outputs, request_id="r-1")
+        assert result.get_response()["id"] == "r-1"
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), x)
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), h)
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT2"), flags)
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT3"), big)
+        assert result.as_numpy("OUTPUT1").dtype == np.float16
+    finally:
+        client.close()
+
+
+def test_tritonclient_http_bytes(tree: Serving) -> None:
+    client = httpclient.InferenceServerClient(_http(tree), network_timeout=WAIT)
+    try:
+        for binary in (True, False):
+            text = httpclient.InferInput("text", [2], "BYTES")
+            text.set_data_from_numpy(
+                np.array([b"one two three", b"Four"], dtype=object), binary_data=binary
+            )
+            out = httpclient.InferRequestedOutput("output-0", binary_data=binary)
+            result = client.infer("wordcount", [text], outputs=[out])
+            np.testing.assert_array_equal(result.as_numpy("output-0"), [[3], [1]])
+        words = httpclient.InferInput("INPUT0", [1, 2], "BYTES")
+        words.set_data_from_numpy(np.array([["héllo", "wörld"]], dtype=object), binary_data=False)
+        result = client.infer(
+            "echo", [words], outputs=[httpclient.InferRequestedOutput("OUTPUT0", binary_data=False)]
+        )
+        assert result.get_response()["outputs"][0]["data"] == ["héllo", "wörld"]
+    finally:
+        client.close()
+
+
+def test_requests_json_as_mlserver_docs_write_it(tree: Serving) -> None:
+    url = f"http://{_http(tree)}/v2/models/echo/infer"
+    flat = requests.post(url, json=_infer_body([1.0, 2.5, -3.0]), timeout=WAIT)
+    assert flat.status_code == 200
+    assert flat.headers["content-type"] == "application/json"
+    reply = flat.json()
+    assert reply["model_name"] == "echo" and reply["model_version"] == "1"
+    assert reply["outputs"] == [
+        {"name": "OUTPUT0", "datatype": "FP32", "shape": [1, 3], "data": [1.0, 2.5, -3.0]}
+    ]
+    nested = {
+        "inputs": [
+            {"name": "INPUT0", "shape": [2, 2], "datatype": "INT32", "data": [[1, 2], [3, 4]]}
+        ]
+    }
+    reply = requests.post(url, json=nested, timeout=WAIT).json()
+    assert reply["outputs"][0]["data"] == [1, 2, 3, 4]  # flat, row-major, as the peers answer
+    binary = requests.post(url, json=_infer_body([1.0], binary_data_output=True), timeout=WAIT)
+    assert binary.headers["content-type"] == "application/octet-stream"
+    size = int(binary.headers["inference-header-content-length"])
+    head = json.loads(binary.content[:size])
+    assert head["outputs"][0]["parameters"] == {"binary_data_size": 4}
+    assert np.frombuffer(binary.content[size:], np.float32).tolist() == [1.0]
+
+
+# -- errors ------------------------------------------------------------------------
+
+
+def _post(tree: Serving, path: str, **kwargs: Any) -> requests.Response:
+    return requests.post(f"http://{_http(tree)}{path}", timeout=WAIT, **kwargs)
+
+
+def test_error_statuses(tree: Serving) -> None:
+    unknown = _post(tree, "/v2/models/nope/infer", json=_infer_body([1.0]))
+    assert unknown.status_code == 404 and "nope" in unknown.json()["error"]
+    assert requests.get(f"http://{_http(tree)}/v2/models/nope", timeout=WAIT).status_code == 404
+    bad_json = _post(tree, "/v2/models/echo/infer", data=b"{not json")
+    assert bad_json.status_code == 400 and "JSON" in bad_json.json()["error"]
+    wrong_type = {"inputs": [{"name": "INPUT0", "shape": [1], "datatype": "INT32", "data": ["a"]}]}
+    reply = _post(tree, "/v2/models/echo/infer", json=wrong_type)
+    assert reply.status_code == 400 and "INT32" in reply.json()["error"]
+    wrong_count = {"inputs": [{"name": "INPUT0", "shape": [3], "datatype": "FP32", "data": [1]}]}
+    assert _post(tree, "/v2/models/echo/infer", json=wrong_count).status_code == 400
+    model_says = _post(tree, "/v2/models/sleep/infer", json=_infer_body([1.0], sleep_ms="x"))
+    assert model_says.status_code == 400 and "sleep_ms" in model_says.json()["error"]
+    bad_timeout = _post(
+        tree, "/v2/models/echo/infer", json=_infer_body([1.0]), headers={"Grpc-Timeout": "soon"}
+    )
+    assert bad_timeout.status_code == 400 and "Grpc-Timeout" in bad_timeout.json()["error"]
+    assert _post(tree, "/v2/nothing/here").status_code == 404
+
+
+def _raw(tree: Serving, request: bytes) -> bytes:
+    """One request on a raw connection; everything the server sends until it closes."""
+    host, port = _http(tree).rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=WAIT) as sock:
+        sock.sendall(request)
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def test_limits(tree: Serving) -> None:
+    flood = b"x-filler: " + b"a" * 20000 + b"\r\n"
+    answer = _raw(tree, b"GET /v2/health/live HTTP/1.1\r\nhost: x\r\n" + flood + b"\r\n")
+    assert answer.startswith(b"HTTP/1.1 431 ")
+    lying = (
+        b"POST /v2/models/echo/infer HTTP/1.1\r\nhost: x\r\ncontent-length: 999999999999\r\n\r\n"
+    )
+    assert _raw(tree, lying).startswith(b"HTTP/1.1 413 ")
+    assert _raw(tree, b"NOT HTTP AT ALL\r\n\r\n").startswith(b"HTTP/1.1 400 ")
+    # the router is still there, and serves
+    assert _post(tree, "/v2/models/echo/infer", json=_infer_body([1.0])).status_code == 200
+
+
+def test_deadline_over_http(tree: Serving) -> None:
+    reply = _post(
+        tree,
+        "/v2/models/sleep/infer",
+        json=_infer_body([1.0], sleep_ms=10_000),
+        headers={"Grpc-Timeout": "300m"},
+    )
+    assert reply.status_code == 504
+    assert "deadline" in reply.json()["error"]
+
+
+def test_not_ready_model_is_503(small: Serving) -> None:
+    reply = _post(small, "/v2/models/broken/infer", json=_infer_body([1.0]))
+    assert reply.status_code == 503, reply.text
+    assert requests.get(f"http://{_http(small)}/v2/health/ready", timeout=WAIT).status_code == 503
+    assert (
+        requests.get(f"http://{_http(small)}/v2/models/broken/ready", timeout=WAIT).status_code
+        == 503
+    )
+
+
+def _queue_depth(tree: Serving) -> int:
+    return asyncio.run(pool_status(tree)).queue_depth
+
+
+def _worker_busy(tree: Serving) -> bool:
+    return any(w.state == "busy" for w in asyncio.run(pool_status(tree)).workers)
+
+
+def _until(predicate: Any, what: str) -> None:
+    end = time.monotonic() + WAIT
+    while not predicate():  # the pool's status has no event to wait on
+        assert time.monotonic() < end, f"{what} after {WAIT} s"
+        time.sleep(0.02)
+
+
+def _sleep_call(tree: Serving, sleep_ms: int, answers: list[int]) -> threading.Thread:
+    def call() -> None:
+        reply = _post(tree, "/v2/models/sleep/infer", json=_infer_body([1.0], sleep_ms=sleep_ms))
+        answers.append(reply.status_code)
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    return thread
+
+
+def test_full_queue_is_429_and_a_closed_connection_leaves_the_queue(small: Serving) -> None:
+    answers: list[int] = []
+    running = _sleep_call(small, 3000, answers)  # the one worker
+    _until(lambda: _worker_busy(small), "no busy worker")
+    # a queued call on a raw connection, then a call the full queue refuses
+    host, port = _http(small).rsplit(":", 1)
+    body = json.dumps(_infer_body([1.0], sleep_ms=0)).encode()
+    queued = socket.create_connection((host, int(port)), timeout=WAIT)
+    queued.sendall(
+        b"POST /v2/models/sleep/infer HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n" % len(body) + body
+    )
+    _until(lambda: _queue_depth(small) == 1, "the call is not queued")
+    refused = _post(small, "/v2/models/sleep/infer", json=_infer_body([1.0], sleep_ms=0))
+    assert refused.status_code == 429, refused.text
+    assert "queue" in refused.json()["error"]
+    queued.close()  # the client goes away: its job leaves the queue at once
+    _until(lambda: _queue_depth(small) == 0, "the closed connection's job is still queued")
+    running.join(WAIT)
+    assert answers == [200]
