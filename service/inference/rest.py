@@ -217,11 +217,24 @@ def _json_data(data: object, datatype: str, shape: list[int], where: str) -> byt
         arr = np.asarray(data)
     except ValueError as exc:  # ragged nesting
         raise InvalidInput(f"{where}: 'data' is not a regular array: {exc}") from None
+    if dtype.kind in _INT_KINDS and arr.dtype.kind in "fO":
+        arr = _integers(data, dtype, datatype, where)  # 64-bit ones past float precision
     if arr.ndim > MAX_DEPTH:
         raise InvalidInput(f"{where}: 'data' is nested deeper than {MAX_DEPTH}")
     if arr.size != count:
         raise InvalidInput(f"{where}: {arr.size} elements in 'data', shape {shape} holds {count}")
     return _cast(arr, dtype, datatype, where).tobytes()
+
+
+def _integers(data: object, dtype: np.dtype[Any], datatype: str, where: str) -> npt.NDArray[Any]:
+    """Integers numpy read as floats (beyond int64, or int64 and uint64 mixed)."""
+    values = np.asarray(data, dtype=object)
+    if not all(type(v) is int for v in values.flat):
+        raise InvalidInput(f"{where}: 'data' holds fractional numbers, not {datatype} values")
+    try:
+        return np.array(values.tolist(), dtype=dtype)
+    except OverflowError:
+        raise InvalidInput(f"{where}: a value in 'data' is out of range for {datatype}") from None
 
 
 def _flat(data: object, where: str, depth: int = 0) -> list[object]:

@@ -1,0 +1,192 @@
+"""The REST codec (service/inference/rest.py) without a server: every datatype
+as JSON (flat and nested) and as Triton's binary data, both ways, and the
+errors a malformed body gets."""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+import numpy as np
+import pytest
+
+from poolserve.protos import inference_pb2 as pb
+from poolserve.service.contract.errors import InvalidInput
+from poolserve.service.contract.rest import REPLY_HEAD, unwrap, wrap_head
+from poolserve.service.inference.codec import decode_inputs
+from poolserve.service.inference.rest import decode_request, encode_response
+
+DATA: list[tuple[str, list[Any], str]] = [
+    ("BOOL", [True, False], "?"),
+    ("UINT8", [0, 255], "<u1"),
+    ("UINT16", [0, 65535], "<u2"),
+    ("UINT32", [0, 2**32 - 1], "<u4"),
+    ("UINT64", [0, 2**64 - 1], "<u8"),
+    ("INT8", [-128, 127], "<i1"),
+    ("INT16", [-32768, 32767], "<i2"),
+    ("INT32", [-(2**31), 2**31 - 1], "<i4"),
+    ("INT64", [-(2**63), 2**63 - 1], "<i8"),
+    ("FP16", [0.5, -2.0], "<f2"),
+    ("FP32", [1.5, -0.25], "<f4"),
+    ("FP64", [1e300, -1e-300], "<f8"),
+]
+
+
+def _decode(
+    doc: dict[str, Any], binary: bytes = b""
+) -> tuple[pb.ModelInferRequest, list[Any], Any]:
+    text = json.dumps(doc).encode()
+    header = len(text) if binary else None
+    return decode_request(memoryview(text + binary), header)
+
+
+@pytest.mark.parametrize(("datatype", "values", "dtype"), DATA)
+def test_json_data_every_datatype(datatype: str, values: list[Any], dtype: str) -> None:
+    doc = {"inputs": [{"name": "x", "shape": [1, 2], "datatype": datatype, "data": values}]}
+    request, raw, _ = _decode(doc)
+    arr = decode_inputs(request, raw=raw)["x"]
+    assert arr.dtype == np.dtype(dtype) and arr.shape == (1, 2)
+    assert arr.tolist() == [values]
+
+
+def test_nested_data_and_bytes_as_strings() -> None:
+    doc = {
+        "inputs": [
+            {"name": "a", "shape": [2, 2], "datatype": "INT32", "data": [[1, 2], [3, 4]]},
+            {"name": "s", "shape": [2], "datatype": "BYTES", "data": ["héllo", ""]},
+        ]
+    }
+    request, raw, _ = _decode(doc)
+    inputs = decode_inputs(request, raw=raw)
+    assert inputs["a"].tolist() == [[1, 2], [3, 4]]
+    assert inputs["s"].tolist() == ["héllo".encode(), b""]
+
+
+def test_binary_inputs_are_views_of_the_body() -> None:
+    x = np.arange(4, dtype=np.float32)
+    words = b"".join(struct.pack("<I", len(w)) + w for w in (b"ab", b"c"))
+    doc = {
+        "inputs": [
+            {"name": "x", "shape": [4], "datatype": "FP32", "parameters": {"binary_data_size": 16}},
+            {
+                "name": "w",
+                "shape": [2],
+                "datatype": "BYTES",
+                "parameters": {"binary_data_size": len(words)},
+            },
+        ],
+        "parameters": {"binary_data_output": True, "priority": 1, "note": "n"},
+    }
+    request, raw, binary = _decode(doc, x.tobytes() + words)
+    assert isinstance(raw[0], memoryview)
+    inputs = decode_inputs(request, raw=raw)
+    assert inputs["x"].tolist() == x.tolist() and inputs["w"].tolist() == [b"ab", b"c"]
+    assert binary("any") is True
+    assert request.parameters["priority"].int64_param == 1
+    assert request.parameters["note"].string_param == "n"
+    assert "binary_data_output" not in request.parameters
+
+
+def _response(
+    *outputs: tuple[str, str, list[int], bytes],
+) -> tuple[pb.ModelInferResponse, list[Any]]:
+    response = pb.ModelInferResponse(model_name="m", model_version="1", id="i")
+    views = []
+    for name, datatype, shape, data in outputs:
+        response.outputs.add(name=name, datatype=datatype, shape=shape)
+        views.append(data)
+    return response, views
+
+
+def _reply(parts: list[Any]) -> tuple[dict[str, Any], bytes]:
+    whole = b"".join(bytes(p) for p in parts)
+    (size,) = REPLY_HEAD.unpack_from(whole)
+    start = REPLY_HEAD.size
+    return json.loads(whole[start : start + size]), whole[start + size :]
+
+
+def test_outputs_as_json_and_as_binary_per_output() -> None:
+    doc = {
+        "inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}],
+        "outputs": [
+            {"name": "h", "parameters": {"binary_data": True}},
+            {"name": "s"},
+            {"name": "f"},
+        ],
+    }
+    request, _, binary = _decode(doc)
+    h = np.array([0.5, 1.5], np.float16)
+    words = struct.pack("<I", 2) + b"ok"
+    response, views = _response(
+        ("h", "FP16", [2], h.tobytes()),
+        ("s", "BYTES", [1], words),
+        ("f", "FP16", [2], h.tobytes()),
+    )
+    head, tail = _reply(encode_response(request, response, views, binary))
+    assert head["model_name"] == "m" and head["id"] == "i"
+    h_out, s_out, f_out = head["outputs"]
+    assert h_out["parameters"] == {"binary_data_size": 4} and "data" not in h_out
+    assert tail == h.tobytes()
+    assert s_out["data"] == ["ok"]
+    assert f_out["data"] == [0.5, 1.5]  # FP16 as JSON numbers
+
+
+@pytest.mark.parametrize(
+    ("doc", "words"),
+    [
+        ({"inputs": []}, "non-empty"),
+        ({"inputs": [{"name": "x", "shape": [2], "datatype": "FP32", "data": [1]}]}, "elements"),
+        ({"inputs": [{"name": "x", "shape": [1], "datatype": "INT8", "data": [300]}]}, "range"),
+        ({"inputs": [{"name": "x", "shape": [1], "datatype": "INT32", "data": [1.5]}]}, "INT32"),
+        ({"inputs": [{"name": "x", "shape": [1], "datatype": "BOOL", "data": [1]}]}, "BOOL"),
+        (
+            {"inputs": [{"name": "x", "shape": [2], "datatype": "FP32", "data": [[1], [2, 3]]}]},
+            "regular",
+        ),
+        ({"inputs": [{"name": "x", "shape": [1], "datatype": "NOPE", "data": [1]}]}, "datatype"),
+        ({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32"}]}, "neither"),
+        ({"inputs": [{"name": "x", "shape": "1", "datatype": "FP32", "data": [1]}]}, "shape"),
+        ({"inputs": [{"name": "x", "shape": [1], "datatype": "BYTES", "data": [1]}]}, "strings"),
+        (
+            {
+                "inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}],
+                "parameters": {"p": [1]},
+            },
+            "parameter",
+        ),
+    ],
+)
+def test_malformed_bodies_are_invalid_input(doc: dict[str, Any], words: str) -> None:
+    with pytest.raises(InvalidInput, match=words):
+        _decode(doc)
+
+
+def test_binary_sizes_must_add_up() -> None:
+    doc = {
+        "inputs": [
+            {"name": "x", "shape": [1], "datatype": "FP32", "parameters": {"binary_data_size": 8}}
+        ]
+    }
+    with pytest.raises(InvalidInput, match="past the end"):
+        _decode(doc, b"\0" * 4)
+    doc["inputs"][0]["parameters"]["binary_data_size"] = 4  # type: ignore[index]
+    with pytest.raises(InvalidInput, match="no input claims"):
+        _decode(doc, b"\0" * 8)
+
+
+def test_deep_nesting_is_refused() -> None:
+    deep: Any = [1.0]
+    for _ in range(200):
+        deep = [deep]
+    doc = {"inputs": [{"name": "x", "shape": [1], "datatype": "BYTES", "data": deep}]}
+    with pytest.raises(InvalidInput):
+        _decode(doc)
+
+
+def test_the_wrapper_round_trips() -> None:
+    body = b'{"inputs": []}'
+    wrapped = wrap_head("m", "2", len(body), 7) + body
+    assert unwrap(wrapped) == (7, body)
+    assert unwrap(wrap_head("m", "", len(body), None) + body) == (None, body)
+    assert unwrap(pb.ModelInferRequest(model_name="m").SerializeToString()) is None
