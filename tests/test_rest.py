@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import requests
 import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
 
 from serving import Serving, pool_status, wait_serving
 from support import copy_example, write_model
@@ -109,6 +110,24 @@ def test_tritonclient_http_health_metadata_config(tree: Serving) -> None:
         assert config["input"][0] == {"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [1, 16]}
         stats = client.get_inference_statistics("echo")
         assert stats["model_stats"][0]["name"] == "echo"
+    finally:
+        client.close()
+
+
+def test_repository_index_load_unload(tree: Serving) -> None:
+    client = httpclient.InferenceServerClient(_http(tree), network_timeout=WAIT)
+    try:
+        index = {m["name"]: m["state"] for m in client.get_model_repository_index()}
+        assert index == {"echo": "READY", "sleep": "READY", "wordcount": "READY"}
+        client.unload_model("wordcount")
+        assert not client.is_model_ready("wordcount")
+        client.load_model("wordcount")
+        assert client.is_model_ready("wordcount")
+        with pytest.raises(InferenceServerException) as failed:
+            client.load_model("nope")
+        assert "nope" in str(failed.value)
+        stats = requests.get(f"http://{_http(tree)}/v2/models/stats", timeout=WAIT).json()
+        assert {m["name"] for m in stats["model_stats"]} == {"echo", "sleep", "wordcount"}
     finally:
         client.close()
 

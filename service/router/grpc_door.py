@@ -24,7 +24,6 @@ from poolserve.protos import inference_pb2 as pb
 from poolserve.service import __version__
 from poolserve.service.contract.errors import (
     DeadlineExceeded,
-    FailedPrecondition,
     Failure,
     InvalidInput,
     ServingError,
@@ -41,6 +40,7 @@ from poolserve.service.grpcserver.status import grpc_status
 from poolserve.service.grpcserver.tracing import Tracing, deadline_event
 from poolserve.service.router.forwarding import SPAN, Forwarder
 from poolserve.service.router.replybudget import TRACKED_REPLY, ReplyBudget
+from poolserve.service.router.repository import RepositoryCalls
 from poolserve.service.router.routes import PoolRoute, Routes
 
 _DROP_METADATA = frozenset({"user-agent", "content-type", "te", "host"})
@@ -96,8 +96,10 @@ class GrpcDoor:
         core: Forwarder,
         shared_memory: SharedMemory,
         replies: ReplyBudget,
+        repository: RepositoryCalls,
     ) -> None:
         self.settings = settings
+        self.repository = repository
         self.routes = routes
         self.core = core
         self.shared_memory = shared_memory
@@ -113,7 +115,9 @@ class GrpcDoor:
                 span.set_attribute("poolserve.model.name", name)
                 span.set_attribute("poolserve.model.version", version)
             if method == "ModelStatistics" and not name:
-                return await self.all_statistics(remaining(context), metadata_of(context))
+                return await self.repository.all_statistics(
+                    remaining(context), metadata_of(context)
+                )
             if method == "ModelReady" and name not in self.routes.routes:
                 # As Triton: a model that does not exist is not ready; no NOT_FOUND.
                 return pb.ModelReadyResponse(ready=False).SerializeToString()
@@ -142,7 +146,7 @@ class GrpcDoor:
         async def handler(body: bytes, context: Context) -> bytes:
             name = _peek_model_name_field2(body)
             try:
-                return await self.control(
+                return await self.repository.control(
                     method, name, body, remaining(context), metadata_of(context)
                 )
             except ServingError as exc:
@@ -152,25 +156,6 @@ class GrpcDoor:
 
         handler.__name__ = method
         return handler
-
-    async def control(
-        self,
-        method: str,
-        name: str,
-        body: bytes,
-        budget: float | None,
-        metadata: tuple[tuple[str, Any], ...],
-    ) -> bytes:
-        """RepositoryModelLoad or RepositoryModelUnload of one model, at its pool."""
-        if not self.settings.model_control:
-            # Checked here, at the public door: the pools' private sockets always
-            # accept loads, so that `poolserve reload` can use them.
-            raise FailedPrecondition(
-                "loading and unloading models through the API is disabled (model_control)"
-            )
-        if method == "RepositoryModelLoad" and name not in self.routes.routes:
-            await self.routes.learn_route(name)
-        return await self.core.forward(self.routes.route(name), method, body, budget, metadata)
 
     # -- aggregated answers --------------------------------------------------
 
@@ -186,44 +171,7 @@ class GrpcDoor:
         ).SerializeToString()
 
     async def repository_index(self, body: bytes, context: Any) -> bytes:
-        return await self.index(body, remaining(context), metadata_of(context))
-
-    async def index(
-        self, body: bytes, budget: float | None, metadata: tuple[tuple[str, Any], ...]
-    ) -> bytes:
-        """Every pool's index merged, with the models that cannot be served."""
-        request = pb.RepositoryIndexRequest.FromString(body)
-        all_models = pb.RepositoryIndexRequest(repository_name=request.repository_name)
-        merged = pb.RepositoryIndexResponse()
-        for route, answer in await self.core.gather(
-            "RepositoryIndex", all_models.SerializeToString(), budget, metadata
-        ):
-            if isinstance(answer, ServingError):
-                for name in route.models:
-                    merged.models.add(
-                        name=name,
-                        state="UNAVAILABLE",
-                        reason=f"{route.where} is not answering: {answer.message}",
-                    )
-            else:
-                merged.models.extend(pb.RepositoryIndexResponse.FromString(answer).models)
-        for name, reason in self.routes.invalid.items():
-            merged.models.add(name=name, state="UNAVAILABLE", reason=reason)
-        if request.ready:
-            kept = [m for m in merged.models if m.state == "READY"]
-            del merged.models[:]
-            merged.models.extend(kept)
-        return merged.SerializeToString()
-
-    async def all_statistics(
-        self, budget: float | None, metadata: tuple[tuple[str, Any], ...]
-    ) -> bytes:
-        merged = pb.ModelStatisticsResponse()
-        empty = pb.ModelStatisticsRequest().SerializeToString()
-        for _, answer in await self.core.gather("ModelStatistics", empty, budget, metadata):
-            if not isinstance(answer, ServingError):
-                merged.model_stats.extend(pb.ModelStatisticsResponse.FromString(answer).model_stats)
-        return merged.SerializeToString()
+        return await self.repository.index(body, remaining(context), metadata_of(context))
 
     # -- ModelStreamInfer ------------------------------------------------------
 

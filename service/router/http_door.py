@@ -24,6 +24,8 @@ connection cancels its call, and the lane tells the pool at once.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import logging
 import re
@@ -49,6 +51,7 @@ from poolserve.service.contract.errors import (
     MessageTooLarge,
     ServingError,
     clip,
+    load_failed,
 )
 from poolserve.service.contract.rest import REPLY_HEAD, routing_head, wrap_head
 from poolserve.service.contract.settings import ServerSettings
@@ -56,6 +59,7 @@ from poolserve.service.grpcserver.handlers import EXTENSIONS
 from poolserve.service.grpcserver.status import http_status
 from poolserve.service.grpcserver.tracing import Tracing, deadline_event
 from poolserve.service.router.forwarding import SPAN, Forwarder
+from poolserve.service.router.repository import LOAD, UNLOAD, RepositoryCalls
 from poolserve.service.router.routes import Routes
 
 log = logging.getLogger(__name__)
@@ -75,6 +79,9 @@ JSON = b"application/json"
 _MODEL_PATH = re.compile(
     r"^/v2/models/([^/]+)(?:/versions/([^/]+))?(?:/(ready|infer|config|stats))?$"
 )
+
+
+_REPOSITORY_PATH = re.compile(r"^/v2/repository/models/([^/]+)/(load|unload)$")
 
 
 class HttpError(Exception):
@@ -215,6 +222,10 @@ class _Connection(HttpToolsProtocol):
         super().on_body(body)
 
 
+class _Gone(Exception):
+    """The client closed its connection: nobody to answer."""
+
+
 class _Refused(Exception):
     """Stops the parser: the connection was answered and is closing."""
 
@@ -245,10 +256,17 @@ def _raw_response(status: int, body: bytes) -> bytes:
 class HttpDoor:
     """The REST API on ``http_port``: an ASGI app on uvicorn's httptools protocol."""
 
-    def __init__(self, settings: ServerSettings, routes: Routes, core: Forwarder) -> None:
+    def __init__(
+        self,
+        settings: ServerSettings,
+        routes: Routes,
+        core: Forwarder,
+        repository: RepositoryCalls,
+    ) -> None:
         self.settings = settings
         self.routes = routes
         self.core = core
+        self.repository = repository
         self.state = ServerState()
         self._server: asyncio.base_events.Server | None = None
         self._config = Config(
@@ -308,6 +326,8 @@ class HttpDoor:
                 await self._infer(connection, scope, receive, send, path)
                 return
             status, body = await self._answer(method, path, scope, receive)
+        except _Gone:
+            return
         except HttpError as exc:
             status, body = exc.status, _error_body(exc.message)
         except ServingError as exc:
@@ -335,12 +355,17 @@ class HttpDoor:
                     "extensions": list(EXTENSIONS),
                 }
             )
-        match = _MODEL_PATH.match(path)
-        if match is None or (method == "POST") != (match.group(3) == "infer"):
-            raise HttpError(404, f"{method} {clip(path)} is not an endpoint of this server")
-        name, version, action = match.group(1), match.group(2) or "", match.group(3)
         budget = _budget(scope)
         metadata = _carried(scope)
+        if path.startswith("/v2/repository/") and method == "POST":
+            return await self._repository(path, budget, metadata, receive)
+        if path == "/v2/models/stats" and method == "GET":
+            reply = await self.repository.all_statistics(budget, metadata)
+            return 200, orjson.dumps(plain(pb.ModelStatisticsResponse.FromString(reply)))
+        match = _MODEL_PATH.match(path)
+        if match is None or method != "GET":
+            raise HttpError(404, f"{method} {clip(path)} is not an endpoint of this server")
+        name, version, action = match.group(1), match.group(2) or "", match.group(3)
         if action == "ready":
             ready = await self._model_ready(name, version, budget, metadata)
             return (200 if ready else 503), orjson.dumps({"name": name, "ready": ready})
@@ -357,6 +382,34 @@ class HttpDoor:
             reply = await self._forward(name, "ModelStatistics", stats_request, budget, metadata)
             return 200, orjson.dumps(plain(pb.ModelStatisticsResponse.FromString(reply)))
         raise HttpError(404, f"{method} {clip(path)} is not an endpoint of this server")
+
+    async def _repository(
+        self, path: str, budget: float | None, metadata: list[tuple[str, str]], receive: Receive
+    ) -> tuple[int, bytes]:
+        """Triton's model repository extension: index, load, unload."""
+        doc = await _small_json(receive, self.settings.max_message_size)
+        if path == "/v2/repository/index":
+            ready = doc.get("ready", False)
+            if not isinstance(ready, bool):
+                raise InvalidInput("'ready' must be true or false")
+            request = pb.RepositoryIndexRequest(ready=ready)
+            reply = await self.repository.index(request.SerializeToString(), budget, metadata)
+            models = pb.RepositoryIndexResponse.FromString(reply).models
+            return 200, orjson.dumps([plain(m) for m in models])
+        match = _REPOSITORY_PATH.match(path)
+        if match is None:
+            raise HttpError(404, f"POST {clip(path)} is not an endpoint of this server")
+        name, action = match.group(1), match.group(2)
+        method = LOAD if action == "load" else UNLOAD
+        load = pb.RepositoryModelLoadRequest(model_name=name)
+        _repository_parameters(load, doc.get("parameters"))
+        try:
+            await self.repository.control(method, name, load.SerializeToString(), budget, metadata)
+        except ServingError as exc:
+            if method == LOAD:
+                raise load_failed(name, exc) from None
+            raise
+        return 200, b""
 
     async def _model_ready(
         self, name: str, version: str, budget: float | None, metadata: list[tuple[str, str]]
@@ -493,6 +546,52 @@ class HttpDoor:
                 "deadline exceeded while the client was still sending its body", stage="router"
             ) from None
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def _small_json(receive: Receive, limit: int) -> dict[str, Any]:
+    """A control call's body (empty: ``{}``); the protocol stops one over ``limit``."""
+    chunks: list[bytes] = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _Gone
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    body = b"".join(chunks)
+    if not body.strip():
+        return {}
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidInput(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise InvalidInput("the request body must be a JSON object")
+    return doc
+
+
+def _repository_parameters(request: pb.RepositoryModelLoadRequest, params: object) -> None:
+    """A load's JSON parameters: strings (``file:`` ones base64, as Triton's
+    clients send them), booleans and integers."""
+    if params is None:
+        return
+    if not isinstance(params, dict):
+        raise InvalidInput("'parameters' must be a JSON object")
+    for key, value in params.items():
+        param = request.parameters[key]
+        if isinstance(value, bool):
+            param.bool_param = value
+        elif isinstance(value, int):
+            param.int64_param = value
+        elif isinstance(value, str) and key.startswith("file:"):
+            try:
+                param.bytes_param = base64.b64decode(value, validate=True)
+            except binascii.Error:
+                raise InvalidInput(f"parameter '{clip(key)}' is not base64") from None
+        elif isinstance(value, str):
+            param.string_param = value
+        else:
+            raise InvalidInput(f"parameter '{clip(key)}' must be a string, a boolean or an integer")
 
 
 def _headers(scope: Scope) -> dict[bytes, bytes]:

@@ -49,6 +49,7 @@ from poolserve.service.router.http_door import HttpDoor
 from poolserve.service.router.metrics import MetricsSource, RouterCounts
 from poolserve.service.router.metrics_http import MetricsServer
 from poolserve.service.router.replybudget import ReplyBudget
+from poolserve.service.router.repository import RepositoryCalls
 from poolserve.service.router.routes import Routes
 
 log = logging.getLogger(__name__)
@@ -127,8 +128,9 @@ class Router:
             give_back=trim_freed_memory,
         )
         self.core = Forwarder(settings, self.routes, self.shared_memory)
+        self.repository = RepositoryCalls(settings, self.routes, self.core)
         self.grpc_door = GrpcDoor(
-            settings, self.routes, self.core, self.shared_memory, self.replies
+            settings, self.routes, self.core, self.shared_memory, self.replies, self.repository
         )
         self.http_door: HttpDoor | None = None  # made in serve() when http_port is not -1
         self.http_port = 0
@@ -236,7 +238,7 @@ class Router:
         """The HTTP/REST door (http_port; -1: none), on this event loop."""
         if self.settings.http_port < 0:
             return None
-        door = HttpDoor(self.settings, self.routes, self.core)
+        door = HttpDoor(self.settings, self.routes, self.core, self.repository)
         host = self.settings.host
         try:
             self.http_port = await door.start(host, self.settings.http_port)
