@@ -11,6 +11,7 @@ streams; the pool's queue depth, which has no event, is polled.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import socket
 import threading
@@ -166,6 +167,49 @@ def test_tritonclient_http_infer(tree: Serving, binary_in: bool, binary_out: boo
         assert result.as_numpy("OUTPUT1").dtype == np.float16
     finally:
         client.close()
+
+
+@pytest.mark.parametrize(
+    ("request_encoding", "reply_encoding"), [("gzip", "deflate"), ("deflate", "gzip")]
+)
+def test_tritonclient_http_compression(
+    tree: Serving, request_encoding: str, reply_encoding: str
+) -> None:
+    client = httpclient.InferenceServerClient(_http(tree), network_timeout=WAIT)
+    try:
+        x = np.arange(16, dtype=np.float32).reshape(1, 16)
+        for binary in (True, False):
+            tensor = httpclient.InferInput("INPUT0", [1, 16], "FP32")
+            tensor.set_data_from_numpy(x, binary_data=binary)
+            result = client.infer(
+                "echo",
+                [tensor],
+                outputs=[httpclient.InferRequestedOutput("OUTPUT0", binary_data=binary)],
+                request_compression_algorithm=request_encoding,
+                response_compression_algorithm=reply_encoding,
+            )
+            np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), x)
+    finally:
+        client.close()
+
+
+def test_compressed_bodies_as_curl_sends_them(tree: Serving) -> None:
+    body = gzip.compress(json.dumps(_infer_body([1.0, 2.0])).encode())
+    reply = _post(
+        tree,
+        "/v2/models/echo/infer",
+        data=body,
+        headers={"Content-Encoding": "gzip", "Accept-Encoding": "gzip"},
+    )
+    assert reply.status_code == 200 and reply.headers["content-encoding"] == "gzip"
+    assert reply.json()["outputs"][0]["data"] == [1.0, 2.0]  # requests inflates it
+    bomb = gzip.compress(b" " * (80 * 1024 * 1024))  # inflates past max_message_size
+    too_big = _post(tree, "/v2/models/echo/infer", data=bomb, headers={"Content-Encoding": "gzip"})
+    assert too_big.status_code == 413
+    garbage = _post(tree, "/v2/models/echo/infer", data=b"xx", headers={"Content-Encoding": "gzip"})
+    assert garbage.status_code == 400
+    unknown = _post(tree, "/v2/models/echo/infer", data=body, headers={"Content-Encoding": "br"})
+    assert unknown.status_code == 415
 
 
 def test_tritonclient_http_bytes(tree: Serving) -> None:

@@ -13,7 +13,7 @@ import pytest
 
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service.contract.errors import InvalidInput
-from poolserve.service.contract.rest import REPLY_HEAD, unwrap, wrap_head
+from poolserve.service.contract.rest import GZIP, REPLY_HEAD, RestHead, unwrap, wrap_head
 from poolserve.service.inference.codec import decode_inputs
 from poolserve.service.inference.rest import decode_request, encode_response
 
@@ -101,7 +101,7 @@ def _response(
 
 def _reply(parts: list[Any]) -> tuple[dict[str, Any], bytes]:
     whole = b"".join(bytes(p) for p in parts)
-    (size,) = REPLY_HEAD.unpack_from(whole)
+    size, _, _ = REPLY_HEAD.unpack_from(whole)
     start = REPLY_HEAD.size
     return json.loads(whole[start : start + size]), whole[start + size :]
 
@@ -186,7 +186,7 @@ def test_deep_nesting_is_refused() -> None:
 
 def test_the_wrapper_round_trips() -> None:
     body = b'{"inputs": []}'
-    wrapped = wrap_head("m", "2", len(body), 7) + body
-    assert unwrap(wrapped) == (7, body)
-    assert unwrap(wrap_head("m", "", len(body), None) + body) == (None, body)
+    head = RestHead(7, GZIP, GZIP, 100)
+    assert unwrap(wrap_head("m", "2", len(body), head) + body) == (head, body)
+    assert unwrap(wrap_head("m", "", len(body), RestHead()) + body) == (RestHead(), body)
     assert unwrap(pb.ModelInferRequest(model_name="m").SerializeToString()) is None

@@ -12,40 +12,77 @@ pool) that runs it looks inside (:mod:`poolserve.service.inference.rest`).
   extension is in use, and this is ``Inference-Header-Content-Length``: the
   body's first that many bytes are the JSON, the tensors' bytes follow;
   absent, the whole body is JSON.
+- fields :data:`ENCODING_FIELD`, :data:`LIMIT_FIELD` and
+  :data:`ACCEPT_FIELD` (varints, optional): the body's ``Content-Encoding``
+  (gzip or deflate; the worker inflates it, to at most the limit) and the
+  encoding the client accepts for the reply (``Accept-Encoding``).
 - field :data:`BODY_FIELD` (bytes): the body as the client sent it.
 
-The reply is :data:`REPLY_HEAD` (the JSON's length, u32 little-endian), the
-JSON, then the binary outputs' bytes: the router answers with
-``Inference-Header-Content-Length`` when anything follows the JSON.
+The reply is :data:`REPLY_HEAD` (the JSON's length, the reply's encoding,
+whether binary outputs follow), then the JSON and the binary outputs' bytes,
+compressed together when the reply is encoded: the router answers with
+``Inference-Header-Content-Length`` when binary outputs follow the JSON.
 Standard library only.
 """
 
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 
 from poolserve.service.contract.errors import InvalidInput
 from poolserve.service.contract.wire import Wire, encode_varint, read_varint
 
 HEADER_FIELD = 4094
 BODY_FIELD = 4095
-_HEADER_TAG = (HEADER_FIELD << 3) | 0
+ENCODING_FIELD = 4093  # the body's Content-Encoding (absent: identity)
+ACCEPT_FIELD = 4092  # the reply encoding the client accepts (absent: identity)
+LIMIT_FIELD = 4091  # the most bytes a compressed body may inflate to
 _BODY_TAG = (BODY_FIELD << 3) | 2
 _BODY_TAG_BYTES = encode_varint(_BODY_TAG)
-REPLY_HEAD = struct.Struct("<I")
+_VARINT_FIELDS = {
+    (HEADER_FIELD << 3): "header_length",
+    (ENCODING_FIELD << 3): "encoding",
+    (ACCEPT_FIELD << 3): "accept",
+    (LIMIT_FIELD << 3): "limit",
+}
+# The reply's head: the JSON's length (uncompressed), the reply's encoding, and
+# whether binary outputs follow the JSON.
+REPLY_HEAD = struct.Struct("<IBB")
+
+IDENTITY, GZIP, DEFLATE = 0, 1, 2
+ENCODINGS = {b"identity": IDENTITY, b"gzip": GZIP, b"deflate": DEFLATE}
+ENCODING_NAMES = {GZIP: b"gzip", DEFLATE: b"deflate"}
+
+
+@dataclass(frozen=True, slots=True)
+class RestHead:
+    """What the router read from a REST call's headers for the worker."""
+
+    header_length: int | None = None  # Inference-Header-Content-Length
+    encoding: int = IDENTITY  # Content-Encoding of the body
+    accept: int = IDENTITY  # the encoding of the reply (from Accept-Encoding)
+    limit: int = 0  # max_message_size: what a compressed body may inflate to
 
 
 def _len_field(number: int, payload: bytes) -> bytes:
     return encode_varint((number << 3) | 2) + encode_varint(len(payload)) + payload
 
 
-def wrap_head(name: str, version: str, body_length: int, header_length: int | None) -> bytes:
+def _varint_field(number: int, value: int) -> bytes:
+    return encode_varint(number << 3) + encode_varint(value)
+
+
+def wrap_head(name: str, version: str, body_length: int, rest: RestHead) -> bytes:
     """Everything of the wrapper before the body's bytes (the body then follows as it is)."""
-    head = _len_field(1, name.encode())
-    if version:
-        head += _len_field(2, version.encode())
-    if header_length is not None:
-        head += encode_varint(_HEADER_TAG) + encode_varint(header_length)
+    head = routing_head(name, version)
+    if rest.header_length is not None:
+        head += _varint_field(HEADER_FIELD, rest.header_length)
+    if rest.encoding != IDENTITY:
+        head += _varint_field(ENCODING_FIELD, rest.encoding)
+        head += _varint_field(LIMIT_FIELD, rest.limit)
+    if rest.accept != IDENTITY:
+        head += _varint_field(ACCEPT_FIELD, rest.accept)
     return head + _BODY_TAG_BYTES + encode_varint(body_length)
 
 
@@ -55,10 +92,10 @@ def routing_head(name: str, version: str) -> bytes:
     return head + (_len_field(2, version.encode()) if version else b"")
 
 
-def unwrap(data: Wire) -> tuple[int | None, Wire] | None:
-    """(Inference-Header-Content-Length or None, the body as a slice of ``data``)
+def unwrap(data: Wire) -> tuple[RestHead, Wire] | None:
+    """(what the router read from the headers, the body as a slice of ``data``)
     when ``data`` is a REST wrapper, else None (a ModelInferRequest)."""
-    header: int | None = None
+    values: dict[str, int] = {}
     pos, end = 0, len(data)
     try:
         while pos < end:
@@ -66,10 +103,11 @@ def unwrap(data: Wire) -> tuple[int | None, Wire] | None:
             if tag == _BODY_TAG:
                 size, pos = read_varint(data, pos)
                 if pos + size != end:
-                    raise InvalidInput("REST body is truncated")
-                return header, data[pos:end]
-            if tag == _HEADER_TAG:
-                header, pos = read_varint(data, pos)
+                    return None
+                return RestHead(**values), data[pos:end]
+            key = _VARINT_FIELDS.get(tag)
+            if key is not None:
+                values[key], pos = read_varint(data, pos)
             elif tag & 7 == 2 and tag >> 3 in (1, 2):
                 size, pos = read_varint(data, pos)
                 pos += size

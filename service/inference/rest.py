@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import struct
 import time
+import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,8 +29,8 @@ import numpy.typing as npt
 import orjson
 
 from poolserve.protos import inference_pb2 as pb
-from poolserve.service.contract.errors import InvalidInput, clip
-from poolserve.service.contract.rest import REPLY_HEAD, unwrap
+from poolserve.service.contract.errors import InvalidInput, MessageTooLarge, clip
+from poolserve.service.contract.rest import GZIP, IDENTITY, REPLY_HEAD, unwrap
 from poolserve.service.contract.shm import Region
 from poolserve.service.inference.codec import dtype_for
 from poolserve.service.inference.infer import run_request
@@ -53,16 +54,38 @@ def infer_rest(
     t0 = time.perf_counter_ns()
     unwrapped = unwrap(data)
     assert unwrapped is not None
-    header_length, body = unwrapped
-    request, raw, binary = decode_request(memoryview(body), header_length)
+    rest, body = unwrapped
+    if rest.encoding != IDENTITY:
+        body = inflate(body, rest.limit)
+    request, raw, binary = decode_request(memoryview(body), rest.header_length)
     if isinstance(model, WireModel):
         response, views, timings = _run_wire(model, request, raw, regions)
     else:
         response, views, timings = run_request(model, request, raw, regions, t0)
     t3 = time.perf_counter_ns()
-    parts = encode_response(request, response, views, binary)
+    parts = encode_response(request, response, views, binary, rest.accept)
     timings.encode_ns += time.perf_counter_ns() - t3
     return parts, timings
+
+
+def inflate(body: Buffer, limit: int) -> bytes:
+    """A gzip or deflate (zlib) body, inflated to at most ``limit`` bytes."""
+    inflater = zlib.decompressobj(wbits=47)  # 32 + 15: a gzip or a zlib header
+    try:
+        out = inflater.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise InvalidInput(f"the body cannot be inflated (Content-Encoding): {exc}") from None
+    if len(out) > limit:
+        raise MessageTooLarge(f"the inflated body is over max_message_size ({limit} bytes)")
+    if not inflater.eof:
+        raise InvalidInput("the compressed body is truncated (Content-Encoding)")
+    return out
+
+
+def deflate(parts: list[Buffer], encoding: int) -> bytes:
+    """The reply's JSON and binary outputs compressed as one (level 1: fast)."""
+    compressor = zlib.compressobj(1, wbits=31 if encoding == GZIP else 15)
+    return b"".join([*(compressor.compress(p) for p in parts), compressor.flush()])
 
 
 # -- the request -----------------------------------------------------------------
@@ -320,8 +343,10 @@ def encode_response(
     response: pb.ModelInferResponse,
     views: list[Buffer],
     binary: Binary,
+    encoding: int = IDENTITY,
 ) -> list[Buffer]:
-    """The reply's parts: its head, the JSON, then the binary outputs."""
+    """The reply's parts: its head, the JSON, then the binary outputs (all
+    compressed together when the client accepts ``encoding``)."""
     wanted = {o.name: o for o in request.outputs}
     doc: dict[str, Any] = {"model_name": response.model_name}
     if response.model_version:
@@ -354,7 +379,10 @@ def encode_response(
         outputs.append(out)
     doc["outputs"] = outputs
     text = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
-    return [REPLY_HEAD.pack(len(text)), text, *tail]
+    head = REPLY_HEAD.pack(len(text), encoding, 1 if tail else 0)
+    if encoding != IDENTITY:
+        return [head, deflate([text, *tail], encoding)]
+    return [head, text, *tail]
 
 
 def _value(param: pb.InferParameter) -> object:

@@ -53,7 +53,15 @@ from poolserve.service.contract.errors import (
     clip,
     load_failed,
 )
-from poolserve.service.contract.rest import REPLY_HEAD, routing_head, wrap_head
+from poolserve.service.contract.rest import (
+    ENCODING_NAMES,
+    ENCODINGS,
+    IDENTITY,
+    REPLY_HEAD,
+    RestHead,
+    routing_head,
+    wrap_head,
+)
 from poolserve.service.contract.settings import ServerSettings
 from poolserve.service.grpcserver.handlers import EXTENSIONS
 from poolserve.service.grpcserver.status import http_status
@@ -478,12 +486,18 @@ class HttpDoor:
             body_read = True
             if budget is not None:
                 budget -= time.monotonic() - started
-            if header_length is not None and header_length > len(body):
+            if header_length is not None and _identity(headers) and header_length > len(body):
                 raise InvalidInput(
                     f"Inference-Header-Content-Length {header_length} is past the end of "
                     f"the {len(body)}-byte body"
                 )
-            wrapped = b"".join((wrap_head(name, version, len(body), header_length), body))
+            rest = RestHead(
+                header_length,
+                _encoding(headers),
+                _accepted(headers),
+                self.settings.max_message_size,
+            )
+            wrapped = b"".join((wrap_head(name, version, len(body), rest), body))
             del body
             connection.forwarding = asyncio.current_task()
             try:
@@ -524,12 +538,7 @@ class HttpDoor:
             raise MessageTooLarge(
                 f"the body of {int(declared)} bytes is over max_message_size ({limit})"
             )
-        if b"content-encoding" in headers and headers[b"content-encoding"] not in (b"identity",):
-            raise HttpError(
-                415,
-                f"Content-Encoding {clip(headers[b'content-encoding'].decode('latin-1'))} "
-                "is not accepted yet: send the body uncompressed",
-            )
+        _encoding(headers)  # one we cannot inflate is refused before the body comes
         chunks: list[bytes] = []
         timeout = self.core.timeout(budget)
         try:
@@ -603,6 +612,41 @@ def _budget(scope: Scope, headers: dict[bytes, bytes] | None = None) -> float | 
     return None if value is None else parse_timeout(value)
 
 
+def _encoding(headers: dict[bytes, bytes]) -> int:
+    value = headers.get(b"content-encoding")
+    if value is None:
+        return IDENTITY
+    encoding = ENCODINGS.get(value.strip().lower())
+    if encoding is None:
+        raise HttpError(
+            415,
+            f"Content-Encoding {clip(value.decode('latin-1'))!r} is not accepted: "
+            "send gzip, deflate or identity",
+        )
+    return encoding
+
+
+def _identity(headers: dict[bytes, bytes]) -> bool:
+    return b"content-encoding" not in headers or _encoding(headers) == IDENTITY
+
+
+def _accepted(headers: dict[bytes, bytes]) -> int:
+    """The reply's encoding from Accept-Encoding: gzip, else deflate, else none."""
+    value = headers.get(b"accept-encoding")
+    if value is None:
+        return IDENTITY
+    offered = set()
+    for item in value.lower().split(b","):
+        token, _, params = item.strip().partition(b";")
+        if params.replace(b" ", b"") in (b"q=0", b"q=0.0", b"q=0.00", b"q=0.000"):
+            continue
+        offered.add(token.strip())
+    for name in (b"gzip", b"deflate"):
+        if name in offered:
+            return ENCODINGS[name]
+    return IDENTITY
+
+
 def _header_length(headers: dict[bytes, bytes]) -> int | None:
     value = headers.get(b"inference-header-content-length")
     if value is None:
@@ -645,11 +689,13 @@ async def _respond(send: Send, status: int, body: bytes, content_type: bytes = J
 
 async def _send_reply(send: Send, reply: bytes) -> None:
     """A worker's reply: JSON alone, or JSON and binary outputs (Triton's extension)."""
-    (json_length,) = REPLY_HEAD.unpack_from(reply)
+    json_length, encoding, binary = REPLY_HEAD.unpack_from(reply)
     start = REPLY_HEAD.size
     view = memoryview(reply)[start:]
     headers = [(b"content-length", b"%d" % len(view))]
-    if json_length == len(view):
+    if encoding != IDENTITY:
+        headers.append((b"content-encoding", ENCODING_NAMES[encoding]))
+    if not binary:
         headers.append((b"content-type", JSON))
     else:
         headers.append((b"content-type", b"application/octet-stream"))
