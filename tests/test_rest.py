@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import requests
 import tritonclient.http as httpclient
+from test_mlserver import CUSTOM
 from tritonclient.utils import InferenceServerException
 
 from serving import Serving, pool_status, wait_serving
@@ -32,6 +33,11 @@ from support import copy_example, write_model
 pytestmark = pytest.mark.e2e
 
 WAIT = 60.0  # generous: CI is a loaded two-core machine
+SCALER = {
+    "name": "scaler",
+    "implementation": "model.Scaler",
+    "parameters": {"extra": {"scale": 2.5}},
+}
 BROKEN = "raise RuntimeError('this model never loads')\n"
 
 
@@ -54,6 +60,7 @@ def tree(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
     repo.mkdir()
     for name in ("echo", "sleep", "wordcount"):
         copy_example(repo, name)
+    write_model(repo, "scaler", SCALER, CUSTOM)  # an MLServer MLModel, served unchanged
     with Serving(repo, base / "run") as serving:
         _wait_serving(serving)
         yield serving
@@ -119,7 +126,7 @@ def test_repository_index_load_unload(tree: Serving) -> None:
     client = httpclient.InferenceServerClient(_http(tree), network_timeout=WAIT)
     try:
         index = {m["name"]: m["state"] for m in client.get_model_repository_index()}
-        assert index == {"echo": "READY", "sleep": "READY", "wordcount": "READY"}
+        assert index == {"echo": "READY", "scaler": "READY", "sleep": "READY", "wordcount": "READY"}
         client.unload_model("wordcount")
         assert not client.is_model_ready("wordcount")
         client.load_model("wordcount")
@@ -128,7 +135,7 @@ def test_repository_index_load_unload(tree: Serving) -> None:
             client.load_model("nope")
         assert "nope" in str(failed.value)
         stats = requests.get(f"http://{_http(tree)}/v2/models/stats", timeout=WAIT).json()
-        assert {m["name"] for m in stats["model_stats"]} == {"echo", "sleep", "wordcount"}
+        assert {m["name"] for m in stats["model_stats"]} == set(index)
     finally:
         client.close()
 
@@ -256,6 +263,30 @@ def test_requests_json_as_mlserver_docs_write_it(tree: Serving) -> None:
     head = json.loads(binary.content[:size])
     assert head["outputs"][0]["parameters"] == {"binary_data_size": 4}
     assert np.frombuffer(binary.content[size:], np.float32).tolist() == [1.0]
+
+
+def test_mlserver_model_over_rest_as_its_docs_call_it(tree: Serving) -> None:
+    inference_request = {
+        "inputs": [
+            {"name": "x", "shape": [3], "datatype": "FP32", "data": [1.0, 2.0, 4.0]},
+            {
+                "name": "tag",
+                "shape": [1],
+                "datatype": "BYTES",
+                "data": ["abc"],
+                "parameters": {"content_type": "str"},
+            },
+        ]
+    }
+    endpoint = f"http://{_http(tree)}/v2/models/scaler/infer"
+    response = requests.post(endpoint, json=inference_request, timeout=WAIT)
+    assert response.status_code == 200, response.text
+    output = response.json()["outputs"][0]
+    assert output["data"] == [1.0 * 2.5 + 3, 2.0 * 2.5 + 3, 4.0 * 2.5 + 3]
+    negative = {"inputs": [{**inference_request["inputs"][0], "data": [-1.0, 0, 0]}]}
+    negative["inputs"].append(inference_request["inputs"][1])
+    refused = requests.post(endpoint, json=negative, timeout=WAIT)
+    assert refused.status_code == 400 and "negative input" in refused.json()["error"]
 
 
 # -- errors ------------------------------------------------------------------------
