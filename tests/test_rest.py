@@ -58,7 +58,7 @@ def tree(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
     base = tmp_path_factory.mktemp("rest")
     repo = base / "repo"
     repo.mkdir()
-    for name in ("echo", "sleep", "wordcount"):
+    for name in ("echo", "sleep", "wordcount", "simple_sequence"):
         copy_example(repo, name)
     write_model(repo, "scaler", SCALER, CUSTOM)  # an MLServer MLModel, served unchanged
     with Serving(repo, base / "run") as serving:
@@ -126,7 +126,8 @@ def test_repository_index_load_unload(tree: Serving) -> None:
     client = httpclient.InferenceServerClient(_http(tree), network_timeout=WAIT)
     try:
         index = {m["name"]: m["state"] for m in client.get_model_repository_index()}
-        assert index == {"echo": "READY", "scaler": "READY", "sleep": "READY", "wordcount": "READY"}
+        assert set(index.values()) == {"READY"}
+        assert set(index) == {"echo", "scaler", "simple_sequence", "sleep", "wordcount"}
         client.unload_model("wordcount")
         assert not client.is_model_ready("wordcount")
         client.load_model("wordcount")
@@ -289,6 +290,35 @@ def test_mlserver_model_over_rest_as_its_docs_call_it(tree: Serving) -> None:
     assert refused.status_code == 400 and "negative input" in refused.json()["error"]
 
 
+def test_sequence_parameters_in_the_body_keep_a_sequence_on_its_worker(tree: Serving) -> None:
+    client = httpclient.InferenceServerClient(_http(tree), network_timeout=WAIT)
+    try:
+        sums = []
+        for i, value in enumerate((1, 2, 3, 4)):
+            x = httpclient.InferInput("INPUT", [1, 1], "INT32")
+            x.set_data_from_numpy(np.array([[value]], np.int32), binary_data=i % 2 == 0)
+            result = client.infer(
+                "simple_sequence",
+                [x],
+                sequence_id=7007,
+                sequence_start=i == 0,
+                sequence_end=i == 3,
+            )
+            sums.append(int(result.as_numpy("OUTPUT")[0, 0]))
+        assert sums == [1, 3, 6, 10]  # one worker's running sum: the pool routed by sequence_id
+        x = httpclient.InferInput("INPUT", [1, 1], "INT32")
+        x.set_data_from_numpy(np.array([[1]], np.int32))
+        with pytest.raises(InferenceServerException, match="unknown or expired"):
+            client.infer("simple_sequence", [x], sequence_id=7007)  # it ended
+    finally:
+        client.close()
+
+
+def test_priority_in_the_body_is_checked_by_the_pool(tree: Serving) -> None:
+    reply = _post(tree, "/v2/models/echo/infer", json=_infer_body([1.0], priority=3))
+    assert reply.status_code == 400 and "priority" in reply.json()["error"]
+
+
 # -- errors ------------------------------------------------------------------------
 
 
@@ -384,6 +414,16 @@ def _sleep_call(tree: Serving, sleep_ms: int, answers: list[int]) -> threading.T
     thread = threading.Thread(target=call)
     thread.start()
     return thread
+
+
+def test_timeout_parameter_ends_a_queued_call(small: Serving) -> None:
+    answers: list[int] = []
+    running = _sleep_call(small, 3000, answers)  # the one worker
+    _until(lambda: _worker_busy(small), "no busy worker")
+    queued = _post(small, "/v2/models/sleep/infer", json=_infer_body([1.0], timeout=200_000))
+    assert queued.status_code == 504, queued.text  # Triton's timeout: 200 ms in the queue
+    running.join(WAIT)
+    assert answers == [200]
 
 
 def test_full_queue_is_429_and_a_closed_connection_leaves_the_queue(small: Serving) -> None:

@@ -190,3 +190,28 @@ def test_the_wrapper_round_trips() -> None:
     assert unwrap(wrap_head("m", "2", len(body), head) + body) == (head, body)
     assert unwrap(wrap_head("m", "", len(body), RestHead()) + body) == (RestHead(), body)
     assert unwrap(pb.ModelInferRequest(model_name="m").SerializeToString()) is None
+
+
+def test_scheduling_parameters_reach_the_pools_peeks() -> None:
+    from poolserve.service.contract.sequence import peek_sequence
+    from poolserve.service.contract.wire import peek_routing
+    from poolserve.service.poolserver.rest_scheduling import MAX_PEEK, scheduling_view
+
+    params = {"priority": 2, "timeout": 5000, "sequence_id": "s1", "sequence_start": True, "x": 1}
+    body = json.dumps({"parameters": params, "inputs": []}).encode()
+    wrapped = wrap_head("m", "3", len(body), RestHead()) + body
+    view = scheduling_view(wrapped)
+    routing = peek_routing(view)
+    assert (routing.name, routing.version, routing.priority, routing.timeout_us) == (
+        "m",
+        "3",
+        2,
+        5000,
+    )
+    control = peek_sequence(view)
+    assert (control.id, control.start, control.end) == ("s1", True, False)
+    big = json.dumps({"parameters": {"priority": 2}, "pad": "x" * MAX_PEEK}).encode()
+    routing = peek_routing(scheduling_view(wrap_head("m", "", len(big), RestHead()) + big))
+    assert routing.priority is None  # too large to read on the pool's loop: the defaults
+    grpc_body = pb.ModelInferRequest(model_name="m").SerializeToString()
+    assert scheduling_view(grpc_body) == grpc_body

@@ -28,6 +28,7 @@ Standard library only.
 from __future__ import annotations
 
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from poolserve.service.contract.errors import InvalidInput
@@ -120,3 +121,33 @@ def unwrap(data: Wire) -> tuple[RestHead, Wire] | None:
 
 def is_rest(data: Wire) -> bool:
     return unwrap(data) is not None
+
+
+# The request parameters the pool schedules by (the schedule_policy and sequence
+# extensions), read from a REST body's JSON by the pool: everything else is the
+# worker's to read.
+SCHEDULING = ("priority", "timeout", "idempotent", "sequence_id", "sequence_start", "sequence_end")
+
+
+def encode_parameters(params: Mapping[str, object]) -> bytes:
+    """JSON parameters as ModelInferRequest field 4 entries (``map<string,
+    InferParameter>``): true/false as bool_param, integers as int64_param
+    (uint64_param beyond), strings as string_param, other numbers as
+    double_param; other values are left out (the worker says what is wrong)."""
+    out = bytearray()
+    for key, value in params.items():
+        if isinstance(value, bool):
+            param = _varint_field(1, int(value))
+        elif isinstance(value, int) and -(1 << 63) <= value < 1 << 64:
+            if value >= 1 << 63:
+                param = _varint_field(5, value)
+            else:
+                param = _varint_field(2, value & ((1 << 64) - 1))
+        elif isinstance(value, str):
+            param = _len_field(3, value.encode())
+        elif isinstance(value, float):
+            param = encode_varint((4 << 3) | 1) + struct.pack("<d", value)
+        else:
+            continue
+        out += _len_field(4, _len_field(1, key.encode()) + _len_field(2, param))
+    return bytes(out)

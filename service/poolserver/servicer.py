@@ -32,6 +32,7 @@ from poolserve.service.grpcserver.status import grpc_status
 from poolserve.service.grpcserver.tracing import Tracing, deadline_event
 from poolserve.service.poolserver.catalog import Catalog, ModelEntry
 from poolserve.service.poolserver.metadata import model_config, model_metadata
+from poolserve.service.poolserver.rest_scheduling import scheduling_view
 from poolserve.service.poolserver.statistics import model_statistics
 
 if TYPE_CHECKING:
@@ -186,7 +187,7 @@ class InferenceServicer:
     async def infer_bytes(
         self, request: Payload, deadline: float, observe: Observer | None = None
     ) -> Payload:
-        routing = peek_routing(unwrap(request)[1])
+        routing = peek_routing(scheduling_view(request))
         entry = self.catalog.lookup_ready(routing.name, routing.version)
         return await self.backend.infer(entry, request, deadline, routing, observe)
 
