@@ -220,6 +220,20 @@ def test_compressed_bodies_as_curl_sends_them(tree: Serving) -> None:
     assert unknown.status_code == 415
 
 
+def test_large_binary_tensors_through_the_slabs(tree: Serving) -> None:
+    client = httpclient.InferenceServerClient(_http(tree), network_timeout=WAIT)
+    try:
+        x = np.random.default_rng(7).standard_normal((1, 512 * 1024)).astype(np.float32)  # 2 MiB
+        tensor = httpclient.InferInput("INPUT0", list(x.shape), "FP32")
+        tensor.set_data_from_numpy(x)
+        result = client.infer("echo", [tensor])
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), x)
+        with pytest.raises(InferenceServerException, match="priority"):
+            client.infer("echo", [tensor], priority=3)  # the pool read it from the envelope
+    finally:
+        client.close()
+
+
 def test_tritonclient_http_bytes(tree: Serving) -> None:
     client = httpclient.InferenceServerClient(_http(tree), network_timeout=WAIT)
     try:

@@ -16,7 +16,10 @@ pool) that runs it looks inside (:mod:`poolserve.service.inference.rest`).
   :data:`ACCEPT_FIELD` (varints, optional): the body's ``Content-Encoding``
   (gzip or deflate; the worker inflates it, to at most the limit) and the
   encoding the client accepts for the reply (``Accept-Encoding``).
-- field :data:`BODY_FIELD` (bytes): the body as the client sent it.
+- field :data:`BODY_FIELD` (bytes): the body as the client sent it. When
+  the body travels in a slab, the envelope's head (what the pool peeks at)
+  holds instead :data:`JSON_HEAD_FIELD`: the JSON of a binary-extension
+  body, when small (:func:`envelope_head`).
 
 The reply is :data:`REPLY_HEAD` (the JSON's length, the reply's encoding,
 whether binary outputs follow), then the JSON and the binary outputs' bytes,
@@ -39,7 +42,10 @@ BODY_FIELD = 4095
 ENCODING_FIELD = 4093  # the body's Content-Encoding (absent: identity)
 ACCEPT_FIELD = 4092  # the reply encoding the client accepts (absent: identity)
 LIMIT_FIELD = 4091  # the most bytes a compressed body may inflate to
+JSON_HEAD_FIELD = 4090  # a slab envelope's head: the JSON before the binary tensors
 _BODY_TAG = (BODY_FIELD << 3) | 2
+_JSON_HEAD_TAG = (JSON_HEAD_FIELD << 3) | 2
+MAX_PEEK = 64 * 1024  # the most JSON the pool reads on its event loop for scheduling
 _BODY_TAG_BYTES = encode_varint(_BODY_TAG)
 _VARINT_FIELDS = {
     (HEADER_FIELD << 3): "header_length",
@@ -88,9 +94,20 @@ def wrap_head(name: str, version: str, body_length: int, rest: RestHead) -> byte
 
 
 def routing_head(name: str, version: str) -> bytes:
-    """The wrapper's fields 1 and 2 only: what the pool peeks at (a slab's envelope head)."""
+    """Fields 1 and 2: the model and version."""
     head = _len_field(1, name.encode())
     return head + (_len_field(2, version.encode()) if version else b"")
+
+
+def envelope_head(name: str, version: str, rest: RestHead, body: bytes) -> bytes:
+    """What the pool peeks at when the body travels in a slab: the model, and
+    the JSON of a binary-extension body when it is small (its scheduling
+    parameters are there); the tensors' bytes stay in the slab."""
+    head = routing_head(name, version)
+    length = rest.header_length
+    if length is None or rest.encoding != IDENTITY or length > min(MAX_PEEK, len(body)):
+        return head
+    return head + _varint_field(HEADER_FIELD, length) + _len_field(JSON_HEAD_FIELD, body[:length])
 
 
 def unwrap(data: Wire) -> tuple[RestHead, Wire] | None:
@@ -101,7 +118,7 @@ def unwrap(data: Wire) -> tuple[RestHead, Wire] | None:
     try:
         while pos < end:
             tag, pos = read_varint(data, pos)
-            if tag == _BODY_TAG:
+            if tag in (_BODY_TAG, _JSON_HEAD_TAG):
                 size, pos = read_varint(data, pos)
                 if pos + size != end:
                     return None

@@ -20,6 +20,7 @@ import orjson
 from poolserve.service.contract.framing import Payload
 from poolserve.service.contract.rest import (
     IDENTITY,
+    MAX_PEEK,
     SCHEDULING,
     RestHead,
     encode_parameters,
@@ -28,8 +29,6 @@ from poolserve.service.contract.rest import (
 from poolserve.service.contract.rest import unwrap as unwrap_rest
 from poolserve.service.contract.shm import unwrap
 from poolserve.service.contract.wire import Wire, peek_model
-
-MAX_PEEK = 64 * 1024
 
 
 def scheduling_view(request: Payload) -> Wire:

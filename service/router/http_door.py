@@ -59,10 +59,11 @@ from poolserve.service.contract.rest import (
     IDENTITY,
     REPLY_HEAD,
     RestHead,
-    routing_head,
+    envelope_head,
     wrap_head,
 )
 from poolserve.service.contract.settings import ServerSettings
+from poolserve.service.contract.slab import THRESHOLD as SLAB_THRESHOLD
 from poolserve.service.grpcserver.handlers import EXTENSIONS
 from poolserve.service.grpcserver.status import http_status
 from poolserve.service.grpcserver.tracing import Tracing, deadline_event
@@ -498,12 +499,14 @@ class HttpDoor:
                 self.settings.max_message_size,
             )
             wrapped = b"".join((wrap_head(name, version, len(body), rest), body))
+            # a large body goes in a slab: the pool peeks at this instead
+            head = (
+                envelope_head(name, version, rest, body) if len(wrapped) > SLAB_THRESHOLD else b""
+            )
             del body
             connection.forwarding = asyncio.current_task()
             try:
-                reply = await self.core.infer(
-                    name, version, wrapped, budget, _carried(scope), routing_head(name, version)
-                )
+                reply = await self.core.infer(name, version, wrapped, budget, _carried(scope), head)
             finally:
                 connection.forwarding = None
         except asyncio.CancelledError:
