@@ -68,13 +68,14 @@ def tree(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
-    """One worker, a queue of one, and a model that never loads."""
+    """One worker, a queue of one, a model that never loads, and tight HTTP limits."""
     base = tmp_path_factory.mktemp("rest-small")
     repo = base / "repo"
     repo.mkdir()
     copy_example(repo, "sleep")
     write_model(repo, "broken", {"name": "broken", "implementation": "model.Broken"}, BROKEN)
-    (repo / "settings.json").write_text(json.dumps({"max_queue": 1}))
+    settings = {"max_queue": 1, "http_max_connections": 4, "handshake_timeout_s": 2}
+    (repo / "settings.json").write_text(json.dumps(settings))
     with Serving(repo, base / "run", workers=1) as serving:
         _wait_serving(serving, "model:sleep")
         yield serving
@@ -460,3 +461,19 @@ def test_full_queue_is_429_and_a_closed_connection_leaves_the_queue(small: Servi
     _until(lambda: _queue_depth(small) == 0, "the closed connection's job is still queued")
     running.join(WAIT)
     assert answers == [200]
+
+
+def test_connection_limit_and_silent_connections(small: Serving) -> None:
+    host, port = _http(small).rsplit(":", 1)
+    idle = [socket.create_connection((host, int(port)), timeout=WAIT) for _ in range(4)]
+    try:
+        assert _raw(small, b"GET /v2/health/live HTTP/1.1\r\nhost: x\r\n\r\n").startswith(
+            b"HTTP/1.1 503 "
+        )
+        # a connection that sends no request line is closed after handshake_timeout_s
+        assert idle[0].recv(65536).startswith(b"HTTP/1.1 408 ")
+    finally:
+        for sock in idle:
+            sock.close()
+    live = requests.get(f"http://{_http(small)}/v2/health/live", timeout=WAIT)
+    assert live.status_code == 200

@@ -117,6 +117,9 @@ def _error_body(message: str) -> bytes:
     return orjson.dumps({"error": message})
 
 
+LINGER_S = 1.0
+
+
 class _Connection(HttpToolsProtocol):
     """uvicorn's httptools protocol with the door's limits, and a hook that
     cancels a call whose client closed its connection."""
@@ -130,20 +133,34 @@ class _Connection(HttpToolsProtocol):
         self._head_bytes = 0
         self._body_bytes = 0
         self._head_timer: asyncio.TimerHandle | None = None
+        self._linger: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
         if len(self.connections) >= self.door.settings.http_max_connections:
             self.refused = True
             body = _error_body("too many connections to the HTTP port (http_max_connections)")
-            transport.write(_raw_response(503, body))  # type: ignore[attr-defined]
-            transport.close()
+            transport.write(_raw_response(503, body))
+            self._linger_close(transport)
             return
-        super().connection_made(transport)  # type: ignore[arg-type]
+        super().connection_made(transport)
         self._arm_head_timer()
+
+    def _linger_close(self, transport: asyncio.Transport) -> None:
+        """Ends the connection after an answer: no more writes, and what the
+        client still sends is read and dropped for up to LINGER_S (closing
+        with unread data would reset the connection, and lose the answer)."""
+        if transport.can_write_eof():
+            transport.write_eof()
+            self._linger = self.loop.call_later(LINGER_S, transport.close)
+        else:
+            transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
         self._disarm_head_timer()
+        if self._linger is not None:
+            self._linger.cancel()
         if self.refused and self not in self.connections:
             return  # refused in connection_made: uvicorn never saw it
         if self.forwarding is not None:
@@ -176,7 +193,10 @@ class _Connection(HttpToolsProtocol):
         if cycle is not None:
             cycle.disconnected = True  # the app's answer, if any, goes nowhere
             cycle.message_event.set()
-        self.transport.close()
+        self.lost = True  # nobody to answer: a call in flight is dropped
+        if self.forwarding is not None:
+            self.forwarding.cancel()
+        self._linger_close(self.transport)
 
     def _arm_head_timer(self) -> None:
         self._disarm_head_timer()
