@@ -477,3 +477,16 @@ def test_connection_limit_and_silent_connections(small: Serving) -> None:
             sock.close()
     live = requests.get(f"http://{_http(small)}/v2/health/live", timeout=WAIT)
     assert live.status_code == 200
+
+
+def test_rest_calls_are_in_the_metrics(tree: Serving) -> None:
+    for _ in range(3):
+        assert _post(tree, "/v2/models/echo/infer", json=_infer_body([1.0])).status_code == 200
+    metrics = (tree.run_dir / "metrics.addr").read_text().strip()
+    text = requests.get(f"http://{metrics}/metrics", timeout=WAIT).text
+    counts = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("nv_inference_count{") and 'model="echo"' in line
+    ]
+    assert counts and counts[0] >= 3, text[:2000]
