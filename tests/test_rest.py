@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import os
 import socket
 import threading
 import time
@@ -490,3 +491,38 @@ def test_rest_calls_are_in_the_metrics(tree: Serving) -> None:
         if line.startswith("nv_inference_count{") and 'model="echo"' in line
     ]
     assert counts and counts[0] >= 3, text[:2000]
+
+
+def test_system_shared_memory_over_rest(tree: Serving) -> None:
+    import tritonclient.utils.shared_memory as shm
+
+    client = httpclient.InferenceServerClient(_http(tree), network_timeout=WAIT)
+    prefix = f"poolserve_rest_{os.getpid()}"
+    x = np.arange(16, dtype=np.float32).reshape(1, 16)
+    handles = []
+    try:
+        for name in ("in", "out"):
+            handles.append(shm.create_shared_memory_region(name, f"/{prefix}_{name}", x.nbytes))
+            client.register_system_shared_memory(name, f"/{prefix}_{name}", x.nbytes)
+        shm.set_shared_memory_region(handles[0], [x])
+        status = client.get_system_shared_memory_status()
+        assert {r["name"] for r in status} == {"in", "out"}
+        tensor = httpclient.InferInput("INPUT0", [1, 16], "FP32")
+        tensor.set_shared_memory("in", x.nbytes)
+        output = httpclient.InferRequestedOutput("OUTPUT0")
+        output.set_shared_memory("out", x.nbytes)
+        result = client.infer("echo", [tensor], outputs=[output])
+        assert result.get_output("OUTPUT0")["parameters"]["shared_memory_region"] == "out"
+        got = shm.get_contents_as_numpy(handles[1], np.float32, [1, 16])
+        np.testing.assert_array_equal(got, x)
+        with pytest.raises(InferenceServerException, match="not supported"):
+            client.register_cuda_shared_memory("gpu", b"", 0, 16)
+        client.unregister_system_shared_memory()
+        assert client.get_system_shared_memory_status() == []
+        with pytest.raises(InferenceServerException, match="in") as gone:
+            client.infer("echo", [tensor], outputs=[output])
+        assert "[400]" in str(gone.value)
+    finally:
+        client.close()
+        for handle in handles:
+            shm.destroy_shared_memory_region(handle)

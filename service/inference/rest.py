@@ -138,7 +138,8 @@ def decode_request(
     offset = 0
     for tensor in inputs:
         entry, offset = _input(request, tensor, binary, offset)
-        raw.append(entry)
+        if entry is not None:  # None: its bytes are in a shared-memory region
+            raw.append(entry)
     if offset != len(binary):
         raise InvalidInput(
             f"the body holds {len(binary) - offset} bytes of binary data no input claims"
@@ -184,7 +185,7 @@ def _set_parameters(target: Any, params: Mapping[str, Any], where: str) -> None:
 
 def _input(
     request: pb.ModelInferRequest, tensor: object, binary: memoryview, offset: int
-) -> tuple[Buffer, int]:
+) -> tuple[Buffer | None, int]:
     if not isinstance(tensor, dict):
         raise InvalidInput("each of 'inputs' must be a JSON object")
     name = tensor.get("name")
@@ -213,7 +214,7 @@ def _input(
         return binary[offset : offset + size], offset + size
     if "data" not in tensor:
         if "shared_memory_region" in params:
-            return b"", offset
+            return None, offset
         raise InvalidInput(f"{where} has neither 'data' nor binary data")
     return _json_data(tensor["data"], datatype, shape, where), offset
 
@@ -366,7 +367,10 @@ def encode_response(
         params = {k: _value(v) for k, v in tensor.parameters.items()}
         requested = wanted.get(tensor.name)
         if requested is not None and "shared_memory_region" in requested.parameters:
-            out["parameters"] = params  # written into the region, as Triton answers
+            for key, value in requested.parameters.items():  # where it was written
+                if key.startswith("shared_memory_"):
+                    params[key] = _value(value)
+            out["parameters"] = params
             outputs.append(out)
             continue
         if binary(tensor.name):

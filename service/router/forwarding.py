@@ -88,6 +88,7 @@ class Forwarder:
         remaining: float | None,
         carrier: Iterable[tuple[str, Any]] | None,
         head: bytes | None = None,
+        attached: bool = False,
     ) -> bytes:
         """One inference over the model's pool's lane: frames, not a second gRPC hop.
 
@@ -95,6 +96,7 @@ class Forwarder:
         on when the router does not trace itself (the pool may). ``head``: the
         body without its tensors' bytes, when the door has it (a large body's
         envelope carries it for the pool's peeks); else found here.
+        ``attached``: the door put the shared-memory registrations in front itself.
         """
         try:
             route = self.routes.route(name)
@@ -115,8 +117,9 @@ class Forwarder:
         assert route.lane is not None
         if head is None and SLAB_THRESHOLD < len(body) <= SLAB_MAX_BODY:
             head = without_raw_inputs(body)
-        # the registrations of the regions it names go with it (no copy when it names none)
-        body = self.shared_memory.attach(body, head)
+        if not attached:
+            # the registrations of the regions it names go with it (no copy when it names none)
+            body = self.shared_memory.attach(body, head)
         return await route.lane.call(body, deadline, trace, name, head)
 
     async def forward(

@@ -63,8 +63,10 @@ from poolserve.service.contract.rest import (
     wrap_head,
 )
 from poolserve.service.contract.settings import ServerSettings
+from poolserve.service.contract.shm import wrap
 from poolserve.service.contract.slab import THRESHOLD as SLAB_THRESHOLD
 from poolserve.service.grpcserver.handlers import EXTENSIONS
+from poolserve.service.grpcserver.shm import SharedMemory
 from poolserve.service.grpcserver.status import http_status
 from poolserve.service.grpcserver.tracing import Tracing, deadline_event
 from poolserve.service.router.forwarding import SPAN, Forwarder
@@ -85,11 +87,15 @@ _TIMEOUT = re.compile(rb"^([0-9]{1,8})([HMSmun])$")
 _UNIT_S = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
 _CARRIED = frozenset((b"traceparent", b"tracestate"))
 JSON = b"application/json"
+_MENTION = b"shared_memory_region"
 _MODEL_PATH = re.compile(
     r"^/v2/models/([^/]+)(?:/versions/([^/]+))?(?:/(ready|infer|config|stats))?$"
 )
 
 
+_SHARED_MEMORY_PATH = re.compile(
+    r"^/v2/(system|cuda)sharedmemory(?:/region/([^/]+))?/(status|register|unregister)$"
+)
 _REPOSITORY_PATH = re.compile(r"^/v2/repository/models/([^/]+)/(load|unload)$")
 
 
@@ -291,11 +297,13 @@ class HttpDoor:
         routes: Routes,
         core: Forwarder,
         repository: RepositoryCalls,
+        shared_memory: SharedMemory,
     ) -> None:
         self.settings = settings
         self.routes = routes
         self.core = core
         self.repository = repository
+        self.shared_memory = shared_memory
         self.state = ServerState()
         self._server: asyncio.base_events.Server | None = None
         self._config = Config(
@@ -386,6 +394,8 @@ class HttpDoor:
             )
         budget = _budget(scope)
         metadata = _carried(scope)
+        if path.startswith(("/v2/systemsharedmemory", "/v2/cudasharedmemory")):
+            return await self._shared_memory_call(method, path, receive)
         if path.startswith("/v2/repository/") and method == "POST":
             return await self._repository(path, budget, metadata, receive)
         if path == "/v2/models/stats" and method == "GET":
@@ -411,6 +421,41 @@ class HttpDoor:
             reply = await self._forward(name, "ModelStatistics", stats_request, budget, metadata)
             return 200, orjson.dumps(plain(pb.ModelStatisticsResponse.FromString(reply)))
         raise HttpError(404, f"{method} {clip(path)} is not an endpoint of this server")
+
+    async def _shared_memory_call(
+        self, method: str, path: str, receive: Receive
+    ) -> tuple[int, bytes]:
+        """Triton's shared-memory extensions: the router's one registry, as over gRPC."""
+        match = _SHARED_MEMORY_PATH.match(path)
+        if match is None or method != ("GET" if match.group(3) == "status" else "POST"):
+            raise HttpError(404, f"{method} {clip(path)} is not an endpoint of this server")
+        kind, name, action = match.group(1), match.group(2) or "", match.group(3)
+        if kind == "cuda":
+            if action == "register":
+                await self.shared_memory.cuda_register(
+                    pb.CudaSharedMemoryRegisterRequest(name=name), None
+                )
+            return 200, b"[]" if action == "status" else b""
+        if action == "status":
+            regions = self.shared_memory.status(name)
+            return 200, orjson.dumps(
+                [
+                    {"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size}
+                    for r in regions
+                ]
+            )
+        if action == "unregister":
+            self.shared_memory.unregister(name)
+            return 200, b""
+        doc = await _small_json(receive, self.settings.max_message_size)
+        key, offset, size = doc.get("key"), doc.get("offset", 0), doc.get("byte_size")
+        if not name or not isinstance(key, str) or not _count(offset) or not _count(size):
+            raise InvalidInput(
+                "register takes /v2/systemsharedmemory/region/<name>/register with "
+                '{"key": "/<object>", "offset": <int>, "byte_size": <int>}'
+            )
+        self.shared_memory.register(name, key, int(offset), int(size))  # type: ignore[arg-type]
+        return 200, b""
 
     async def _repository(
         self, path: str, budget: float | None, metadata: list[tuple[str, str]], receive: Receive
@@ -519,6 +564,9 @@ class HttpDoor:
                 self.settings.max_message_size,
             )
             wrapped = b"".join((wrap_head(name, version, len(body), rest), body))
+            attached = self._names_regions(body, rest)
+            if attached:  # every registration: the worker takes the ones it names
+                wrapped = wrap(list(self.shared_memory.regions.values()), wrapped)
             # a large body goes in a slab: the pool peeks at this instead
             head = (
                 envelope_head(name, version, rest, body) if len(wrapped) > SLAB_THRESHOLD else b""
@@ -526,7 +574,9 @@ class HttpDoor:
             del body
             connection.forwarding = asyncio.current_task()
             try:
-                reply = await self.core.infer(name, version, wrapped, budget, _carried(scope), head)
+                reply = await self.core.infer(
+                    name, version, wrapped, budget, _carried(scope), head, attached
+                )
             finally:
                 connection.forwarding = None
         except asyncio.CancelledError:
@@ -550,6 +600,16 @@ class HttpDoor:
         else:  # the body is still coming: answered, and the connection closed
             connection.refuse(status, message)
         return status
+
+    def _names_regions(self, body: bytes, rest: RestHead) -> bool:
+        """Whether the body may name a shared-memory region (the JSON is searched
+        for the parameter's name, never parsed; a compressed one cannot be)."""
+        if not self.shared_memory.regions:
+            return False
+        if rest.encoding != IDENTITY:
+            return True
+        length = rest.header_length
+        return _MENTION in (body if length is None else body[:length])
 
     async def _read_body(
         self, receive: Receive, headers: dict[bytes, bytes], budget: float | None
@@ -600,6 +660,10 @@ async def _small_json(receive: Receive, limit: int) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise InvalidInput("the request body must be a JSON object")
     return doc
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _repository_parameters(request: pb.RepositoryModelLoadRequest, params: object) -> None:
