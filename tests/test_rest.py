@@ -526,3 +526,47 @@ def test_system_shared_memory_over_rest(tree: Serving) -> None:
         client.close()
         for handle in handles:
             shm.destroy_shared_memory_region(handle)
+
+
+HOSTILE = [
+    b"GET\r\n\r\n",
+    b"GET / HTTP/9.9\r\n\r\n",
+    b"POST /v2/models/echo/infer HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n",
+    b"POST /v2/models/echo/infer HTTP/1.1\r\nhost: x\r\ncontent-length: -5\r\n\r\n",
+    b"POST /v2/models/echo/infer HTTP/1.1\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\n",
+    b"\x00\x01\x02\x03" * 64,
+    b"GET /v2/health/live HTTP/1.1\r\n" + b"x-a: b\r\n" * 3000 + b"\r\n",  # 431
+]
+
+
+@pytest.mark.parametrize("request_bytes", HOSTILE)
+def test_hostile_requests_get_a_4xx_and_the_router_serves_on(
+    tree: Serving, request_bytes: bytes
+) -> None:
+    answer = _raw(tree, request_bytes)
+    assert answer == b"" or answer[9:10] == b"4", answer[:200]
+    assert _post(tree, "/v2/models/echo/infer", json=_infer_body([1.0])).status_code == 200
+
+
+def test_json_bombs_and_wrong_types_are_400(tree: Serving) -> None:
+    deep = "[" * 100_000 + "]" * 100_000
+    body = (
+        '{"inputs": [{"name": "INPUT0", "shape": [1], "datatype": "FP32", "data": ' + deep + "}]}"
+    )
+    reply = _post(tree, "/v2/models/echo/infer", data=body.encode())
+    assert reply.status_code == 400
+    huge = {"inputs": [{"name": "INPUT0", "shape": [1], "datatype": "FP32", "data": [0] * 500_000}]}
+    assert _post(tree, "/v2/models/echo/infer", json=huge).status_code == 400
+    for bad in ({"inputs": "x"}, [], {"inputs": [{"name": 1}]}, {"inputs": [None]}):
+        assert _post(tree, "/v2/models/echo/infer", json=bad).status_code == 400, bad
+
+
+def test_a_body_shorter_than_its_length_ends_at_the_deadline(tree: Serving) -> None:
+    host, port = _http(tree).rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=WAIT) as sock:
+        sock.sendall(
+            b"POST /v2/models/echo/infer HTTP/1.1\r\nhost: x\r\ngrpc-timeout: 500m\r\n"
+            b"content-length: 1000\r\n\r\n{"
+        )
+        answer = sock.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 504 "), answer[:200]
