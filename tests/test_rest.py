@@ -304,6 +304,9 @@ def test_mlserver_model_over_rest_as_its_docs_call_it(tree: Serving) -> None:
     negative["inputs"].append(inference_request["inputs"][1])
     refused = requests.post(endpoint, json=negative, timeout=WAIT)
     assert refused.status_code == 400 and "negative input" in refused.json()["error"]
+    generate = endpoint.removesuffix("/infer") + "/generate"  # MLServer's alias of infer
+    reply = requests.post(generate, json=inference_request, timeout=WAIT)
+    assert reply.status_code == 200 and reply.json()["outputs"][0] == output
 
 
 def test_sequence_parameters_in_the_body_keep_a_sequence_on_its_worker(tree: Serving) -> None:

@@ -89,7 +89,7 @@ _CARRIED = frozenset((b"traceparent", b"tracestate"))
 JSON = b"application/json"
 _MENTION = b"shared_memory_region"
 _MODEL_PATH = re.compile(
-    r"^/v2/models/([^/]+)(?:/versions/([^/]+))?(?:/(ready|infer|config|stats))?$"
+    r"^/v2/models/([^/]+)(?:/versions/([^/]+))?(?:/(ready|infer|generate|config|stats))?$"
 )
 
 
@@ -359,7 +359,7 @@ class HttpDoor:
         method: str = scope["method"]
         path: str = scope["path"]
         try:
-            if method == "POST" and path.endswith("/infer"):
+            if method == "POST" and path.endswith(("/infer", "/generate")):
                 await self._infer(connection, scope, receive, send, path)
                 return
             status, body = await self._answer(method, path, scope, receive)
@@ -536,7 +536,7 @@ class HttpDoor:
         body_read = False
         try:
             match = _MODEL_PATH.match(path)
-            if match is None or match.group(3) != "infer":
+            if match is None or match.group(3) not in ("infer", "generate"):
                 raise HttpError(404, f"POST {clip(path)} is not an endpoint of this server")
             name, version = match.group(1), match.group(2) or ""
             if span is not None:
