@@ -573,3 +573,22 @@ def test_a_body_shorter_than_its_length_ends_at_the_deadline(tree: Serving) -> N
         )
         answer = sock.recv(65536)
     assert answer.startswith(b"HTTP/1.1 504 "), answer[:200]
+
+
+def test_kserve_v1_predict_and_model_readiness(tree: Serving) -> None:
+    url = f"http://{_http(tree)}/v1/models"
+    reply = requests.post(f"{url}/echo:predict", json={"instances": [[1, 2], [3, 4]]}, timeout=WAIT)
+    assert reply.status_code == 200, reply.text
+    assert reply.json() == {"predictions": [[1.0, 2.0], [3.0, 4.0]]}
+    words = requests.post(
+        f"{url}/wordcount:predict", json={"instances": ["one two", "three"]}, timeout=WAIT
+    )
+    assert words.json() == {"predictions": [[2], [1]]}
+    assert requests.get(f"{url}/echo", timeout=WAIT).json() == {"name": "echo", "ready": True}
+    assert requests.get(f"{url}/nope", timeout=WAIT).status_code == 503
+    assert (
+        requests.post(f"{url}/nope:predict", json={"instances": [1]}, timeout=WAIT).status_code
+        == 404
+    )
+    empty = requests.post(f"{url}/echo:predict", json={"instances": []}, timeout=WAIT)
+    assert empty.status_code == 400 and "instances" in empty.json()["error"]

@@ -43,6 +43,8 @@ ENCODING_FIELD = 4093  # the body's Content-Encoding (absent: identity)
 ACCEPT_FIELD = 4092  # the reply encoding the client accepts (absent: identity)
 LIMIT_FIELD = 4091  # the most bytes a compressed body may inflate to
 JSON_HEAD_FIELD = 4090  # a slab envelope's head: the JSON before the binary tensors
+PROTOCOL_FIELD = 4089  # the body's protocol (absent: the Open Inference Protocol, V2)
+V2, V1 = 0, 1  # KServe's V1: {"instances": [...]} in, {"predictions": [...]} out
 _BODY_TAG = (BODY_FIELD << 3) | 2
 _JSON_HEAD_TAG = (JSON_HEAD_FIELD << 3) | 2
 MAX_PEEK = 64 * 1024  # the most JSON the pool reads on its event loop for scheduling
@@ -52,6 +54,7 @@ _VARINT_FIELDS = {
     (ENCODING_FIELD << 3): "encoding",
     (ACCEPT_FIELD << 3): "accept",
     (LIMIT_FIELD << 3): "limit",
+    (PROTOCOL_FIELD << 3): "protocol",
 }
 # The reply's head: the JSON's length (uncompressed), the reply's encoding, and
 # whether binary outputs follow the JSON.
@@ -70,6 +73,7 @@ class RestHead:
     encoding: int = IDENTITY  # Content-Encoding of the body
     accept: int = IDENTITY  # the encoding of the reply (from Accept-Encoding)
     limit: int = 0  # max_message_size: what a compressed body may inflate to
+    protocol: int = V2  # V1: KServe's V1 predict
 
 
 def _len_field(number: int, payload: bytes) -> bytes:
@@ -90,6 +94,8 @@ def wrap_head(name: str, version: str, body_length: int, rest: RestHead) -> byte
         head += _varint_field(LIMIT_FIELD, rest.limit)
     if rest.accept != IDENTITY:
         head += _varint_field(ACCEPT_FIELD, rest.accept)
+    if rest.protocol != V2:
+        head += _varint_field(PROTOCOL_FIELD, rest.protocol)
     return head + _BODY_TAG_BYTES + encode_varint(body_length)
 
 

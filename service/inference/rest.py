@@ -30,11 +30,11 @@ import orjson
 
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service.contract.errors import InvalidInput, MessageTooLarge, clip
-from poolserve.service.contract.rest import GZIP, IDENTITY, REPLY_HEAD, unwrap
+from poolserve.service.contract.rest import GZIP, IDENTITY, REPLY_HEAD, V1, unwrap
 from poolserve.service.contract.shm import Region
 from poolserve.service.inference.codec import dtype_for
 from poolserve.service.inference.infer import run_request
-from poolserve.service.inference.model import Model, WireModel
+from poolserve.service.inference.model import Model, WireModel, tensor_specs
 from poolserve.service.inference.rawwire import Buffer
 from poolserve.service.poolcore.stats import Timings
 
@@ -57,13 +57,19 @@ def infer_rest(
     rest, body = unwrapped
     if rest.encoding != IDENTITY:
         body = inflate(body, rest.limit)
-    request, raw, binary = decode_request(memoryview(body), rest.header_length)
+    if rest.protocol == V1:
+        request, raw, binary = decode_v1(memoryview(body), model)
+    else:
+        request, raw, binary = decode_request(memoryview(body), rest.header_length)
     if isinstance(model, WireModel):
         response, views, timings = _run_wire(model, request, raw, regions)
     else:
         response, views, timings = run_request(model, request, raw, regions, t0)
     t3 = time.perf_counter_ns()
-    parts = encode_response(request, response, views, binary, rest.accept)
+    if rest.protocol == V1:
+        parts = encode_v1(response, views, rest.accept)
+    else:
+        parts = encode_response(request, response, views, binary, rest.accept)
     timings.encode_ns += time.perf_counter_ns() - t3
     return parts, timings
 
@@ -334,6 +340,56 @@ def _run_wire(
     entries: list[Buffer] = list(response.raw_output_contents)
     del response.raw_output_contents[:]
     return response, entries, timings
+
+
+# -- KServe's V1 protocol -------------------------------------------------------
+
+
+def decode_v1(body: memoryview, model: Model) -> tuple[pb.ModelInferRequest, list[Buffer], Binary]:
+    """``{"instances": [...]}`` (or ``"inputs"``) as the model's first input:
+    its declared name and datatype, the instances' shape (one row each)."""
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidInput(f"the request body is not valid JSON: {exc}") from None
+    instances = doc.get("instances", doc.get("inputs")) if isinstance(doc, dict) else None
+    if not isinstance(instances, list) or not instances:
+        raise InvalidInput('the request body must be {"instances": [...]} with one or more rows')
+    declared = tensor_specs(model)[0]
+    name = declared[0].name if declared else "input-0"
+    try:
+        arr = np.asarray(instances)
+    except ValueError as exc:
+        raise InvalidInput(f"'instances' is not a regular array: {exc}") from None
+    if declared:
+        datatype = declared[0].datatype
+    elif arr.dtype.kind in "US":
+        datatype = "BYTES"
+    elif arr.dtype.kind == "b":
+        datatype = "BOOL"
+    else:
+        datatype = "INT64" if arr.dtype.kind in _INT_KINDS else "FP64"
+    where = f"input '{clip(name)}'"
+    request = pb.ModelInferRequest()
+    request.inputs.add(name=name, datatype=datatype, shape=list(arr.shape))
+    return request, [_json_data(instances, datatype, list(arr.shape), where)], Binary(False)
+
+
+def encode_v1(response: pb.ModelInferResponse, views: list[Buffer], encoding: int) -> list[Buffer]:
+    """``{"predictions": [...]}``: the model's first output, nested by its shape."""
+    if not response.outputs:
+        raise InvalidInput(f"model '{response.model_name}' returned no outputs")
+    tensor = response.outputs[0]
+    data = _output_data(tensor.name, tensor.datatype, views[0])
+    if isinstance(data, np.ndarray):
+        data = data.reshape(tuple(tensor.shape))
+    else:
+        data = np.asarray(data, dtype=object).reshape(tuple(tensor.shape)).tolist()
+    text = orjson.dumps({"predictions": data}, option=orjson.OPT_SERIALIZE_NUMPY)
+    head = REPLY_HEAD.pack(len(text), encoding, 0)
+    if encoding != IDENTITY:
+        return [head, deflate([text], encoding)]
+    return [head, text]
 
 
 # -- the response ----------------------------------------------------------------

@@ -58,6 +58,8 @@ from poolserve.service.contract.rest import (
     ENCODINGS,
     IDENTITY,
     REPLY_HEAD,
+    V1,
+    V2,
     RestHead,
     envelope_head,
     wrap_head,
@@ -93,6 +95,8 @@ _MODEL_PATH = re.compile(
 )
 
 
+_V1_MODEL_PATH = re.compile(r"^/v1/models/([^/:]+)$")
+_V1_PREDICT_PATH = re.compile(r"^/v1/models/([^/:]+):predict$")
 _SHARED_MEMORY_PATH = re.compile(
     r"^/v2/(system|cuda)sharedmemory(?:/region/([^/]+))?/(status|register|unregister)$"
 )
@@ -359,7 +363,7 @@ class HttpDoor:
         method: str = scope["method"]
         path: str = scope["path"]
         try:
-            if method == "POST" and path.endswith(("/infer", "/generate")):
+            if method == "POST" and path.endswith(("/infer", "/generate", ":predict")):
                 await self._infer(connection, scope, receive, send, path)
                 return
             status, body = await self._answer(method, path, scope, receive)
@@ -396,6 +400,10 @@ class HttpDoor:
         metadata = _carried(scope)
         if path.startswith(("/v2/systemsharedmemory", "/v2/cudasharedmemory")):
             return await self._shared_memory_call(method, path, receive)
+        match = _V1_MODEL_PATH.match(path)
+        if match is not None and method == "GET":  # KServe's V1: the model's readiness
+            ready = await self._model_ready(match.group(1), "", budget, metadata)
+            return (200 if ready else 503), orjson.dumps({"name": match.group(1), "ready": ready})
         if path.startswith("/v2/repository/") and method == "POST":
             return await self._repository(path, budget, metadata, receive)
         if path == "/v2/models/stats" and method == "GET":
@@ -535,10 +543,7 @@ class HttpDoor:
         name, version = "", ""
         body_read = False
         try:
-            match = _MODEL_PATH.match(path)
-            if match is None or match.group(3) not in ("infer", "generate"):
-                raise HttpError(404, f"POST {clip(path)} is not an endpoint of this server")
-            name, version = match.group(1), match.group(2) or ""
+            name, version, protocol = _infer_target(path)
             if span is not None:
                 span.set_attribute("poolserve.model.name", name)
                 span.set_attribute("poolserve.model.version", version)
@@ -558,10 +563,11 @@ class HttpDoor:
                     f"the {len(body)}-byte body"
                 )
             rest = RestHead(
-                header_length,
+                header_length if protocol == V2 else None,
                 _encoding(headers),
                 _accepted(headers),
                 self.settings.max_message_size,
+                protocol,
             )
             wrapped = b"".join((wrap_head(name, version, len(body), rest), body))
             attached = self._names_regions(body, rest)
@@ -660,6 +666,17 @@ async def _small_json(receive: Receive, limit: int) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise InvalidInput("the request body must be a JSON object")
     return doc
+
+
+def _infer_target(path: str) -> tuple[str, str, int]:
+    """(model, version, protocol) of an inference's URL."""
+    match = _MODEL_PATH.match(path)
+    if match is not None and match.group(3) in ("infer", "generate"):
+        return match.group(1), match.group(2) or "", V2
+    match = _V1_PREDICT_PATH.match(path)
+    if match is not None:
+        return match.group(1), "", V1
+    raise HttpError(404, f"POST {clip(path)} is not an endpoint of this server")
 
 
 def _count(value: object) -> bool:
