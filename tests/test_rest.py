@@ -592,3 +592,25 @@ def test_kserve_v1_predict_and_model_readiness(tree: Serving) -> None:
     )
     empty = requests.post(f"{url}/echo:predict", json={"instances": []}, timeout=WAIT)
     assert empty.status_code == 400 and "instances" in empty.json()["error"]
+
+
+def test_tritonclient_http_aio(tree: Serving) -> None:
+    import tritonclient.http.aio as aioclient
+
+    async def calls() -> None:
+        client = aioclient.InferenceServerClient(_http(tree), conn_timeout=WAIT)
+        try:
+            assert await client.is_server_ready()
+            x = np.arange(16, dtype=np.float32).reshape(1, 16)
+            results = []
+            for binary in (True, False):
+                tensor = aioclient.InferInput("INPUT0", [1, 16], "FP32")
+                tensor.set_data_from_numpy(x, binary_data=binary)
+                out = aioclient.InferRequestedOutput("OUTPUT0", binary_data=binary)
+                results.append(client.infer("echo", [tensor], outputs=[out]))
+            for result in await asyncio.gather(*results):
+                np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), x)
+        finally:
+            await client.close()
+
+    asyncio.run(calls())
