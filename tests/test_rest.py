@@ -28,6 +28,7 @@ import tritonclient.http as httpclient
 from test_mlserver import CUSTOM
 from tritonclient.utils import InferenceServerException
 
+from batch_models import ROWS_MODEL
 from serving import Serving, pool_status, wait_serving
 from support import copy_example, write_model
 
@@ -38,6 +39,13 @@ SCALER = {
     "name": "scaler",
     "implementation": "model.Scaler",
     "parameters": {"extra": {"scale": 2.5}},
+}
+ROWS = {
+    "name": "rows",
+    "implementation": "model.RowsModel",
+    "max_batch_size": 16,
+    "max_batch_time": 5.0,
+    "parameters": {"extra": {"preferred_batch_sizes": [4]}},
 }
 BROKEN = "raise RuntimeError('this model never loads')\n"
 
@@ -62,6 +70,7 @@ def tree(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
     for name in ("echo", "sleep", "wordcount", "simple_sequence"):
         copy_example(repo, name)
     write_model(repo, "scaler", SCALER, CUSTOM)  # an MLServer MLModel, served unchanged
+    write_model(repo, "rows", ROWS, ROWS_MODEL)  # batching: 4 rows start a batch
     with Serving(repo, base / "run") as serving:
         _wait_serving(serving)
         yield serving
@@ -129,7 +138,8 @@ def test_repository_index_load_unload(tree: Serving) -> None:
     try:
         index = {m["name"]: m["state"] for m in client.get_model_repository_index()}
         assert set(index.values()) == {"READY"}
-        assert set(index) == {"echo", "scaler", "simple_sequence", "sleep", "wordcount"}
+        names = {"echo", "rows", "scaler", "simple_sequence", "sleep", "wordcount"}
+        assert set(index) == names
         client.unload_model("wordcount")
         assert not client.is_model_ready("wordcount")
         client.load_model("wordcount")
@@ -614,3 +624,40 @@ def test_tritonclient_http_aio(tree: Serving) -> None:
             await client.close()
 
     asyncio.run(calls())
+
+
+def test_rest_calls_share_a_batch(tree: Serving) -> None:
+    def call(value: float, binary: bool) -> dict[str, Any]:
+        client = httpclient.InferenceServerClient(_http(tree), network_timeout=WAIT)
+        try:
+            x = httpclient.InferInput("INPUT0", [1, 2], "FP32")
+            x.set_data_from_numpy(np.array([[value, 1.0]], np.float32), binary_data=binary)
+            outputs = [
+                httpclient.InferRequestedOutput(name, binary_data=binary)
+                for name in ("DOUBLE", "BATCH", "NAME")
+            ]
+            result = client.infer("rows", [x], outputs=outputs)
+            return {
+                "double": result.as_numpy("DOUBLE").tolist(),
+                "batch": int(result.as_numpy("BATCH")[0]),
+                "name": result.as_numpy("NAME")[0],
+            }
+        finally:
+            client.close()
+
+    answers: dict[float, dict[str, Any]] = {}
+
+    def run(value: float) -> None:
+        answers[value] = call(value, binary=value % 2 == 0)
+
+    threads = [threading.Thread(target=run, args=(float(v),)) for v in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(WAIT)
+    assert sorted(answers) == [0.0, 1.0, 2.0, 3.0]
+    for value, answer in answers.items():
+        assert answer["double"] == [[2 * value, 2.0]]  # each caller its own rows
+        assert answer["name"] in (f"row {value:g}", f"row {value:g}".encode())
+    # REST calls batch as gRPC calls do (the first may start alone on an idle worker)
+    assert max(answer["batch"] for answer in answers.values()) > 1

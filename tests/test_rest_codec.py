@@ -215,3 +215,29 @@ def test_scheduling_parameters_reach_the_pools_peeks() -> None:
     assert routing.priority is None  # too large to read on the pool's loop: the defaults
     grpc_body = pb.ModelInferRequest(model_name="m").SerializeToString()
     assert scheduling_view(grpc_body) == grpc_body
+
+
+def test_rest_batch_keys_match_for_json_and_binary_tensors() -> None:
+    from poolserve.service.poolserver.rest_scheduling import rest_batch
+
+    def wrapped(doc: dict[str, Any], binary: bytes = b"") -> bytes:
+        text = json.dumps(doc).encode()
+        head = RestHead(len(text) if binary else None)
+        return wrap_head("m", "", len(text) + len(binary), head) + text + binary
+
+    tensor = {"name": "x", "shape": [2, 3], "datatype": "FP32"}
+    as_json = wrapped({"inputs": [{**tensor, "data": [0] * 6}]})
+    as_binary = wrapped(
+        {
+            "inputs": [{**tensor, "parameters": {"binary_data_size": 24}}],
+            "parameters": {"binary_data_output": True, "priority": 1},
+        },
+        b"\0" * 24,
+    )
+    json_key, binary_key = rest_batch(as_json, frozenset()), rest_batch(as_binary, frozenset())
+    assert json_key is not None and json_key == binary_key and json_key[0] == 2
+    other = wrapped({"inputs": [{**tensor, "data": [0] * 6}], "parameters": {"mode": "x"}})
+    assert rest_batch(other, frozenset()) != json_key
+    assert rest_batch(other, frozenset({"mode"})) == json_key
+    assert rest_batch(wrapped({"inputs": [{**tensor, "shape": [3]}]}), frozenset()) is not None
+    assert rest_batch(wrapped({"inputs": []}), frozenset()) is None

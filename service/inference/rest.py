@@ -21,7 +21,7 @@ import math
 import struct
 import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -47,31 +47,43 @@ _NUMBER_KINDS = frozenset("iuf")
 MAX_DEPTH = 64  # nesting of a tensor's ``data`` beyond any shape we take
 
 
+# How one REST call's reply is encoded from its response and raw outputs.
+Encoder = Callable[[pb.ModelInferResponse, list[Buffer]], list[Buffer]]
+
+
 def infer_rest(
     model: Model, data: Buffer, regions: dict[str, Region]
 ) -> tuple[list[Buffer], Timings]:
     """One REST inference on ``model``: the reply's parts (see the module)."""
     t0 = time.perf_counter_ns()
-    unwrapped = unwrap(data)
-    assert unwrapped is not None
-    rest, body = unwrapped
-    if rest.encoding != IDENTITY:
-        body = inflate(body, rest.limit)
-    if rest.protocol == V1:
-        request, raw, binary = decode_v1(memoryview(body), model)
-    else:
-        request, raw, binary = decode_request(memoryview(body), rest.header_length)
+    request, raw, encode = decode(data, model)
     if isinstance(model, WireModel):
         response, views, timings = _run_wire(model, request, raw, regions)
     else:
         response, views, timings = run_request(model, request, raw, regions, t0)
     t3 = time.perf_counter_ns()
-    if rest.protocol == V1:
-        parts = encode_v1(response, views, rest.accept)
-    else:
-        parts = encode_response(request, response, views, binary, rest.accept)
+    parts = encode(response, views)
     timings.encode_ns += time.perf_counter_ns() - t3
     return parts, timings
+
+
+def decode(data: Buffer, model: Model) -> tuple[pb.ModelInferRequest, list[Buffer], Encoder]:
+    """A REST wrapper's request (inputs as raw entries) and how to encode its reply."""
+    unwrapped = unwrap(data)
+    if unwrapped is None:
+        raise InvalidInput("not a REST body")
+    rest, body = unwrapped
+    if rest.encoding != IDENTITY:
+        body = inflate(body, rest.limit)
+    if rest.protocol == V1:
+        request, raw, _ = decode_v1(memoryview(body), model)
+        return request, raw, lambda response, views: encode_v1(response, views, rest.accept)
+    request, raw, binary = decode_request(memoryview(body), rest.header_length)
+
+    def encode(response: pb.ModelInferResponse, views: list[Buffer]) -> list[Buffer]:
+        return encode_response(request, response, views, binary, rest.accept)
+
+    return request, raw, encode
 
 
 def inflate(body: Buffer, limit: int) -> bytes:

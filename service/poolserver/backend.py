@@ -29,7 +29,7 @@ from poolserve.service.poolcore.sequences import Sequences
 from poolserve.service.poolserver.catalog import ModelEntry
 from poolserve.service.poolserver.inline import InlineRunner
 from poolserve.service.poolserver.inline_sequences import InlineSequences
-from poolserve.service.poolserver.rest_scheduling import scheduling_view
+from poolserve.service.poolserver.rest_scheduling import rest_batch, scheduling_view
 from poolserve.service.poolserver.servicer import Observer
 
 
@@ -85,6 +85,8 @@ class PoolBackend:
                 peeked = peek_batch(head(request), policy.safe_parameters)
             except InvalidInput:
                 peeked = None  # malformed: it runs alone, and the worker says what is wrong
+            if peeked is None:  # an HTTP/REST body: from its JSON, when small
+                peeked = rest_batch(request, policy.safe_parameters)
             if peeked is None:
                 policy = None
             else:

@@ -15,6 +15,8 @@ defaults, and its parameters reach the model only.
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 
 from poolserve.service.contract.framing import Payload
@@ -22,6 +24,7 @@ from poolserve.service.contract.rest import (
     IDENTITY,
     MAX_PEEK,
     SCHEDULING,
+    V2,
     RestHead,
     encode_parameters,
     routing_head,
@@ -43,16 +46,60 @@ def scheduling_view(request: Payload) -> Wire:
     return routing_head(name, version) + encode_parameters(_parameters(head, body))
 
 
-def _parameters(head: RestHead, body: Wire) -> dict[str, object]:
+def _document(head: RestHead, body: Wire) -> dict[str, Any] | None:
+    """The body's JSON, when small, plain and an object; else None."""
     length = head.header_length
     text = body if length is None else body[:length]
-    if head.encoding != IDENTITY or len(text) > MAX_PEEK:
-        return {}
+    if head.encoding != IDENTITY or head.protocol != V2 or len(text) > MAX_PEEK:
+        return None
     try:
         doc = orjson.loads(text)
     except orjson.JSONDecodeError:
-        return {}  # the worker says what is wrong with it
-    params = doc.get("parameters") if isinstance(doc, dict) else None
+        return None  # the worker says what is wrong with it
+    return doc if isinstance(doc, dict) else None
+
+
+def _parameters(head: RestHead, body: Wire) -> dict[str, object]:
+    doc = _document(head, body)
+    params = doc.get("parameters") if doc is not None else None
     if not isinstance(params, dict):
         return {}
     return {key: params[key] for key in SCHEDULING if key in params}
+
+
+# what differs per request without keeping requests apart
+_PER_REQUEST = frozenset(("binary_data_size", "binary_data_output"))
+
+
+def rest_batch(request: Payload, safe: frozenset[str]) -> tuple[int, bytes] | None:
+    """(rows, batch key) of a REST body, as :func:`poolserve.service.contract.batching.peek_batch`
+    gives them for a ModelInferRequest; None when it runs alone (too large to
+    read here, no inputs, inputs that disagree on dimension 0)."""
+    rest = unwrap_rest(unwrap(request)[1])
+    if rest is None:
+        return None
+    doc = _document(*rest)
+    inputs = doc.get("inputs") if doc is not None else None
+    if doc is None or not isinstance(inputs, list) or not inputs:
+        return None
+    rows: set[object] = set()
+    tensors = []
+    for tensor in inputs:
+        shape = tensor.get("shape") if isinstance(tensor, dict) else None
+        if not isinstance(shape, list) or not shape:
+            return None
+        params = tensor.get("parameters") or {}
+        if not isinstance(params, dict):
+            return None
+        rows.add(shape[0])
+        kept = sorted((k, repr(v)) for k, v in params.items() if k not in _PER_REQUEST)
+        tensors.append([tensor.get("name"), tensor.get("datatype"), shape[1:], kept])
+    count = rows.pop() if len(rows) == 1 else None
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        return None
+    params = doc.get("parameters") or {}
+    if not isinstance(params, dict):
+        return None
+    skip = safe | _PER_REQUEST | frozenset(SCHEDULING)
+    kept = sorted((k, repr(v)) for k, v in params.items() if k not in skip)
+    return count, b"rest\x00" + orjson.dumps([tensors, kept])
