@@ -28,6 +28,7 @@ import grpc
 import joblib
 import numpy as np
 import pytest
+import requests
 from sklearn.datasets import load_iris
 from sklearn.linear_model import LogisticRegression
 
@@ -36,12 +37,15 @@ from poolserve.protos import inference_pb2_grpc as pbg
 
 from harness import free_port
 from serving import Serving, wait_serving
-from support import ROOT, copy_example, wait_until, write_model
+from support import BIN, ROOT, copy_example, wait_until, write_model
 
 pytestmark = pytest.mark.e2e
 
 WAIT = 90.0
 MLSERVER_PEER = ROOT / "bench" / ".peers" / "mlserver" / "bin" / "mlserver"
+if not MLSERVER_PEER.exists():  # a fresh clone: the one `make install` puts in the venv
+    MLSERVER_PEER = BIN / "mlserver"
+PEER_HTTP: dict[str, str] = {}  # the peer's REST address, by its gRPC address
 
 CUSTOM = """
 from typing import List
@@ -476,7 +480,8 @@ def test_failed_loads_are_unavailable_with_reason_and_server_not_ready(served: S
 
 def test_mlserver_settings_json_is_read_with_notices(served: Serving) -> None:
     log = served.log()
-    for field in ("http_port: not supported", "debug: ignored"):
+    assert "http_port" not in log  # MLServer's REST port is poolserve's too (its flag wins)
+    for field in ("debug: ignored",):
         assert f"settings.json: {field}" in log, log[-3000:]
     assert "Traceback" not in log
 
@@ -734,6 +739,7 @@ def mlserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         start_new_session=True,
     )
     address = f"127.0.0.1:{port}"
+    PEER_HTTP[address] = f"127.0.0.1:{settings['http_port']}"
     try:
 
         def ready() -> bool:
@@ -789,6 +795,58 @@ def test_same_replies_as_mlserver(served: Serving, mlserver: str) -> None:
         assert ours_error[0] == theirs_error[0]
         if ours_error[0] == grpc.StatusCode.INVALID_ARGUMENT:
             assert ours_error[1] == theirs_error[1]
+
+
+def test_same_rest_replies_as_mlserver(served: Serving, mlserver: str) -> None:
+    """MLServer's documented REST calls, to both servers: the same JSON back."""
+    ours = f"http://{(served.run_dir / 'http.addr').read_text().strip()}"
+    theirs = f"http://{PEER_HTTP[mlserver]}"
+    calls = [
+        (
+            "scaler",
+            {
+                "id": "cmp",
+                "inputs": [
+                    {"name": "x", "shape": [2], "datatype": "FP32", "data": [0.5, 3.0]},
+                    {
+                        "name": "tag",
+                        "shape": [1],
+                        "datatype": "BYTES",
+                        "data": ["xyz"],
+                        "parameters": {"content_type": "str"},
+                    },
+                ],
+            },
+        ),
+        (
+            "iris",
+            {
+                "id": "i",
+                "inputs": [
+                    {
+                        "name": "predict",
+                        "shape": [2, 4],
+                        "datatype": "FP64",
+                        "data": load_iris().data[::75].ravel().tolist(),
+                    }
+                ],
+            },
+        ),
+    ]
+    for model, body in calls:
+        mine = requests.post(f"{ours}/v2/models/{model}/infer", json=body, timeout=WAIT)
+        peer = requests.post(f"{theirs}/v2/models/{model}/infer", json=body, timeout=WAIT)
+        assert mine.status_code == peer.status_code == 200, (mine.text, peer.text)
+        a, b = mine.json(), peer.json()
+        for reply in (a, b):
+            reply.pop("parameters", None)  # MLServer adds its own (content types, headers)
+            for output in reply["outputs"]:
+                output.pop("parameters", None)
+        assert a == b, (a, b)
+    for path in ("/v2/health/live", "/v2/models/scaler/ready"):  # ours has broken models
+        mine = requests.get(f"{ours}{path}", timeout=WAIT)
+        peer = requests.get(f"{theirs}{path}", timeout=WAIT)
+        assert mine.status_code == peer.status_code == 200
 
 
 def test_same_stream_as_mlserver(served: Serving, mlserver: str) -> None:
