@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -586,6 +587,27 @@ def test_client_going_away_closes_the_async_generator(served: Serving) -> None:
     assert marker.read_text().startswith("closed after ")
 
 
+def test_rest_client_going_away_closes_the_async_generator(served: Serving) -> None:
+    """generate_stream over HTTP: closing the connection ends the stream on the worker."""
+    host, port = (served.run_dir / "http.addr").read_text().strip().rsplit(":", 1)
+    tensor = {"name": "x", "shape": [1], "datatype": "INT32", "data": [0]}
+    body = json.dumps({"id": "gone-rest", "inputs": [tensor]}).encode()
+    with socket.create_connection((host, int(port)), timeout=WAIT) as sock:
+        sock.sendall(
+            b"POST /v2/models/ticker/generate_stream HTTP/1.1\r\nhost: x\r\n"
+            b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body) + body
+        )
+        received = b""
+        while received.count(b"data: ") < 3:  # three ticks, as they come
+            chunk = sock.recv(65536)
+            assert chunk, received
+            received += chunk
+    assert received.startswith(b"HTTP/1.1 200 ")
+    marker = served.repo.parent / "closed" / "gone-rest"
+    assert wait_until(marker.exists, WAIT, interval=0.1), "the generator was never closed"
+    assert marker.read_text().startswith("closed after ")
+
+
 def test_predict_only_mlmodel_answers_each_stream_request(served: Serving) -> None:
     async def main() -> list[pb.ModelStreamInferResponse]:
         async with grpc.aio.insecure_channel(served.address) as channel:
@@ -847,6 +869,43 @@ def test_same_rest_replies_as_mlserver(served: Serving, mlserver: str) -> None:
         mine = requests.get(f"{ours}{path}", timeout=WAIT)
         peer = requests.get(f"{theirs}{path}", timeout=WAIT)
         assert mine.status_code == peer.status_code == 200
+
+
+def test_same_generate_stream_as_mlserver(served: Serving, mlserver: str) -> None:
+    """MLServer's REST stream (server-sent events) of a predict_stream model: the
+    same events from both servers."""
+    ours = f"http://{(served.run_dir / 'http.addr').read_text().strip()}"
+    theirs = f"http://{PEER_HTTP[mlserver]}"
+    body = {
+        "id": "gen-1",
+        "inputs": [
+            {
+                "name": "text",
+                "shape": [1],
+                "datatype": "BYTES",
+                "data": ["one two three"],
+                "parameters": {"content_type": "str"},
+            }
+        ],
+    }
+
+    def events(base: str) -> list[dict[str, object]]:
+        reply = requests.post(f"{base}/v2/models/tokens/generate_stream", json=body, timeout=WAIT)
+        assert reply.status_code == 200, reply.text
+        assert reply.headers["content-type"].startswith("text/event-stream")
+        found = []
+        for chunk in reply.content.split(b"\n\n"):
+            if chunk.startswith(b"data: "):
+                event = json.loads(chunk[len(b"data: ") :])
+                event.pop("parameters", None)
+                for output in event.get("outputs", []):
+                    output.pop("parameters", None)
+                found.append(event)
+        return found
+
+    mine, peer = events(ours), events(theirs)
+    assert [e["outputs"][0]["data"] for e in mine] == [["one"], ["two"], ["three"]]
+    assert mine == peer, (mine, peer)
 
 
 def test_same_stream_as_mlserver(served: Serving, mlserver: str) -> None:

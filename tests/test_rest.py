@@ -67,7 +67,7 @@ def tree(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
     base = tmp_path_factory.mktemp("rest")
     repo = base / "repo"
     repo.mkdir()
-    for name in ("echo", "sleep", "wordcount", "simple_sequence"):
+    for name in ("echo", "sleep", "wordcount", "simple_sequence", "repeat_int32"):
         copy_example(repo, name)
     write_model(repo, "scaler", SCALER, CUSTOM)  # an MLServer MLModel, served unchanged
     write_model(repo, "rows", ROWS, ROWS_MODEL)  # batching: 4 rows start a batch
@@ -138,7 +138,7 @@ def test_repository_index_load_unload(tree: Serving) -> None:
     try:
         index = {m["name"]: m["state"] for m in client.get_model_repository_index()}
         assert set(index.values()) == {"READY"}
-        names = {"echo", "rows", "scaler", "simple_sequence", "sleep", "wordcount"}
+        names = {"echo", "repeat_int32", "rows", "scaler", "simple_sequence", "sleep", "wordcount"}
         assert set(index) == names
         client.unload_model("wordcount")
         assert not client.is_model_ready("wordcount")
@@ -661,3 +661,35 @@ def test_rest_calls_share_a_batch(tree: Serving) -> None:
         assert answer["name"] in (f"row {value:g}", f"row {value:g}".encode())
     # REST calls batch as gRPC calls do (the first may start alone on an idle worker)
     assert max(answer["batch"] for answer in answers.values()) > 1
+
+
+def _events(reply: requests.Response) -> list[dict[str, Any]]:
+    assert reply.headers["content-type"] == "text/event-stream"
+    return [
+        json.loads(line[len(b"data: ") :])
+        for line in reply.content.split(b"\n\n")
+        if line.startswith(b"data: ")
+    ]
+
+
+def test_generate_stream_sends_a_decoupled_models_responses_as_events(tree: Serving) -> None:
+    body = {
+        "inputs": [
+            {"name": "IN", "shape": [3], "datatype": "INT32", "data": [4, 5, 6]},
+            {"name": "DELAY", "shape": [3], "datatype": "UINT32", "data": [0, 0, 0]},
+            {"name": "WAIT", "shape": [1], "datatype": "UINT32", "data": [0]},
+        ]
+    }
+    reply = _post(tree, "/v2/models/repeat_int32/generate_stream", json=body)
+    assert reply.status_code == 200, reply.text
+    events = _events(reply)
+    assert [e["outputs"][0]["data"] for e in events] == [[4], [5], [6]]
+    assert [e["outputs"][1]["data"] for e in events] == [[0], [1], [2]]
+    unary = _post(tree, "/v2/models/echo/generate_stream", json=_infer_body([2.0]))
+    assert [e["outputs"][0]["data"] for e in _events(unary)] == [[2.0]]  # one response
+    refused = _post(tree, "/v2/models/repeat_int32/infer", json=body)
+    assert refused.status_code >= 400  # a decoupled model streams only
+    missing = _post(tree, "/v2/models/nope/generate_stream", json=body)
+    assert missing.status_code == 404
+    bad = _post(tree, "/v2/models/repeat_int32/generate_stream", json={"inputs": []})
+    assert bad.status_code == 400 and "inputs" in bad.json()["error"]  # before any event

@@ -24,7 +24,6 @@ from poolserve.service import __version__
 from poolserve.service.contract.errors import Failure, ServingError, Unimplemented
 from poolserve.service.contract.framing import Payload
 from poolserve.service.contract.lane import Trace, refusal
-from poolserve.service.contract.shm import unwrap
 from poolserve.service.contract.wire import Routing, encode_len_field, peek_routing
 from poolserve.service.grpcserver.handlers import EXTENSIONS, SERVICE, deadline_from, guarded
 from poolserve.service.grpcserver.shm import SharedMemory
@@ -273,7 +272,7 @@ class InferenceServicer:
             try:
                 if attach:
                     request = self.shared_memory.attach(as_bytes(request))
-                routing = peek_routing(unwrap(request)[1])
+                routing = peek_routing(scheduling_view(request))
                 entry = self.catalog.lookup_ready(routing.name, routing.version)
                 if entry.policy.decoupled:
                     async for part in self._stream(entry, request, deadline, routing):

@@ -30,9 +30,10 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
+import grpc
 import httptools
 import orjson
 from google.protobuf.descriptor import FieldDescriptor
@@ -67,9 +68,10 @@ from poolserve.service.contract.rest import (
 from poolserve.service.contract.settings import ServerSettings
 from poolserve.service.contract.shm import wrap
 from poolserve.service.contract.slab import THRESHOLD as SLAB_THRESHOLD
+from poolserve.service.contract.wire import read_varint
 from poolserve.service.grpcserver.handlers import EXTENSIONS
 from poolserve.service.grpcserver.shm import SharedMemory
-from poolserve.service.grpcserver.status import http_status
+from poolserve.service.grpcserver.status import from_upstream, http_status
 from poolserve.service.grpcserver.tracing import Tracing, deadline_event
 from poolserve.service.router.forwarding import SPAN, Forwarder
 from poolserve.service.router.repository import LOAD, UNLOAD, RepositoryCalls
@@ -95,6 +97,12 @@ _MODEL_PATH = re.compile(
 )
 
 
+_STREAM_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?/generate_stream$")
+_SSE_START = {
+    "type": "http.response.start",
+    "status": 200,
+    "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")],
+}
 _V1_MODEL_PATH = re.compile(r"^/v1/models/([^/:]+)$")
 _V1_PREDICT_PATH = re.compile(r"^/v1/models/([^/:]+):predict$")
 _SHARED_MEMORY_PATH = re.compile(
@@ -363,6 +371,9 @@ class HttpDoor:
         method: str = scope["method"]
         path: str = scope["path"]
         try:
+            if method == "POST" and path.endswith("/generate_stream"):
+                await self._generate_stream(connection, scope, receive, send, path)
+                return
             if method == "POST" and path.endswith(("/infer", "/generate", ":predict")):
                 await self._infer(connection, scope, receive, send, path)
                 return
@@ -531,6 +542,64 @@ class HttpDoor:
                 span.set_attribute("http.response.status_code", status)
                 span.end()
 
+    async def _generate_stream(
+        self, connection: _Connection, scope: Scope, receive: Receive, send: Send, path: str
+    ) -> None:
+        """MLServer's ``generate_stream``: a decoupled model's responses as
+        server-sent events, one ``data: <JSON response>`` each, over the lane's
+        stream; an error in the stream is an event ``data: {"error": ...}``."""
+        match = _STREAM_PATH.match(path)
+        started = False
+        try:
+            if match is None:
+                raise HttpError(404, f"POST {clip(path)} is not an endpoint of this server")
+            name, version = match.group(1), match.group(2) or ""
+            headers = _headers(scope)
+            budget = _budget(scope, headers)
+            header_length = _header_length(headers)
+            body = await self._read_body(receive, headers, budget)
+            if body is None:
+                return  # the client went away while sending
+            limit = self.settings.max_message_size
+            rest = RestHead(header_length, _encoding(headers), IDENTITY, limit)
+            wrapped = b"".join((wrap_head(name, version, len(body), rest), body))
+            route = self.routes.route(name)
+            deadline = self.core.deadline(budget)
+            assert route.lane is not None
+            connection.forwarding = asyncio.current_task()
+            try:
+                items = route.lane.stream(wrapped, _no_more(), deadline, _as_is)
+                async with contextlib.aclosing(items) as events:  # type: ignore[type-var]
+                    async for item in events:
+                        if not started:
+                            refused = _refusal(item)
+                            if refused is not None:  # before any response: an HTTP error
+                                await _respond(send, refused[0], _error_body(refused[1]))
+                                return
+                            await send(_SSE_START)
+                            started = True
+                        await send(_event(item))
+            finally:
+                connection.forwarding = None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if connection.lost and task is not None and task.uncancel() == 0:
+                return  # the client went: the lane's CANCEL ended the stream in the pool
+            raise
+        except (HttpError, ServingError) as exc:
+            if isinstance(exc, HttpError):
+                status, message = exc.status, exc.message
+            else:
+                status, message = http_status(exc)
+            if started:
+                await send(_event(ServingError(message)))
+            else:
+                await _respond(send, status, _error_body(message))
+                return
+        if not started:
+            await send(_SSE_START)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
     async def _run_infer(
         self,
         connection: _Connection,
@@ -677,6 +746,57 @@ def _infer_target(path: str) -> tuple[str, str, int]:
     if match is not None:
         return match.group(1), "", V1
     raise HttpError(404, f"POST {clip(path)} is not an endpoint of this server")
+
+
+async def _no_more() -> AsyncIterator[bytes]:
+    """A stream's further requests: none (generate_stream sends one)."""
+    nothing: tuple[bytes, ...] = ()
+    for message in nothing:
+        yield message
+
+
+def _as_is(message: bytes) -> bytes:
+    return message
+
+
+def _refusal(item: bytes | ServingError) -> tuple[int, str] | None:
+    """A stream's first item when it is an error: its HTTP status and message
+    (the pool names the gRPC status in front of a decoupled model's errors)."""
+    if isinstance(item, ServingError):
+        return http_status(item)
+    tag, pos = read_varint(item, 0) if item else (0, 0)
+    if tag != (1 << 3) | 2:
+        return None
+    size, pos = read_varint(item, pos)
+    message = item[pos : pos + size].decode("utf-8", "replace")
+    code, _, rest = message.partition(": ")
+    status = getattr(grpc.StatusCode, code, None)
+    if isinstance(status, grpc.StatusCode):
+        return http_status(from_upstream(status, rest, "the pool"))
+    return http_status(InvalidInput(message))
+
+
+def _event(item: bytes | ServingError) -> dict[str, Any]:
+    """One server-sent event: a response's JSON, or an error."""
+    if isinstance(item, ServingError):
+        data = _error_body(item.message)
+    else:
+        # a ModelStreamInferResponse: error_message (field 1), or in field 2 the
+        # worker's REST reply, which no protobuf parser may read
+        tag, pos = read_varint(item, 0) if item else (0, 0)
+        size, pos = read_varint(item, pos) if tag & 7 == 2 else (0, pos)
+        payload = item[pos : pos + size]
+        if tag >> 3 != 2:
+            data = _error_body(payload.decode("utf-8", "replace") or "an empty response")
+        else:
+            reply = payload
+            json_length, _, binary = REPLY_HEAD.unpack_from(reply)
+            start = REPLY_HEAD.size
+            if binary:
+                data = _error_body("binary outputs cannot travel in server-sent events")
+            else:
+                data = reply[start : start + json_length]
+    return {"type": "http.response.body", "body": b"data: " + data + b"\n\n", "more_body": True}
 
 
 def _count(value: object) -> bool:
