@@ -650,16 +650,21 @@ def test_rest_calls_share_a_batch(tree: Serving) -> None:
     def run(value: float) -> None:
         answers[value] = call(value, binary=value % 2 == 0)
 
+    busy: list[int] = []
+    blockers = [_sleep_call(tree, 5000, busy) for _ in range(2)]  # both workers
+    _until(lambda: all(w.state == "busy" for w in asyncio.run(pool_status(tree)).workers), "idle")
     threads = [threading.Thread(target=run, args=(float(v),)) for v in range(4)]
     for thread in threads:
         thread.start()
-    for thread in threads:
+    _until(lambda: _queue_depth(tree) == 4, "the calls are not queued")
+    for thread in [*threads, *blockers]:
         thread.join(WAIT)
+    assert busy == [200, 200]
     assert sorted(answers) == [0.0, 1.0, 2.0, 3.0]
     for value, answer in answers.items():
         assert answer["double"] == [[2 * value, 2.0]]  # each caller its own rows
         assert answer["name"] in (f"row {value:g}", f"row {value:g}".encode())
-    # REST calls batch as gRPC calls do (the first may start alone on an idle worker)
+    # queued behind busy workers, REST calls share a batch as gRPC calls do
     assert max(answer["batch"] for answer in answers.values()) > 1
 
 
