@@ -6,6 +6,7 @@ the hook that cancels a call whose client closed its connection."""
 from __future__ import annotations
 
 import asyncio
+import ssl
 from typing import Any
 
 import httptools
@@ -173,3 +174,16 @@ def raw_response(status: int, body: bytes) -> bytes:
         b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
         b"connection: close\r\n\r\n" % (status, reason, len(body))
     ) + body
+
+
+def tls_context(settings: ServerSettings) -> ssl.SSLContext | None:
+    """TLS for the HTTP port when the router's port has it (the same files):
+    mutual TLS with a client CA, as for gRPC."""
+    if not settings.tls_cert_file:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(settings.tls_cert_file, settings.tls_key_file)
+    if settings.tls_client_ca_file:
+        context.load_verify_locations(settings.tls_client_ca_file)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context

@@ -57,7 +57,7 @@ from poolserve.service.grpcserver.shm import SharedMemory
 from poolserve.service.grpcserver.status import http_status
 from poolserve.service.grpcserver.tracing import Tracing, deadline_event
 from poolserve.service.router.forwarding import SPAN, Forwarder
-from poolserve.service.router.http_connection import HttpConnection
+from poolserve.service.router.http_connection import HttpConnection, tls_context
 from poolserve.service.router.http_control import HttpControl
 from poolserve.service.router.http_wire import (
     MODEL_PATH,
@@ -137,7 +137,15 @@ class HttpDoor:
                 self.settings, config=self._config, server_state=self.state, app_state={}
             )
 
-        self._server = await loop.create_server(connection, host, port, backlog=2048)
+        tls = tls_context(self.settings)
+        self._server = await loop.create_server(
+            connection,
+            host,
+            port,
+            backlog=2048,
+            ssl=tls,
+            ssl_handshake_timeout=self.settings.handshake_timeout_s if tls else None,
+        )
         return int(self._server.sockets[0].getsockname()[1])
 
     async def stop(self, grace_s: float) -> None:
