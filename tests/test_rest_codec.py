@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service.contract.errors import InvalidInput
@@ -241,3 +243,51 @@ def test_rest_batch_keys_match_for_json_and_binary_tensors() -> None:
     assert rest_batch(other, frozenset({"mode"})) == json_key
     assert rest_batch(wrapped({"inputs": [{**tensor, "shape": [3]}]}), frozenset()) is not None
     assert rest_batch(wrapped({"inputs": []}), frozenset()) is None
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=20,
+)
+TENSORS = st.fixed_dictionaries(
+    {
+        "name": st.sampled_from(["INPUT0", "x", ""]) | JSON_VALUES,
+        "datatype": st.sampled_from(["FP32", "INT8", "BYTES", "BOOL", "FP16", "UINT64", "X"])
+        | JSON_VALUES,
+        "shape": st.lists(st.integers(-2, 4) | st.integers(), max_size=3) | JSON_VALUES,
+    },
+    optional={
+        "data": JSON_VALUES,
+        "parameters": st.dictionaries(
+            st.sampled_from(["binary_data_size", "shared_memory_region", "p"]), JSON_VALUES
+        ),
+    },
+)
+DOCS = st.fixed_dictionaries(
+    {},
+    optional={
+        "inputs": st.lists(TENSORS, max_size=3) | JSON_VALUES,
+        "outputs": st.lists(
+            st.fixed_dictionaries({"name": JSON_VALUES}, optional={"parameters": JSON_VALUES}),
+            max_size=2,
+        )
+        | JSON_VALUES,
+        "parameters": st.dictionaries(st.text(max_size=8), JSON_VALUES, max_size=3) | JSON_VALUES,
+        "id": JSON_VALUES,
+    },
+)
+
+
+@settings(max_examples=1000, deadline=None)
+@given(doc=DOCS, binary=st.binary(max_size=32))
+def test_any_json_body_is_decoded_or_invalid_input(doc: dict[str, Any], binary: bytes) -> None:
+    """Whatever the JSON: a request (then the codec's decode), or InvalidInput;
+    never another exception (which the client would see as INTERNAL)."""
+    try:
+        request, raw, _ = _decode(doc, binary)
+        decode_inputs(request, raw=raw)
+    except InvalidInput:
+        pass

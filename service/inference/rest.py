@@ -44,6 +44,7 @@ BINARY_DATA_OUTPUT = "binary_data_output"
 _LENGTH = struct.Struct("<I")
 _INT_KINDS = frozenset("iu")
 _NUMBER_KINDS = frozenset("iuf")
+_INT64 = 1 << 63
 MAX_DEPTH = 64  # nesting of a tensor's ``data`` beyond any shape we take
 
 
@@ -215,7 +216,7 @@ def _input(
     if not isinstance(datatype, str):
         raise InvalidInput(f"{where} has no 'datatype' string")
     if not isinstance(shape, list) or not all(
-        isinstance(d, int) and not isinstance(d, bool) for d in shape
+        isinstance(d, int) and not isinstance(d, bool) and -_INT64 <= d < _INT64 for d in shape
     ):
         raise InvalidInput(f"{where}: 'shape' must be a list of integers")
     params = _object(tensor.get("parameters"), f"{where}: 'parameters'")
