@@ -105,7 +105,7 @@ def routing_head(name: str, version: str) -> bytes:
     return head + (_len_field(2, version.encode()) if version else b"")
 
 
-def envelope_head(name: str, version: str, rest: RestHead, body: bytes) -> bytes:
+def envelope_head(name: str, version: str, rest: RestHead, body: Wire) -> bytes:
     """What the pool peeks at when the body travels in a slab: the model, and
     the JSON of a binary-extension body when it is small (its scheduling
     parameters are there); the tensors' bytes stay in the slab."""
@@ -113,7 +113,8 @@ def envelope_head(name: str, version: str, rest: RestHead, body: bytes) -> bytes
     length = rest.header_length
     if length is None or rest.encoding != IDENTITY or length > min(MAX_PEEK, len(body)):
         return head
-    return head + _varint_field(HEADER_FIELD, length) + _len_field(JSON_HEAD_FIELD, body[:length])
+    json = bytes(body[:length])
+    return head + _varint_field(HEADER_FIELD, length) + _len_field(JSON_HEAD_FIELD, json)
 
 
 def unwrap(data: Wire) -> tuple[RestHead, Wire] | None:

@@ -222,12 +222,13 @@ class HttpDoor:
             headers = headers_of(scope)
             budget = budget_of(scope, headers)
             header_length = header_length_of(headers)
-            body = await self._read_body(receive, headers, budget)
-            if body is None:
+            chunks = await self._read_body(receive, headers, budget)
+            if chunks is None:
                 return  # the client went away while sending
             limit = self.settings.max_message_size
             rest = RestHead(header_length, encoding_of(headers), IDENTITY, limit)
-            wrapped = b"".join((wrap_head(name, version, len(body), rest), body))
+            prefix = wrap_head(name, version, sum(map(len, chunks)), rest)
+            wrapped = b"".join([prefix, *chunks])
             route = self.routes.route(name)
             deadline = self.core.deadline(budget)
             assert route.lane is not None
@@ -285,16 +286,17 @@ class HttpDoor:
             budget = budget_of(scope, headers)
             started = time.monotonic()
             header_length = header_length_of(headers)
-            body = await self._read_body(receive, headers, budget)
-            if body is None:
+            chunks = await self._read_body(receive, headers, budget)
+            if chunks is None:
                 return 499  # the client went away while sending
             body_read = True
+            size = sum(map(len, chunks))
             if budget is not None:
                 budget -= time.monotonic() - started
-            if header_length is not None and identity(headers) and header_length > len(body):
+            if header_length is not None and identity(headers) and header_length > size:
                 raise InvalidInput(
                     f"Inference-Header-Content-Length {header_length} is past the end of "
-                    f"the {len(body)}-byte body"
+                    f"the {size}-byte body"
                 )
             rest = RestHead(
                 header_length if protocol == V2 else None,
@@ -303,8 +305,11 @@ class HttpDoor:
                 self.settings.max_message_size,
                 protocol,
             )
-            wrapped = b"".join((wrap_head(name, version, len(body), rest), body))
-            attached = self._names_regions(body, rest)
+            prefix = wrap_head(name, version, size, rest)
+            wrapped = b"".join([prefix, *chunks])  # the one copy of the body in the router
+            del chunks
+            body = memoryview(wrapped)[len(prefix) :]
+            attached = self._names_regions(wrapped, len(prefix), rest)
             if attached:  # every registration: the worker takes the ones it names
                 wrapped = wrap(list(self.shared_memory.regions.values()), wrapped)
             # a large body goes in a slab: the pool peeks at this instead
@@ -341,20 +346,21 @@ class HttpDoor:
             connection.refuse(status, message)
         return status
 
-    def _names_regions(self, body: bytes, rest: RestHead) -> bool:
-        """Whether the body may name a shared-memory region (the JSON is searched
-        for the parameter's name, never parsed; a compressed one cannot be)."""
+    def _names_regions(self, wrapped: bytes, start: int, rest: RestHead) -> bool:
+        """Whether the body (from ``start`` in ``wrapped``) may name a shared-memory
+        region: its JSON is searched for the parameter's name, never parsed (a
+        compressed one cannot be searched)."""
         if not self.shared_memory.regions:
             return False
         if rest.encoding != IDENTITY:
             return True
-        length = rest.header_length
-        return _MENTION in (body if length is None else body[:length])
+        end = len(wrapped) if rest.header_length is None else start + rest.header_length
+        return wrapped.find(_MENTION, start, end) >= 0
 
     async def _read_body(
         self, receive: Receive, headers: dict[bytes, bytes], budget: float | None
-    ) -> bytes | None:
-        """The whole body (None: the client went away), within the call's deadline."""
+    ) -> list[bytes] | None:
+        """The body's chunks (None: the client went away), within the call's deadline."""
         limit = self.settings.max_message_size
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -377,7 +383,7 @@ class HttpDoor:
             raise DeadlineExceeded(
                 "deadline exceeded while the client was still sending its body", stage="router"
             ) from None
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        return chunks
 
 
 def _infer_target(path: str) -> tuple[str, str, int]:
