@@ -11,13 +11,16 @@ streams; the pool's queue depth, which has no event, is polled.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
 import os
+import random
 import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -29,6 +32,7 @@ from test_mlserver import CUSTOM
 from tritonclient.utils import InferenceServerException
 
 from batch_models import ROWS_MODEL
+from harness import rss_bytes
 from serving import Serving, pool_status, wait_serving
 from support import copy_example, write_model
 
@@ -698,3 +702,59 @@ def test_generate_stream_sends_a_decoupled_models_responses_as_events(tree: Serv
     assert missing.status_code == 404
     bad = _post(tree, "/v2/models/repeat_int32/generate_stream", json={"inputs": []})
     assert bad.status_code == 400 and "inputs" in bad.json()["error"]  # before any event
+
+
+def _router_pid(tree: Serving) -> int:
+    for pid in tree.snapshot():
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/comm").read_text().strip() == "poolserve-rtr":
+                return pid
+    raise AssertionError("no router process")
+
+
+def _garbage(rng: random.Random) -> bytes:
+    """One malformed or hostile request, chosen at random."""
+    body = json.dumps(_infer_body([rng.random()])).encode()
+    choices = [
+        lambda: rng.randbytes(rng.randint(1, 300)),
+        lambda: (
+            b"POST /v2/models/echo/infer HTTP/1.1\r\ncontent-length: %d\r\n\r\n" % 10**6
+            + rng.randbytes(100)
+        ),
+        lambda: (
+            b"POST /v2/models/echo/infer HTTP/1.1\r\ncontent-length: %d\r\n\r\n%s"
+            % (len(body), body[: rng.randint(0, len(body))].replace(b"[", b"{"))
+        ),
+        lambda: b"GET /v2/" + b"x" * rng.randint(1, 20000) + b" HTTP/1.1\r\n\r\n",
+        lambda: (
+            b"POST /v2/models/echo/infer HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\n"
+            + rng.randbytes(50)
+        ),
+        lambda: (
+            b"POST /v2/models/echo/infer HTTP/1.1\r\ninference-header-content-length: 99"
+            b"\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+        ),
+    ]
+    return rng.choice(choices)()
+
+
+def test_the_router_survives_garbage_and_its_memory_stays_flat(tree: Serving) -> None:
+    host, port = _http(tree).rsplit(":", 1)
+    pid = _router_pid(tree)
+    rng = random.Random(29)
+
+    def round_(count: int) -> None:
+        for _ in range(count):
+            with socket.create_connection((host, int(port)), timeout=WAIT) as sock:
+                sock.sendall(_garbage(rng))
+                sock.shutdown(socket.SHUT_WR)  # the client is done: the router answers or closes
+                while sock.recv(65536):
+                    pass
+
+    round_(100)  # warm: the router's caches and arenas reach their size
+    before = rss_bytes(pid)
+    round_(400)
+    grown = rss_bytes(pid) - before
+    assert grown < 32 * 1024 * 1024, f"the router grew {grown} bytes over 400 bad requests"
+    assert _router_pid(tree) == pid  # the same router: it never died
+    assert _post(tree, "/v2/models/echo/infer", json=_infer_body([1.0])).status_code == 200
