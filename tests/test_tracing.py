@@ -197,6 +197,23 @@ def test_a_rest_call_is_traced_as_a_grpc_call(tmp_path: Path) -> None:
         children = {sp.name for sp in mine if sp.parent_span_id == pool.span_id}
         assert children == {"queue", "compute"}
 
+        stream = await asyncio.to_thread(
+            requests.post,
+            f"{url}/v2/models/echo/generate_stream",
+            json=body,
+            headers=headers,
+            timeout=30,
+        )
+        assert stream.status_code == 200
+
+        def streamed(spans: list[tuple[dict[str, str], trace_pb2.Span]]) -> bool:
+            return any(sp.name.endswith("/generate_stream") for _, sp in spans)
+
+        await receiver.wait_for(streamed)
+        span = next(sp for _, sp in receiver.spans if sp.name.endswith("/generate_stream"))
+        assert attributes(span)["poolserve.stream.responses"] == 1
+        assert attributes(span)["http.response.status_code"] == 200
+
     traced_tree(tmp_path, traced_calls)
 
 

@@ -28,6 +28,7 @@ import contextlib
 import logging
 import re
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from opentelemetry.trace import Span
@@ -176,10 +177,10 @@ class HttpDoor:
         path: str = scope["path"]
         try:
             if method == "POST" and path.endswith("/generate_stream"):
-                await self._generate_stream(connection, scope, receive, send, path)
+                await self._traced(self._generate_stream, connection, scope, receive, send, path)
                 return
             if method == "POST" and path.endswith(("/infer", "/generate", ":predict")):
-                await self._infer(connection, scope, receive, send, path)
+                await self._traced(self._run_infer, connection, scope, receive, send, path)
                 return
             status, body = await self.control.answer(method, path, scope, receive)
         except Gone:
@@ -191,15 +192,22 @@ class HttpDoor:
             body = error_body(message)
         await respond(send, status, body)
 
-    async def _infer(
-        self, connection: HttpConnection, scope: Scope, receive: Receive, send: Send, path: str
+    async def _traced(
+        self,
+        run: Callable[[HttpConnection, Scope, Receive, Send, str, Span | None], Awaitable[int]],
+        connection: HttpConnection,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        path: str,
     ) -> None:
+        """A SERVER span per call when tracing is on, with the status it ended with."""
         tracing = self.core.tracing
         span = None if tracing is None else _server_span(tracing, scope)
         token = SPAN.set(span) if span is not None else None
         status = 200
         try:
-            status = await self._run_infer(connection, scope, receive, send, path, span)
+            status = await run(connection, scope, receive, send, path, span)
         finally:
             if token is not None:
                 SPAN.reset(token)
@@ -208,23 +216,33 @@ class HttpDoor:
                 span.end()
 
     async def _generate_stream(
-        self, connection: HttpConnection, scope: Scope, receive: Receive, send: Send, path: str
-    ) -> None:
+        self,
+        connection: HttpConnection,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        path: str,
+        span: Span | None,
+    ) -> int:
         """MLServer's ``generate_stream``: a decoupled model's responses as
         server-sent events, one ``data: <JSON response>`` each, over the lane's
         stream; an error in the stream is an event ``data: {"error": ...}``."""
         match = _STREAM_PATH.match(path)
         started = False
+        events_sent = 0
         try:
             if match is None:
                 raise HttpError(404, f"POST {clip(path)} is not an endpoint of this server")
             name, version = match.group(1), match.group(2) or ""
+            if span is not None:
+                span.set_attribute("poolserve.model.name", name)
+                span.set_attribute("poolserve.model.version", version)
             headers = headers_of(scope)
             budget = budget_of(scope, headers)
             header_length = header_length_of(headers)
             chunks = await self._read_body(receive, headers, budget)
             if chunks is None:
-                return  # the client went away while sending
+                return 499  # the client went away while sending
             limit = self.settings.max_message_size
             rest = RestHead(header_length, encoding_of(headers), IDENTITY, limit)
             prefix = wrap_head(name, version, sum(map(len, chunks)), rest)
@@ -232,6 +250,8 @@ class HttpDoor:
             route = self.routes.route(name)
             deadline = self.core.deadline(budget)
             assert route.lane is not None
+            if span is not None:
+                span.set_attribute("poolserve.pool", route.gid)
             connection.forwarding = asyncio.current_task()
             try:
                 items = route.lane.stream(wrapped, no_more(), deadline, as_is)
@@ -241,16 +261,19 @@ class HttpDoor:
                             refused = refusal(item)
                             if refused is not None:  # before any response: an HTTP error
                                 await respond(send, refused[0], error_body(refused[1]))
-                                return
+                                return refused[0]
                             await send(SSE_START)
                             started = True
                         await send(sse_event(item))
+                        events_sent += 1
             finally:
                 connection.forwarding = None
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if connection.lost and task is not None and task.uncancel() == 0:
-                return  # the client went: the lane's CANCEL ended the stream in the pool
+                if span is not None:
+                    span.add_event("the client closed its connection")
+                return 499  # the client went: the lane's CANCEL ended the stream in the pool
             raise
         except (HttpError, ServingError) as exc:
             if isinstance(exc, HttpError):
@@ -261,10 +284,14 @@ class HttpDoor:
                 await send(sse_event(ServingError(message)))
             else:
                 await respond(send, status, error_body(message))
-                return
+                return status
+        finally:
+            if span is not None:
+                span.set_attribute("poolserve.stream.responses", events_sent)
         if not started:
             await send(SSE_START)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return 200
 
     async def _run_infer(
         self,
