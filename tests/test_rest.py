@@ -16,6 +16,7 @@ import gzip
 import json
 import os
 import random
+import select
 import socket
 import threading
 import time
@@ -88,7 +89,12 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
     repo.mkdir()
     copy_example(repo, "sleep")
     write_model(repo, "broken", {"name": "broken", "implementation": "model.Broken"}, BROKEN)
-    settings = {"max_queue": 1, "http_max_connections": 4, "handshake_timeout_s": 2}
+    settings = {
+        "max_queue": 1,
+        "http_max_connections": 4,
+        "handshake_timeout_s": 2,
+        "max_unread_reply_bytes_total": 16 * 1024 * 1024,
+    }
     (repo / "settings.json").write_text(json.dumps(settings))
     with Serving(repo, base / "run", workers=1) as serving:
         _wait_serving(serving, "model:sleep")
@@ -758,3 +764,51 @@ def test_the_router_survives_garbage_and_its_memory_stays_flat(tree: Serving) ->
     assert grown < 32 * 1024 * 1024, f"the router grew {grown} bytes over 400 bad requests"
     assert _router_pid(tree) == pid  # the same router: it never died
     assert _post(tree, "/v2/models/echo/infer", json=_infer_body([1.0])).status_code == 200
+
+
+def _binary_request(values: np.ndarray, **parameters: Any) -> tuple[int, bytes]:
+    """(Inference-Header-Content-Length, body) of a binary-extension call."""
+    head = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "INPUT0",
+                    "shape": list(values.shape),
+                    "datatype": "FP32",
+                    "parameters": {"binary_data_size": values.nbytes},
+                }
+            ],
+            "parameters": {"binary_data_output": True, **parameters},
+        }
+    ).encode()
+    return len(head), head + values.tobytes()
+
+
+def _post_binary(tree: Serving, values: np.ndarray, **parameters: Any) -> requests.Response:
+    length, body = _binary_request(values, **parameters)
+    headers = {"Inference-Header-Content-Length": str(length)}
+    return _post(tree, "/v2/models/sleep/infer", data=body, headers=headers)  # sleep echoes
+
+
+def test_a_client_that_does_not_read_is_bounded_by_the_reply_budget(small: Serving) -> None:
+    host, port = _http(small).rsplit(":", 1)
+    big = np.ones((1, 8 * 1024 * 1024), np.float32)  # a 32 MiB reply
+    length, body = _binary_request(big, sleep_ms=0)
+    with socket.create_connection((host, int(port)), timeout=WAIT) as silent:
+        silent.sendall(
+            b"POST /v2/models/sleep/infer HTTP/1.1\r\nhost: x\r\n"
+            b"inference-header-content-length: %d\r\ncontent-length: %d\r\n\r\n"
+            % (length, len(body))
+            + body
+        )
+        # its reply has begun: the rest waits in the router, counted
+        assert select.select([silent], [], [], WAIT)[0], "no reply began"
+        refused = _post_binary(small, big, sleep_ms=0)
+        assert refused.status_code == 429, refused.text
+        assert "max_unread_reply_bytes_total" in refused.json()["error"]
+    # the silent client left: its reply is released, and large replies go out again
+    medium = np.ones((1, 256 * 1024), np.float32)
+    _until(
+        lambda: _post_binary(small, medium, sleep_ms=0).status_code == 200,
+        "large replies are still refused after the silent client left",
+    )

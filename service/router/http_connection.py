@@ -14,6 +14,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from poolserve.service.contract.settings import ServerSettings
 from poolserve.service.router.http_wire import error_body
+from poolserve.service.router.replybudget import ReplyBudget
 
 LINGER_S = 1.0
 
@@ -22,9 +23,12 @@ class HttpConnection(HttpToolsProtocol):
     """uvicorn's httptools protocol with the door's limits, and a hook that
     cancels a call whose client closed its connection."""
 
-    def __init__(self, settings: ServerSettings, **kwargs: Any) -> None:
+    def __init__(self, settings: ServerSettings, replies: ReplyBudget, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.settings = settings
+        self.replies = replies
+        self.peer = f"http {id(self)}"  # this connection in the router's reply budget
+        self.held = 0  # reply bytes written to the transport, not yet taken by the client
         self.refused = False
         self.lost = False
         self.forwarding: asyncio.Task[Any] | None = None
@@ -59,6 +63,7 @@ class HttpConnection(HttpToolsProtocol):
         self._disarm_head_timer()
         if self._linger is not None:
             self._linger.cancel()
+        self.settle(gone=True)
         if self.refused and self not in self.connections:
             return  # refused in connection_made: uvicorn never saw it
         if self.forwarding is not None:
@@ -113,7 +118,26 @@ class HttpConnection(HttpToolsProtocol):
 
     # parser callbacks, counted
 
+    def hold(self, size: int) -> None:
+        """Counts a large reply about to be written (RepliesUnread: over a bound)."""
+        self.replies.hold(self.peer, size)
+        self.held += size
+
+    def settle(self, gone: bool = False) -> None:
+        """Releases the held replies once the client took them (the transport's
+        buffer is empty) or left."""
+        if not self.held:
+            return
+        if gone or self.transport is None or self.transport.get_write_buffer_size() == 0:
+            self.replies.release(self.peer, self.held)
+            self.held = 0
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self.settle()
+
     def on_message_begin(self) -> None:
+        self.settle()
         super().on_message_begin()
         self._head_bytes = self._body_bytes = 0
         self.scope["poolserve.connection"] = self  # type: ignore[typeddict-unknown-key]

@@ -85,6 +85,7 @@ from poolserve.service.router.http_wire import (
     send_reply,
     sse_event,
 )
+from poolserve.service.router.replybudget import TRACKED_REPLY, RepliesUnread, ReplyBudget
 from poolserve.service.router.repository import RepositoryCalls
 from poolserve.service.router.routes import Routes
 
@@ -105,11 +106,13 @@ class HttpDoor:
         core: Forwarder,
         repository: RepositoryCalls,
         shared_memory: SharedMemory,
+        replies: ReplyBudget,
     ) -> None:
         self.settings = settings
         self.routes = routes
         self.core = core
         self.shared_memory = shared_memory
+        self.replies = replies  # the router's one budget of unread replies, both doors
         self.control = HttpControl(settings, routes, core, repository, shared_memory)
         self.state = ServerState()
         self._server: asyncio.base_events.Server | None = None
@@ -135,7 +138,11 @@ class HttpDoor:
 
         def connection() -> HttpConnection:
             return HttpConnection(
-                self.settings, config=self._config, server_state=self.state, app_state={}
+                self.settings,
+                self.replies,
+                config=self._config,
+                server_state=self.state,
+                app_state={},
             )
 
         tls = tls_context(self.settings)
@@ -344,6 +351,8 @@ class HttpDoor:
                 envelope_head(name, version, rest, body) if len(wrapped) > SLAB_THRESHOLD else b""
             )
             del body
+            if self.replies.total:  # someone is not reading: is it this connection?
+                self.replies.admit(connection.peer)
             connection.forwarding = asyncio.current_task()
             try:
                 reply = await self.core.infer(
@@ -365,13 +374,26 @@ class HttpDoor:
                 deadline_event(span, exc.stage or "router", exc.message)
             status, message = http_status(exc)
         else:
-            await send_reply(send, reply)
-            return 200
+            return await self._answer_reply(connection, send, reply)
         if body_read:
             await respond(send, status, error_body(message))
         else:  # the body is still coming: answered, and the connection closed
             connection.refuse(status, message)
         return status
+
+    async def _answer_reply(self, connection: HttpConnection, send: Send, reply: bytes) -> int:
+        """Sends a worker's reply; a large one is counted in the router's reply
+        budget until the client has taken it (429 when over a bound)."""
+        if len(reply) >= TRACKED_REPLY:
+            try:
+                connection.hold(len(reply))
+            except RepliesUnread as exc:
+                status, message = http_status(exc)
+                await respond(send, status, error_body(message))
+                return status
+        await send_reply(send, reply)
+        connection.settle()
+        return 200
 
     def _names_regions(self, wrapped: bytes, start: int, rest: RestHead) -> bool:
         """Whether the body (from ``start`` in ``wrapped``) may name a shared-memory

@@ -238,7 +238,9 @@ class Router:
         """The HTTP/REST door (http_port; -1: none), on this event loop."""
         if self.settings.http_port < 0:
             return None
-        door = HttpDoor(self.settings, self.routes, self.core, self.repository, self.shared_memory)
+        door = HttpDoor(
+            self.settings, self.routes, self.core, self.repository, self.shared_memory, self.replies
+        )
         host = self.settings.host
         try:
             self.http_port = await door.start(host, self.settings.http_port)
