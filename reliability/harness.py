@@ -322,6 +322,8 @@ class Tree:
             str(workers),
             "--metrics-port",  # a free port: trees side by side never share 8082
             "0",
+            "--http-port",  # the same for the HTTP door's 8080
+            "0",
             *extra,  # after: an explicit --metrics-port wins
         ]
         self.proc: subprocess.Popen[str] | None = None

@@ -22,6 +22,9 @@ def _server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--metrics-port", type=int, help="router's HTTP /metrics port (default 8082; -1: off)"
     )
+    parser.add_argument(
+        "--http-port", type=int, help="router's HTTP/REST port (default 8080; -1: off)"
+    )
     parser.add_argument("--workers", type=int, help="workers per pool (default 2)")
     parser.add_argument("--run-dir", help="private directory for internal sockets")
     parser.add_argument("--log-format", choices=("text", "json"))
@@ -32,6 +35,7 @@ def _flags(args: argparse.Namespace) -> dict[str, object]:
         "host": args.host,
         "grpc_port": args.grpc_port,
         "metrics_port": args.metrics_port,
+        "http_port": args.http_port,
         "parallel_workers": args.workers,
         "run_dir": args.run_dir,
         "log_format": args.log_format,

@@ -100,7 +100,7 @@ def child_argv(command: str, repo: Path, flags: Mapping[str, object]) -> list[st
     argv = [sys.executable, "-P", "-m", "poolserve.supervisor.cli", command, str(repo)]
     names = {"host": "--host", "grpc_port": "--grpc-port", "parallel_workers": "--workers"}
     names |= {"run_dir": "--run-dir", "log_format": "--log-format"}
-    names |= {"metrics_port": "--metrics-port"}
+    names |= {"metrics_port": "--metrics-port", "http_port": "--http-port"}
     for key, flag in names.items():
         value = flags.get(key)
         if value is not None:

@@ -56,6 +56,7 @@ _FLAG_NAMES = (
     ("host", "--host"),
     ("grpc_port", "--grpc-port"),
     ("metrics_port", "--metrics-port"),
+    ("http_port", "--http-port"),
     ("parallel_workers", "--workers"),
     ("log_format", "--log-format"),
 )

@@ -2,7 +2,8 @@
 
 Every server a test starts inherits POOLSERVE_METRICS_PORT=0: its router's
 /metrics takes a free port (written to ``<run_dir>/metrics.addr``) instead of
-the default 8082, which two trees (or two engineers' suites) would share.
+the default 8082, which two trees (or two engineers' suites) would share;
+POOLSERVE_HTTP_PORT=0 does the same for the HTTP door (``<run_dir>/http.addr``).
 """
 
 from __future__ import annotations
@@ -12,5 +13,6 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("POOLSERVE_METRICS_PORT", "0")
+os.environ.setdefault("POOLSERVE_HTTP_PORT", "0")  # the same for the HTTP door (http.addr)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "reliability"))

@@ -29,6 +29,7 @@ from support import wait_until
 
 MLSERVER = Path(sys.executable).parent / "mlserver"
 WAIT = 120.0
+PEER_HTTP: dict[str, str] = {}  # a running peer's REST address, by its gRPC address
 
 
 @contextlib.contextmanager
@@ -60,6 +61,7 @@ def mlserver_serving(repo: Path, log_path: Path, *models: str) -> Iterator[str]:
         start_new_session=True,
     )
     address = f"127.0.0.1:{port}"
+    PEER_HTTP[address] = f"127.0.0.1:{settings['http_port']}"
     try:
 
         def ready() -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -25,13 +26,14 @@ import grpc
 import joblib
 import numpy as np
 import pytest
+import requests
 from sklearn.datasets import load_iris
 from sklearn.linear_model import LogisticRegression
 
 from poolserve.protos import inference_pb2 as pb
 from poolserve.protos import inference_pb2_grpc as pbg
 
-from mlserver_peer import mlserver_serving
+from mlserver_peer import PEER_HTTP, mlserver_serving
 from serving import Serving, wait_serving
 from support import ROOT, copy_example, wait_until, write_model
 
@@ -503,7 +505,8 @@ def test_failed_loads_are_unavailable_with_reason_and_server_not_ready(served: S
 
 def test_mlserver_settings_json_is_read_with_notices(served: Serving) -> None:
     log = served.log()
-    for field in ("http_port: not supported", "debug: ignored"):
+    assert "http_port" not in log  # MLServer's REST port is poolserve's too (its flag wins)
+    for field in ("debug: ignored",):
         assert f"settings.json: {field}" in log, log[-3000:]
     assert "Traceback" not in log
 
@@ -604,6 +607,27 @@ def test_client_going_away_closes_the_async_generator(served: Serving) -> None:
 
     assert asyncio.run(main()) == 3
     marker = served.repo.parent / "closed" / "gone"
+    assert wait_until(marker.exists, WAIT, interval=0.1), "the generator was never closed"
+    assert marker.read_text().startswith("closed after ")
+
+
+def test_rest_client_going_away_closes_the_async_generator(served: Serving) -> None:
+    """generate_stream over HTTP: closing the connection ends the stream on the worker."""
+    host, port = (served.run_dir / "http.addr").read_text().strip().rsplit(":", 1)
+    tensor = {"name": "x", "shape": [1], "datatype": "INT32", "data": [0]}
+    body = json.dumps({"id": "gone-rest", "inputs": [tensor]}).encode()
+    with socket.create_connection((host, int(port)), timeout=WAIT) as sock:
+        sock.sendall(
+            b"POST /v2/models/ticker/generate_stream HTTP/1.1\r\nhost: x\r\n"
+            b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body) + body
+        )
+        received = b""
+        while received.count(b"data: ") < 3:  # three ticks, as they come
+            chunk = sock.recv(65536)
+            assert chunk, received
+            received += chunk
+    assert received.startswith(b"HTTP/1.1 200 ")
+    marker = served.repo.parent / "closed" / "gone-rest"
     assert wait_until(marker.exists, WAIT, interval=0.1), "the generator was never closed"
     assert marker.read_text().startswith("closed after ")
 
@@ -793,6 +817,95 @@ def test_same_errors_as_mlserver_parallel_workers(served: Serving, mlserver_work
         ours = asyncio.run(call_error(served.address, bad))
         theirs = asyncio.run(call_error(mlserver_workers, bad))
         assert ours == theirs
+
+
+def test_same_rest_replies_as_mlserver(served: Serving, mlserver: str) -> None:
+    """MLServer's documented REST calls, to both servers: the same JSON back."""
+    ours = f"http://{(served.run_dir / 'http.addr').read_text().strip()}"
+    theirs = f"http://{PEER_HTTP[mlserver]}"
+    calls = [
+        (
+            "scaler",
+            {
+                "id": "cmp",
+                "inputs": [
+                    {"name": "x", "shape": [2], "datatype": "FP32", "data": [0.5, 3.0]},
+                    {
+                        "name": "tag",
+                        "shape": [1],
+                        "datatype": "BYTES",
+                        "data": ["xyz"],
+                        "parameters": {"content_type": "str"},
+                    },
+                ],
+            },
+        ),
+        (
+            "iris",
+            {
+                "id": "i",
+                "inputs": [
+                    {
+                        "name": "predict",
+                        "shape": [2, 4],
+                        "datatype": "FP64",
+                        "data": load_iris().data[::75].ravel().tolist(),
+                    }
+                ],
+            },
+        ),
+    ]
+    for model, body in calls:
+        mine = requests.post(f"{ours}/v2/models/{model}/infer", json=body, timeout=WAIT)
+        peer = requests.post(f"{theirs}/v2/models/{model}/infer", json=body, timeout=WAIT)
+        assert mine.status_code == peer.status_code == 200, (mine.text, peer.text)
+        a, b = mine.json(), peer.json()
+        for reply in (a, b):
+            reply.pop("parameters", None)  # MLServer adds its own (content types, headers)
+            for output in reply["outputs"]:
+                output.pop("parameters", None)
+        assert a == b, (a, b)
+    for path in ("/v2/health/live", "/v2/models/scaler/ready"):  # ours has broken models
+        mine = requests.get(f"{ours}{path}", timeout=WAIT)
+        peer = requests.get(f"{theirs}{path}", timeout=WAIT)
+        assert mine.status_code == peer.status_code == 200
+
+
+def test_same_generate_stream_as_mlserver(served: Serving, mlserver: str) -> None:
+    """MLServer's REST stream (server-sent events) of a predict_stream model: the
+    same events from both servers."""
+    ours = f"http://{(served.run_dir / 'http.addr').read_text().strip()}"
+    theirs = f"http://{PEER_HTTP[mlserver]}"
+    body = {
+        "id": "gen-1",
+        "inputs": [
+            {
+                "name": "text",
+                "shape": [1],
+                "datatype": "BYTES",
+                "data": ["one two three"],
+                "parameters": {"content_type": "str"},
+            }
+        ],
+    }
+
+    def events(base: str) -> list[dict[str, object]]:
+        reply = requests.post(f"{base}/v2/models/tokens/generate_stream", json=body, timeout=WAIT)
+        assert reply.status_code == 200, reply.text
+        assert reply.headers["content-type"].startswith("text/event-stream")
+        found = []
+        for chunk in reply.content.split(b"\n\n"):
+            if chunk.startswith(b"data: "):
+                event = json.loads(chunk[len(b"data: ") :])
+                event.pop("parameters", None)
+                for output in event.get("outputs", []):
+                    output.pop("parameters", None)
+                found.append(event)
+        return found
+
+    mine, peer = events(ours), events(theirs)
+    assert [e["outputs"][0]["data"] for e in mine] == [["one"], ["two"], ["three"]]
+    assert mine == peer, (mine, peer)
 
 
 def test_same_stream_as_mlserver(served: Serving, mlserver: str) -> None:

@@ -41,10 +41,11 @@ def test_mlserver_settings_json_is_read(tmp_path: Path) -> None:
     assert (settings.parallel_workers, settings.host, settings.grpc_port) == (3, "0.0.0.0", 9100)
     assert settings.max_message_size == 4096  # grpc_max_message_length, renamed
     notices = "\n".join(mlserver_notices(repo, environ={}))
-    for field in ("debug", "http_port", "load_models_at_startup"):
+    for field in ("debug", "load_models_at_startup"):
         assert f"{field}: " in notices, notices
     assert settings.metrics_port == 8082  # the same field, the same meaning: read as is
-    assert "metrics_port" not in notices
+    assert settings.http_port == 8080  # the REST port, as in MLServer
+    assert "metrics_port" not in notices and "http_port" not in notices
     assert "model_repository_root: ignored: the repository is the folder" in notices
     assert "grpc_max_message_length: read as max_message_size" in notices
     assert "parallel_workers" not in notices and "grpc_port" not in notices

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import requests
 
 from poolserve.protos import inference_pb2 as pb
 from poolserve.protos import inference_pb2_grpc as pbg
@@ -75,6 +76,21 @@ def test_mutual_tls_requires_a_client_certificate(tmp_path: Path) -> None:
 
     with Serving(repo, tmp_path / "run") as serving:
         asyncio.run(main(serving.address))
+
+
+def test_the_rest_port_has_the_same_tls(tmp_path: Path) -> None:
+    repo, certs = tls_repo(tmp_path, mutual=True)
+    client = (str(certs / "client.crt"), str(certs / "client.key"))
+    with Serving(repo, tmp_path / "run") as serving:
+        http = (serving.run_dir / "http.addr").read_text().strip()
+        url = f"https://{http}/v2/health/live"
+        live = requests.get(url, verify=str(certs / "ca.crt"), cert=client, timeout=30)
+        assert live.status_code == 200
+        # no client certificate: refused in the handshake (TLS 1.3: right after it)
+        with pytest.raises(requests.exceptions.ConnectionError):
+            requests.get(url, verify=str(certs / "ca.crt"), timeout=30)
+        with pytest.raises(requests.exceptions.ConnectionError):  # plaintext
+            requests.get(f"http://{http}/v2/health/live", timeout=30)
 
 
 def test_half_a_tls_configuration_is_an_error(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+import requests
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 from poolserve.protos import inference_pb2 as pb
@@ -163,6 +164,55 @@ def test_one_trace_through_router_and_pool(tmp_path: Path) -> None:
                 if a.key == "poolserve.deadline.stage"
             }
             assert "pool queue" in stages
+
+    traced_tree(tmp_path, traced_calls)
+
+
+def test_a_rest_call_is_traced_as_a_grpc_call(tmp_path: Path) -> None:
+    async def traced_calls(serving: Serving, receiver: Receiver) -> None:
+        async with grpc.aio.insecure_channel(serving.address) as channel:
+            await wait_serving(channel)
+        url = f"http://{(serving.run_dir / 'http.addr').read_text().strip()}"
+        body = {"inputs": [{"name": "INPUT0", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}]}
+        headers = {"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01", "Grpc-Timeout": "5S"}
+        reply = await asyncio.to_thread(
+            requests.post, f"{url}/v2/models/echo/infer", json=body, headers=headers, timeout=30
+        )
+        assert reply.status_code == 200
+
+        def complete(spans: list[tuple[dict[str, str], trace_pb2.Span]]) -> bool:
+            names = {sp.name for _, sp in spans if sp.trace_id.hex() == TRACE_ID}
+            return {"queue", "compute"} <= names and len(names) >= 4
+
+        await receiver.wait_for(complete)
+        mine = [sp for _, sp in receiver.spans if sp.trace_id.hex() == TRACE_ID]
+        router = next(sp for sp in mine if sp.name == "POST /v2/models/echo/infer")
+        assert router.parent_span_id.hex() == CLIENT_SPAN
+        assert router.kind == trace_pb2.Span.SpanKind.SPAN_KIND_SERVER
+        attrs = attributes(router)
+        assert attrs["http.response.status_code"] == 200
+        assert attrs["poolserve.model.name"] == "echo"
+        assert 4000 < attrs["poolserve.deadline.budget_ms"] <= 5000
+        pool = next(sp for sp in mine if sp.parent_span_id == router.span_id)
+        children = {sp.name for sp in mine if sp.parent_span_id == pool.span_id}
+        assert children == {"queue", "compute"}
+
+        stream = await asyncio.to_thread(
+            requests.post,
+            f"{url}/v2/models/echo/generate_stream",
+            json=body,
+            headers=headers,
+            timeout=30,
+        )
+        assert stream.status_code == 200
+
+        def streamed(spans: list[tuple[dict[str, str], trace_pb2.Span]]) -> bool:
+            return any(sp.name.endswith("/generate_stream") for _, sp in spans)
+
+        await receiver.wait_for(streamed)
+        span = next(sp for _, sp in receiver.spans if sp.name.endswith("/generate_stream"))
+        assert attributes(span)["poolserve.stream.responses"] == 1
+        assert attributes(span)["http.response.status_code"] == 200
 
     traced_tree(tmp_path, traced_calls)
 

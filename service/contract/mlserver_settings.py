@@ -2,13 +2,13 @@
 
 An MLServer repository's ``settings.json`` (and the ``MLSERVER_*``
 environment variables) may hold MLServer's fields. Those with a poolserve
-meaning are taken (``parallel_workers``, ``grpc_port``, ``host``,
-``server_name``, ``metrics_port``: poolserve's own fields of those names;
+meaning are taken (``parallel_workers``, ``grpc_port``, ``http_port``,
+``host``, ``server_name``, ``metrics_port``: poolserve's own fields of those names;
 ``grpc_max_message_length`` as ``max_message_size``); the
 others are not errors but notices (:func:`notices`) naming them: ``debug``,
 ``model_repository_root`` (the repository is the folder given on the command
-line, as ``mlserver start FOLDER`` also overrides it), the REST, metrics,
-Kafka, cache... fields. Where poolserve's own field is set too, it wins.
+line, as ``mlserver start FOLDER`` also overrides it), the other REST,
+metrics, Kafka, cache... fields. Where poolserve's own field is set too, it wins.
 
 Layers (lowest first): defaults < ``MLSERVER_*`` < ``settings.json`` <
 ``POOLSERVE_*`` < command-line flags. ``MLSERVER_*`` sits below the file as

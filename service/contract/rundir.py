@@ -32,6 +32,7 @@ from poolserve.service.contract.settings import ConfigError
 MAX_UNIX_PATH = 107  # bytes of sun_path, without its terminating NUL
 ADDRESS_FILE = "router.addr"  # host:port the router bound (useful with --grpc-port 0)
 METRICS_ADDRESS_FILE = "metrics.addr"  # host:port of the router's /metrics (metrics_port)
+HTTP_ADDRESS_FILE = "http.addr"  # host:port of the router's HTTP/REST door (http_port)
 ROUTER_CONTROL_SOCKET = "router-control.sock"  # RouterControl for the supervisor only
 CONTROL_SOCKET = "supervisor.sock"  # SupervisorControl (supervisor/control.py serves it)
 LOCK_FILE = "poolserve.lock"  # flock: who owns this run_dir; holds the owner's pid

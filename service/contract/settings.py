@@ -90,6 +90,11 @@ class ServerSettings:
     # A reply past a bound waits while its connection (or, for the total, any)
     # reads; refused once nothing was read for this long (0: refused at once).
     unread_reply_grace_s: float = 5.0
+    # The router's HTTP/REST door (Open Inference Protocol REST, Triton's HTTP API).
+    http_port: int = 8080  # on host; 0: any free port, -1: off
+    http_max_header_bytes: int = 16 * 1024  # request line and headers together; 431 beyond
+    http_keepalive_timeout_s: float = 75.0  # an idle keep-alive connection is closed after this
+    http_max_connections: int = 1024  # open HTTP connections; one more is closed at once
 
     # Native runtimes and fork (docs/native-runtimes.md):
     threads_per_worker: int = 1  # OMP/MKL/OpenBLAS/... threads in each pool process
@@ -134,6 +139,9 @@ class ServerSettings:
 _INT_FIELDS = {
     "grpc_port",
     "metrics_port",
+    "http_port",
+    "http_max_header_bytes",
+    "http_max_connections",
     "parallel_workers",
     "max_queue",
     "max_message_size",
@@ -163,6 +171,7 @@ _FLOAT_FIELDS = {
     "repository_rescan_s",
     "warmup_timeout_s",
     "abandon_grace_s",
+    "http_keepalive_timeout_s",
 }
 # Float fields that must be above zero (in the others 0 means "off" or "at
 # once"): a default deadline of 0 fails every call, a heartbeat of 0 kills every
@@ -176,6 +185,7 @@ _POSITIVE_FIELDS = {
     "keepalive_time_s",
     "keepalive_timeout_s",
     "warmup_timeout_s",
+    "http_keepalive_timeout_s",
 }
 HEARTBEAT_MISSES = 2  # heartbeat_timeout_s spans at least this many intervals
 _BOOL_FIELDS = {"reject_hopeless", "model_control"}
@@ -197,8 +207,10 @@ def _check_value(source: str, name: str, value: object) -> object:
     if name in _INT_FIELDS:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(source, name, f"expected an integer, got {value!r}")
-        low = {"grpc_port": 0, "parallel_workers": 0, "metrics_port": -1}.get(name, 1)
-        if value < low or (name in {"grpc_port", "metrics_port"} and value > 65535):
+        low = {"grpc_port": 0, "parallel_workers": 0, "metrics_port": -1, "http_port": -1}.get(
+            name, 1
+        )
+        if value < low or (name in {"grpc_port", "metrics_port", "http_port"} and value > 65535):
             raise ConfigError(source, name, f"out of range: {value}")
         return value
     if name in _FLOAT_FIELDS:

@@ -1,7 +1,9 @@
-"""The one table from poolserve's errors to gRPC status codes, both ways.
+"""The one table from poolserve's errors to gRPC status codes, both ways, and
+beside it the one table to HTTP status codes.
 
 The router and the pool server answer every failure through :func:`grpc_status`;
-the router rebuilds a pool's status as an error with :func:`from_upstream`.
+the router rebuilds a pool's status as an error with :func:`from_upstream`. The
+router's HTTP door answers through :func:`http_status`, with the same message.
 """
 
 from __future__ import annotations
@@ -35,6 +37,26 @@ _STATUS: dict[Failure, grpc.StatusCode] = {
 }
 
 
+# As Triton's HTTP endpoint and the Open Inference Protocol's REST spec: 400 bad
+# input, 404 unknown model, 503 not ready or down; a full queue is 429 (retry
+# later, at this server); a deadline spent is 504.
+_HTTP_STATUS: dict[Failure, int] = {
+    Failure.INTERNAL: 500,
+    Failure.NOT_FOUND: 404,
+    Failure.INVALID_INPUT: 400,
+    Failure.UNAVAILABLE: 503,
+    Failure.QUEUE_FULL: 429,
+    Failure.DEADLINE: 504,
+    Failure.CANCELLED: 499,  # nginx's "client closed request": nobody reads it
+    Failure.TOO_LARGE: 413,
+    Failure.MODEL_ERROR: 500,
+    Failure.NOT_READY: 503,
+    Failure.UNIMPLEMENTED: 501,
+    Failure.FAILED_PRECONDITION: 400,
+    Failure.ALREADY_EXISTS: 409,
+}
+
+
 def as_serving_error(exc: BaseException) -> ServingError:
     """Any exception as the error a client gets for it."""
     if isinstance(exc, ServingError):
@@ -53,6 +75,13 @@ def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """
     error = as_serving_error(exc)
     return _STATUS[error.failure], clip(error.message, MAX_MESSAGE)
+
+
+def http_status(exc: BaseException) -> tuple[int, str]:
+    """The HTTP status and message a REST client sees for ``exc`` (the message
+    is the gRPC door's, whole: a body has no trailer's size limit)."""
+    error = as_serving_error(exc)
+    return _HTTP_STATUS[error.failure], error.message
 
 
 _FAILURE_FOR_STATUS: dict[grpc.StatusCode, Failure] = {

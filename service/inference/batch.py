@@ -29,10 +29,13 @@ from poolserve.service.contract.errors import (
     ServingError,
     clip,
 )
+from poolserve.service.contract.rest import is_rest
 from poolserve.service.contract.wire import SCHEDULING_KEYS, Wire, peek_model
+from poolserve.service.inference import rest
 from poolserve.service.inference.codec import decode_inputs, encode_outputs, parameters_to_dict
 from poolserve.service.inference.infer import parse_request
 from poolserve.service.inference.model import Array, Model, check_outputs, declared_inputs
+from poolserve.service.inference.rest import Encoder
 from poolserve.service.poolcore.frames import Frame, error_frame, reply_frame
 from poolserve.service.poolcore.stats import Timings
 
@@ -47,6 +50,7 @@ class _Member:
     parameters: dict[str, object]
     rows: int
     decode_ns: int
+    encode: Encoder | None = None  # a REST call's reply encoder (None: protobuf)
 
 
 class BatchFailure(ServingError):
@@ -67,8 +71,13 @@ def run_batch(models: Mapping[str, Model], bodies: Sequence[Wire]) -> list[Frame
             model = models.get(name)
             if model is None or (version and version != model.settings.version):
                 raise ModelNotFound(f"model '{clip(name)}' is not loaded in this worker")
-            request = parse_request(body)
-            inputs = decode_inputs(request, declared=declared_inputs(model))
+            encode: Encoder | None = None
+            if is_rest(body):  # an HTTP/REST body: its JSON and binary tensors
+                request, raw, encode = rest.decode(body, model)
+                inputs = decode_inputs(request, raw=list(raw), declared=declared_inputs(model))
+            else:
+                request = parse_request(body)
+                inputs = decode_inputs(request, declared=declared_inputs(model))
             parameters = parameters_to_dict(request.parameters)
         except ServingError as exc:
             frames[index] = error_frame(index, Timings(), exc.failure, exc.message)
@@ -78,7 +87,8 @@ def run_batch(models: Mapping[str, Model], bodies: Sequence[Wire]) -> list[Frame
                 index, Timings(), Failure.INTERNAL, f"{type(exc).__name__}: {exc}"
             )
             continue
-        member = _Member(index, request, inputs, parameters, 0, time.perf_counter_ns() - t0)
+        decode_ns = time.perf_counter_ns() - t0
+        member = _Member(index, request, inputs, parameters, 0, decode_ns, encode)
         key = _compatibility(model, member)
         groups.setdefault((name, key if key is not None else ("alone", index)), []).append(member)
     for (name, _), members in groups.items():
@@ -144,8 +154,13 @@ def _run_group(model: Model, members: list[_Member]) -> list[tuple[int, Frame]]:
             response = pb.ModelInferResponse(
                 model_name=name, model_version=model.settings.version, id=m.request.id
             )
-            encode_outputs(m.request, part, response)
-            body = response.SerializeToString()
+            if m.encode is None:
+                encode_outputs(m.request, part, response)
+                body = response.SerializeToString()
+            else:
+                views: list[Any] = []
+                encode_outputs(m.request, part, response, raw=views)
+                body = b"".join(m.encode(response, views))
         except ServingError as exc:
             out.append((m.index, _error(m, exc, compute_ns)))
             continue

@@ -10,7 +10,7 @@ arrays, written after the serialized rest of the response as parts.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import cast
 
 from google.protobuf.message import DecodeError
@@ -22,6 +22,7 @@ from poolserve.service.contract.errors import (
     ModelError,
     ServingError,
 )
+from poolserve.service.contract.rest import is_rest
 from poolserve.service.contract.shm import Region, unwrap
 from poolserve.service.contract.worker_limits import LIMITS
 from poolserve.service.inference.classification import classify, requested_classes
@@ -86,6 +87,10 @@ def infer_parts(
     view of the model's array). Raw inputs reach the model as views of ``data``."""
     if regions is None:
         regions, data = unwrap(data)
+    if is_rest(data):  # an HTTP/REST body: JSON (and binary tensors) in and out
+        from poolserve.service.inference.rest import infer_rest
+
+        return infer_rest(model, data, regions)
     if isinstance(model, WireModel):  # an adapter converts with its own server's code
         if regions:
             raise InvalidInput(
@@ -97,8 +102,30 @@ def infer_parts(
     t0 = time.perf_counter_ns()
     head, raw = split_raw_inputs(data)
     request = parse_request(head)
+    response, views, timings = run_request(model, request, raw or None, regions, t0)
+    t3 = time.perf_counter_ns()
+    parts: list[Buffer] = [response.SerializeToString(), *raw_output_parts(views)]
+    timings.encode_ns += time.perf_counter_ns() - t3
+    return parts, timings
+
+
+def run_request(
+    model: Model,
+    request: pb.ModelInferRequest,
+    raw: Sequence[Buffer] | None,
+    regions: dict[str, Region],
+    t0: int,
+) -> tuple[pb.ModelInferResponse, list[Buffer], Timings]:
+    """One parsed request on the model: the response without its raw outputs,
+    each raw output's bytes (a view of the model's array where it can be), and
+    the timings since ``t0`` (when decoding began). Both doors' requests take it."""
     shared = SharedTensors(regions)
-    inputs = decode_inputs(request, shared.read, raw=raw or None, declared=declared_inputs(model))
+    inputs = decode_inputs(
+        request,
+        shared.read,
+        raw=None if raw is None else list(raw),
+        declared=declared_inputs(model),
+    )
     parameters = parameters_to_dict(request.parameters)
     sequence = model.settings.sequence
     if sequence is not None and sequence.controls:
@@ -123,6 +150,5 @@ def infer_parts(
     )
     views: list[Buffer] = []
     encode_outputs(request, outputs, response, shared.write, raw=views)
-    parts: list[Buffer] = [response.SerializeToString(), *raw_output_parts(views)]
     t3 = time.perf_counter_ns()
-    return parts, Timings(decode_ns=t1 - t0, compute_ns=t2 - t1, encode_ns=t3 - t2)
+    return response, views, Timings(decode_ns=t1 - t0, compute_ns=t2 - t1, encode_ns=t3 - t2)

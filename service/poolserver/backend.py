@@ -21,7 +21,7 @@ from poolserve.service.contract.errors import (
 from poolserve.service.contract.framing import Payload
 from poolserve.service.contract.schedule import PriorityLevels, Schedule, schedule
 from poolserve.service.contract.sequence import peek_sequence
-from poolserve.service.contract.shm import is_wrapped, unwrap
+from poolserve.service.contract.shm import is_wrapped
 from poolserve.service.contract.slab import Mapper, head, is_enveloped, parse
 from poolserve.service.contract.wire import Routing
 from poolserve.service.poolcore.dispatcher import Dispatcher, Result
@@ -29,6 +29,7 @@ from poolserve.service.poolcore.sequences import Sequences
 from poolserve.service.poolserver.catalog import ModelEntry
 from poolserve.service.poolserver.inline import InlineRunner
 from poolserve.service.poolserver.inline_sequences import InlineSequences
+from poolserve.service.poolserver.rest_scheduling import rest_batch, scheduling_view
 from poolserve.service.poolserver.servicer import Observer
 
 
@@ -84,6 +85,8 @@ class PoolBackend:
                 peeked = peek_batch(head(request), policy.safe_parameters)
             except InvalidInput:
                 peeked = None  # malformed: it runs alone, and the worker says what is wrong
+            if peeked is None:  # an HTTP/REST body: from its JSON, when small
+                peeked = rest_batch(request, policy.safe_parameters)
             if peeked is None:
                 policy = None
             else:
@@ -130,7 +133,7 @@ class PoolBackend:
         table = self._sequence_table(entry)
         began = time.monotonic_ns()
         try:
-            control = peek_sequence(unwrap(request)[1])
+            control = peek_sequence(scheduling_view(request))
             worker, name = table.route(control)
         except ServingError as exc:
             entry.stats.record_failure(0, error=exc)
@@ -179,7 +182,7 @@ class PoolBackend:
                 entry.name, settings.sequence, ended
             )
         try:
-            control = peek_sequence(unwrap(request)[1])
+            control = peek_sequence(scheduling_view(request))
             table.route(control)
         except ServingError as exc:
             entry.stats.record_failure(0, error=exc)
@@ -212,7 +215,7 @@ class PoolBackend:
         if settings.sequence is not None:  # a decoupled sequence model: on its worker
             table = self._sequence_table(entry)
             try:
-                control = peek_sequence(unwrap(request)[1])
+                control = peek_sequence(scheduling_view(request))
                 pinned, name = table.route(control)
             except ServingError as exc:
                 entry.stats.record_failure(0, error=exc)

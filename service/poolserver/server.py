@@ -32,7 +32,6 @@ from poolserve.service.contract.repository import (
 )
 from poolserve.service.contract.rundir import claim_socket, remove_own
 from poolserve.service.contract.settings import ServerSettings
-from poolserve.service.contract.shm import unwrap
 from poolserve.service.contract.wire import peek_routing
 from poolserve.service.grpcserver.health import Health
 from poolserve.service.grpcserver.pacing import Fingerprint, Pacer, Rescanner, fingerprint
@@ -49,6 +48,7 @@ from poolserve.service.poolserver.control import PoolControl
 from poolserve.service.poolserver.inline import InlineRunner, is_inline
 from poolserve.service.poolserver.lane_server import LaneServer
 from poolserve.service.poolserver.model_control import LiveModels, ModelReply
+from poolserve.service.poolserver.rest_scheduling import scheduling_view
 from poolserve.service.poolserver.servicer import InferenceServicer
 
 log = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ class PoolServer(LiveModels):
         """A lane call answered without a task: an inline model declared fast, untraced."""
         if self.servicer.tracing is not None or not self.inline.has_fast():
             return None
-        routing = peek_routing(unwrap(request)[1])
+        routing = peek_routing(scheduling_view(request))
         entry = self.catalog.lookup_ready(routing.name, routing.version)
         deadline -= self.servicer.margin_s
         return self.backend.infer_now(entry, request, deadline, routing)

@@ -1,0 +1,177 @@
+"""An HTTP/REST inference as it travels from the router to a worker and back.
+
+The router's HTTP door never parses a REST body. It sends it over the lane
+inside a wrapper that is itself a valid ModelInferRequest: ``model_name``
+(field 1) and ``model_version`` (field 2), taken from the URL, then the
+body's content kind and the body as fields no client sets. Every peek on
+the way (the pool's routing, the slab's head, batching's key) reads the
+wrapper as it reads any request; only the worker (or an inline model's
+pool) that runs it looks inside (:mod:`poolserve.service.inference.rest`).
+
+- field :data:`HEADER_FIELD` (varint, optional): Triton's binary tensor
+  extension is in use, and this is ``Inference-Header-Content-Length``: the
+  body's first that many bytes are the JSON, the tensors' bytes follow;
+  absent, the whole body is JSON.
+- fields :data:`ENCODING_FIELD`, :data:`LIMIT_FIELD` and
+  :data:`ACCEPT_FIELD` (varints, optional): the body's ``Content-Encoding``
+  (gzip or deflate; the worker inflates it, to at most the limit) and the
+  encoding the client accepts for the reply (``Accept-Encoding``).
+- field :data:`BODY_FIELD` (bytes): the body as the client sent it. When
+  the body travels in a slab, the envelope's head (what the pool peeks at)
+  holds instead :data:`JSON_HEAD_FIELD`: the JSON of a binary-extension
+  body, when small (:func:`envelope_head`).
+
+The reply is :data:`REPLY_HEAD` (the JSON's length, the reply's encoding,
+whether binary outputs follow), then the JSON and the binary outputs' bytes,
+compressed together when the reply is encoded: the router answers with
+``Inference-Header-Content-Length`` when binary outputs follow the JSON.
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from poolserve.service.contract.errors import InvalidInput
+from poolserve.service.contract.wire import Wire, encode_varint, read_varint
+
+HEADER_FIELD = 4094
+BODY_FIELD = 4095
+ENCODING_FIELD = 4093  # the body's Content-Encoding (absent: identity)
+ACCEPT_FIELD = 4092  # the reply encoding the client accepts (absent: identity)
+LIMIT_FIELD = 4091  # the most bytes a compressed body may inflate to
+JSON_HEAD_FIELD = 4090  # a slab envelope's head: the JSON before the binary tensors
+PROTOCOL_FIELD = 4089  # the body's protocol (absent: the Open Inference Protocol, V2)
+V2, V1 = 0, 1  # KServe's V1: {"instances": [...]} in, {"predictions": [...]} out
+_BODY_TAG = (BODY_FIELD << 3) | 2
+_JSON_HEAD_TAG = (JSON_HEAD_FIELD << 3) | 2
+MAX_PEEK = 64 * 1024  # the most JSON the pool reads on its event loop for scheduling
+_BODY_TAG_BYTES = encode_varint(_BODY_TAG)
+_VARINT_FIELDS = {
+    (HEADER_FIELD << 3): "header_length",
+    (ENCODING_FIELD << 3): "encoding",
+    (ACCEPT_FIELD << 3): "accept",
+    (LIMIT_FIELD << 3): "limit",
+    (PROTOCOL_FIELD << 3): "protocol",
+}
+# The reply's head: the JSON's length (uncompressed), the reply's encoding, and
+# whether binary outputs follow the JSON.
+REPLY_HEAD = struct.Struct("<IBB")
+
+IDENTITY, GZIP, DEFLATE = 0, 1, 2
+ENCODINGS = {b"identity": IDENTITY, b"gzip": GZIP, b"deflate": DEFLATE}
+ENCODING_NAMES = {GZIP: b"gzip", DEFLATE: b"deflate"}
+
+
+@dataclass(frozen=True, slots=True)
+class RestHead:
+    """What the router read from a REST call's headers for the worker."""
+
+    header_length: int | None = None  # Inference-Header-Content-Length
+    encoding: int = IDENTITY  # Content-Encoding of the body
+    accept: int = IDENTITY  # the encoding of the reply (from Accept-Encoding)
+    limit: int = 0  # max_message_size: what a compressed body may inflate to
+    protocol: int = V2  # V1: KServe's V1 predict
+
+
+def _len_field(number: int, payload: bytes) -> bytes:
+    return encode_varint((number << 3) | 2) + encode_varint(len(payload)) + payload
+
+
+def _varint_field(number: int, value: int) -> bytes:
+    return encode_varint(number << 3) + encode_varint(value)
+
+
+def wrap_head(name: str, version: str, body_length: int, rest: RestHead) -> bytes:
+    """Everything of the wrapper before the body's bytes (the body then follows as it is)."""
+    head = routing_head(name, version)
+    if rest.header_length is not None:
+        head += _varint_field(HEADER_FIELD, rest.header_length)
+    if rest.encoding != IDENTITY:
+        head += _varint_field(ENCODING_FIELD, rest.encoding)
+        head += _varint_field(LIMIT_FIELD, rest.limit)
+    if rest.accept != IDENTITY:
+        head += _varint_field(ACCEPT_FIELD, rest.accept)
+    if rest.protocol != V2:
+        head += _varint_field(PROTOCOL_FIELD, rest.protocol)
+    return head + _BODY_TAG_BYTES + encode_varint(body_length)
+
+
+def routing_head(name: str, version: str) -> bytes:
+    """Fields 1 and 2: the model and version."""
+    head = _len_field(1, name.encode())
+    return head + (_len_field(2, version.encode()) if version else b"")
+
+
+def envelope_head(name: str, version: str, rest: RestHead, body: Wire) -> bytes:
+    """What the pool peeks at when the body travels in a slab: the model, and
+    the JSON of a binary-extension body when it is small (its scheduling
+    parameters are there); the tensors' bytes stay in the slab."""
+    head = routing_head(name, version)
+    length = rest.header_length
+    if length is None or rest.encoding != IDENTITY or length > min(MAX_PEEK, len(body)):
+        return head
+    json = bytes(body[:length])
+    return head + _varint_field(HEADER_FIELD, length) + _len_field(JSON_HEAD_FIELD, json)
+
+
+def unwrap(data: Wire) -> tuple[RestHead, Wire] | None:
+    """(what the router read from the headers, the body as a slice of ``data``)
+    when ``data`` is a REST wrapper, else None (a ModelInferRequest)."""
+    values: dict[str, int] = {}
+    pos, end = 0, len(data)
+    try:
+        while pos < end:
+            tag, pos = read_varint(data, pos)
+            if tag in (_BODY_TAG, _JSON_HEAD_TAG):
+                size, pos = read_varint(data, pos)
+                if pos + size != end:
+                    return None
+                return RestHead(**values), data[pos:end]
+            key = _VARINT_FIELDS.get(tag)
+            if key is not None:
+                values[key], pos = read_varint(data, pos)
+            elif tag & 7 == 2 and tag >> 3 in (1, 2):
+                size, pos = read_varint(data, pos)
+                pos += size
+            else:
+                return None  # any other field: not a wrapper
+    except InvalidInput:
+        return None
+    return None
+
+
+def is_rest(data: Wire) -> bool:
+    return unwrap(data) is not None
+
+
+# The request parameters the pool schedules by (the schedule_policy and sequence
+# extensions), read from a REST body's JSON by the pool: everything else is the
+# worker's to read.
+SCHEDULING = ("priority", "timeout", "idempotent", "sequence_id", "sequence_start", "sequence_end")
+
+
+def encode_parameters(params: Mapping[str, object]) -> bytes:
+    """JSON parameters as ModelInferRequest field 4 entries (``map<string,
+    InferParameter>``): true/false as bool_param, integers as int64_param
+    (uint64_param beyond), strings as string_param, other numbers as
+    double_param; other values are left out (the worker says what is wrong)."""
+    out = bytearray()
+    for key, value in params.items():
+        if isinstance(value, bool):
+            param = _varint_field(1, int(value))
+        elif isinstance(value, int) and -(1 << 63) <= value < 1 << 64:
+            if value >= 1 << 63:
+                param = _varint_field(5, value)
+            else:
+                param = _varint_field(2, value & ((1 << 64) - 1))
+        elif isinstance(value, str):
+            param = _len_field(3, value.encode())
+        elif isinstance(value, float):
+            param = encode_varint((4 << 3) | 1) + struct.pack("<d", value)
+        else:
+            continue
+        out += _len_field(4, _len_field(1, key.encode()) + _len_field(2, param))
+    return bytes(out)

@@ -1,0 +1,105 @@
+"""What the pool schedules a REST call by: the ``priority``, ``timeout``,
+``idempotent`` and sequence parameters in its JSON body.
+
+A gRPC request carries them in its wire bytes, where the pool peeks at them
+without parsing (:mod:`poolserve.service.contract.wire`,
+:mod:`poolserve.service.contract.sequence`). A REST body arrives as the
+router forwarded it (:mod:`poolserve.service.contract.rest`); here its JSON
+is read with orjson when it is small enough to read on the pool's event loop
+(:data:`MAX_PEEK` bytes: Triton's binary extension keeps the JSON small
+whatever the tensors' size), and the parameters are turned into the same
+wire bytes, so that the same peeks, with the same checks and the same
+errors, apply. A larger or compressed JSON body is scheduled with the
+defaults, and its parameters reach the model only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from poolserve.service.contract.framing import Payload
+from poolserve.service.contract.rest import (
+    IDENTITY,
+    MAX_PEEK,
+    SCHEDULING,
+    V2,
+    RestHead,
+    encode_parameters,
+    routing_head,
+)
+from poolserve.service.contract.rest import unwrap as unwrap_rest
+from poolserve.service.contract.shm import unwrap
+from poolserve.service.contract.wire import Wire, peek_model
+
+
+def scheduling_view(request: Payload) -> Wire:
+    """The bytes the pool's peeks read: the request itself, or for a REST
+    body its model, version and JSON scheduling parameters as wire fields."""
+    data = unwrap(request)[1]
+    rest = unwrap_rest(data)
+    if rest is None:
+        return data
+    head, body = rest
+    name, version = peek_model(data)
+    return routing_head(name, version) + encode_parameters(_parameters(head, body))
+
+
+def _document(head: RestHead, body: Wire) -> dict[str, Any] | None:
+    """The body's JSON, when small, plain and an object; else None."""
+    length = head.header_length
+    text = body if length is None else body[:length]
+    if head.encoding != IDENTITY or head.protocol != V2 or len(text) > MAX_PEEK:
+        return None
+    try:
+        doc = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return None  # the worker says what is wrong with it
+    return doc if isinstance(doc, dict) else None
+
+
+def _parameters(head: RestHead, body: Wire) -> dict[str, object]:
+    doc = _document(head, body)
+    params = doc.get("parameters") if doc is not None else None
+    if not isinstance(params, dict):
+        return {}
+    return {key: params[key] for key in SCHEDULING if key in params}
+
+
+# what differs per request without keeping requests apart
+_PER_REQUEST = frozenset(("binary_data_size", "binary_data_output"))
+
+
+def rest_batch(request: Payload, safe: frozenset[str]) -> tuple[int, bytes] | None:
+    """(rows, batch key) of a REST body, as :func:`poolserve.service.contract.batching.peek_batch`
+    gives them for a ModelInferRequest; None when it runs alone (too large to
+    read here, no inputs, inputs that disagree on dimension 0)."""
+    rest = unwrap_rest(unwrap(request)[1])
+    if rest is None:
+        return None
+    doc = _document(*rest)
+    inputs = doc.get("inputs") if doc is not None else None
+    if doc is None or not isinstance(inputs, list) or not inputs:
+        return None
+    rows: set[object] = set()
+    tensors = []
+    for tensor in inputs:
+        shape = tensor.get("shape") if isinstance(tensor, dict) else None
+        if not isinstance(shape, list) or not shape:
+            return None
+        params = tensor.get("parameters") or {}
+        if not isinstance(params, dict):
+            return None
+        rows.add(shape[0])
+        kept = sorted((k, repr(v)) for k, v in params.items() if k not in _PER_REQUEST)
+        tensors.append([tensor.get("name"), tensor.get("datatype"), shape[1:], kept])
+    count = rows.pop() if len(rows) == 1 else None
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        return None
+    params = doc.get("parameters") or {}
+    if not isinstance(params, dict):
+        return None
+    skip = safe | _PER_REQUEST | frozenset(SCHEDULING)
+    kept = sorted((k, repr(v)) for k, v in params.items() if k not in skip)
+    return count, b"rest\x00" + orjson.dumps([tensors, kept])

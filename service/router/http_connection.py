@@ -1,0 +1,213 @@
+"""One HTTP connection of the router's REST door: uvicorn's httptools
+protocol with the door's limits (request line and headers in size and time,
+body size, open connections), refusals that linger instead of resetting, and
+the hook that cancels a call whose client closed its connection."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from typing import Any
+
+import httptools
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from poolserve.service.contract.settings import ServerSettings
+from poolserve.service.router.http_wire import error_body
+from poolserve.service.router.replybudget import ReplyBudget
+
+LINGER_S = 1.0
+
+
+class HttpConnection(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the door's limits, and a hook that
+    cancels a call whose client closed its connection."""
+
+    def __init__(self, settings: ServerSettings, replies: ReplyBudget, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.settings = settings
+        self.replies = replies
+        self.peer = f"http {id(self)}"  # this connection in the router's reply budget
+        self.held = 0  # reply bytes written to the transport, not yet taken by the client
+        self.refused = False
+        self.lost = False
+        self.forwarding: asyncio.Task[Any] | None = None
+        self._head_bytes = 0
+        self._body_bytes = 0
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._linger: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        if len(self.connections) >= self.settings.http_max_connections:
+            self.refused = True
+            body = error_body("too many connections to the HTTP port (http_max_connections)")
+            transport.write(raw_response(503, body))
+            self._linger_close(transport)
+            return
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def _linger_close(self, transport: asyncio.Transport) -> None:
+        """Ends the connection after an answer: no more writes, and what the
+        client still sends is read and dropped for up to LINGER_S (closing
+        with unread data would reset the connection, and lose the answer)."""
+        if transport.can_write_eof():
+            transport.write_eof()
+            self._linger = self.loop.call_later(LINGER_S, transport.close)
+        else:
+            transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self._disarm_head_timer()
+        if self._linger is not None:
+            self._linger.cancel()
+        self.settle(gone=True)
+        if self.refused and self not in self.connections:
+            return  # refused in connection_made: uvicorn never saw it
+        if self.forwarding is not None:
+            self.forwarding.cancel()  # the client went: the pool drops its call
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self.refused:
+            return
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self.refuse(400, "protocol upgrades are not served on this port")
+        except httptools.HttpParserError as exc:
+            if not self.refused:
+                self.refuse(400, f"invalid HTTP request: {exc}")
+
+    def refuse(self, status: int, message: str) -> None:
+        """Answers ``status`` (unless a response began) and closes the connection."""
+        if self.refused:
+            return
+        self.refused = True
+        self._disarm_head_timer()
+        cycle = self.cycle
+        if self.transport is None or self.transport.is_closing():
+            return
+        if cycle is None or not cycle.response_started:
+            self.transport.write(raw_response(status, error_body(message)))
+        if cycle is not None:
+            cycle.disconnected = True  # the app's answer, if any, goes nowhere
+            cycle.message_event.set()
+        self.lost = True  # nobody to answer: a call in flight is dropped
+        if self.forwarding is not None:
+            self.forwarding.cancel()
+        self._linger_close(self.transport)
+
+    def _arm_head_timer(self) -> None:
+        self._disarm_head_timer()
+        limit = self.settings.handshake_timeout_s
+        self._head_timer = self.loop.call_later(limit, self._head_timed_out)
+
+    def _disarm_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.cycle is None or self.cycle.response_complete:
+            self.refuse(408, "the request line and headers did not come in time")
+
+    # parser callbacks, counted
+
+    def hold(self, size: int) -> None:
+        """Counts a large reply about to be written (RepliesUnread: over a bound)."""
+        self.replies.hold(self.peer, size)
+        self.held += size
+
+    def settle(self, gone: bool = False) -> None:
+        """Releases the held replies once the client took them (the transport's
+        buffer is empty) or left."""
+        if not self.held:
+            return
+        if gone or self.transport is None or self.transport.get_write_buffer_size() == 0:
+            self.replies.release(self.peer, self.held)
+            self.held = 0
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self.settle()
+
+    def on_message_begin(self) -> None:
+        self.settle()
+        super().on_message_begin()
+        self._head_bytes = self._body_bytes = 0
+        self.scope["poolserve.connection"] = self  # type: ignore[typeddict-unknown-key]
+        if self._head_timer is None:
+            self._arm_head_timer()
+
+    def on_url(self, url: bytes) -> None:
+        self._count_head(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_head(len(name) + len(value) + 4)
+        super().on_header(name, value)
+
+    def _count_head(self, size: int) -> None:
+        self._head_bytes += size
+        if self._head_bytes > self.settings.http_max_header_bytes:
+            self.refuse(431, "the request line and headers are over http_max_header_bytes")
+            raise Refused
+
+    def on_headers_complete(self) -> None:
+        self._disarm_head_timer()
+        super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        self._body_bytes += len(body)
+        if self._body_bytes > self.settings.max_message_size:
+            self.refuse(
+                413,
+                f"the body is over max_message_size ({self.settings.max_message_size} bytes)",
+            )
+            raise Refused
+        super().on_body(body)
+
+
+class Refused(Exception):
+    """Stops the parser: the connection was answered and is closing."""
+
+
+_REASONS = {
+    200: b"OK",
+    400: b"Bad Request",
+    404: b"Not Found",
+    408: b"Request Timeout",
+    413: b"Content Too Large",
+    429: b"Too Many Requests",
+    431: b"Request Header Fields Too Large",
+    500: b"Internal Server Error",
+    501: b"Not Implemented",
+    503: b"Service Unavailable",
+    504: b"Gateway Timeout",
+}
+
+
+def raw_response(status: int, body: bytes) -> bytes:
+    reason = _REASONS.get(status, b"Error")
+    return (
+        b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+        b"connection: close\r\n\r\n" % (status, reason, len(body))
+    ) + body
+
+
+def tls_context(settings: ServerSettings) -> ssl.SSLContext | None:
+    """TLS for the HTTP port when the router's port has it (the same files):
+    mutual TLS with a client CA, as for gRPC."""
+    if not settings.tls_cert_file:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(settings.tls_cert_file, settings.tls_key_file)
+    if settings.tls_client_ca_file:
+        context.load_verify_locations(settings.tls_client_ca_file)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context

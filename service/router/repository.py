@@ -1,0 +1,70 @@
+"""Server-wide calls that both doors make the same way: the repository index
+merged from every pool, model load and unload at a model's pool (with the
+``model_control`` switch and routes learned for models added after start),
+and the statistics of every model. Each takes the request's protobuf bytes
+and answers protobuf bytes; a door only translates."""
+
+from __future__ import annotations
+
+from poolserve.protos import inference_pb2 as pb
+from poolserve.service.contract.errors import FailedPrecondition, ServingError
+from poolserve.service.contract.settings import ServerSettings
+from poolserve.service.router.forwarding import Forwarder, Metadata
+from poolserve.service.router.routes import Routes
+
+LOAD = "RepositoryModelLoad"
+UNLOAD = "RepositoryModelUnload"
+
+
+class RepositoryCalls:
+    def __init__(self, settings: ServerSettings, routes: Routes, core: Forwarder) -> None:
+        self.settings = settings
+        self.routes = routes
+        self.core = core
+
+    async def control(
+        self, method: str, name: str, body: bytes, budget: float | None, metadata: Metadata
+    ) -> bytes:
+        """RepositoryModelLoad or RepositoryModelUnload of one model, at its pool."""
+        if not self.settings.model_control:
+            # Checked here, at the public door: the pools' private sockets always
+            # accept loads, so that `poolserve reload` can use them.
+            raise FailedPrecondition(
+                "loading and unloading models through the API is disabled (model_control)"
+            )
+        if method == LOAD and name not in self.routes.routes:
+            await self.routes.learn_route(name)
+        return await self.core.forward(self.routes.route(name), method, body, budget, metadata)
+
+    async def index(self, body: bytes, budget: float | None, metadata: Metadata) -> bytes:
+        """Every pool's index merged, with the models that cannot be served."""
+        request = pb.RepositoryIndexRequest.FromString(body)
+        all_models = pb.RepositoryIndexRequest(repository_name=request.repository_name)
+        merged = pb.RepositoryIndexResponse()
+        for route, answer in await self.core.gather(
+            "RepositoryIndex", all_models.SerializeToString(), budget, metadata
+        ):
+            if isinstance(answer, ServingError):
+                for name in route.models:
+                    merged.models.add(
+                        name=name,
+                        state="UNAVAILABLE",
+                        reason=f"{route.where} is not answering: {answer.message}",
+                    )
+            else:
+                merged.models.extend(pb.RepositoryIndexResponse.FromString(answer).models)
+        for name, reason in self.routes.invalid.items():
+            merged.models.add(name=name, state="UNAVAILABLE", reason=reason)
+        if request.ready:
+            kept = [m for m in merged.models if m.state == "READY"]
+            del merged.models[:]
+            merged.models.extend(kept)
+        return merged.SerializeToString()
+
+    async def all_statistics(self, budget: float | None, metadata: Metadata) -> bytes:
+        merged = pb.ModelStatisticsResponse()
+        empty = pb.ModelStatisticsRequest().SerializeToString()
+        for _, answer in await self.core.gather("ModelStatistics", empty, budget, metadata):
+            if not isinstance(answer, ServingError):
+                merged.model_stats.extend(pb.ModelStatisticsResponse.FromString(answer).model_stats)
+        return merged.SerializeToString()

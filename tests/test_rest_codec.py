@@ -1,0 +1,293 @@
+"""The REST codec (service/inference/rest.py) without a server: every datatype
+as JSON (flat and nested) and as Triton's binary data, both ways, and the
+errors a malformed body gets."""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from poolserve.protos import inference_pb2 as pb
+from poolserve.service.contract.errors import InvalidInput
+from poolserve.service.contract.rest import GZIP, REPLY_HEAD, RestHead, unwrap, wrap_head
+from poolserve.service.inference.codec import decode_inputs
+from poolserve.service.inference.rest import decode_request, encode_response
+
+DATA: list[tuple[str, list[Any], str]] = [
+    ("BOOL", [True, False], "?"),
+    ("UINT8", [0, 255], "<u1"),
+    ("UINT16", [0, 65535], "<u2"),
+    ("UINT32", [0, 2**32 - 1], "<u4"),
+    ("UINT64", [0, 2**64 - 1], "<u8"),
+    ("INT8", [-128, 127], "<i1"),
+    ("INT16", [-32768, 32767], "<i2"),
+    ("INT32", [-(2**31), 2**31 - 1], "<i4"),
+    ("INT64", [-(2**63), 2**63 - 1], "<i8"),
+    ("FP16", [0.5, -2.0], "<f2"),
+    ("FP32", [1.5, -0.25], "<f4"),
+    ("FP64", [1e300, -1e-300], "<f8"),
+]
+
+
+def _decode(
+    doc: dict[str, Any], binary: bytes = b""
+) -> tuple[pb.ModelInferRequest, list[Any], Any]:
+    text = json.dumps(doc).encode()
+    header = len(text) if binary else None
+    return decode_request(memoryview(text + binary), header)
+
+
+@pytest.mark.parametrize(("datatype", "values", "dtype"), DATA)
+def test_json_data_every_datatype(datatype: str, values: list[Any], dtype: str) -> None:
+    doc = {"inputs": [{"name": "x", "shape": [1, 2], "datatype": datatype, "data": values}]}
+    request, raw, _ = _decode(doc)
+    arr = decode_inputs(request, raw=raw)["x"]
+    assert arr.dtype == np.dtype(dtype) and arr.shape == (1, 2)
+    assert arr.tolist() == [values]
+
+
+def test_nested_data_and_bytes_as_strings() -> None:
+    doc = {
+        "inputs": [
+            {"name": "a", "shape": [2, 2], "datatype": "INT32", "data": [[1, 2], [3, 4]]},
+            {"name": "s", "shape": [2], "datatype": "BYTES", "data": ["héllo", ""]},
+        ]
+    }
+    request, raw, _ = _decode(doc)
+    inputs = decode_inputs(request, raw=raw)
+    assert inputs["a"].tolist() == [[1, 2], [3, 4]]
+    assert inputs["s"].tolist() == ["héllo".encode(), b""]
+
+
+def test_binary_inputs_are_views_of_the_body() -> None:
+    x = np.arange(4, dtype=np.float32)
+    words = b"".join(struct.pack("<I", len(w)) + w for w in (b"ab", b"c"))
+    doc = {
+        "inputs": [
+            {"name": "x", "shape": [4], "datatype": "FP32", "parameters": {"binary_data_size": 16}},
+            {
+                "name": "w",
+                "shape": [2],
+                "datatype": "BYTES",
+                "parameters": {"binary_data_size": len(words)},
+            },
+        ],
+        "parameters": {"binary_data_output": True, "priority": 1, "note": "n"},
+    }
+    request, raw, binary = _decode(doc, x.tobytes() + words)
+    assert isinstance(raw[0], memoryview)
+    inputs = decode_inputs(request, raw=raw)
+    assert inputs["x"].tolist() == x.tolist() and inputs["w"].tolist() == [b"ab", b"c"]
+    assert binary("any") is True
+    assert request.parameters["priority"].int64_param == 1
+    assert request.parameters["note"].string_param == "n"
+    assert "binary_data_output" not in request.parameters
+
+
+def _response(
+    *outputs: tuple[str, str, list[int], bytes],
+) -> tuple[pb.ModelInferResponse, list[Any]]:
+    response = pb.ModelInferResponse(model_name="m", model_version="1", id="i")
+    views = []
+    for name, datatype, shape, data in outputs:
+        response.outputs.add(name=name, datatype=datatype, shape=shape)
+        views.append(data)
+    return response, views
+
+
+def _reply(parts: list[Any]) -> tuple[dict[str, Any], bytes]:
+    whole = b"".join(bytes(p) for p in parts)
+    size, _, _ = REPLY_HEAD.unpack_from(whole)
+    start = REPLY_HEAD.size
+    return json.loads(whole[start : start + size]), whole[start + size :]
+
+
+def test_outputs_as_json_and_as_binary_per_output() -> None:
+    doc = {
+        "inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}],
+        "outputs": [
+            {"name": "h", "parameters": {"binary_data": True}},
+            {"name": "s"},
+            {"name": "f"},
+        ],
+    }
+    request, _, binary = _decode(doc)
+    h = np.array([0.5, 1.5], np.float16)
+    words = struct.pack("<I", 2) + b"ok"
+    response, views = _response(
+        ("h", "FP16", [2], h.tobytes()),
+        ("s", "BYTES", [1], words),
+        ("f", "FP16", [2], h.tobytes()),
+    )
+    head, tail = _reply(encode_response(request, response, views, binary))
+    assert head["model_name"] == "m" and head["id"] == "i"
+    h_out, s_out, f_out = head["outputs"]
+    assert h_out["parameters"] == {"binary_data_size": 4} and "data" not in h_out
+    assert tail == h.tobytes()
+    assert s_out["data"] == ["ok"]
+    assert f_out["data"] == [0.5, 1.5]  # FP16 as JSON numbers
+
+
+@pytest.mark.parametrize(
+    ("doc", "words"),
+    [
+        ({"inputs": []}, "non-empty"),
+        ({"inputs": [{"name": "x", "shape": [2], "datatype": "FP32", "data": [1]}]}, "elements"),
+        ({"inputs": [{"name": "x", "shape": [1], "datatype": "INT8", "data": [300]}]}, "range"),
+        ({"inputs": [{"name": "x", "shape": [1], "datatype": "INT32", "data": [1.5]}]}, "INT32"),
+        ({"inputs": [{"name": "x", "shape": [1], "datatype": "BOOL", "data": [1]}]}, "BOOL"),
+        (
+            {"inputs": [{"name": "x", "shape": [2], "datatype": "FP32", "data": [[1], [2, 3]]}]},
+            "regular",
+        ),
+        ({"inputs": [{"name": "x", "shape": [1], "datatype": "NOPE", "data": [1]}]}, "datatype"),
+        ({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32"}]}, "neither"),
+        ({"inputs": [{"name": "x", "shape": "1", "datatype": "FP32", "data": [1]}]}, "shape"),
+        ({"inputs": [{"name": "x", "shape": [1], "datatype": "BYTES", "data": [1]}]}, "strings"),
+        (
+            {
+                "inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}],
+                "parameters": {"p": [1]},
+            },
+            "parameter",
+        ),
+    ],
+)
+def test_malformed_bodies_are_invalid_input(doc: dict[str, Any], words: str) -> None:
+    with pytest.raises(InvalidInput, match=words):
+        _decode(doc)
+
+
+def test_binary_sizes_must_add_up() -> None:
+    doc = {
+        "inputs": [
+            {"name": "x", "shape": [1], "datatype": "FP32", "parameters": {"binary_data_size": 8}}
+        ]
+    }
+    with pytest.raises(InvalidInput, match="past the end"):
+        _decode(doc, b"\0" * 4)
+    doc["inputs"][0]["parameters"]["binary_data_size"] = 4  # type: ignore[index]
+    with pytest.raises(InvalidInput, match="no input claims"):
+        _decode(doc, b"\0" * 8)
+
+
+def test_deep_nesting_is_refused() -> None:
+    deep: Any = [1.0]
+    for _ in range(200):
+        deep = [deep]
+    doc = {"inputs": [{"name": "x", "shape": [1], "datatype": "BYTES", "data": deep}]}
+    with pytest.raises(InvalidInput):
+        _decode(doc)
+
+
+def test_the_wrapper_round_trips() -> None:
+    body = b'{"inputs": []}'
+    head = RestHead(7, GZIP, GZIP, 100)
+    assert unwrap(wrap_head("m", "2", len(body), head) + body) == (head, body)
+    assert unwrap(wrap_head("m", "", len(body), RestHead()) + body) == (RestHead(), body)
+    assert unwrap(pb.ModelInferRequest(model_name="m").SerializeToString()) is None
+
+
+def test_scheduling_parameters_reach_the_pools_peeks() -> None:
+    from poolserve.service.contract.sequence import peek_sequence
+    from poolserve.service.contract.wire import peek_routing
+    from poolserve.service.poolserver.rest_scheduling import MAX_PEEK, scheduling_view
+
+    params = {"priority": 2, "timeout": 5000, "sequence_id": "s1", "sequence_start": True, "x": 1}
+    body = json.dumps({"parameters": params, "inputs": []}).encode()
+    wrapped = wrap_head("m", "3", len(body), RestHead()) + body
+    view = scheduling_view(wrapped)
+    routing = peek_routing(view)
+    assert (routing.name, routing.version, routing.priority, routing.timeout_us) == (
+        "m",
+        "3",
+        2,
+        5000,
+    )
+    control = peek_sequence(view)
+    assert (control.id, control.start, control.end) == ("s1", True, False)
+    big = json.dumps({"parameters": {"priority": 2}, "pad": "x" * MAX_PEEK}).encode()
+    routing = peek_routing(scheduling_view(wrap_head("m", "", len(big), RestHead()) + big))
+    assert routing.priority is None  # too large to read on the pool's loop: the defaults
+    grpc_body = pb.ModelInferRequest(model_name="m").SerializeToString()
+    assert scheduling_view(grpc_body) == grpc_body
+
+
+def test_rest_batch_keys_match_for_json_and_binary_tensors() -> None:
+    from poolserve.service.poolserver.rest_scheduling import rest_batch
+
+    def wrapped(doc: dict[str, Any], binary: bytes = b"") -> bytes:
+        text = json.dumps(doc).encode()
+        head = RestHead(len(text) if binary else None)
+        return wrap_head("m", "", len(text) + len(binary), head) + text + binary
+
+    tensor = {"name": "x", "shape": [2, 3], "datatype": "FP32"}
+    as_json = wrapped({"inputs": [{**tensor, "data": [0] * 6}]})
+    as_binary = wrapped(
+        {
+            "inputs": [{**tensor, "parameters": {"binary_data_size": 24}}],
+            "parameters": {"binary_data_output": True, "priority": 1},
+        },
+        b"\0" * 24,
+    )
+    json_key, binary_key = rest_batch(as_json, frozenset()), rest_batch(as_binary, frozenset())
+    assert json_key is not None and json_key == binary_key and json_key[0] == 2
+    other = wrapped({"inputs": [{**tensor, "data": [0] * 6}], "parameters": {"mode": "x"}})
+    assert rest_batch(other, frozenset()) != json_key
+    assert rest_batch(other, frozenset({"mode"})) == json_key
+    assert rest_batch(wrapped({"inputs": [{**tensor, "shape": [3]}]}), frozenset()) is not None
+    assert rest_batch(wrapped({"inputs": []}), frozenset()) is None
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=20,
+)
+TENSORS = st.fixed_dictionaries(
+    {
+        "name": st.sampled_from(["INPUT0", "x", ""]) | JSON_VALUES,
+        "datatype": st.sampled_from(["FP32", "INT8", "BYTES", "BOOL", "FP16", "UINT64", "X"])
+        | JSON_VALUES,
+        "shape": st.lists(st.integers(-2, 4) | st.integers(), max_size=3) | JSON_VALUES,
+    },
+    optional={
+        "data": JSON_VALUES,
+        "parameters": st.dictionaries(
+            st.sampled_from(["binary_data_size", "shared_memory_region", "p"]), JSON_VALUES
+        ),
+    },
+)
+DOCS = st.fixed_dictionaries(
+    {},
+    optional={
+        "inputs": st.lists(TENSORS, max_size=3) | JSON_VALUES,
+        "outputs": st.lists(
+            st.fixed_dictionaries({"name": JSON_VALUES}, optional={"parameters": JSON_VALUES}),
+            max_size=2,
+        )
+        | JSON_VALUES,
+        "parameters": st.dictionaries(st.text(max_size=8), JSON_VALUES, max_size=3) | JSON_VALUES,
+        "id": JSON_VALUES,
+    },
+)
+
+
+@settings(max_examples=1000, deadline=None)
+@given(doc=DOCS, binary=st.binary(max_size=32))
+def test_any_json_body_is_decoded_or_invalid_input(doc: dict[str, Any], binary: bytes) -> None:
+    """Whatever the JSON: a request (then the codec's decode), or InvalidInput;
+    never another exception (which the client would see as INTERNAL)."""
+    try:
+        request, raw, _ = _decode(doc, binary)
+        decode_inputs(request, raw=raw)
+    except InvalidInput:
+        pass
