@@ -38,7 +38,10 @@ def write_model(
 
 def copy_example(repo: Path, name: str, gid: str | None = None) -> Path:
     target = repo / name
-    shutil.copytree(EXAMPLES / name, target, ignore=shutil.ignore_patterns("__pycache__"))
+    source = EXAMPLES / name
+    if not source.exists():  # the MLServer runtime's folder (it needs the mlserver extra)
+        source = ROOT / "examples" / "mlserver" / name
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
     if gid is not None:
         settings_path = target / "model-settings.json"
         settings = json.loads(settings_path.read_text())

@@ -35,7 +35,7 @@ from tritonclient.utils import InferenceServerException
 from batch_models import ROWS_MODEL
 from harness import rss_bytes
 from serving import Serving, pool_status, wait_serving
-from support import copy_example, write_model
+from support import copy_echo_any, copy_example, write_model
 
 pytestmark = pytest.mark.e2e
 
@@ -74,6 +74,7 @@ def tree(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
     repo.mkdir()
     for name in ("echo", "sleep", "wordcount", "simple_sequence", "repeat_int32"):
         copy_example(repo, name)
+    copy_echo_any(repo)  # echo declaring nothing: any inputs, any datatypes
     write_model(repo, "scaler", SCALER, CUSTOM)  # an MLServer MLModel, served unchanged
     write_model(repo, "rows", ROWS, ROWS_MODEL)  # batching: 4 rows start a batch
     with Serving(repo, base / "run") as serving:
@@ -121,7 +122,7 @@ def test_health_and_metadata(tree: Serving) -> None:
     assert server["name"] == "poolserve" and "model_repository" in server["extensions"]
     meta = requests.get(f"{url}/v2/models/echo", timeout=WAIT).json()
     assert meta["name"] == "echo"
-    assert meta["inputs"] == [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 16]}]
+    assert meta["inputs"] == [{"name": "INPUT0", "datatype": "FP32", "shape": [-1, -1]}]
     assert requests.get(f"{url}/v2/models/echo/versions/1", timeout=WAIT).json() == meta
     assert requests.get(f"{url}/v2/models/echo/ready", timeout=WAIT).status_code == 200
     missing = requests.get(f"{url}/v2/models/nope/ready", timeout=WAIT)
@@ -136,7 +137,7 @@ def test_tritonclient_http_health_metadata_config(tree: Serving) -> None:
         assert client.get_server_metadata()["name"] == "poolserve"
         assert client.get_model_metadata("echo")["outputs"][0]["name"] == "OUTPUT0"
         config = client.get_model_config("echo")
-        assert config["input"][0] == {"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [1, 16]}
+        assert config["input"][0] == {"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [-1, -1]}
         stats = client.get_inference_statistics("echo")
         assert stats["model_stats"][0]["name"] == "echo"
     finally:
@@ -148,7 +149,16 @@ def test_repository_index_load_unload(tree: Serving) -> None:
     try:
         index = {m["name"]: m["state"] for m in client.get_model_repository_index()}
         assert set(index.values()) == {"READY"}
-        names = {"echo", "repeat_int32", "rows", "scaler", "simple_sequence", "sleep", "wordcount"}
+        names = {
+            "echo",
+            "echo_any",
+            "repeat_int32",
+            "rows",
+            "scaler",
+            "simple_sequence",
+            "sleep",
+            "wordcount",
+        }
         assert set(index) == names
         client.unload_model("wordcount")
         assert not client.is_model_ready("wordcount")
@@ -188,7 +198,7 @@ def test_tritonclient_http_infer(tree: Serving, binary_in: bool, binary_out: boo
         outputs = [
             httpclient.InferRequestedOutput(f"OUTPUT{i}", binary_data=binary_out) for i in range(4)
         ]
-        result = client.infer("echo", inputs, outputs=outputs, request_id="r-1")
+        result = client.infer("echo_any", inputs, outputs=outputs, request_id="r-1")
         assert result.get_response()["id"] == "r-1"
         np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), x)
         np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), h)
@@ -270,7 +280,9 @@ def test_tritonclient_http_bytes(tree: Serving) -> None:
         words = httpclient.InferInput("INPUT0", [1, 2], "BYTES")
         words.set_data_from_numpy(np.array([["héllo", "wörld"]], dtype=object), binary_data=False)
         result = client.infer(
-            "echo", [words], outputs=[httpclient.InferRequestedOutput("OUTPUT0", binary_data=False)]
+            "echo_any",
+            [words],
+            outputs=[httpclient.InferRequestedOutput("OUTPUT0", binary_data=False)],
         )
         assert result.get_response()["outputs"][0]["data"] == ["héllo", "wörld"]
     finally:
@@ -292,7 +304,7 @@ def test_requests_json_as_mlserver_docs_write_it(tree: Serving) -> None:
             {"name": "INPUT0", "shape": [2, 2], "datatype": "INT32", "data": [[1, 2], [3, 4]]}
         ]
     }
-    reply = requests.post(url, json=nested, timeout=WAIT).json()
+    reply = requests.post(url.replace("/echo/", "/echo_any/"), json=nested, timeout=WAIT).json()
     assert reply["outputs"][0]["data"] == [1, 2, 3, 4]  # flat, row-major, as the peers answer
     binary = requests.post(url, json=_infer_body([1.0], binary_data_output=True), timeout=WAIT)
     assert binary.headers["content-type"] == "application/octet-stream"
