@@ -37,10 +37,7 @@ that hangs in it is killed; its death names the model it was warming up.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
-import enum
-import heapq
 import itertools
 import json
 import logging
@@ -50,13 +47,11 @@ import socket
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import cast
 
 from poolserve.service.contract.batching import BatchPolicy
 from poolserve.service.contract.errors import (
     DeadlineExceeded,
-    QueueFull,
     ServingError,
     Unavailable,
     error_for,
@@ -76,77 +71,43 @@ from poolserve.service.poolcore.frames import (
     sequence_end_frame,
     stream_frame,
 )
-from poolserve.service.poolcore.stats import Timings
+from poolserve.service.poolcore.jobqueue import JobQueue, gather_batch, take_batch
+from poolserve.service.poolcore.jobs import (
+    DEFAULT_PRIORITY,
+    RETRY_PRIORITY,
+    Job,
+    JobState,
+    Limits,
+    Parts,
+    Result,
+    Worker,
+    WorkerGone,
+    WorkerState,
+    finish,
+)
+
+__all__ = [
+    "Dispatcher",
+    "Job",
+    "JobQueue",
+    "JobState",
+    "Limits",
+    "Parts",
+    "Result",
+    "ServiceTime",
+    "Worker",
+    "WorkerGone",
+    "WorkerState",
+    "take_batch",
+]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PRIORITY = 1 << 30  # below every explicit priority (1 is the highest)
-RETRY_PRIORITY = -(1 << 62)  # a retried job goes before everything else
 STATUS_WAIT_S = 1.0  # how long a dead worker's job waits for the exit status
 ABORT_GRACE_S = 1.0  # SIGABRT (core dump, traceback) before SIGKILL
 RETURN_TRIP_S = 0.002  # a job needs its service time plus the way back through pool and router
 STUCK_AFTER_S = 1.0  # a worker this long in a job its caller left counts as stuck (health)
 BATCH_WAIT_MIN_S = 0.0002  # a batch does not wait for less than this
-
-
-class JobState(enum.Enum):
-    QUEUED = 1
-    RUNNING = 2
-    DONE = 3
-    ABANDONED = 4
-
-
-@dataclass(slots=True, eq=False)
-class Job:
-    body: Payload  # a large request's body is a view of the lane frame's buffer
-    deadline: float
-    priority: int
-    seq: int
-    future: asyncio.Future[Result]
-    tag: str = ""
-    idempotent: bool = True
-    timeout: float | None = None
-    state: JobState = JobState.QUEUED
-    enqueued: float = 0.0
-    started: float = 0.0
-    retried: bool = False
-    overtime: asyncio.TimerHandle | None = None
-    worker: Worker | None = None  # the worker it runs on (RUNNING, ABANDONED)
-    key: float = 0.0  # its place in the queue among its priority (see _order_key)
-    precision: float = 0.0  # its caller's own deadline may be this much earlier
-    entry: int = 0  # which of its queue entries is live (a requeued job has a new one)
-    batch: BatchPolicy | None = None  # its model batches: with jobs of the same batch_key
-    rows: int = 1  # its rows along dimension 0, when its model batches
-    batch_key: bytes = b""
-    members: list[Job] | None = None  # the batch it leads on a worker (itself first)
-    stream: Parts | None = None  # a stream's parts, then its end (a decoupled model)
-    pinned: bool = False  # it runs on the one worker given (a sequence's), after its others
-    sequence: str = ""  # the sequence it belongs to, for messages
-    notice: bool = False  # a SEQUENCE_END notice, not a request
-
-
-@dataclass(slots=True, eq=False)
-class Parts:
-    """A stream job's way to its caller: the parts as they come, then its end
-    (a Result or a ServingError). The worker keeps at most ``window`` parts
-    unacknowledged; the caller acknowledges each part it took."""
-
-    window: int
-    queue: asyncio.Queue[bytes | Result | ServingError] = field(default_factory=asyncio.Queue)
-    taken: int = 0  # parts taken and not yet acknowledged to the worker
-    ended: bool = False
-
-
-@dataclass(slots=True)
-class Result:
-    body: Payload  # a large reply's body is a view of the worker frame's buffer
-    timings: Timings
-    queue_ns: int
-    enqueued: float = 0.0  # loop (monotonic) times, for spans built after the fact
-    started: float = 0.0
-    finished: float = 0.0
-    batch_size: int = 1  # rows of the execution it was part of
-    batch_report: bool = True  # the one result of its execution that counts the execution
 
 
 class ServiceTime:
@@ -173,63 +134,6 @@ class ServiceTime:
 
     def needs(self) -> float:
         return self.mean + self.DEVIATIONS * self.deviation
-
-
-class WorkerState(enum.StrEnum):
-    STARTING = "starting"
-    WARMING = "warming"  # in its self-test: no job yet
-    IDLE = "idle"
-    BUSY = "busy"
-    STUCK = "stuck"  # still in a job whose caller left (killed after the abandon grace)
-    DEAD = "dead"
-
-
-@dataclass(eq=False)
-class Worker:
-    pid: int
-    sock: socket.socket
-    pidfd: int = -1
-    transport: asyncio.Transport | None = None
-    writer: Batcher | None = None  # scatter writes to the worker (never transport.write)
-    current: Job | None = None
-    served: int = 0
-    state: WorkerState = WorkerState.STARTING
-    started_at: float = field(default_factory=time.monotonic)
-    last_seen: float = field(default_factory=time.monotonic)
-    kill_reason: str = ""
-    status: str | None = None
-    lost_jobs: list[Job] = field(default_factory=list)
-    lost_tag: str = ""
-    generation: int = 0
-    retiring: bool = False
-    warming: str = ""  # the model whose warm-up prediction (or load, if spawned) runs now
-    loading: bool = False
-    warmup_timer: asyncio.TimerHandle | None = None
-    died_warming: bool = False
-    pinned: deque[Job] = field(default_factory=deque)  # its sequences' jobs, in arrival order
-    sequences: int = 0  # live sequences whose state it holds (it retires after them)
-
-
-@dataclass(frozen=True)
-class WorkerGone:
-    """A dead worker, reported once both its socket closed and its status is known."""
-
-    pid: int
-    status: str
-    tag: str  # the model it was running when it died, "" if idle
-    reason: str  # why we killed it, "" if it died on its own
-    retired: bool = False  # we retired it on purpose (rolling replacement)
-    warmup: bool = False  # it died (or was killed) in its self-test, warming up ``tag``
-
-
-@dataclass(frozen=True)
-class Limits:
-    """A dispatcher's bounds, as both doors configure them (see :class:`Dispatcher`)."""
-
-    max_queue: int
-    heartbeat_timeout: float
-    warmup_timeout: float
-    abandon_grace: float
 
 
 class Dispatcher:
@@ -296,7 +200,7 @@ class Dispatcher:
         self._refusal = error
         while (job := self._next_job()) is not None:
             job.state = JobState.DONE
-            self._finish(job, error)
+            finish(job, error)
 
     def add_worker(self, pid: int, sock: socket.socket, generation: int = 0) -> None:
         if self._tasks is None or self._closing.is_set():
@@ -595,24 +499,8 @@ class Dispatcher:
         else:
             where = f"while running on a worker of pool '{self.name}'"
             stage = "worker"
-        self._finish(job, DeadlineExceeded(f"deadline exceeded {where}", stage=stage))
+        finish(job, DeadlineExceeded(f"deadline exceeded {where}", stage=stage))
         self._abandon(job, "its deadline passed")
-
-    def _finish(self, job: Job, outcome: Result | ServingError) -> None:
-        if job.overtime is not None:
-            job.overtime.cancel()
-            job.overtime = None
-        if job.future.done():
-            return
-        if job.stream is not None and not job.stream.ended:
-            job.stream.ended = True
-            job.stream.queue.put_nowait(outcome)
-        if isinstance(outcome, Result):
-            job.future.set_result(outcome)
-        else:
-            job.future.set_exception(outcome)
-            if job.stream is not None:
-                job.future.exception()  # the stream's caller reads it from the queue
 
     def _start(self, worker: Worker, jobs: list[Job]) -> None:
         loop = asyncio.get_running_loop()
@@ -728,7 +616,7 @@ class Dispatcher:
         self.skipped_hopeless += 1
         job.state = JobState.DONE
         left = max(0.0, left) * 1000
-        self._finish(
+        finish(
             job,
             DeadlineExceeded(
                 f"deadline would pass before the request could finish: {left:.1f} ms "
@@ -835,9 +723,9 @@ class Dispatcher:
                     batch_report=report,
                 )
                 report = False
-                self._finish(member, result)
+                finish(member, result)
             else:
-                self._finish(member, error_for(part.failure, part.message))
+                finish(member, error_for(part.failure, part.message))
         if job.overtime is not None:
             job.overtime.cancel()
             job.overtime = None
@@ -1074,7 +962,7 @@ class Dispatcher:
                     f"sequence {job.sequence} of model '{job.tag}' is lost: worker pid "
                     f"{worker.pid} of pool '{self.name}' that held its state died ({why})"
                 )
-        self._finish(job, error)
+        finish(job, error)
 
     def _retry(self, job: Job) -> bool:
         """Requeues a dead worker's job once, if it may run twice and still has time."""
@@ -1102,124 +990,6 @@ class Dispatcher:
             worker.transport.close()
         else:
             worker.retiring = True
-
-
-class JobQueue:
-    """Jobs waiting to run: by priority (lowest first), then deadline, then arrival.
-
-    A job leaves it by :meth:`pop` or :meth:`remove`; removal is lazy in the
-    heap (a job that is no longer QUEUED is skipped when it comes up).
-    """
-
-    def __init__(self, limit: int, where: str) -> None:
-        self.limit = limit
-        self.where = where
-        self._heap: list[tuple[int, float, int, int, Job]] = []
-        self._keys: dict[int, list[float]] = {}  # per priority: queued jobs' keys, sorted
-        self._count = 0
-
-    def __len__(self) -> int:
-        return self._count
-
-    def push(
-        self, job: Job, precision: float, bounded: bool = True, key: float | None = None
-    ) -> None:
-        """Queues ``job``, QueueFull past the limit; see :func:`_order_key` for
-        ``precision``; ``key``: its place as before (a batch that waits puts its
-        first job back where it was)."""
-        if bounded and self._count >= self.limit:
-            raise QueueFull(f"{self.where} queue is full ({self.limit} requests waiting)")
-        keys = self._keys.setdefault(job.priority, [])
-        job.key = _order_key(keys, job.deadline, precision) if key is None else key
-        bisect.insort(keys, job.key)
-        job.entry += 1
-        heapq.heappush(self._heap, (job.priority, job.key, job.seq, job.entry, job))
-        self._count += 1
-        if len(self._heap) > 2 * self.limit + 64:
-            self._heap = [e for e in self._heap if _live(e)]
-            heapq.heapify(self._heap)
-
-    def pop(self) -> Job | None:
-        """The first queued job, out of the queue (still in state QUEUED)."""
-        while self._heap:
-            entry = heapq.heappop(self._heap)
-            if _live(entry):
-                job = entry[4]
-                self._forget(job)
-                return job
-        return None
-
-    def compatible(self, lead: Job) -> list[Job]:
-        """The queued jobs that may join ``lead``'s batch, in queue order."""
-        found = [
-            e
-            for e in self._heap
-            if _live(e)
-            and e[4] is not lead
-            and e[4].batch is not None
-            and e[4].tag == lead.tag
-            and e[4].batch_key == lead.batch_key
-        ]
-        found.sort(key=lambda e: e[:3])
-        return [e[4] for e in found]
-
-    def remove(self, job: Job) -> None:
-        """A queued job leaves for good (the caller sets its new state)."""
-        self._forget(job)
-
-    def _forget(self, job: Job) -> None:
-        self._count -= 1
-        keys = self._keys[job.priority]
-        del keys[bisect.bisect_left(keys, job.key)]
-        if not keys:
-            del self._keys[job.priority]
-
-
-def gather_batch(queue: JobQueue, job: Job, worth: Callable[[Job], bool]) -> list[Job]:
-    """``job`` (already out of ``queue``) and, in queue order, the queued jobs
-    that join its batch (``worth`` them; still in the queue), up to its
-    policy's ``max_size`` rows."""
-    policy = job.batch
-    jobs, rows = [job], job.rows
-    if policy is None:
-        return jobs
-    for other in queue.compatible(job):
-        if rows + other.rows > policy.max_size or not worth(other):
-            continue
-        jobs.append(other)
-        rows += other.rows
-        if rows >= policy.max_size:
-            break
-    return jobs
-
-
-def take_batch(queue: JobQueue, job: Job) -> list[Job]:
-    """As :func:`gather_batch`, the batch out of the queue at once (no wait)."""
-    jobs = gather_batch(queue, job, lambda other: True)
-    for other in jobs[1:]:
-        queue.remove(other)
-    return jobs
-
-
-def _live(entry: tuple[int, float, int, int, Job]) -> bool:
-    """A heap entry of a queued job that was not removed (nor queued again since)."""
-    job = entry[4]
-    return job.state is JobState.QUEUED and job.entry == entry[3]
-
-
-def _order_key(keys: list[float], deadline: float, precision: float) -> float:
-    """A job's place among the sorted keys of its priority's queued jobs: its
-    deadline, or the latest queued key at most ``precision`` after it.
-
-    The later of two deadlines closer than their precision may be the earlier
-    call's (see poolserve.service.contract.schedule), so the newcomer takes that key and
-    the sequence number puts it behind; a key is never more than ``precision``
-    past its deadline, and the expiry timer keeps the deadline itself.
-    """
-    if precision <= 0.0 or not keys:
-        return deadline
-    i = bisect.bisect_right(keys, deadline + precision)
-    return keys[i - 1] if i and keys[i - 1] > deadline else deadline
 
 
 class _WorkerLink(asyncio.BufferedProtocol):
