@@ -39,10 +39,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
 import os
-import signal
 import socket
 import time
 from collections import deque
@@ -85,6 +83,7 @@ from poolserve.service.poolcore.jobs import (
     WorkerState,
     finish,
 )
+from poolserve.service.poolcore.watch import WorkerWatch
 
 __all__ = [
     "Dispatcher",
@@ -104,9 +103,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 STATUS_WAIT_S = 1.0  # how long a dead worker's job waits for the exit status
-ABORT_GRACE_S = 1.0  # SIGABRT (core dump, traceback) before SIGKILL
 RETURN_TRIP_S = 0.002  # a job needs its service time plus the way back through pool and router
-STUCK_AFTER_S = 1.0  # a worker this long in a job its caller left counts as stuck (health)
 BATCH_WAIT_MIN_S = 0.0002  # a batch does not wait for less than this
 
 
@@ -161,10 +158,18 @@ class Dispatcher:
         self._on_change = on_change
         self._on_worker_gone = on_worker_gone
         self._on_worker_ready = on_worker_ready
-        self._warmup_noted: set[str] = set()  # models whose warm-up raised, logged once
         self._queue = JobQueue(max_queue, f"pool '{name}'")
         self._idle: deque[Worker] = deque()
         self._workers: dict[int, Worker] = {}
+        self.watch = WorkerWatch(
+            name,
+            self._workers,
+            on_change,
+            heartbeat_timeout=heartbeat_timeout,
+            warmup_timeout=warmup_timeout,
+            load_timeout=load_timeout,
+            abandon_grace=abandon_grace,
+        )
         self._dead: dict[int, Worker] = {}
         self._statuses: dict[int, str] = {}
         self._seq = itertools.count(1)
@@ -184,7 +189,7 @@ class Dispatcher:
         """Owns the worker reader tasks and the heartbeat watch until :meth:`close`."""
         async with asyncio.TaskGroup() as tasks:
             self._tasks = tasks
-            watch = tasks.create_task(self._watch_heartbeats(), name="heartbeats")
+            watch = tasks.create_task(self.watch.watch_heartbeats(), name="heartbeats")
             started()
             await self._closing.wait()
             watch.cancel()
@@ -484,10 +489,7 @@ class Dispatcher:
             if job.stream is not None and worker is not None and worker.current is job:
                 assert worker.writer is not None  # it runs a job: connected
                 worker.writer.write_now(cancel_frame(job.seq))  # it closes the model's generator
-            if self.abandon_grace > 0:
-                stuck_after = min(STUCK_AFTER_S, self.abandon_grace)
-                loop = asyncio.get_running_loop()
-                loop.call_later(stuck_after, self._stuck, job, why)
+            self.watch.caller_left(job, why)
 
     def _expire(self, job: Job) -> None:
         if job.future.done():
@@ -513,8 +515,7 @@ class Dispatcher:
         job.members = jobs if len(jobs) > 1 else None
         worker.current = job
         worker.state = WorkerState.BUSY
-        if job.timeout is not None:
-            job.overtime = loop.call_at(job.started + job.timeout, self._overtime, worker, job)
+        self.watch.time_job(worker, job)
         # Frames go out as parts (header, body views: no join), at once: a
         # worker's socket carries one job at a time.
         assert worker.writer is not None
@@ -676,7 +677,7 @@ class Dispatcher:
 
     def _protocol_error(self, worker: Worker, exc: ValueError) -> None:
         log.error("pool %s: worker %d broke the frame protocol: %s", self.name, worker.pid, exc)
-        self._kill(worker, f"frame protocol error: {exc}")
+        self.watch.kill(worker, f"frame protocol error: {exc}")
         if worker.transport is not None:
             worker.transport.close()
 
@@ -741,14 +742,7 @@ class Dispatcher:
             self._close_worker(worker)
             return
         worker.state = WorkerState.WARMING
-        self._warmup_deadline(worker)
-
-    def _warmup_deadline(self, worker: Worker) -> None:
-        if worker.warmup_timer is not None:
-            worker.warmup_timer.cancel()
-        limit = self.load_timeout if worker.loading else self.warmup_timeout
-        loop = asyncio.get_running_loop()
-        worker.warmup_timer = loop.call_later(limit, self._warmup_overdue, worker)
+        self.watch.time_warmup(worker)
 
     def _warmup_notice(self, worker: Worker, notice: Reply) -> None:
         """A WARMUP (the next model's warm-up starts) or READY frame from a fresh worker."""
@@ -757,125 +751,12 @@ class Dispatcher:
         if notice.kind in (WARMUP, LOADING):
             worker.warming = bytes(notice.body).decode("utf-8", "replace")
             worker.loading = notice.kind == LOADING
-            self._warmup_deadline(worker)  # each model gets the whole limit
+            self.watch.time_warmup(worker)  # each model gets the whole limit
             return
-        if worker.warmup_timer is not None:
-            worker.warmup_timer.cancel()
-            worker.warmup_timer = None
-        worker.warming = ""
-        self._note_warmup_report(worker, notice.body)
+        self.watch.warmup_done(worker, notice.body)
         self._worker_free(worker)
         self._on_worker_ready(worker.pid)
         self._on_change()
-
-    def _note_warmup_report(self, worker: Worker, body: Payload) -> None:
-        try:
-            raised = json.loads(bytes(body)).get("raised", {})
-        except (ValueError, AttributeError):
-            raised = {}
-        for model, error in raised.items():
-            if model not in self._warmup_noted:  # the same in every worker: said once
-                self._warmup_noted.add(model)
-                log.info(
-                    "pool %s: worker %d: the warm-up prediction of model '%s' raised %s; "
-                    "the model answered, so its self-test passed",
-                    self.name,
-                    worker.pid,
-                    model,
-                    error,
-                )
-
-    def _warmup_overdue(self, worker: Worker) -> None:
-        worker.warmup_timer = None
-        if worker.state is not WorkerState.WARMING:
-            return
-        if worker.loading:
-            self._kill(
-                worker,
-                f"self-test: loading model '{worker.warming}' in a fresh worker did not finish "
-                f"within {self.load_timeout:g} s",
-            )
-            return
-        what = f"of model '{worker.warming}' " if worker.warming else ""
-        self._kill(
-            worker,
-            f"self-test: the warm-up prediction {what}did not finish within "
-            f"{self.warmup_timeout:g} s after the fork",
-        )
-
-    # -- hung and overtime workers ---------------------------------------
-
-    async def _watch_heartbeats(self) -> None:
-        loop = asyncio.get_running_loop()
-        period = max(0.05, self.heartbeat_timeout / 4)
-        while True:
-            expected = loop.time() + period
-            await asyncio.sleep(period)  # a periodic check, not a readiness wait
-            self._check_heartbeats(loop.time(), late_by=loop.time() - expected, period=period)
-
-    def _check_heartbeats(self, now: float, late_by: float, period: float) -> None:
-        """Kills workers silent past the timeout, unless this pool was itself
-        stalled (SIGSTOP, a blocked event loop): then the workers' heartbeats may
-        sit unread in their sockets, and the next check, after a read, judges."""
-        if late_by > period:
-            log.warning(
-                "pool %s: its own event loop stalled for %.1f s; heartbeats judged next round",
-                self.name,
-                late_by,
-            )
-            return
-        for worker in list(self._workers.values()):
-            silent = now - worker.last_seen
-            if worker.state is not WorkerState.STARTING and silent > self.heartbeat_timeout:
-                self._kill(worker, f"stopped heartbeating for {silent:.1f} s")
-
-    @staticmethod
-    def _holds(worker: Worker | None, job: Job) -> bool:
-        """Whether ``worker`` runs ``job`` now (alone or in a batch)."""
-        current = None if worker is None else worker.current
-        return current is not None and (current is job or job in (current.members or ()))
-
-    def _stuck(self, job: Job, why: str) -> None:
-        """The job's caller left a while ago and its worker is still in it (and
-        in no job of a caller still waiting: a batch counts once all left)."""
-        worker = job.worker
-        if worker is None or not self._holds(worker, job) or job.state is not JobState.ABANDONED:
-            return
-        assert worker.current is not None
-        if any(m.state is JobState.RUNNING for m in worker.current.members or ()):
-            return
-        worker.state = WorkerState.STUCK
-        self._on_change()
-        left = self.abandon_grace - min(STUCK_AFTER_S, self.abandon_grace)
-        asyncio.get_running_loop().call_later(left, self._abandon_overdue, job, why)
-
-    def _abandon_overdue(self, job: Job, why: str) -> None:
-        worker = job.worker
-        if worker is not None and self._holds(worker, job):
-            self._kill(
-                worker,
-                f"model '{job.tag}' was still running {self.abandon_grace:g} s after its "
-                f"caller left ({why}): stuck, most likely in native code",
-            )
-
-    def _overtime(self, worker: Worker, job: Job) -> None:
-        job.overtime = None
-        if worker.current is job:
-            self._kill(worker, f"model '{job.tag}' ran longer than its timeout of {job.timeout} s")
-
-    def _kill(self, worker: Worker, reason: str) -> None:
-        if worker.kill_reason or worker.pidfd < 0:
-            return
-        worker.kill_reason = reason
-        log.warning("pool %s: killing worker %d: %s", self.name, worker.pid, reason)
-        self._signal(worker, signal.SIGABRT)
-        asyncio.get_running_loop().call_later(ABORT_GRACE_S, self._signal, worker, signal.SIGKILL)
-
-    @staticmethod
-    def _signal(worker: Worker, number: int) -> None:
-        if worker.pidfd >= 0:
-            with contextlib.suppress(OSError):
-                signal.pidfd_send_signal(worker.pidfd, number)
 
     # -- death -----------------------------------------------------------
 
