@@ -55,6 +55,7 @@ from poolserve.service.contract.errors import (
     error_for,
 )
 from poolserve.service.contract.framing import Batcher, Payload
+from poolserve.service.poolcore.deaths import DeathReports
 from poolserve.service.poolcore.frames import (
     LOADING,
     PART,
@@ -102,7 +103,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-STATUS_WAIT_S = 1.0  # how long a dead worker's job waits for the exit status
 RETURN_TRIP_S = 0.002  # a job needs its service time plus the way back through pool and router
 BATCH_WAIT_MIN_S = 0.0002  # a batch does not wait for less than this
 
@@ -156,7 +156,6 @@ class Dispatcher:
         self.load_timeout = load_timeout
         self.abandon_grace = abandon_grace
         self._on_change = on_change
-        self._on_worker_gone = on_worker_gone
         self._on_worker_ready = on_worker_ready
         self._queue = JobQueue(max_queue, f"pool '{name}'")
         self._idle: deque[Worker] = deque()
@@ -170,11 +169,10 @@ class Dispatcher:
             load_timeout=load_timeout,
             abandon_grace=abandon_grace,
         )
-        self._dead: dict[int, Worker] = {}
-        self._statuses: dict[int, str] = {}
         self._seq = itertools.count(1)
         self._tasks: asyncio.TaskGroup | None = None
         self._closing = asyncio.Event()
+        self.deaths = DeathReports(name, on_worker_gone, self._closing)
         self.late_replies = 0
         self.expired_in_queue = 0
         self.skipped_hopeless = 0
@@ -219,12 +217,7 @@ class Dispatcher:
 
     def worker_exited(self, pid: int, status: str) -> None:
         """The zygote reaped ``pid``: completes the death report if the socket closed."""
-        worker = self._dead.pop(pid, None)
-        if worker is None:
-            self._statuses[pid] = status  # the socket has not closed yet
-            return
-        worker.status = status
-        self._report_gone(worker)
+        self.deaths.exited(pid, status)
 
     def retire(self, pid: int) -> bool:
         """Lets a worker finish its current job, then closes it (rolling replacement)."""
@@ -775,75 +768,10 @@ class Dispatcher:
             worker.transport.close()
         else:
             worker.sock.close()
-        lead, worker.current = worker.current, None
-        worker.lost_tag = lead.tag if lead is not None else worker.warming
-        members = [] if lead is None else lead.members or [lead]
-        pinned, worker.pinned = worker.pinned, deque()
-        for job in pinned:  # their sequences' state died with the worker
-            if job.state is JobState.QUEUED:
-                job.state = JobState.RUNNING  # answered with the lost jobs
-                worker.lost_jobs.append(job)
-        retried = False
-        for job in members:
-            if job.state is not JobState.RUNNING:
-                continue
-            if not worker.kill_reason and self._retry(job):
-                retried = True
-            else:
-                worker.lost_jobs.append(job)  # answered once the exit status is known
-        if retried and self._idle:
+        if self.deaths.leaves(worker, self._retry) and self._idle:
             self._fill_idle()
-        status = self._statuses.pop(worker.pid, None)
-        if status is not None:
-            worker.status = status
-            self._report_gone(worker)
-        else:
-            self._dead[worker.pid] = worker
-            asyncio.get_running_loop().call_later(STATUS_WAIT_S, self._status_overdue, worker)
+        self.deaths.socket_closed(worker)
         self._on_change()
-
-    def _status_overdue(self, worker: Worker) -> None:
-        if self._dead.pop(worker.pid, None) is not None:
-            worker.status = "exit status unknown"
-            self._report_gone(worker)
-
-    def _report_gone(self, worker: Worker) -> None:
-        if worker.pidfd >= 0:
-            os.close(worker.pidfd)
-            worker.pidfd = -1
-        jobs, worker.lost_jobs = worker.lost_jobs, []
-        for job in jobs:
-            self._fail_lost_job(job, worker)
-        if not self._closing.is_set():
-            self._on_worker_gone(
-                WorkerGone(
-                    worker.pid,
-                    worker.status or "",
-                    worker.lost_tag,
-                    worker.kill_reason,
-                    retired=worker.retiring and not worker.lost_tag,
-                    warmup=worker.died_warming,
-                )
-            )
-
-    def _fail_lost_job(self, job: Job, worker: Worker) -> None:
-        job.state = JobState.DONE
-        if worker.kill_reason.startswith("model"):
-            error: ServingError = DeadlineExceeded(
-                f"{worker.kill_reason}; worker pid {worker.pid} was killed", stage="worker"
-            )
-        else:
-            why = worker.kill_reason or worker.status
-            error = Unavailable(
-                f"worker pid {worker.pid} of pool '{self.name}' died while running the "
-                f"request ({why})"
-            )
-            if job.sequence:
-                error = Unavailable(
-                    f"sequence {job.sequence} of model '{job.tag}' is lost: worker pid "
-                    f"{worker.pid} of pool '{self.name}' that held its state died ({why})"
-                )
-        finish(job, error)
 
     def _retry(self, job: Job) -> bool:
         """Requeues a dead worker's job once, if it may run twice and still has time."""
