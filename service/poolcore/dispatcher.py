@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import os
 import socket
@@ -49,12 +48,12 @@ from typing import cast
 
 from poolserve.service.contract.batching import BatchPolicy
 from poolserve.service.contract.errors import (
-    DeadlineExceeded,
     ServingError,
     Unavailable,
     error_for,
 )
 from poolserve.service.contract.framing import Batcher, Payload
+from poolserve.service.poolcore.admission import Admission, ServiceTime
 from poolserve.service.poolcore.deaths import DeathReports
 from poolserve.service.poolcore.frames import (
     LOADING,
@@ -72,8 +71,6 @@ from poolserve.service.poolcore.frames import (
 )
 from poolserve.service.poolcore.jobqueue import JobQueue, gather_batch, take_batch
 from poolserve.service.poolcore.jobs import (
-    DEFAULT_PRIORITY,
-    RETRY_PRIORITY,
     Job,
     JobState,
     Limits,
@@ -103,34 +100,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-RETURN_TRIP_S = 0.002  # a job needs its service time plus the way back through pool and router
 BATCH_WAIT_MIN_S = 0.0002  # a batch does not wait for less than this
-
-
-class ServiceTime:
-    """A model's recent service time and how much it varies, the way TCP tracks a
-    round trip (RFC 6298): a job is given the mean plus four mean deviations.
-
-    On a quiet host the deviation is small and a job needs about the mean; on
-    a noisy one (other processes taking the cores, a worker descheduled) the
-    deviation grows and jobs start only with room for the slower runs, so that
-    what is started finishes in time rather than for a caller already gone.
-    """
-
-    __slots__ = ("deviation", "mean")
-
-    GAIN, DEVIATION_GAIN, DEVIATIONS = 1 / 8, 1 / 4, 4
-
-    def __init__(self, first: float) -> None:
-        self.mean = first
-        self.deviation = first / 4  # until samples say otherwise: twice the first sample
-
-    def add(self, sample: float) -> None:
-        self.deviation += self.DEVIATION_GAIN * (abs(sample - self.mean) - self.deviation)
-        self.mean += self.GAIN * (sample - self.mean)
-
-    def needs(self) -> float:
-        return self.mean + self.DEVIATIONS * self.deviation
 
 
 class Dispatcher:
@@ -157,7 +127,7 @@ class Dispatcher:
         self.abandon_grace = abandon_grace
         self._on_change = on_change
         self._on_worker_ready = on_worker_ready
-        self._queue = JobQueue(max_queue, f"pool '{name}'")
+        self.admission = Admission(name, max_queue)
         self._idle: deque[Worker] = deque()
         self._workers: dict[int, Worker] = {}
         self.watch = WorkerWatch(
@@ -169,15 +139,10 @@ class Dispatcher:
             load_timeout=load_timeout,
             abandon_grace=abandon_grace,
         )
-        self._seq = itertools.count(1)
         self._tasks: asyncio.TaskGroup | None = None
         self._closing = asyncio.Event()
         self.deaths = DeathReports(name, on_worker_gone, self._closing)
         self.late_replies = 0
-        self.expired_in_queue = 0
-        self.skipped_hopeless = 0
-        self._refusal: ServingError | None = None
-        self._service: dict[str, ServiceTime] = {}  # per tag: recent worker time per job
         self._batch_timer: asyncio.TimerHandle | None = None
         self.batches = 0  # executions of more than one job
 
@@ -200,10 +165,7 @@ class Dispatcher:
 
     def refuse(self, error: ServingError) -> None:
         """No worker will come back (the zygote is gone): fail what waits, and what comes."""
-        self._refusal = error
-        while (job := self._next_job()) is not None:
-            job.state = JobState.DONE
-            finish(job, error)
+        self.admission.refuse(error)
 
     def add_worker(self, pid: int, sock: socket.socket, generation: int = 0) -> None:
         if self._tasks is None or self._closing.is_set():
@@ -255,8 +217,16 @@ class Dispatcher:
             if (w.state is WorkerState.IDLE or w.state is WorkerState.BUSY) and not w.retiring
         )
 
+    @property
+    def expired_in_queue(self) -> int:
+        return self.admission.expired_in_queue
+
+    @property
+    def skipped_hopeless(self) -> int:
+        return self.admission.skipped_hopeless
+
     def queue_depth(self) -> int:
-        return len(self._queue)
+        return len(self.admission.queue)
 
     def workers(self) -> list[Worker]:
         return list(self._workers.values())
@@ -288,14 +258,14 @@ class Dispatcher:
         """
         # With no live worker the job still queues: replacements are on their
         # way (health says NOT_SERVING meanwhile), and its deadline bounds the wait.
-        job = self._admit(body, deadline, priority, tag, idempotent, timeout, precision)
+        job = self.admission.admit(body, deadline, priority, tag, idempotent, timeout, precision)
         loop = asyncio.get_running_loop()
         if batch is not None and rows <= batch.max_size:
             job.batch, job.rows, job.batch_key = batch, rows, batch_key
-        if self._idle and not self._queue and (job.batch is None or not self._runs(tag)):
+        if self._idle and not self.admission.queue and (job.batch is None or not self._runs(tag)):
             self._start(self._idle.pop(), [job])  # a lone caller starts at once
         else:
-            self._queue.push(job, precision)
+            self.admission.queue.push(job, precision)
             if self._idle:
                 self._fill_idle()  # a batch waiting for more jobs may be complete now
         timer = loop.call_at(deadline, self._expire, job)
@@ -304,39 +274,6 @@ class Dispatcher:
         finally:
             timer.cancel()
             self._abandon(job, "it was cancelled")
-
-    def _admit(
-        self,
-        body: Payload,
-        deadline: float,
-        priority: int | None,
-        tag: str,
-        idempotent: bool,
-        timeout: float | None,
-        precision: float,
-    ) -> Job:
-        """A new job, or the refusal: the pool's own, or a deadline already spent."""
-        if self._refusal is not None:
-            raise self._refusal
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        if deadline <= now:
-            raise DeadlineExceeded(
-                f"deadline already spent on arrival at pool '{self.name}'", stage="pool"
-            )
-        job = Job(
-            body,
-            deadline,
-            DEFAULT_PRIORITY if priority is None else priority,
-            next(self._seq),
-            loop.create_future(),
-            tag,
-            idempotent,
-            timeout,
-        )
-        job.enqueued = now
-        job.precision = precision
-        return job
 
     async def submit_stream(
         self,
@@ -364,19 +301,16 @@ class Dispatcher:
         """
         loop = asyncio.get_running_loop()
         if pinned is not None:
-            if deadline <= loop.time():
-                raise DeadlineExceeded(
-                    f"deadline already spent on arrival at pool '{self.name}'", stage="pool"
-                )
+            self.admission.check_arrival(deadline)
             parts = Parts(max(1, window))
             job = self._pin(pinned, body, deadline, sequence, tag, timeout, stream=parts)
         else:
-            job = self._admit(body, deadline, priority, tag, False, timeout, precision)
+            job = self.admission.admit(body, deadline, priority, tag, False, timeout, precision)
             parts = job.stream = Parts(max(1, window))
-            if self._idle and not self._queue:
+            if self._idle and not self.admission.queue:
                 self._start(self._idle.pop(), [job])
             else:
-                self._queue.push(job, precision)
+                self.admission.queue.push(job, precision)
         timer = loop.call_at(deadline, self._expire, job)
         try:
             while True:
@@ -405,10 +339,7 @@ class Dispatcher:
         """Runs ``body`` on ``worker`` (a sequence's), after the jobs already
         pinned to it, in arrival order; never batched, never retried elsewhere."""
         loop = asyncio.get_running_loop()
-        if deadline <= loop.time():
-            raise DeadlineExceeded(
-                f"deadline already spent on arrival at pool '{self.name}'", stage="pool"
-            )
+        self.admission.check_arrival(deadline)
         job = self._pin(worker, body, deadline, sequence, tag, timeout)
         timer = loop.call_at(deadline, self._expire, job)
         try:
@@ -442,13 +373,10 @@ class Dispatcher:
                 f"sequence {sequence} of model '{tag}' is lost: worker pid {worker.pid} of "
                 f"pool '{self.name}' that held its state died"
             )
-        loop = asyncio.get_running_loop()
-        job = Job(
-            body, deadline, DEFAULT_PRIORITY, next(self._seq), loop.create_future(), tag, False
-        )
+        now = asyncio.get_running_loop().time()
+        job = self.admission.job(body, deadline, None, tag, False, now)
         job.timeout, job.pinned, job.sequence, job.notice = timeout, True, sequence, notice
         job.stream = stream
-        job.enqueued = loop.time()
         if worker.state is WorkerState.IDLE and not worker.pinned:
             with contextlib.suppress(ValueError):
                 self._idle.remove(worker)
@@ -474,7 +402,7 @@ class Dispatcher:
         """The caller is gone (result, deadline or cancel): no one will read a reply."""
         if job.state is JobState.QUEUED:
             if not job.pinned:  # a pinned one is skipped when its worker comes to it
-                self._queue.remove(job)
+                self.admission.queue.remove(job)
             job.state = JobState.ABANDONED
         elif job.state is JobState.RUNNING:
             job.state = JobState.ABANDONED
@@ -485,17 +413,8 @@ class Dispatcher:
             self.watch.caller_left(job, why)
 
     def _expire(self, job: Job) -> None:
-        if job.future.done():
-            return
-        if job.state is JobState.QUEUED:
-            self.expired_in_queue += 1
-            where = f"while queued in pool '{self.name}' (it never reached a worker)"
-            stage = "pool queue"
-        else:
-            where = f"while running on a worker of pool '{self.name}'"
-            stage = "worker"
-        finish(job, DeadlineExceeded(f"deadline exceeded {where}", stage=stage))
-        self._abandon(job, "its deadline passed")
+        if self.admission.expire(job):
+            self._abandon(job, "its deadline passed")
 
     def _start(self, worker: Worker, jobs: list[Job]) -> None:
         loop = asyncio.get_running_loop()
@@ -532,7 +451,7 @@ class Dispatcher:
 
     def _start_next(self, worker: Worker) -> bool:
         """Starts the next job, or batch, on ``worker``; False if none is to start now."""
-        job = self._next_job()
+        job = self.admission.next_job()
         if job is None:
             return False
         jobs = self._gather(job)
@@ -548,21 +467,22 @@ class Dispatcher:
         if policy is None or job.rows >= policy.max_size:
             return [job]
         now = asyncio.get_running_loop().time()
-        jobs = gather_batch(self._queue, job, lambda other: not self._hopeless(other, now))
+        jobs = gather_batch(
+            self.admission.queue, job, lambda other: not self.admission.hopeless(other, now)
+        )
         rows = sum(j.rows for j in jobs)
         if not policy.full(rows) and policy.max_time > 0 and self._runs(job.tag):
-            service = self._service.get(job.tag)
-            needs = RETURN_TRIP_S + (service.needs() if service is not None else 0.0)
+            needs = self.admission.needs(job.tag)
             until = min(
                 job.enqueued + policy.max_time,
                 min(j.deadline - j.precision for j in jobs) - needs,
             )
             if until > now + BATCH_WAIT_MIN_S:
-                self._queue.push(job, 0.0, bounded=False, key=job.key)
+                self.admission.queue.push(job, 0.0, bounded=False, key=job.key)
                 self._wake_at(until)
                 return None
         for other in jobs[1:]:
-            self._queue.remove(other)
+            self.admission.queue.remove(other)
         return jobs
 
     def _runs(self, tag: str) -> bool:
@@ -580,55 +500,6 @@ class Dispatcher:
     def _batch_due(self) -> None:
         self._batch_timer = None
         self._fill_idle()
-
-    def _next_job(self) -> Job | None:
-        """The next job worth starting.
-
-        A job that can no longer finish before its deadline (less time left than
-        its model's recent service time, with room for the slower runs of a
-        noisy host and the way back) is answered now instead of run: under
-        overload, running it would burn a worker on a reply nobody waits for,
-        and make the jobs behind it late too. The deadline counted is the
-        earliest its caller may have set (see ``precision``).
-        """
-        now = asyncio.get_running_loop().time()
-        while (job := self._queue.pop()) is not None:
-            if self._hopeless(job, now, queued=False):
-                continue
-            return job
-        return None
-
-    def _hopeless(self, job: Job, now: float, queued: bool = True) -> bool:
-        """Answers a job that cannot finish in time (``queued``: it leaves the queue)."""
-        service = self._service.get(job.tag)
-        needs = None if service is None else service.needs() + RETURN_TRIP_S
-        left = job.deadline - job.precision - now
-        if needs is None or left >= needs or job.future.done():
-            return False
-        if queued:
-            self._queue.remove(job)
-        self.skipped_hopeless += 1
-        job.state = JobState.DONE
-        left = max(0.0, left) * 1000
-        finish(
-            job,
-            DeadlineExceeded(
-                f"deadline would pass before the request could finish: {left:.1f} ms "
-                f"left in pool '{self.name}', model '{job.tag}' takes about "
-                f"{needs * 1000:.1f} ms",
-                stage="pool queue",
-            ),
-        )
-        return True
-
-    def _learn_service_time(self, tag: str, took: float) -> None:
-        """A model's service time: dispatch to reply, as the dispatcher sees it
-        (so it includes the hops and any wait for a CPU)."""
-        service = self._service.get(tag)
-        if service is None:
-            self._service[tag] = ServiceTime(took)
-        else:
-            service.add(took)
 
     def _worker_free(self, worker: Worker) -> None:
         worker.current = None
@@ -696,7 +567,7 @@ class Dispatcher:
             and not job.notice
             and any(part.failure is None for part in parts)
         ):
-            self._learn_service_time(job.tag, finished - job.started)
+            self.admission.learn_service_time(job.tag, finished - job.started)
         rows = sum(m.rows for m in members)
         report = True
         for member, part in zip(members, parts, strict=True):
@@ -768,25 +639,10 @@ class Dispatcher:
             worker.transport.close()
         else:
             worker.sock.close()
-        if self.deaths.leaves(worker, self._retry) and self._idle:
+        if self.deaths.leaves(worker, self.admission.retry) and self._idle:
             self._fill_idle()
         self.deaths.socket_closed(worker)
         self._on_change()
-
-    def _retry(self, job: Job) -> bool:
-        """Requeues a dead worker's job once, if it may run twice and still has time."""
-        loop = asyncio.get_running_loop()
-        if not job.idempotent or job.retried or job.deadline <= loop.time():
-            return False
-        if job.overtime is not None:
-            job.overtime.cancel()
-            job.overtime = None
-        job.retried = True
-        job.state = JobState.QUEUED
-        job.priority = RETRY_PRIORITY
-        job.members = None
-        self._queue.push(job, 0.0, bounded=False)
-        return True
 
     def _close_worker(self, worker: Worker) -> None:
         """Closing the socket makes the worker exit (EOF); its reader then finishes.
