@@ -54,6 +54,7 @@ from poolserve.service.contract.errors import (
 )
 from poolserve.service.contract.framing import Batcher, Payload
 from poolserve.service.poolcore.admission import Admission, ServiceTime
+from poolserve.service.poolcore.batches import BatchForming
 from poolserve.service.poolcore.deaths import DeathReports
 from poolserve.service.poolcore.frames import (
     LOADING,
@@ -69,7 +70,7 @@ from poolserve.service.poolcore.frames import (
     sequence_end_frame,
     stream_frame,
 )
-from poolserve.service.poolcore.jobqueue import JobQueue, gather_batch, take_batch
+from poolserve.service.poolcore.jobqueue import JobQueue, take_batch
 from poolserve.service.poolcore.jobs import (
     Job,
     JobState,
@@ -99,8 +100,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-BATCH_WAIT_MIN_S = 0.0002  # a batch does not wait for less than this
 
 
 class Dispatcher:
@@ -143,8 +142,7 @@ class Dispatcher:
         self._closing = asyncio.Event()
         self.deaths = DeathReports(name, on_worker_gone, self._closing)
         self.late_replies = 0
-        self._batch_timer: asyncio.TimerHandle | None = None
-        self.batches = 0  # executions of more than one job
+        self.batching = BatchForming(self.admission, self._workers, self._fill_idle)
 
     # -- lifecycle -------------------------------------------------------
 
@@ -225,6 +223,10 @@ class Dispatcher:
     def skipped_hopeless(self) -> int:
         return self.admission.skipped_hopeless
 
+    @property
+    def batches(self) -> int:
+        return self.batching.batches
+
     def queue_depth(self) -> int:
         return len(self.admission.queue)
 
@@ -262,7 +264,11 @@ class Dispatcher:
         loop = asyncio.get_running_loop()
         if batch is not None and rows <= batch.max_size:
             job.batch, job.rows, job.batch_key = batch, rows, batch_key
-        if self._idle and not self.admission.queue and (job.batch is None or not self._runs(tag)):
+        if (
+            self._idle
+            and not self.admission.queue
+            and (job.batch is None or not self.batching.runs(tag))
+        ):
             self._start(self._idle.pop(), [job])  # a lone caller starts at once
         else:
             self.admission.queue.push(job, precision)
@@ -438,7 +444,7 @@ class Dispatcher:
         elif job.members is None:
             worker.writer.write_now(*request_frame(job.seq, job.body))
         else:
-            self.batches += 1
+            self.batching.batches += 1
             worker.writer.write_now(*batch_frame(job.seq, [m.body for m in jobs]))
 
     def _fill_idle(self) -> None:
@@ -454,52 +460,11 @@ class Dispatcher:
         job = self.admission.next_job()
         if job is None:
             return False
-        jobs = self._gather(job)
+        jobs = self.batching.gather(job)
         if jobs is None:
             return False
         self._start(worker, jobs)
         return True
-
-    def _gather(self, job: Job) -> list[Job] | None:
-        """``job`` and the queued jobs that join its batch; None: the batch waits
-        for more (``job`` is back in the queue, a timer will look again)."""
-        policy = job.batch
-        if policy is None or job.rows >= policy.max_size:
-            return [job]
-        now = asyncio.get_running_loop().time()
-        jobs = gather_batch(
-            self.admission.queue, job, lambda other: not self.admission.hopeless(other, now)
-        )
-        rows = sum(j.rows for j in jobs)
-        if not policy.full(rows) and policy.max_time > 0 and self._runs(job.tag):
-            needs = self.admission.needs(job.tag)
-            until = min(
-                job.enqueued + policy.max_time,
-                min(j.deadline - j.precision for j in jobs) - needs,
-            )
-            if until > now + BATCH_WAIT_MIN_S:
-                self.admission.queue.push(job, 0.0, bounded=False, key=job.key)
-                self._wake_at(until)
-                return None
-        for other in jobs[1:]:
-            self.admission.queue.remove(other)
-        return jobs
-
-    def _runs(self, tag: str) -> bool:
-        """Whether a job of model ``tag`` is on a worker now (more are likely coming)."""
-        return any(w.current is not None and w.current.tag == tag for w in self._workers.values())
-
-    def _wake_at(self, when: float) -> None:
-        timer = self._batch_timer
-        if timer is not None and timer.when() <= when:
-            return
-        if timer is not None:
-            timer.cancel()
-        self._batch_timer = asyncio.get_running_loop().call_at(when, self._batch_due)
-
-    def _batch_due(self) -> None:
-        self._batch_timer = None
-        self._fill_idle()
 
     def _worker_free(self, worker: Worker) -> None:
         worker.current = None
