@@ -6,7 +6,9 @@ deadline is already spent; it waits in the bounded :class:`JobQueue`
 queued is answered at that moment and never reaches a worker. A job that
 can no longer finish in time (less time left than its model's recent
 service time, :class:`ServiceTime`) is answered instead of started. A dead
-worker's job is requeued once, first in line, if it may run twice.
+worker's job is requeued once, first in line, if it may run twice. A
+sequence's job (pinned to the worker that holds its state) is admitted here
+too, and never queued here: it waits behind its worker's other pinned jobs.
 """
 
 from __future__ import annotations
@@ -14,16 +16,20 @@ from __future__ import annotations
 import asyncio
 import itertools
 
-from poolserve.service.contract.errors import DeadlineExceeded, ServingError
+from poolserve.service.contract.errors import DeadlineExceeded, ServingError, Unavailable
 from poolserve.service.contract.framing import Payload
+from poolserve.service.poolcore.frames import Reply
 from poolserve.service.poolcore.jobqueue import JobQueue
 from poolserve.service.poolcore.jobs import (
     DEFAULT_PRIORITY,
     RETRY_PRIORITY,
     Job,
     JobState,
+    Worker,
+    WorkerState,
     finish,
 )
+from poolserve.service.poolcore.streams import Parts
 
 RETURN_TRIP_S = 0.002  # a job needs its service time plus the way back through pool and router
 
@@ -85,7 +91,7 @@ class Admission:
         if self._refusal is not None:
             raise self._refusal
         now = self.check_arrival(deadline)
-        job = self.job(body, deadline, priority, tag, idempotent, now)
+        job = self._job(body, deadline, priority, tag, idempotent, now)
         job.timeout = timeout
         job.precision = precision
         return job
@@ -99,7 +105,7 @@ class Admission:
             )
         return now
 
-    def job(
+    def _job(
         self,
         body: Payload,
         deadline: float,
@@ -120,6 +126,32 @@ class Admission:
             idempotent,
         )
         job.enqueued = enqueued
+        return job
+
+    def pinned(
+        self,
+        worker: Worker,
+        body: Payload,
+        deadline: float,
+        sequence: str,
+        tag: str,
+        timeout: float | None = None,
+        *,
+        notice: bool = False,
+        stream: Parts | None = None,
+    ) -> Job:
+        """A new job of ``sequence``, to run on ``worker``, which holds its state
+        (Unavailable if it died: the sequence is lost); never batched, never
+        retried elsewhere. ``notice``: a SEQUENCE_END notice, not a request."""
+        if worker.state is WorkerState.DEAD:
+            raise Unavailable(
+                f"sequence {sequence} of model '{tag}' is lost: worker pid {worker.pid} of "
+                f"pool '{self.name}' that held its state died"
+            )
+        now = asyncio.get_running_loop().time()
+        job = self._job(body, deadline, None, tag, False, now)
+        job.timeout, job.pinned, job.sequence = timeout, True, sequence
+        job.notice, job.stream = notice, stream
         return job
 
     def expire(self, job: Job) -> bool:
@@ -181,12 +213,17 @@ class Admission:
         service = self._service.get(tag)
         return RETURN_TRIP_S + (service.needs() if service is not None else 0.0)
 
-    def learn_service_time(self, tag: str, took: float) -> None:
+    def learn_service_time(self, lead: Job, replies: list[Reply], took: float) -> None:
         """A model's service time: dispatch to reply, as the dispatcher sees it
-        (so it includes the hops and any wait for a CPU)."""
-        service = self._service.get(tag)
+        (so it includes the hops and any wait for a CPU). Only an execution of
+        requests (not a stream's, not a notice's) with an answer counts."""
+        if not lead.tag or lead.stream is not None or lead.notice:
+            return
+        if all(reply.failure is not None for reply in replies):
+            return
+        service = self._service.get(lead.tag)
         if service is None:
-            self._service[tag] = ServiceTime(took)
+            self._service[lead.tag] = ServiceTime(took)
         else:
             service.add(took)
 

@@ -18,23 +18,22 @@ batch once, as a single job.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 from poolserve.service.poolcore.admission import Admission
 from poolserve.service.poolcore.jobqueue import gather_batch
-from poolserve.service.poolcore.jobs import Job, Worker
+from poolserve.service.poolcore.jobs import Job
+from poolserve.service.poolcore.roster import Roster
 
 BATCH_WAIT_MIN_S = 0.0002  # a batch does not wait for less than this
 
 
 class BatchForming:
-    def __init__(
-        self, admission: Admission, workers: Mapping[int, Worker], due: Callable[[], None]
-    ) -> None:
+    def __init__(self, admission: Admission, roster: Roster, due: Callable[[], None]) -> None:
         """``due``: look again at the queue (a waiting batch's time is up)."""
         self.batches = 0  # executions of more than one job
         self._admission = admission
-        self._workers = workers  # the dispatcher's live workers, read only
+        self._roster = roster  # read only
         self._due = due
         self._timer: asyncio.TimerHandle | None = None
 
@@ -48,7 +47,7 @@ class BatchForming:
         now = asyncio.get_running_loop().time()
         jobs = gather_batch(admission.queue, job, lambda other: not admission.hopeless(other, now))
         rows = sum(j.rows for j in jobs)
-        if not policy.full(rows) and policy.max_time > 0 and self.runs(job.tag):
+        if not policy.full(rows) and policy.max_time > 0 and self._roster.runs(job.tag):
             needs = admission.needs(job.tag)
             until = min(
                 job.enqueued + policy.max_time,
@@ -61,10 +60,6 @@ class BatchForming:
         for other in jobs[1:]:
             admission.queue.remove(other)
         return jobs
-
-    def runs(self, tag: str) -> bool:
-        """Whether a job of model ``tag`` is on a worker now (more are likely coming)."""
-        return any(w.current is not None and w.current.tag == tag for w in self._workers.values())
 
     def _wake_at(self, when: float) -> None:
         timer = self._timer

@@ -16,11 +16,16 @@ import socket
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from poolserve.service.contract.batching import BatchPolicy
-from poolserve.service.contract.errors import ServingError
+from poolserve.service.contract.errors import ServingError, error_for
 from poolserve.service.contract.framing import Batcher, Payload
+from poolserve.service.poolcore.frames import Reply
 from poolserve.service.poolcore.stats import Timings
+
+if TYPE_CHECKING:
+    from poolserve.service.poolcore.streams import Parts
 
 DEFAULT_PRIORITY = 1 << 30  # below every explicit priority (1 is the highest)
 RETRY_PRIORITY = -(1 << 62)  # a retried job goes before everything else
@@ -60,18 +65,6 @@ class Job:
     pinned: bool = False  # it runs on the one worker given (a sequence's), after its others
     sequence: str = ""  # the sequence it belongs to, for messages
     notice: bool = False  # a SEQUENCE_END notice, not a request
-
-
-@dataclass(slots=True, eq=False)
-class Parts:
-    """A stream job's way to its caller: the parts as they come, then its end
-    (a Result or a ServingError). The worker keeps at most ``window`` parts
-    unacknowledged; the caller acknowledges each part it took."""
-
-    window: int
-    queue: asyncio.Queue[bytes | Result | ServingError] = field(default_factory=asyncio.Queue)
-    taken: int = 0  # parts taken and not yet acknowledged to the worker
-    ended: bool = False
 
 
 @dataclass(slots=True)
@@ -159,3 +152,43 @@ def finish(job: Job, outcome: Result | ServingError) -> None:
         job.future.set_exception(outcome)
         if job.stream is not None:
             job.future.exception()  # the stream's caller reads it from the queue
+
+
+def reply_per_job(lead: Job, reply: Reply) -> list[Reply]:
+    """The replies in ``reply`` (a batch's, or one), one per job of ``lead``'s
+    execution; a ValueError if they do not match."""
+    members = lead.members or [lead]
+    replies = reply.parts if reply.parts is not None else [reply]
+    if (reply.parts is None) != (lead.members is None) or len(replies) != len(members):
+        raise ValueError(f"{len(replies)} replies for a batch of {len(members)} requests")
+    return replies
+
+
+def answer(lead: Job, replies: list[Reply], finished: float) -> int:
+    """Answers each job of one execution (``lead``, alone or leading its batch)
+    with its reply; returns how many replies came for callers that left."""
+    members = lead.members or [lead]
+    rows = sum(m.rows for m in members)
+    report, late = True, 0
+    for member, part in zip(members, replies, strict=True):
+        if member.state is not JobState.RUNNING:
+            late += 1
+            continue
+        member.state = JobState.DONE
+        if part.failure is None:
+            queue_ns = int((member.started - member.enqueued) * 1e9)
+            result = Result(
+                part.body,
+                part.timings,
+                queue_ns,
+                member.enqueued,
+                member.started,
+                finished,
+                batch_size=rows,
+                batch_report=report,
+            )
+            report = False
+            finish(member, result)
+        else:
+            finish(member, error_for(part.failure, part.message))
+    return late

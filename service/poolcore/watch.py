@@ -11,8 +11,10 @@ cannot see it), and the self-test of a fresh worker: each model's load (in a
 spawned worker) within ``load_timeout``, each warm-up prediction within
 ``warmup_timeout``.
 
-It owns the timers of these watches and the kill; the workers and their
-jobs are the dispatcher's, read here.
+A worker that breaks the frame protocol is killed too. The watch owns the
+timers of these watches and the kill; it marks a worker (warming, stuck, why
+it was killed) but never adds, drops or places one: the roster and the
+dispatcher do.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import signal
 from collections.abc import Callable, Mapping
 
 from poolserve.service.contract.framing import Payload
+from poolserve.service.poolcore.frames import LOADING, WARMUP, Reply
 from poolserve.service.poolcore.jobs import Job, JobState, Worker, WorkerState
 
 log = logging.getLogger(__name__)
@@ -50,7 +53,7 @@ class WorkerWatch:
         self.warmup_timeout = warmup_timeout
         self.load_timeout = load_timeout
         self.abandon_grace = abandon_grace
-        self._workers = workers  # the dispatcher's live workers, read only
+        self._workers = workers  # the roster's live workers, read only
         self._on_change = on_change
         self._warmup_noted: set[str] = set()  # models whose warm-up raised, logged once
 
@@ -132,7 +135,31 @@ class WorkerWatch:
 
     # -- the self-test of a fresh worker ---------------------------------
 
-    def time_warmup(self, worker: Worker) -> None:
+    def begin_warmup(self, worker: Worker) -> None:
+        """``worker`` connected: its self-test begins (it takes no job before READY)."""
+        worker.state = WorkerState.WARMING
+        self._time_warmup(worker)
+
+    def self_test_frame(self, worker: Worker, notice: Reply) -> bool:
+        """A LOADING or WARMUP (the next model's load or warm-up starts) or READY
+        frame from a fresh worker; True for READY: its self-test passed."""
+        if worker.state is not WorkerState.WARMING:
+            raise ValueError(f"self-test frame of kind {notice.kind} after the self-test")
+        if notice.kind in (WARMUP, LOADING):
+            worker.warming = bytes(notice.body).decode("utf-8", "replace")
+            worker.loading = notice.kind == LOADING
+            self._time_warmup(worker)  # each model gets the whole limit
+            return False
+        self._passed(worker, notice.body)
+        return True
+
+    def forget(self, worker: Worker) -> None:
+        """``worker`` died: no more self-test deadline."""
+        if worker.warmup_timer is not None:
+            worker.warmup_timer.cancel()
+            worker.warmup_timer = None
+
+    def _time_warmup(self, worker: Worker) -> None:
         """Gives the model ``worker`` loads or warms up now the whole limit."""
         if worker.warmup_timer is not None:
             worker.warmup_timer.cancel()
@@ -140,11 +167,9 @@ class WorkerWatch:
         loop = asyncio.get_running_loop()
         worker.warmup_timer = loop.call_later(limit, self._warmup_overdue, worker)
 
-    def warmup_done(self, worker: Worker, report: Payload) -> None:
+    def _passed(self, worker: Worker, report: Payload) -> None:
         """``worker`` passed its self-test; logs (once per model) a warm-up that raised."""
-        if worker.warmup_timer is not None:
-            worker.warmup_timer.cancel()
-            worker.warmup_timer = None
+        self.forget(worker)
         worker.warming = ""
         try:
             raised = json.loads(bytes(report)).get("raised", {})
@@ -179,6 +204,12 @@ class WorkerWatch:
             f"self-test: the warm-up prediction {what}did not finish within "
             f"{self.warmup_timeout:g} s after the fork",
         )
+
+    def protocol_error(self, worker: Worker, exc: ValueError) -> None:
+        log.error("pool %s: worker %d broke the frame protocol: %s", self.name, worker.pid, exc)
+        self.kill(worker, f"frame protocol error: {exc}")
+        if worker.transport is not None:
+            worker.transport.close()
 
     # -- the kill --------------------------------------------------------
 

@@ -41,7 +41,7 @@ from poolserve.service.poolserver.metadata import model_config, model_metadata
 from poolserve.service.poolserver.statistics import model_statistics
 
 if TYPE_CHECKING:
-    from poolserve.service.poolcore.dispatcher import Result
+    from poolserve.service.poolcore.jobs import Result
 
 log = logging.getLogger(__name__)
 
