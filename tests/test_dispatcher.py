@@ -11,7 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from poolserve.service.contract.errors import DeadlineExceeded, Failure, QueueFull, Unavailable
-from poolserve.service.poolcore.dispatcher import Dispatcher, Job, JobQueue, ServiceTime, WorkerGone
+from poolserve.service.poolcore.admission import ServiceTime
+from poolserve.service.poolcore.dispatcher import Dispatcher
 from poolserve.service.poolcore.frames import (
     HEADER,
     REQUEST,
@@ -21,6 +22,8 @@ from poolserve.service.poolcore.frames import (
     ready_frame,
     reply_frame,
 )
+from poolserve.service.poolcore.jobqueue import JobQueue
+from poolserve.service.poolcore.jobs import Job, WorkerGone
 from poolserve.service.poolcore.stats import Timings
 
 
@@ -390,13 +393,13 @@ def test_a_pool_that_was_itself_stalled_does_not_blame_its_workers() -> None:
         await fake.connect()
         await until(lambda: d.live_workers() == 1)
         (worker,) = d.workers()
-        worker.last_seen -= 10 * d.heartbeat_timeout  # silent far past the timeout
+        worker.last_seen -= 10 * d.watch.heartbeat_timeout  # silent far past the timeout
         killed: list[str] = []
-        d._kill = lambda w, reason: killed.append(reason)  # type: ignore[method-assign]
+        d.watch.kill = lambda worker, reason: killed.append(reason)  # type: ignore[method-assign]
         now = asyncio.get_running_loop().time()
-        d._check_heartbeats(now, late_by=2.0, period=0.5)  # this check ran 2 s late
+        d.watch.check_heartbeats(now, late_by=2.0, period=0.5)  # this check ran 2 s late
         assert killed == []
-        d._check_heartbeats(now, late_by=0.01, period=0.5)  # on time: the silence counts
+        d.watch.check_heartbeats(now, late_by=0.01, period=0.5)  # on time: the silence counts
         assert len(killed) == 1 and killed[0].startswith("stopped heartbeating")
 
     with_dispatcher(body)

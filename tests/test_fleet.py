@@ -10,9 +10,10 @@ from collections.abc import Awaitable, Callable, Collection
 import pytest
 
 from poolserve.service.contract.errors import Unavailable
-from poolserve.service.poolcore.dispatcher import Dispatcher, Limits, WorkerState
+from poolserve.service.poolcore.dispatcher import Dispatcher
 from poolserve.service.poolcore.fleet import Fleet
 from poolserve.service.poolcore.frames import ready_frame
+from poolserve.service.poolcore.jobs import Limits, WorkerState
 
 
 class FakeZygote:

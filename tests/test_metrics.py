@@ -26,8 +26,8 @@ from poolserve.service.contract.errors import (
     Unavailable,
 )
 from poolserve.service.grpcserver.sockets import bind_private_unix
-from poolserve.service.poolcore.dispatcher import WorkerGone
 from poolserve.service.poolcore.fleet import death_cause
+from poolserve.service.poolcore.jobs import WorkerGone
 from poolserve.service.poolcore.stats import BUCKETS_S, ModelStats, Timings
 from poolserve.service.router.metrics import (
     Continuity,

@@ -1,238 +1,63 @@
-"""The dispatcher: the one owner of a pool's queue and of which job is on which worker.
+"""The dispatcher: the pool core's coordinator, the one owner of which workers
+a pool has, which of them is idle, and where each job goes (an idle worker,
+the queue, or behind the jobs of its sequence's worker). The rest it hands
+to its parts, each the one owner of its state:
 
+- admission and the queue (``admission``, ``jobqueue``): refusal, the
+  bounded queue in deadline order, jobs that can no longer finish in time,
+  a dead worker's job retried once;
+- batch forming (``batches``): which queued jobs start together, and when a
+  batch short of its size waits for more;
+- the worker watch (``watch``): heartbeats, a job's own time limit, the
+  abandon grace, a fresh worker's self-test, and the kill;
+- a worker's death (``deaths``): what its jobs become, and one
+  :class:`WorkerGone` once its socket closed and its exit status is known;
+- streams (``streams``): a decoupled model's parts, their window, the CANCEL;
+- a worker's socket (``link``): frames in, a job's frame out;
+- the job and worker types, and a job's one state machine (``jobs``).
+
+The parts never import this module (import-linter's ``dispatcher-parts``).
 It knows nothing of gRPC or models: it moves opaque request bytes to idle
 workers and their replies back. Each worker holds at most one job, so there
 is no table of futures keyed by message id that two parties could disagree
 about. A job has one state machine (QUEUED -> RUNNING -> DONE, or ABANDONED
 when its caller gave up through a deadline or a cancel); a reply for an
-abandoned job is counted and dropped. A job whose deadline passes while it is
-queued is answered at that moment and never reaches a worker.
-
-Workers are watched four ways: their socket closing (death, noticed at
-once), a heartbeat they send from a thread (a worker that stops is hung),
-the job's own time limit (a model that runs too long), and the abandon grace:
-a worker still in the same job ``abandon_grace`` seconds after its caller
-left (deadline or cancel) is stuck, most likely in native code, where the
-heartbeat thread cannot see it. A worker found hung, overtime or stuck is
-killed (SIGABRT, then SIGKILL) and handled like a death.
-
-A model with a batching policy (:class:`BatchPolicy`) has its queued jobs
-started in batches: when a worker is free, the first job worth starting takes
-along the queued jobs of its model with the same batch key (compatible
-inputs, see :mod:`poolserve.service.contract.batching`), in queue order, up
-to ``max_size`` rows, as one BATCH frame. A lone job on an idle worker starts
-at once; a batch short of its size (even of one job, with a worker idle) waits
-for more only while another batch of its model runs, and at most ``max_time``
-after its first job came, never past the earliest deadline in it minus the
-model's service time. Each job of a
-batch keeps its own state: a job that expires or is cancelled while the batch
-forms leaves the queue, a reply for a job whose caller left is dropped, and a
-worker death retries each job of the batch once, as a single job.
-
-A fresh worker takes no job before its self-test is done (the READY frame):
-one warm-up prediction per model, each within ``warmup_timeout``. A worker
-that hangs in it is killed; its death names the model it was warming up.
+abandoned job is counted and dropped. A fresh worker takes no job before its
+self-test is done (the READY frame).
 """
 
 from __future__ import annotations
 
 import asyncio
-import bisect
-import contextlib
-import enum
-import heapq
-import itertools
-import json
-import logging
-import os
-import signal
 import socket
-import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from typing import cast
 
 from poolserve.service.contract.batching import BatchPolicy
-from poolserve.service.contract.errors import (
-    DeadlineExceeded,
-    QueueFull,
-    ServingError,
-    Unavailable,
-    error_for,
+from poolserve.service.contract.errors import ServingError
+from poolserve.service.contract.framing import Payload
+from poolserve.service.poolcore.admission import Admission
+from poolserve.service.poolcore.batches import BatchForming
+from poolserve.service.poolcore.deaths import DeathReports
+from poolserve.service.poolcore.frames import PART, Reply
+from poolserve.service.poolcore.jobs import (
+    Job,
+    JobState,
+    Result,
+    Worker,
+    WorkerGone,
+    WorkerState,
+    answer,
+    reply_per_job,
 )
-from poolserve.service.contract.framing import Batcher, Payload
-from poolserve.service.poolcore.frames import (
-    LOADING,
-    PART,
-    SELF_TEST,
-    WARMUP,
-    Reply,
-    ReplyBuffer,
-    ack_frame,
-    batch_frame,
-    cancel_frame,
-    request_frame,
-    sequence_end_frame,
-    stream_frame,
-)
-from poolserve.service.poolcore.stats import Timings
-
-log = logging.getLogger(__name__)
-
-DEFAULT_PRIORITY = 1 << 30  # below every explicit priority (1 is the highest)
-RETRY_PRIORITY = -(1 << 62)  # a retried job goes before everything else
-STATUS_WAIT_S = 1.0  # how long a dead worker's job waits for the exit status
-ABORT_GRACE_S = 1.0  # SIGABRT (core dump, traceback) before SIGKILL
-RETURN_TRIP_S = 0.002  # a job needs its service time plus the way back through pool and router
-STUCK_AFTER_S = 1.0  # a worker this long in a job its caller left counts as stuck (health)
-BATCH_WAIT_MIN_S = 0.0002  # a batch does not wait for less than this
-
-
-class JobState(enum.Enum):
-    QUEUED = 1
-    RUNNING = 2
-    DONE = 3
-    ABANDONED = 4
-
-
-@dataclass(slots=True, eq=False)
-class Job:
-    body: Payload  # a large request's body is a view of the lane frame's buffer
-    deadline: float
-    priority: int
-    seq: int
-    future: asyncio.Future[Result]
-    tag: str = ""
-    idempotent: bool = True
-    timeout: float | None = None
-    state: JobState = JobState.QUEUED
-    enqueued: float = 0.0
-    started: float = 0.0
-    retried: bool = False
-    overtime: asyncio.TimerHandle | None = None
-    worker: Worker | None = None  # the worker it runs on (RUNNING, ABANDONED)
-    key: float = 0.0  # its place in the queue among its priority (see _order_key)
-    precision: float = 0.0  # its caller's own deadline may be this much earlier
-    entry: int = 0  # which of its queue entries is live (a requeued job has a new one)
-    batch: BatchPolicy | None = None  # its model batches: with jobs of the same batch_key
-    rows: int = 1  # its rows along dimension 0, when its model batches
-    batch_key: bytes = b""
-    members: list[Job] | None = None  # the batch it leads on a worker (itself first)
-    stream: Parts | None = None  # a stream's parts, then its end (a decoupled model)
-    pinned: bool = False  # it runs on the one worker given (a sequence's), after its others
-    sequence: str = ""  # the sequence it belongs to, for messages
-    notice: bool = False  # a SEQUENCE_END notice, not a request
-
-
-@dataclass(slots=True, eq=False)
-class Parts:
-    """A stream job's way to its caller: the parts as they come, then its end
-    (a Result or a ServingError). The worker keeps at most ``window`` parts
-    unacknowledged; the caller acknowledges each part it took."""
-
-    window: int
-    queue: asyncio.Queue[bytes | Result | ServingError] = field(default_factory=asyncio.Queue)
-    taken: int = 0  # parts taken and not yet acknowledged to the worker
-    ended: bool = False
-
-
-@dataclass(slots=True)
-class Result:
-    body: Payload  # a large reply's body is a view of the worker frame's buffer
-    timings: Timings
-    queue_ns: int
-    enqueued: float = 0.0  # loop (monotonic) times, for spans built after the fact
-    started: float = 0.0
-    finished: float = 0.0
-    batch_size: int = 1  # rows of the execution it was part of
-    batch_report: bool = True  # the one result of its execution that counts the execution
-
-
-class ServiceTime:
-    """A model's recent service time and how much it varies, the way TCP tracks a
-    round trip (RFC 6298): a job is given the mean plus four mean deviations.
-
-    On a quiet host the deviation is small and a job needs about the mean; on
-    a noisy one (other processes taking the cores, a worker descheduled) the
-    deviation grows and jobs start only with room for the slower runs, so that
-    what is started finishes in time rather than for a caller already gone.
-    """
-
-    __slots__ = ("deviation", "mean")
-
-    GAIN, DEVIATION_GAIN, DEVIATIONS = 1 / 8, 1 / 4, 4
-
-    def __init__(self, first: float) -> None:
-        self.mean = first
-        self.deviation = first / 4  # until samples say otherwise: twice the first sample
-
-    def add(self, sample: float) -> None:
-        self.deviation += self.DEVIATION_GAIN * (abs(sample - self.mean) - self.deviation)
-        self.mean += self.GAIN * (sample - self.mean)
-
-    def needs(self) -> float:
-        return self.mean + self.DEVIATIONS * self.deviation
-
-
-class WorkerState(enum.StrEnum):
-    STARTING = "starting"
-    WARMING = "warming"  # in its self-test: no job yet
-    IDLE = "idle"
-    BUSY = "busy"
-    STUCK = "stuck"  # still in a job whose caller left (killed after the abandon grace)
-    DEAD = "dead"
-
-
-@dataclass(eq=False)
-class Worker:
-    pid: int
-    sock: socket.socket
-    pidfd: int = -1
-    transport: asyncio.Transport | None = None
-    writer: Batcher | None = None  # scatter writes to the worker (never transport.write)
-    current: Job | None = None
-    served: int = 0
-    state: WorkerState = WorkerState.STARTING
-    started_at: float = field(default_factory=time.monotonic)
-    last_seen: float = field(default_factory=time.monotonic)
-    kill_reason: str = ""
-    status: str | None = None
-    lost_jobs: list[Job] = field(default_factory=list)
-    lost_tag: str = ""
-    generation: int = 0
-    retiring: bool = False
-    warming: str = ""  # the model whose warm-up prediction (or load, if spawned) runs now
-    loading: bool = False
-    warmup_timer: asyncio.TimerHandle | None = None
-    died_warming: bool = False
-    pinned: deque[Job] = field(default_factory=deque)  # its sequences' jobs, in arrival order
-    sequences: int = 0  # live sequences whose state it holds (it retires after them)
-
-
-@dataclass(frozen=True)
-class WorkerGone:
-    """A dead worker, reported once both its socket closed and its status is known."""
-
-    pid: int
-    status: str
-    tag: str  # the model it was running when it died, "" if idle
-    reason: str  # why we killed it, "" if it died on its own
-    retired: bool = False  # we retired it on purpose (rolling replacement)
-    warmup: bool = False  # it died (or was killed) in its self-test, warming up ``tag``
-
-
-@dataclass(frozen=True)
-class Limits:
-    """A dispatcher's bounds, as both doors configure them (see :class:`Dispatcher`)."""
-
-    max_queue: int
-    heartbeat_timeout: float
-    warmup_timeout: float
-    abandon_grace: float
+from poolserve.service.poolcore.link import send_job, serve_link
+from poolserve.service.poolcore.roster import Roster
+from poolserve.service.poolcore.streams import Parts, cancel_stream, next_part, part_came, took_part
+from poolserve.service.poolcore.watch import WorkerWatch
 
 
 class Dispatcher:
+    """A pool's queue and workers; see the module's docstring for its parts."""
+
     def __init__(
         self,
         name: str,
@@ -250,29 +75,24 @@ class Dispatcher:
         ``load_timeout`` bounds each model's load in a spawned worker."""
         self.name = name
         self.max_queue = max_queue
-        self.heartbeat_timeout = heartbeat_timeout
-        self.warmup_timeout = warmup_timeout
-        self.load_timeout = load_timeout
-        self.abandon_grace = abandon_grace
         self._on_change = on_change
-        self._on_worker_gone = on_worker_gone
         self._on_worker_ready = on_worker_ready
-        self._warmup_noted: set[str] = set()  # models whose warm-up raised, logged once
-        self._queue = JobQueue(max_queue, f"pool '{name}'")
-        self._idle: deque[Worker] = deque()
-        self._workers: dict[int, Worker] = {}
-        self._dead: dict[int, Worker] = {}
-        self._statuses: dict[int, str] = {}
-        self._seq = itertools.count(1)
+        self.admission = Admission(name, max_queue)
+        self.roster = Roster()
+        self.watch = WorkerWatch(
+            name,
+            self.roster.workers,
+            on_change,
+            heartbeat_timeout=heartbeat_timeout,
+            warmup_timeout=warmup_timeout,
+            load_timeout=load_timeout,
+            abandon_grace=abandon_grace,
+        )
         self._tasks: asyncio.TaskGroup | None = None
         self._closing = asyncio.Event()
+        self.deaths = DeathReports(name, on_worker_gone, self._closing)
         self.late_replies = 0
-        self.expired_in_queue = 0
-        self.skipped_hopeless = 0
-        self._refusal: ServingError | None = None
-        self._service: dict[str, ServiceTime] = {}  # per tag: recent worker time per job
-        self._batch_timer: asyncio.TimerHandle | None = None
-        self.batches = 0  # executions of more than one job
+        self.batching = BatchForming(self.admission, self.roster, self._fill_idle)
 
     # -- lifecycle -------------------------------------------------------
 
@@ -280,12 +100,11 @@ class Dispatcher:
         """Owns the worker reader tasks and the heartbeat watch until :meth:`close`."""
         async with asyncio.TaskGroup() as tasks:
             self._tasks = tasks
-            watch = tasks.create_task(self._watch_heartbeats(), name="heartbeats")
+            watch = tasks.create_task(self.watch.watch_heartbeats(), name="heartbeats")
             started()
             await self._closing.wait()
             watch.cancel()
-            for worker in list(self._workers.values()):
-                self._close_worker(worker)
+            self.roster.close_all()
         self._tasks = None
 
     def close(self) -> None:
@@ -293,71 +112,47 @@ class Dispatcher:
 
     def refuse(self, error: ServingError) -> None:
         """No worker will come back (the zygote is gone): fail what waits, and what comes."""
-        self._refusal = error
-        while (job := self._next_job()) is not None:
-            job.state = JobState.DONE
-            self._finish(job, error)
+        self.admission.refuse(error)
 
     def add_worker(self, pid: int, sock: socket.socket, generation: int = 0) -> None:
         if self._tasks is None or self._closing.is_set():
             sock.close()
             return
-        worker = Worker(pid, sock, generation=generation)
-        with contextlib.suppress(OSError):
-            worker.pidfd = os.pidfd_open(pid)  # signals go to this process, never a reused pid
-        self._workers[pid] = worker
+        worker = self.roster.add(pid, sock, generation)
         self._tasks.create_task(self._read_replies(worker), name=f"worker-{pid}")
 
     def worker_exited(self, pid: int, status: str) -> None:
         """The zygote reaped ``pid``: completes the death report if the socket closed."""
-        worker = self._dead.pop(pid, None)
-        if worker is None:
-            self._statuses[pid] = status  # the socket has not closed yet
-            return
-        worker.status = status
-        self._report_gone(worker)
+        self.deaths.exited(pid, status)
 
     def retire(self, pid: int) -> bool:
         """Lets a worker finish its current job, then closes it (rolling replacement)."""
-        worker = self._workers.get(pid)
-        if worker is None or worker.retiring:
-            return False
-        worker.retiring = True
-        if worker.state is WorkerState.IDLE:
-            with contextlib.suppress(ValueError):
-                self._idle.remove(worker)
-            if not worker.sequences:  # else it serves its sequences' jobs until they end
-                self._close_worker(worker)
-        return True
+        return self.roster.retire(pid)
 
     def hold_sequences(self, worker: Worker, change: int) -> None:
         """A sequence started (+1) or ended (-1) on ``worker``; a retiring worker
         closes once it holds none and has nothing left to run."""
-        worker.sequences += change
-        if (
-            worker.retiring
-            and worker.sequences <= 0
-            and worker.state is WorkerState.IDLE
-            and worker.current is None
-            and not worker.pinned
-        ):
-            self._close_worker(worker)
+        self.roster.hold_sequences(worker, change)
 
     # -- status ----------------------------------------------------------
 
     def live_workers(self) -> int:
         """Workers that take jobs now: self-tested, not stuck, not retiring."""
-        return sum(
-            1
-            for w in self._workers.values()
-            if (w.state is WorkerState.IDLE or w.state is WorkerState.BUSY) and not w.retiring
-        )
+        return self.roster.live()
+
+    @property
+    def expired_in_queue(self) -> int:
+        return self.admission.expired_in_queue
+
+    @property
+    def skipped_hopeless(self) -> int:
+        return self.admission.skipped_hopeless
 
     def queue_depth(self) -> int:
-        return len(self._queue)
+        return len(self.admission.queue)
 
     def workers(self) -> list[Worker]:
-        return list(self._workers.values())
+        return list(self.roster.workers.values())
 
     # -- the request path ------------------------------------------------
 
@@ -386,55 +181,13 @@ class Dispatcher:
         """
         # With no live worker the job still queues: replacements are on their
         # way (health says NOT_SERVING meanwhile), and its deadline bounds the wait.
-        job = self._admit(body, deadline, priority, tag, idempotent, timeout, precision)
-        loop = asyncio.get_running_loop()
+        job = self.admission.admit(body, deadline, priority, tag, idempotent, timeout, precision)
         if batch is not None and rows <= batch.max_size:
             job.batch, job.rows, job.batch_key = batch, rows, batch_key
-        if self._idle and not self._queue and (job.batch is None or not self._runs(tag)):
-            self._start(self._idle.pop(), [job])  # a lone caller starts at once
-        else:
-            self._queue.push(job, precision)
-            if self._idle:
-                self._fill_idle()  # a batch waiting for more jobs may be complete now
-        timer = loop.call_at(deadline, self._expire, job)
-        try:
-            return await job.future
-        finally:
-            timer.cancel()
-            self._abandon(job, "it was cancelled")
-
-    def _admit(
-        self,
-        body: Payload,
-        deadline: float,
-        priority: int | None,
-        tag: str,
-        idempotent: bool,
-        timeout: float | None,
-        precision: float,
-    ) -> Job:
-        """A new job, or the refusal: the pool's own, or a deadline already spent."""
-        if self._refusal is not None:
-            raise self._refusal
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        if deadline <= now:
-            raise DeadlineExceeded(
-                f"deadline already spent on arrival at pool '{self.name}'", stage="pool"
-            )
-        job = Job(
-            body,
-            deadline,
-            DEFAULT_PRIORITY if priority is None else priority,
-            next(self._seq),
-            loop.create_future(),
-            tag,
-            idempotent,
-            timeout,
-        )
-        job.enqueued = now
-        job.precision = precision
-        return job
+        self._place(job, precision)
+        if job.state is JobState.QUEUED and self.roster.idle:
+            self._fill_idle()  # a batch waiting for more jobs may be complete now
+        return await self._answer(job)
 
     async def submit_stream(
         self,
@@ -462,30 +215,24 @@ class Dispatcher:
         """
         loop = asyncio.get_running_loop()
         if pinned is not None:
-            if deadline <= loop.time():
-                raise DeadlineExceeded(
-                    f"deadline already spent on arrival at pool '{self.name}'", stage="pool"
-                )
+            self.admission.check_arrival(deadline)
             parts = Parts(max(1, window))
-            job = self._pin(pinned, body, deadline, sequence, tag, timeout, stream=parts)
+            job = self.admission.pinned(
+                pinned, body, deadline, sequence, tag, timeout, stream=parts
+            )
+            self._pin(pinned, job)
         else:
-            job = self._admit(body, deadline, priority, tag, False, timeout, precision)
+            job = self.admission.admit(body, deadline, priority, tag, False, timeout, precision)
             parts = job.stream = Parts(max(1, window))
-            if self._idle and not self._queue:
-                self._start(self._idle.pop(), [job])
-            else:
-                self._queue.push(job, precision)
+            self._place(job, precision)
         timer = loop.call_at(deadline, self._expire, job)
         try:
             while True:
-                item = await parts.queue.get()
-                if isinstance(item, ServingError):
-                    raise item
+                item = await next_part(parts)
                 yield item
                 if isinstance(item, Result):
                     return
-                parts.taken += 1
-                self._acknowledge(job)
+                took_part(job)
         finally:
             timer.cancel()
             self._abandon(job, "it was cancelled")
@@ -502,18 +249,9 @@ class Dispatcher:
     ) -> Result:
         """Runs ``body`` on ``worker`` (a sequence's), after the jobs already
         pinned to it, in arrival order; never batched, never retried elsewhere."""
-        loop = asyncio.get_running_loop()
-        if deadline <= loop.time():
-            raise DeadlineExceeded(
-                f"deadline already spent on arrival at pool '{self.name}'", stage="pool"
-            )
-        job = self._pin(worker, body, deadline, sequence, tag, timeout)
-        timer = loop.call_at(deadline, self._expire, job)
-        try:
-            return await job.future
-        finally:
-            timer.cancel()
-            self._abandon(job, "it was cancelled")
+        self.admission.check_arrival(deadline)
+        job = self.admission.pinned(worker, body, deadline, sequence, tag, timeout)
+        return await self._answer(self._pin(worker, job))
 
     def notify_sequence_end(self, worker: Worker, body: bytes, sequence: str, tag: str) -> None:
         """Tells ``worker`` a sequence ended (a SEQUENCE_END frame), after its
@@ -521,98 +259,55 @@ class Dispatcher:
         if worker.state is WorkerState.DEAD:
             return
         deadline = asyncio.get_running_loop().time() + 3600.0
-        job = self._pin(worker, body, deadline, sequence, tag, None, notice=True)
+        job = self.admission.pinned(worker, body, deadline, sequence, tag, notice=True)
+        self._pin(worker, job)
         job.future.add_done_callback(lambda done: done.exception())
 
-    def _pin(
-        self,
-        worker: Worker,
-        body: Payload,
-        deadline: float,
-        sequence: str,
-        tag: str,
-        timeout: float | None,
-        notice: bool = False,
-        stream: Parts | None = None,
-    ) -> Job:
-        if worker.state is WorkerState.DEAD:
-            raise Unavailable(
-                f"sequence {sequence} of model '{tag}' is lost: worker pid {worker.pid} of "
-                f"pool '{self.name}' that held its state died"
-            )
-        loop = asyncio.get_running_loop()
-        job = Job(
-            body, deadline, DEFAULT_PRIORITY, next(self._seq), loop.create_future(), tag, False
-        )
-        job.timeout, job.pinned, job.sequence, job.notice = timeout, True, sequence, notice
-        job.stream = stream
-        job.enqueued = loop.time()
+    def _place(self, job: Job, precision: float) -> None:
+        """Starts ``job`` on an idle worker if no job waits (nor may its batch
+        grow while another of its model runs), else queues it."""
+        if (
+            self.roster.idle
+            and not self.admission.queue
+            and (job.batch is None or not self.roster.runs(job.tag))
+        ):
+            self._start(self.roster.idle.pop(), [job])  # a lone caller starts at once
+        else:
+            self.admission.queue.push(job, precision)
+
+    def _pin(self, worker: Worker, job: Job) -> Job:
+        """Starts ``job`` on its sequence's ``worker`` now if that is idle, else
+        after the jobs already pinned to it."""
         if worker.state is WorkerState.IDLE and not worker.pinned:
-            with contextlib.suppress(ValueError):
-                self._idle.remove(worker)
+            self.roster.unidle(worker)
             self._start(worker, [job])
         else:
             worker.pinned.append(job)
         return job
 
-    def _acknowledge(self, job: Job) -> None:
-        """Tells the worker the parts its caller took, half a window at a time: a
-        worker that waits has a whole window out, so its caller takes at least
-        that many and the worker hears of them."""
-        parts, worker = job.stream, job.worker
-        if parts is None or job.state is not JobState.RUNNING:
-            return
-        if parts.taken < max(1, parts.window // 2):
-            return
-        if worker is not None and worker.current is job and worker.writer is not None:
-            worker.writer.write_now(ack_frame(job.seq, parts.taken))
-        parts.taken = 0
-
     def _abandon(self, job: Job, why: str) -> None:
         """The caller is gone (result, deadline or cancel): no one will read a reply."""
         if job.state is JobState.QUEUED:
             if not job.pinned:  # a pinned one is skipped when its worker comes to it
-                self._queue.remove(job)
+                self.admission.queue.remove(job)
             job.state = JobState.ABANDONED
         elif job.state is JobState.RUNNING:
             job.state = JobState.ABANDONED
-            worker = job.worker
-            if job.stream is not None and worker is not None and worker.current is job:
-                assert worker.writer is not None  # it runs a job: connected
-                worker.writer.write_now(cancel_frame(job.seq))  # it closes the model's generator
-            if self.abandon_grace > 0:
-                stuck_after = min(STUCK_AFTER_S, self.abandon_grace)
-                loop = asyncio.get_running_loop()
-                loop.call_later(stuck_after, self._stuck, job, why)
+            cancel_stream(job)
+            self.watch.caller_left(job, why)
+
+    async def _answer(self, job: Job) -> Result:
+        """``job``'s result; its caller leaves at its deadline, or on a cancel."""
+        timer = asyncio.get_running_loop().call_at(job.deadline, self._expire, job)
+        try:
+            return await job.future
+        finally:
+            timer.cancel()
+            self._abandon(job, "it was cancelled")
 
     def _expire(self, job: Job) -> None:
-        if job.future.done():
-            return
-        if job.state is JobState.QUEUED:
-            self.expired_in_queue += 1
-            where = f"while queued in pool '{self.name}' (it never reached a worker)"
-            stage = "pool queue"
-        else:
-            where = f"while running on a worker of pool '{self.name}'"
-            stage = "worker"
-        self._finish(job, DeadlineExceeded(f"deadline exceeded {where}", stage=stage))
-        self._abandon(job, "its deadline passed")
-
-    def _finish(self, job: Job, outcome: Result | ServingError) -> None:
-        if job.overtime is not None:
-            job.overtime.cancel()
-            job.overtime = None
-        if job.future.done():
-            return
-        if job.stream is not None and not job.stream.ended:
-            job.stream.ended = True
-            job.stream.queue.put_nowait(outcome)
-        if isinstance(outcome, Result):
-            job.future.set_result(outcome)
-        else:
-            job.future.set_exception(outcome)
-            if job.stream is not None:
-                job.future.exception()  # the stream's caller reads it from the queue
+        if self.admission.expire(job):
+            self._abandon(job, "its deadline passed")
 
     def _start(self, worker: Worker, jobs: list[Job]) -> None:
         loop = asyncio.get_running_loop()
@@ -625,128 +320,29 @@ class Dispatcher:
         job.members = jobs if len(jobs) > 1 else None
         worker.current = job
         worker.state = WorkerState.BUSY
-        if job.timeout is not None:
-            job.overtime = loop.call_at(job.started + job.timeout, self._overtime, worker, job)
-        # Frames go out as parts (header, body views: no join), at once: a
-        # worker's socket carries one job at a time.
-        assert worker.writer is not None
-        if job.stream is not None:
-            worker.writer.write_now(*stream_frame(job.seq, job.stream.window, job.body))
-        elif job.notice:
-            worker.writer.write_now(*sequence_end_frame(job.seq, job.body))
-        elif job.members is None:
-            worker.writer.write_now(*request_frame(job.seq, job.body))
-        else:
-            self.batches += 1
-            worker.writer.write_now(*batch_frame(job.seq, [m.body for m in jobs]))
+        self.watch.time_job(worker, job)
+        if job.members is not None:
+            self.batching.batches += 1
+        send_job(worker, job)
 
     def _fill_idle(self) -> None:
         """Starts what is worth starting on idle workers (a batch may still wait)."""
-        while self._idle:
-            worker = self._idle.pop()
+        while self.roster.idle:
+            worker = self.roster.idle.pop()
             if not self._start_next(worker):
-                self._idle.append(worker)
+                self.roster.idle.append(worker)
                 return
 
     def _start_next(self, worker: Worker) -> bool:
         """Starts the next job, or batch, on ``worker``; False if none is to start now."""
-        job = self._next_job()
+        job = self.admission.next_job()
         if job is None:
             return False
-        jobs = self._gather(job)
+        jobs = self.batching.gather(job)
         if jobs is None:
             return False
         self._start(worker, jobs)
         return True
-
-    def _gather(self, job: Job) -> list[Job] | None:
-        """``job`` and the queued jobs that join its batch; None: the batch waits
-        for more (``job`` is back in the queue, a timer will look again)."""
-        policy = job.batch
-        if policy is None or job.rows >= policy.max_size:
-            return [job]
-        now = asyncio.get_running_loop().time()
-        jobs = gather_batch(self._queue, job, lambda other: not self._hopeless(other, now))
-        rows = sum(j.rows for j in jobs)
-        if not policy.full(rows) and policy.max_time > 0 and self._runs(job.tag):
-            service = self._service.get(job.tag)
-            needs = RETURN_TRIP_S + (service.needs() if service is not None else 0.0)
-            until = min(
-                job.enqueued + policy.max_time,
-                min(j.deadline - j.precision for j in jobs) - needs,
-            )
-            if until > now + BATCH_WAIT_MIN_S:
-                self._queue.push(job, 0.0, bounded=False, key=job.key)
-                self._wake_at(until)
-                return None
-        for other in jobs[1:]:
-            self._queue.remove(other)
-        return jobs
-
-    def _runs(self, tag: str) -> bool:
-        """Whether a job of model ``tag`` is on a worker now (more are likely coming)."""
-        return any(w.current is not None and w.current.tag == tag for w in self._workers.values())
-
-    def _wake_at(self, when: float) -> None:
-        timer = self._batch_timer
-        if timer is not None and timer.when() <= when:
-            return
-        if timer is not None:
-            timer.cancel()
-        self._batch_timer = asyncio.get_running_loop().call_at(when, self._batch_due)
-
-    def _batch_due(self) -> None:
-        self._batch_timer = None
-        self._fill_idle()
-
-    def _next_job(self) -> Job | None:
-        """The next job worth starting.
-
-        A job that can no longer finish before its deadline (less time left than
-        its model's recent service time, with room for the slower runs of a
-        noisy host and the way back) is answered now instead of run: under
-        overload, running it would burn a worker on a reply nobody waits for,
-        and make the jobs behind it late too. The deadline counted is the
-        earliest its caller may have set (see ``precision``).
-        """
-        now = asyncio.get_running_loop().time()
-        while (job := self._queue.pop()) is not None:
-            if self._hopeless(job, now, queued=False):
-                continue
-            return job
-        return None
-
-    def _hopeless(self, job: Job, now: float, queued: bool = True) -> bool:
-        """Answers a job that cannot finish in time (``queued``: it leaves the queue)."""
-        service = self._service.get(job.tag)
-        needs = None if service is None else service.needs() + RETURN_TRIP_S
-        left = job.deadline - job.precision - now
-        if needs is None or left >= needs or job.future.done():
-            return False
-        if queued:
-            self._queue.remove(job)
-        self.skipped_hopeless += 1
-        job.state = JobState.DONE
-        left = max(0.0, left) * 1000
-        self._finish(
-            job,
-            DeadlineExceeded(
-                f"deadline would pass before the request could finish: {left:.1f} ms "
-                f"left in pool '{self.name}', model '{job.tag}' takes about "
-                f"{needs * 1000:.1f} ms",
-                stage="pool queue",
-            ),
-        )
-        return True
-
-    def _learn_service_time(self, tag: str, took: float) -> None:
-        """A model's service time: dispatch to reply, as the dispatcher sees it
-        (so it includes the hops and any wait for a CPU)."""
-        service = self._service.get(tag)
-        if service is None:
-            self._service[tag] = ServiceTime(took)
-        else:
-            service.add(took)
 
     def _worker_free(self, worker: Worker) -> None:
         worker.current = None
@@ -759,85 +355,41 @@ class Dispatcher:
             if worker.sequences:  # waits, out of the idle list, for its sequences' jobs
                 worker.state = WorkerState.IDLE
             else:
-                self._close_worker(worker)
+                self.roster.close(worker)
             return
         if not self._start_next(worker):
             worker.state = WorkerState.IDLE
-            self._idle.append(worker)
+            self.roster.idle.append(worker)
 
     # -- per-worker reader task -----------------------------------------
 
     async def _read_replies(self, worker: Worker) -> None:
-        """Lives as long as the worker's connection; the protocol delivers its replies."""
-        loop = asyncio.get_running_loop()
-        closed: asyncio.Future[None] = loop.create_future()
+        """Lives as long as the worker's connection; its link delivers its frames."""
         try:
-            transport, _ = await loop.connect_accepted_socket(
-                lambda: _WorkerLink(self, worker, closed), sock=worker.sock
+            await serve_link(
+                worker,
+                self._connected,
+                self._warmup_notice,
+                self._deliver,
+                self.watch.protocol_error,
             )
-            # uvloop's transports (uvicorn picks uvloop when installed) have the
-            # asyncio.Transport interface without subclassing it: no isinstance check.
-            worker.transport = transport
-            self._begin_warmup(worker)
-            self._on_change()
-            await closed  # the worker died or closed, or we closed it
         except (ConnectionError, OSError):
             pass  # the worker died before we could even connect: handled below
         finally:
             self._lost(worker)
-
-    def _protocol_error(self, worker: Worker, exc: ValueError) -> None:
-        log.error("pool %s: worker %d broke the frame protocol: %s", self.name, worker.pid, exc)
-        self._kill(worker, f"frame protocol error: {exc}")
-        if worker.transport is not None:
-            worker.transport.close()
 
     def _deliver(self, worker: Worker, reply: Reply) -> None:
         job = worker.current
         if job is None or job.seq != reply.seq:
             raise ValueError(f"reply for sequence {reply.seq} that this worker does not hold")
         if reply.kind == PART:
-            if job.stream is None:
-                raise ValueError(f"a stream's part for request {reply.seq}, not a stream")
-            if job.state is JobState.RUNNING:
-                job.stream.queue.put_nowait(bytes(reply.body))  # a PART's body is bytes
+            part_came(job, reply)
             return  # the worker stays in the stream until its final frame
-        members = job.members or [job]
-        parts = reply.parts if reply.parts is not None else [reply]
-        if (reply.parts is None) != (job.members is None) or len(parts) != len(members):
-            raise ValueError(f"{len(parts)} replies for a batch of {len(members)} requests")
+        replies = reply_per_job(job, reply)
         worker.served += 1
         finished = asyncio.get_running_loop().time()
-        if (
-            job.tag
-            and job.stream is None
-            and not job.notice
-            and any(part.failure is None for part in parts)
-        ):
-            self._learn_service_time(job.tag, finished - job.started)
-        rows = sum(m.rows for m in members)
-        report = True
-        for member, part in zip(members, parts, strict=True):
-            if member.state is not JobState.RUNNING:
-                self.late_replies += 1
-                continue
-            member.state = JobState.DONE
-            if part.failure is None:
-                queue_ns = int((member.started - member.enqueued) * 1e9)
-                result = Result(
-                    part.body,
-                    part.timings,
-                    queue_ns,
-                    member.enqueued,
-                    member.started,
-                    finished,
-                    batch_size=rows,
-                    batch_report=report,
-                )
-                report = False
-                self._finish(member, result)
-            else:
-                self._finish(member, error_for(part.failure, part.message))
+        self.admission.learn_service_time(job, replies, finished - job.started)
+        self.late_replies += answer(job, replies, finished)
         if job.overtime is not None:
             job.overtime.cancel()
             job.overtime = None
@@ -848,146 +400,19 @@ class Dispatcher:
 
     # -- the self-test of a fresh worker ---------------------------------
 
-    def _begin_warmup(self, worker: Worker) -> None:
+    def _connected(self, worker: Worker) -> None:
         if worker.retiring:  # closed (or retired) while it connected
-            self._close_worker(worker)
-            return
-        worker.state = WorkerState.WARMING
-        self._warmup_deadline(worker)
-
-    def _warmup_deadline(self, worker: Worker) -> None:
-        if worker.warmup_timer is not None:
-            worker.warmup_timer.cancel()
-        limit = self.load_timeout if worker.loading else self.warmup_timeout
-        loop = asyncio.get_running_loop()
-        worker.warmup_timer = loop.call_later(limit, self._warmup_overdue, worker)
+            self.roster.close(worker)
+        else:
+            self.watch.begin_warmup(worker)
+        self._on_change()
 
     def _warmup_notice(self, worker: Worker, notice: Reply) -> None:
-        """A WARMUP (the next model's warm-up starts) or READY frame from a fresh worker."""
-        if worker.state is not WorkerState.WARMING:
-            raise ValueError(f"self-test frame of kind {notice.kind} after the self-test")
-        if notice.kind in (WARMUP, LOADING):
-            worker.warming = bytes(notice.body).decode("utf-8", "replace")
-            worker.loading = notice.kind == LOADING
-            self._warmup_deadline(worker)  # each model gets the whole limit
-            return
-        if worker.warmup_timer is not None:
-            worker.warmup_timer.cancel()
-            worker.warmup_timer = None
-        worker.warming = ""
-        self._note_warmup_report(worker, notice.body)
+        if not self.watch.self_test_frame(worker, notice):
+            return  # the next model's load or warm-up prediction starts
         self._worker_free(worker)
         self._on_worker_ready(worker.pid)
         self._on_change()
-
-    def _note_warmup_report(self, worker: Worker, body: Payload) -> None:
-        try:
-            raised = json.loads(bytes(body)).get("raised", {})
-        except (ValueError, AttributeError):
-            raised = {}
-        for model, error in raised.items():
-            if model not in self._warmup_noted:  # the same in every worker: said once
-                self._warmup_noted.add(model)
-                log.info(
-                    "pool %s: worker %d: the warm-up prediction of model '%s' raised %s; "
-                    "the model answered, so its self-test passed",
-                    self.name,
-                    worker.pid,
-                    model,
-                    error,
-                )
-
-    def _warmup_overdue(self, worker: Worker) -> None:
-        worker.warmup_timer = None
-        if worker.state is not WorkerState.WARMING:
-            return
-        if worker.loading:
-            self._kill(
-                worker,
-                f"self-test: loading model '{worker.warming}' in a fresh worker did not finish "
-                f"within {self.load_timeout:g} s",
-            )
-            return
-        what = f"of model '{worker.warming}' " if worker.warming else ""
-        self._kill(
-            worker,
-            f"self-test: the warm-up prediction {what}did not finish within "
-            f"{self.warmup_timeout:g} s after the fork",
-        )
-
-    # -- hung and overtime workers ---------------------------------------
-
-    async def _watch_heartbeats(self) -> None:
-        loop = asyncio.get_running_loop()
-        period = max(0.05, self.heartbeat_timeout / 4)
-        while True:
-            expected = loop.time() + period
-            await asyncio.sleep(period)  # a periodic check, not a readiness wait
-            self._check_heartbeats(loop.time(), late_by=loop.time() - expected, period=period)
-
-    def _check_heartbeats(self, now: float, late_by: float, period: float) -> None:
-        """Kills workers silent past the timeout, unless this pool was itself
-        stalled (SIGSTOP, a blocked event loop): then the workers' heartbeats may
-        sit unread in their sockets, and the next check, after a read, judges."""
-        if late_by > period:
-            log.warning(
-                "pool %s: its own event loop stalled for %.1f s; heartbeats judged next round",
-                self.name,
-                late_by,
-            )
-            return
-        for worker in list(self._workers.values()):
-            silent = now - worker.last_seen
-            if worker.state is not WorkerState.STARTING and silent > self.heartbeat_timeout:
-                self._kill(worker, f"stopped heartbeating for {silent:.1f} s")
-
-    @staticmethod
-    def _holds(worker: Worker | None, job: Job) -> bool:
-        """Whether ``worker`` runs ``job`` now (alone or in a batch)."""
-        current = None if worker is None else worker.current
-        return current is not None and (current is job or job in (current.members or ()))
-
-    def _stuck(self, job: Job, why: str) -> None:
-        """The job's caller left a while ago and its worker is still in it (and
-        in no job of a caller still waiting: a batch counts once all left)."""
-        worker = job.worker
-        if worker is None or not self._holds(worker, job) or job.state is not JobState.ABANDONED:
-            return
-        assert worker.current is not None
-        if any(m.state is JobState.RUNNING for m in worker.current.members or ()):
-            return
-        worker.state = WorkerState.STUCK
-        self._on_change()
-        left = self.abandon_grace - min(STUCK_AFTER_S, self.abandon_grace)
-        asyncio.get_running_loop().call_later(left, self._abandon_overdue, job, why)
-
-    def _abandon_overdue(self, job: Job, why: str) -> None:
-        worker = job.worker
-        if worker is not None and self._holds(worker, job):
-            self._kill(
-                worker,
-                f"model '{job.tag}' was still running {self.abandon_grace:g} s after its "
-                f"caller left ({why}): stuck, most likely in native code",
-            )
-
-    def _overtime(self, worker: Worker, job: Job) -> None:
-        job.overtime = None
-        if worker.current is job:
-            self._kill(worker, f"model '{job.tag}' ran longer than its timeout of {job.timeout} s")
-
-    def _kill(self, worker: Worker, reason: str) -> None:
-        if worker.kill_reason or worker.pidfd < 0:
-            return
-        worker.kill_reason = reason
-        log.warning("pool %s: killing worker %d: %s", self.name, worker.pid, reason)
-        self._signal(worker, signal.SIGABRT)
-        asyncio.get_running_loop().call_later(ABORT_GRACE_S, self._signal, worker, signal.SIGKILL)
-
-    @staticmethod
-    def _signal(worker: Worker, number: int) -> None:
-        if worker.pidfd >= 0:
-            with contextlib.suppress(OSError):
-                signal.pidfd_send_signal(worker.pidfd, number)
 
     # -- death -----------------------------------------------------------
 
@@ -995,268 +420,14 @@ class Dispatcher:
         if worker.state is WorkerState.DEAD:
             return
         worker.died_warming = worker.state is WorkerState.WARMING
-        if worker.warmup_timer is not None:
-            worker.warmup_timer.cancel()
-            worker.warmup_timer = None
+        self.watch.forget(worker)
         worker.state = WorkerState.DEAD
-        self._workers.pop(worker.pid, None)
-        with contextlib.suppress(ValueError):
-            self._idle.remove(worker)
+        self.roster.drop(worker)
         if worker.transport is not None:
             worker.transport.close()
         else:
             worker.sock.close()
-        lead, worker.current = worker.current, None
-        worker.lost_tag = lead.tag if lead is not None else worker.warming
-        members = [] if lead is None else lead.members or [lead]
-        pinned, worker.pinned = worker.pinned, deque()
-        for job in pinned:  # their sequences' state died with the worker
-            if job.state is JobState.QUEUED:
-                job.state = JobState.RUNNING  # answered with the lost jobs
-                worker.lost_jobs.append(job)
-        retried = False
-        for job in members:
-            if job.state is not JobState.RUNNING:
-                continue
-            if not worker.kill_reason and self._retry(job):
-                retried = True
-            else:
-                worker.lost_jobs.append(job)  # answered once the exit status is known
-        if retried and self._idle:
+        if self.deaths.leaves(worker, self.admission.retry) and self.roster.idle:
             self._fill_idle()
-        status = self._statuses.pop(worker.pid, None)
-        if status is not None:
-            worker.status = status
-            self._report_gone(worker)
-        else:
-            self._dead[worker.pid] = worker
-            asyncio.get_running_loop().call_later(STATUS_WAIT_S, self._status_overdue, worker)
+        self.deaths.socket_closed(worker)
         self._on_change()
-
-    def _status_overdue(self, worker: Worker) -> None:
-        if self._dead.pop(worker.pid, None) is not None:
-            worker.status = "exit status unknown"
-            self._report_gone(worker)
-
-    def _report_gone(self, worker: Worker) -> None:
-        if worker.pidfd >= 0:
-            os.close(worker.pidfd)
-            worker.pidfd = -1
-        jobs, worker.lost_jobs = worker.lost_jobs, []
-        for job in jobs:
-            self._fail_lost_job(job, worker)
-        if not self._closing.is_set():
-            self._on_worker_gone(
-                WorkerGone(
-                    worker.pid,
-                    worker.status or "",
-                    worker.lost_tag,
-                    worker.kill_reason,
-                    retired=worker.retiring and not worker.lost_tag,
-                    warmup=worker.died_warming,
-                )
-            )
-
-    def _fail_lost_job(self, job: Job, worker: Worker) -> None:
-        job.state = JobState.DONE
-        if worker.kill_reason.startswith("model"):
-            error: ServingError = DeadlineExceeded(
-                f"{worker.kill_reason}; worker pid {worker.pid} was killed", stage="worker"
-            )
-        else:
-            why = worker.kill_reason or worker.status
-            error = Unavailable(
-                f"worker pid {worker.pid} of pool '{self.name}' died while running the "
-                f"request ({why})"
-            )
-            if job.sequence:
-                error = Unavailable(
-                    f"sequence {job.sequence} of model '{job.tag}' is lost: worker pid "
-                    f"{worker.pid} of pool '{self.name}' that held its state died ({why})"
-                )
-        self._finish(job, error)
-
-    def _retry(self, job: Job) -> bool:
-        """Requeues a dead worker's job once, if it may run twice and still has time."""
-        loop = asyncio.get_running_loop()
-        if not job.idempotent or job.retried or job.deadline <= loop.time():
-            return False
-        if job.overtime is not None:
-            job.overtime.cancel()
-            job.overtime = None
-        job.retried = True
-        job.state = JobState.QUEUED
-        job.priority = RETRY_PRIORITY
-        job.members = None
-        self._queue.push(job, 0.0, bounded=False)
-        return True
-
-    def _close_worker(self, worker: Worker) -> None:
-        """Closing the socket makes the worker exit (EOF); its reader then finishes.
-
-        A worker still connecting (no transport yet) is closed by its reader once
-        connected: closing the socket under a pending connect would leave the
-        reader waiting on a dead, or reused, descriptor.
-        """
-        if worker.transport is not None:
-            worker.transport.close()
-        else:
-            worker.retiring = True
-
-
-class JobQueue:
-    """Jobs waiting to run: by priority (lowest first), then deadline, then arrival.
-
-    A job leaves it by :meth:`pop` or :meth:`remove`; removal is lazy in the
-    heap (a job that is no longer QUEUED is skipped when it comes up).
-    """
-
-    def __init__(self, limit: int, where: str) -> None:
-        self.limit = limit
-        self.where = where
-        self._heap: list[tuple[int, float, int, int, Job]] = []
-        self._keys: dict[int, list[float]] = {}  # per priority: queued jobs' keys, sorted
-        self._count = 0
-
-    def __len__(self) -> int:
-        return self._count
-
-    def push(
-        self, job: Job, precision: float, bounded: bool = True, key: float | None = None
-    ) -> None:
-        """Queues ``job``, QueueFull past the limit; see :func:`_order_key` for
-        ``precision``; ``key``: its place as before (a batch that waits puts its
-        first job back where it was)."""
-        if bounded and self._count >= self.limit:
-            raise QueueFull(f"{self.where} queue is full ({self.limit} requests waiting)")
-        keys = self._keys.setdefault(job.priority, [])
-        job.key = _order_key(keys, job.deadline, precision) if key is None else key
-        bisect.insort(keys, job.key)
-        job.entry += 1
-        heapq.heappush(self._heap, (job.priority, job.key, job.seq, job.entry, job))
-        self._count += 1
-        if len(self._heap) > 2 * self.limit + 64:
-            self._heap = [e for e in self._heap if _live(e)]
-            heapq.heapify(self._heap)
-
-    def pop(self) -> Job | None:
-        """The first queued job, out of the queue (still in state QUEUED)."""
-        while self._heap:
-            entry = heapq.heappop(self._heap)
-            if _live(entry):
-                job = entry[4]
-                self._forget(job)
-                return job
-        return None
-
-    def compatible(self, lead: Job) -> list[Job]:
-        """The queued jobs that may join ``lead``'s batch, in queue order."""
-        found = [
-            e
-            for e in self._heap
-            if _live(e)
-            and e[4] is not lead
-            and e[4].batch is not None
-            and e[4].tag == lead.tag
-            and e[4].batch_key == lead.batch_key
-        ]
-        found.sort(key=lambda e: e[:3])
-        return [e[4] for e in found]
-
-    def remove(self, job: Job) -> None:
-        """A queued job leaves for good (the caller sets its new state)."""
-        self._forget(job)
-
-    def _forget(self, job: Job) -> None:
-        self._count -= 1
-        keys = self._keys[job.priority]
-        del keys[bisect.bisect_left(keys, job.key)]
-        if not keys:
-            del self._keys[job.priority]
-
-
-def gather_batch(queue: JobQueue, job: Job, worth: Callable[[Job], bool]) -> list[Job]:
-    """``job`` (already out of ``queue``) and, in queue order, the queued jobs
-    that join its batch (``worth`` them; still in the queue), up to its
-    policy's ``max_size`` rows."""
-    policy = job.batch
-    jobs, rows = [job], job.rows
-    if policy is None:
-        return jobs
-    for other in queue.compatible(job):
-        if rows + other.rows > policy.max_size or not worth(other):
-            continue
-        jobs.append(other)
-        rows += other.rows
-        if rows >= policy.max_size:
-            break
-    return jobs
-
-
-def take_batch(queue: JobQueue, job: Job) -> list[Job]:
-    """As :func:`gather_batch`, the batch out of the queue at once (no wait)."""
-    jobs = gather_batch(queue, job, lambda other: True)
-    for other in jobs[1:]:
-        queue.remove(other)
-    return jobs
-
-
-def _live(entry: tuple[int, float, int, int, Job]) -> bool:
-    """A heap entry of a queued job that was not removed (nor queued again since)."""
-    job = entry[4]
-    return job.state is JobState.QUEUED and job.entry == entry[3]
-
-
-def _order_key(keys: list[float], deadline: float, precision: float) -> float:
-    """A job's place among the sorted keys of its priority's queued jobs: its
-    deadline, or the latest queued key at most ``precision`` after it.
-
-    The later of two deadlines closer than their precision may be the earlier
-    call's (see poolserve.service.contract.schedule), so the newcomer takes that key and
-    the sequence number puts it behind; a key is never more than ``precision``
-    past its deadline, and the expiry timer keeps the deadline itself.
-    """
-    if precision <= 0.0 or not keys:
-        return deadline
-    i = bisect.bisect_right(keys, deadline + precision)
-    return keys[i - 1] if i and keys[i - 1] > deadline else deadline
-
-
-class _WorkerLink(asyncio.BufferedProtocol):
-    """One worker's socket: every byte counts as a sign of life, every frame is delivered.
-
-    Replies are received straight into the reader's buffers (a large one into a
-    buffer of its own size, whose body goes on to the lane as a view);
-    requests leave as scatter writes of (header, body view).
-    """
-
-    def __init__(self, dispatcher: Dispatcher, worker: Worker, closed: asyncio.Future[None]):
-        self.dispatcher = dispatcher
-        self.worker = worker
-        self.closed = closed
-        self.replies = ReplyBuffer()
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's transports have asyncio.Transport's interface without subclassing it
-        self.worker.writer = Batcher(cast(asyncio.Transport, transport))
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self.replies.get_buffer(sizehint)
-
-    def buffer_updated(self, nbytes: int) -> None:
-        worker = self.worker
-        worker.last_seen = time.monotonic()
-        try:
-            for reply in self.replies.buffer_updated(nbytes):
-                if reply.kind in SELF_TEST:
-                    self.dispatcher._warmup_notice(worker, reply)
-                else:
-                    self.dispatcher._deliver(worker, reply)
-        except ValueError as exc:
-            self.dispatcher._protocol_error(worker, exc)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self.worker.writer is not None:
-            self.worker.writer.close()
-        if not self.closed.done():
-            self.closed.set_result(None)

@@ -27,13 +27,8 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 
 from poolserve.service.contract.errors import Unavailable
-from poolserve.service.poolcore.dispatcher import (
-    Dispatcher,
-    Limits,
-    Worker,
-    WorkerGone,
-    WorkerState,
-)
+from poolserve.service.poolcore.dispatcher import Dispatcher
+from poolserve.service.poolcore.jobs import Limits, Worker, WorkerGone, WorkerState
 from poolserve.service.poolcore.respawn import Respawner
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,8 @@ from poolserve.service.contract.sequence import (
     admit_new,
     sequence_id,
 )
-from poolserve.service.poolcore.dispatcher import Dispatcher, Worker, WorkerState
+from poolserve.service.poolcore.dispatcher import Dispatcher
+from poolserve.service.poolcore.jobs import Worker, WorkerState
 
 
 @dataclass(eq=False)

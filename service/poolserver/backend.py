@@ -24,7 +24,8 @@ from poolserve.service.contract.sequence import peek_sequence
 from poolserve.service.contract.shm import is_wrapped
 from poolserve.service.contract.slab import Mapper, head, is_enveloped, parse
 from poolserve.service.contract.wire import Routing
-from poolserve.service.poolcore.dispatcher import Dispatcher, Result
+from poolserve.service.poolcore.dispatcher import Dispatcher
+from poolserve.service.poolcore.jobs import Result
 from poolserve.service.poolcore.sequences import Sequences
 from poolserve.service.poolserver.catalog import ModelEntry
 from poolserve.service.poolserver.inline import InlineRunner

@@ -50,7 +50,6 @@ from poolserve.service.contract.framing import HEADER, Payload
 from poolserve.service.contract.repository import ModelSettings
 from poolserve.service.contract.schedule import Schedule
 from poolserve.service.grpcserver.status import as_serving_error
-from poolserve.service.poolcore.dispatcher import Job, JobQueue, JobState, Result, take_batch
 from poolserve.service.poolcore.frames import (
     PART,
     Frame,
@@ -59,6 +58,8 @@ from poolserve.service.poolcore.frames import (
     parse_batch_reply,
     parse_reply,
 )
+from poolserve.service.poolcore.jobqueue import JobQueue, take_batch
+from poolserve.service.poolcore.jobs import Job, JobState, Result
 from poolserve.service.poolcore.stats import Timings
 from poolserve.service.poolserver.catalog import Catalog, ModelEntry, ModelState
 

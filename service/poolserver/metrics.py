@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from poolserve.protos import control_pb2 as cpb
 from poolserve.service.lifecycle.procstat import proc_stat
 from poolserve.service.lifecycle.procutil import pss_bytes
-from poolserve.service.poolcore.dispatcher import Worker, WorkerState
+from poolserve.service.poolcore.jobs import Worker, WorkerState
 from poolserve.service.poolcore.stats import BUCKETS_S, ModelStats
 from poolserve.service.poolserver.catalog import ModelEntry
 

@@ -39,8 +39,8 @@ from poolserve.service.grpcserver.shm import SharedMemory
 from poolserve.service.grpcserver.sockets import bind_private_unix
 from poolserve.service.grpcserver.tracing import Tracing
 from poolserve.service.inference.cargo import InferenceZygote
-from poolserve.service.poolcore.dispatcher import Limits, WorkerGone
 from poolserve.service.poolcore.fleet import Fleet
+from poolserve.service.poolcore.jobs import Limits, WorkerGone
 from poolserve.service.poolcore.zygote_control import ZygoteEvents
 from poolserve.service.poolserver.backend import PoolBackend
 from poolserve.service.poolserver.catalog import Catalog, ModelState

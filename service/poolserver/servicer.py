@@ -41,7 +41,7 @@ from poolserve.service.poolserver.rest_scheduling import scheduling_view
 from poolserve.service.poolserver.statistics import model_statistics
 
 if TYPE_CHECKING:
-    from poolserve.service.poolcore.dispatcher import Result
+    from poolserve.service.poolcore.jobs import Result
 
 log = logging.getLogger(__name__)
 

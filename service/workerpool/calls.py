@@ -20,7 +20,7 @@ from poolserve.service.contract.errors import (
     QueueFull,
     Unavailable,
 )
-from poolserve.service.poolcore.dispatcher import Result
+from poolserve.service.poolcore.jobs import Result
 from poolserve.service.workerpool.models import PoolModel
 from poolserve.service.workerpool.runtime import PoolRuntime, State
 from poolserve.service.workerpool.scoring import (

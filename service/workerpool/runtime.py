@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from poolserve.service.contract.errors import Unavailable
-from poolserve.service.poolcore.dispatcher import Dispatcher, Limits
+from poolserve.service.poolcore.dispatcher import Dispatcher
 from poolserve.service.poolcore.fleet import Fleet
+from poolserve.service.poolcore.jobs import Limits
 from poolserve.service.poolcore.threads import thread_environment
 from poolserve.service.poolcore.zygote_control import ExecZygote, ZygoteEvents
 from poolserve.service.workerpool.loop import LoopBridge
