@@ -26,7 +26,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -128,13 +128,29 @@ def early_error(text: str, flags: Mapping[str, object]) -> str:
     return json.dumps(record)
 
 
-def check_metrics_port(settings: ServerSettings, source: str) -> None:
-    """Binds each address the router's /metrics would listen on, and lets go:
-    a port in use is a configuration error (exit 2) before any process starts.
-    Another program may still take the port between this check and the
-    router's bind; the router then exits 2 as before. Port 0 (any free port)
-    and -1 (off) cannot clash."""
-    port = settings.metrics_port
+# The router's HTTP ports: (setting, flag, what listens there, what -1 turns off).
+HTTP_PORTS = (
+    ("metrics_port", "--metrics-port", "the router's /metrics", "no /metrics"),
+    ("http_port", "--http-port", "the router's REST door", "no REST door"),
+)
+
+
+def check_http_ports(settings: ServerSettings, given: Collection[str]) -> None:
+    """:func:`check_port` for each of the router's HTTP ports."""
+    for field, flag, what, off in HTTP_PORTS:
+        source = flag if field in given else "settings"
+        check_port(settings, field, flag, what, off, source)
+
+
+def check_port(
+    settings: ServerSettings, field: str, flag: str, what: str, off: str, source: str
+) -> None:
+    """Binds each address ``what`` would listen on (the port of setting ``field``),
+    and lets go: a port in use is a configuration error (exit 2) before any
+    process starts. Another program may still take the port between this
+    check and the router's bind; the router then exits 2 as before. Port 0
+    (any free port) and -1 (off) cannot clash."""
+    port = int(getattr(settings, field))
     if port <= 0:
         return
     try:
@@ -151,11 +167,11 @@ def check_metrics_port(settings: ServerSettings, source: str) -> None:
                 continue  # e.g. no IPv6 here: the router skips that address too
             raise ConfigError(
                 source,
-                "metrics_port",
-                f"the router's /metrics cannot listen on {_host_port(address)}: "
+                field,
+                f"{what} cannot listen on {_host_port(address)}: "
                 f"{exc.strerror} (another tree? each tree needs its own: "
-                "set --metrics-port / metrics_port / POOLSERVE_METRICS_PORT to a "
-                "free port, 0 for any free port, -1 for no /metrics)",
+                f"set {flag} / {field} / POOLSERVE_{field.upper()} to a "
+                f"free port, 0 for any free port, -1 for {off})",
             ) from None
 
 
@@ -370,10 +386,10 @@ def run_serve(repo: Path, flags: Mapping[str, object]) -> int:
             raise ConfigError(str(repo), "(repository)", f"no valid model: {reasons}")
         run_dir = settings.resolved_run_dir()
         check_socket_paths(run_dir, repository.pools())
-        # Before run_dir and any pool: a second tree with the same metrics port
-        # (the default 8082 with another --grpc-port) fails now, not after its
-        # pools loaded.
-        check_metrics_port(settings, "--metrics-port" if "metrics_port" in given else "settings")
+        # Before run_dir and any pool: a second tree with the same metrics or
+        # REST port (the defaults with another --grpc-port) fails now, not after
+        # its pools loaded.
+        check_http_ports(settings, given)
         ensure_private_dir(run_dir)
         # Before anything in run_dir is touched: it belongs to one live tree.
         lock = RunDirLock.take(run_dir)

@@ -204,24 +204,30 @@ class M(Model):
 """
 
 
-def test_second_tree_on_the_same_metrics_port_exits_2_before_any_pool(tmp_path: Path) -> None:
-    """Issue 28, item 9: the metrics port stays 8082 when --grpc-port changes,
-    and a second tree found the clash only in its router, after its pools had
+@pytest.mark.parametrize(
+    ("flag", "field", "address_file"),
+    [("--metrics-port", "metrics_port", "metrics.addr"), ("--http-port", "http_port", "http.addr")],
+)
+def test_second_tree_on_the_same_http_port_exits_2_before_any_pool(
+    tmp_path: Path, flag: str, field: str, address_file: str
+) -> None:
+    """The metrics (8082) and REST (8080) ports stay when --grpc-port changes;
+    a second tree found the clash only in its router, after its pools had
     loaded, leaving a socket in its run_dir. It must fail before any pool."""
     port = free_port()
     first = Tree(make_repo(tmp_path / "repo1", {"echo": None}), tmp_path / "run1",
-                 workers=1, extra=("--metrics-port", str(port)))  # fmt: skip
+                 workers=1, extra=(flag, str(port)))  # fmt: skip
     with first:
-        assert (first.run_dir / "metrics.addr").read_text().strip().endswith(f":{port}")
+        assert (first.run_dir / address_file).read_text().strip().endswith(f":{port}")
         repo = tmp_path / "repo2"
         write(repo / "marker" / "model-settings.json",
               json.dumps({"name": "marker", "implementation": "model.M"}))  # fmt: skip
         write(repo / "marker" / "model.py", MARKS_ITS_LOAD)
         run_dir = tmp_path / "run2"
-        done = serve(repo, run_dir, "--metrics-port", str(port), timeout=60)
+        done = serve(repo, run_dir, flag, str(port), timeout=60)
         assert first.proc is not None and first.proc.poll() is None  # the first tree serves on
     assert done.returncode == 2, (done.stdout, done.stderr)
-    assert "--metrics-port" in done.stderr and "metrics_port" in done.stderr, done.stderr
+    assert flag in done.stderr and field in done.stderr, done.stderr
     assert str(port) in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert LISTENING_PREFIX not in done.stdout
     assert not (repo / "marker" / "loaded").exists(), "a pool loaded a model first"
