@@ -5,7 +5,7 @@
 # tini reaps whatever else gets reparented to PID 1).
 #
 #   docker build -t poolserve:0.1.0 .
-#   docker run --rm -p 8081:8081 -v "$PWD/models:/models:ro" poolserve:0.1.0
+#   docker run --rm -p 8081:8081 -p 8080:8080 -v "$PWD/models:/models:ro" poolserve:0.1.0
 #   docker stop --time 90 CONTAINER   # above poolserve's own stop bound
 #
 # Build argument EXTRAS: optional dependencies (default sklearn, for the
@@ -44,7 +44,7 @@ ENV PATH=/opt/poolserve/bin:$PATH \
     POOLSERVE_LOG_FORMAT=json
 USER 10001:10001
 WORKDIR /
-EXPOSE 8081
+EXPOSE 8081 8080
 STOPSIGNAL SIGTERM
 # Healthy once every model is loaded and serving (exit 0); any non-zero
 # code (see `poolserve probe --help`) counts as a failed check.

@@ -193,15 +193,25 @@ def env_of(container: dict[str, Any]) -> dict[str, str]:
 
 def container_port(container: dict[str, Any]) -> int:
     """The router's gRPC port; the container's ports are it and, when one is
-    named ``metrics``, the metrics port its command line sets."""
+    named ``metrics`` or ``http``, the metrics or REST port its settings set."""
     args = parse_cli(container["args"])
     env = env_of(container)
     port = args.grpc_port or int(env.get("POOLSERVE_GRPC_PORT", ServerSettings().grpc_port))
     ports = container["ports"]
-    assert [p["containerPort"] for p in ports if p.get("name") != "metrics"] == [port]
+    assert [p["containerPort"] for p in ports if p.get("name") not in ("metrics", "http")] == [port]
     for metrics in (p for p in ports if p.get("name") == "metrics"):
         assert metrics["containerPort"] == metrics_port(container)
+    for http in (p for p in ports if p.get("name") == "http"):
+        assert http["containerPort"] == http_port(container)
     return int(port)
+
+
+def http_port(container: dict[str, Any]) -> int:
+    args = parse_cli(container["args"])
+    env = env_of(container)
+    if args.http_port is not None:
+        return int(args.http_port)
+    return int(env.get("POOLSERVE_HTTP_PORT", ServerSettings().http_port))
 
 
 def metrics_port(container: dict[str, Any]) -> int:
@@ -323,7 +333,9 @@ def test_service_pdb_and_hpa_point_at_the_deployment() -> None:
     ((_, service),) = objects("Service")
     assert service["spec"]["selector"] == selector
     ports = {p["name"]: p for p in service["spec"]["ports"]}
-    assert set(ports) == {"grpc", "metrics"}
+    assert set(ports) == {"grpc", "http", "metrics"}
+    assert ports["http"]["targetPort"] == "http"
+    assert ports["http"]["port"] == http_port(container)
     assert ports["grpc"]["targetPort"] in ("grpc", container_port(container))
     assert ports["grpc"]["port"] == container_port(container)
     assert ports["metrics"]["targetPort"] == "metrics"  # the name a ServiceMonitor uses
@@ -793,7 +805,8 @@ def test_dockerfile_user_entrypoint_and_healthcheck() -> None:
     assert any(d.startswith(f"{args.repo}/") for d in destinations), "CMD serves what it ships"
     env = dict(re.findall(r"(\w+)=(\S+)", " ".join(r for w, r in stage if w == "ENV")))
     port = int(env["POOLSERVE_GRPC_PORT"])
-    assert dockerfile_value("EXPOSE") == str(port)
+    http = int(env.get("POOLSERVE_HTTP_PORT", ServerSettings().http_port))
+    assert dockerfile_value("EXPOSE") == f"{port} {http}"  # gRPC and REST
     health = dockerfile_value("HEALTHCHECK")
     command = json.loads(health.split("CMD", 1)[1])
     assert Path(command[0]).name == "poolserve" and command[1] == "probe"
