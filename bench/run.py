@@ -116,7 +116,8 @@ class Fleet:
     def start(self, spec: servers.ServerSpec, layout: servers.Layout, tag: str) -> servers.Running:
         workdir = self.run_dir / f"{tag}-{spec.key}"
         load = replace(self.workload, counter=workdir / "burn.count")
-        ctx = servers.Context(workdir, servers.free_port(), load, layout, self.venvs)
+        ctx = servers.Context(workdir, servers.free_port(), load, layout, self.venvs,
+                              servers.free_port())  # fmt: skip
         server = servers.start(spec, ctx)
         self.running.append(server)
         return server
