@@ -75,7 +75,13 @@ class BenchModel(kserve.Model):
 
     def respond(self, payload: InferRequest, y: np.ndarray, name: str = "OUTPUT0") -> InferResponse:
         out = InferOutput(name, shape=list(y.shape), datatype="FP32", data=y)
-        return InferResponse(response_id=payload.id, model_name=self.name, infer_outputs=[out])
+        if payload.from_grpc:  # the gRPC part's path, unchanged
+            return InferResponse(response_id=payload.id, model_name=self.name, infer_outputs=[out])
+        # REST: binary outputs when the request asks (Triton's binary tensor extension:
+        # binary_data_output or an output's binary_data), passed on as KServe's API takes them.
+        return InferResponse(response_id=payload.id, model_name=self.name, infer_outputs=[out],
+                             use_binary_outputs=payload.use_binary_outputs,
+                             requested_outputs=payload.request_outputs)  # fmt: skip
 
 
 class EchoModel(BenchModel):
