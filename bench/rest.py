@@ -518,10 +518,10 @@ def notes(results: Mapping[str, Any]) -> str:
     if rest.get("skipped"):
         skipped = sorted(rest["skipped"].items())
         parts.append("Skipped: " + "; ".join(f"{LABELS.get(k, k)}: {why}" for k, why in skipped))
-    unsupported_cells = sorted({f"{LABELS.get(s, s)} ({fmt}): {f['unsupported'][:160]}"
+    unsupported_cells = sorted({f"{LABELS.get(s, s)} {m} ({fmt}): {f['unsupported'][:160]}"
                                 for s, formats in rest.get("cells", {}).items()
                                 for fmt, models in formats.items()
-                                for per_c in models.values() for f in per_c.values()
+                                for m, per_c in models.items() for f in per_c.values()
                                 if f.get("unsupported")})  # fmt: skip
     if unsupported_cells:
         parts.append("Not supported: " + "; ".join(unsupported_cells))

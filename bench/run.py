@@ -14,7 +14,8 @@
 
 Phases: install the peers (once, under bench/.peers); calibrate ``burn``;
 start every server with the same models; perf_analyzer rounds with the
-servers interleaved; overload; memory; then results in bench/results
+servers interleaved; overload; large tensors (full mode); REST (bench/rest.py:
+perf_analyzer -i http on every server's REST port); memory; then results in bench/results
 (JSON, Markdown, PNG) and, for a full run, the generated section of
 docs/performance.md. Every process
 it starts is stopped by PID, whatever happens.
@@ -941,7 +942,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "or rest (perf_analyzer -i http, bench/rest.py); never published, except rest with "
         "--publish (its section replaces latest.json's REST part)",
     )
-    parser.add_argument("--repeat", type=int, default=1, help="with --only: runs each")
+    parser.add_argument(
+        "--repeat", type=int, default=None, help="with --only: runs each (rest: the mode's)"
+    )
     parser.add_argument(
         "--publish",
         action=argparse.BooleanOptionalAction,
@@ -963,7 +966,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(dropin_only(mode)["table"])
         return 0
     if args.only == "overload":
-        print(report.overload_console(overload_only(mode, only, max(1, args.repeat))))
+        print(report.overload_console(overload_only(mode, only, max(1, args.repeat or 1))))
         return 0
     if args.only == "batching":
         print(batching_only(mode))
@@ -972,10 +975,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(decoupled.markdown(decoupled.measure()))
         return 0
     if args.only == "rest":
-        print(rest.console(rest_only(mode, max(1, args.repeat), bool(args.publish))))
+        print(rest.console(rest_only(mode, max(1, args.repeat or mode.runs), bool(args.publish))))
         return 0
     if args.only == "large":
-        print(large_tensors.console(large_only(mode, max(1, args.repeat))))
+        print(large_tensors.console(large_only(mode, max(1, args.repeat or 1))))
         return 0
     publish_results = mode.publish if args.publish is None else args.publish
     results = run(mode, only, publish_results and not only)
