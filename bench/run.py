@@ -1,6 +1,7 @@
 """`make bench`: poolserve against MLServer, KServe and a bare grpc.aio server, side by side.
 
-  python bench/run.py --mode full    # make bench: 3 runs per cell (37 min on 2 cores, Dec 1)
+  python bench/run.py --mode full    # make bench: 3 runs per cell (37 min on 2 cores, Dec 1,
+                                     # before the REST part, which adds about 9 min)
   python bench/run.py --mode quick   # make bench-quick: 1 run per cell, shorter
   python bench/run.py --render       # rewrite latest.md, latest.png, docs/performance.md
   python bench/run.py --only overload --servers poolserve --repeat 3
