@@ -57,8 +57,9 @@ run: $(RUN_STAMP)
 	@echo "  try: $(BIN)/python examples/client.py 127.0.0.1:8081"
 	$(BIN)/poolserve serve $(REPO)
 
-# Side-by-side benchmark against MLServer, KServe and a bare grpc.aio server (peers
-# live in bench/.peers, never in .venv). Writes bench/results/.
+# Side-by-side benchmark against MLServer, KServe and a bare grpc.aio server, over gRPC
+# and REST (bench/rest.py: perf_analyzer -i http, a bare uvicorn echo as the REST floor).
+# Peers live in bench/.peers, never in .venv. Writes bench/results/.
 bench: install
 	$(BIN)/python bench/run.py --mode full
 	$(BIN)/python bench/workerpool_bench.py

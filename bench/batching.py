@@ -82,6 +82,7 @@ def build_poolserve(model_file: Path, batched: bool, spec: servers.ServerSpec,
     argv = [str(servers.POOLSERVE), "serve", str(ctx.workdir / "repo")]
     argv += ["--grpc-port", str(ctx.port), "--run-dir", str(run_dir), "--workers", "2"]
     argv += ["--metrics-port", "0"]  # a free port: two poolserve servers run side by side
+    argv += ["--http-port", str(ctx.http_port)]  # the same for the REST port (0: any free one)
     return servers.Launch(argv, ready_line="poolserve: ready", cleanup=(run_dir,))
 
 

@@ -39,6 +39,7 @@ def build(spec: servers.ServerSpec, ctx: servers.Context) -> servers.Launch:
     run_dir = Path(os.environ.get("XDG_RUNTIME_DIR") or "/tmp") / f"psm-{os.getpid()}-{ctx.port}"
     argv = [str(servers.POOLSERVE), "serve", str(repo), "--grpc-port", str(ctx.port)]
     argv += ["--metrics-port", "0"]  # a free port: never the one another server holds
+    argv += ["--http-port", str(ctx.http_port)]  # the same for the REST port (0: any free one)
     argv += ["--run-dir", str(run_dir), "--workers", str(spec.workers_for(ctx.layout))]
     return servers.Launch(
         argv,

@@ -44,14 +44,16 @@ def command(
     csv_path: Path,
     shape: str | None = None,
     extra: Sequence[str] = (),
+    protocol: str = "grpc",
 ) -> list[str]:
-    """``shape`` replaces the model's default --shape; ``extra`` flags go last."""
+    """``shape`` replaces the model's default --shape; ``extra`` flags go last; ``protocol``
+    is perf_analyzer's -i (grpc or http: ``address`` is then the REST port's)."""
     return [
         str(binary),
         "-m",
         model,
         "-i",
-        "grpc",
+        protocol,
         "-u",
         address,
         "--shape",
@@ -95,8 +97,13 @@ def parse_stdout_avg(text: str) -> float | None:
     return float(found[-1]) if found else None
 
 
+THREAD_ERROR = re.compile(r"^Thread \[\d+\] had error.*$", re.MULTILINE)
+
+
 def first_error(text: str) -> str:
-    found = ERROR.search(text)
+    """The most telling error line: a worker thread's own words (what the server or the client
+    library said), else the first error line, else the last line."""
+    found = THREAD_ERROR.search(text) or ERROR.search(text)
     if found:
         return found.group(0).strip()
     lines = [line for line in text.strip().splitlines() if line.strip()]
@@ -119,10 +126,11 @@ def run(
     timeout: float,
     shape: str | None = None,
     extra: Sequence[str] = (),
+    protocol: str = "grpc",
 ) -> PerfResult:
     """Runs one cell; raises RuntimeError with perf_analyzer's own words on failure."""
     csv_path.unlink(missing_ok=True)
-    argv = command(binary, address, model, concurrency, window_ms, csv_path, shape, extra)
+    argv = command(binary, address, model, concurrency, window_ms, csv_path, shape, extra, protocol)
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:

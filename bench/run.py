@@ -1,6 +1,7 @@
 """`make bench`: poolserve against MLServer, KServe and a bare grpc.aio server, side by side.
 
-  python bench/run.py --mode full    # make bench: 3 runs per cell (37 min on 2 cores, Dec 1)
+  python bench/run.py --mode full    # make bench: 3 runs per cell (37 min on 2 cores, Dec 1,
+                                     # before the REST part, which adds about 9 min)
   python bench/run.py --mode quick   # make bench-quick: 1 run per cell, shorter
   python bench/run.py --render       # rewrite latest.md, latest.png, docs/performance.md
   python bench/run.py --only overload --servers poolserve --repeat 3
@@ -8,10 +9,14 @@
   python bench/run.py --only batching  # the batching part alone (bench/batching.py)
   python bench/run.py --only large --repeat 3
                                      # the large-tensor echo alone (issue 20), never published
+  python bench/run.py --mode quick --only rest [--publish]
+                                     # the REST part alone (issue 29; bench/rest.py); --publish
+                                     # puts it into latest.json/md and docs/performance.md
 
 Phases: install the peers (once, under bench/.peers); calibrate ``burn``;
 start every server with the same models; perf_analyzer rounds with the
-servers interleaved; overload; memory; then results in bench/results
+servers interleaved; overload; large tensors (full mode); REST (bench/rest.py:
+perf_analyzer -i http on every server's REST port); memory; then results in bench/results
 (JSON, Markdown, PNG) and, for a full run, the generated section of
 docs/performance.md. Every process
 it starts is stopped by PID, whatever happens.
@@ -49,10 +54,12 @@ import large_tensors  # noqa: E402
 import mlserver_dropin  # noqa: E402
 import perf  # noqa: E402
 import report  # noqa: E402
+import rest  # noqa: E402
 import servers  # noqa: E402
 import workload  # noqa: E402
 
 report.PARTS.append(large_tensors)  # its targets and its section in the report
+report.PARTS.append(rest)  # the REST part (issue 29)
 
 ROOT = BENCH.parent
 RESULTS = BENCH / "results"
@@ -116,7 +123,8 @@ class Fleet:
     def start(self, spec: servers.ServerSpec, layout: servers.Layout, tag: str) -> servers.Running:
         workdir = self.run_dir / f"{tag}-{spec.key}"
         load = replace(self.workload, counter=workdir / "burn.count")
-        ctx = servers.Context(workdir, servers.free_port(), load, layout, self.venvs)
+        ctx = servers.Context(workdir, servers.free_port(), load, layout, self.venvs,
+                              servers.free_port())  # fmt: skip
         server = servers.start(spec, ctx)
         self.running.append(server)
         return server
@@ -288,16 +296,19 @@ def measure_cell(
     window_ms: int | None = None,
     shape: str | None = None,
     extra: Sequence[str] = (),
+    protocol: str = "grpc",
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    address = server.http_address if protocol == "http" else server.address
     counter = server.workdir / "burn.count"
     offset = workload.counter_offset(counter)
     before = CpuSnapshot.take(running, server)
     try:
         if server.process.poll() is not None:
             raise RuntimeError("server exited")
-        result = perf.run(pa.binary, env, server.address, model, concurrency,
-                          window_ms or mode.window_ms, csv_path, timeout, shape, extra)  # fmt: skip
+        result = perf.run(pa.binary, env, address, model, concurrency,
+                          window_ms or mode.window_ms, csv_path, timeout, shape, extra,
+                          protocol)  # fmt: skip
         out["result"] = result.to_json()
         out["shown"] = f"{result.throughput:8.1f}/s p99 {result.p99_us / 1000:7.1f} ms"
     except RuntimeError as exc:
@@ -647,6 +658,91 @@ def large_only(mode: Mode, runs: int) -> dict[str, Any]:
     return results
 
 
+# -- REST -------------------------------------------------------------------------------------
+
+
+def rest_phase(
+    fleet: Fleet, mode: Mode, installed: install.Installed, run_dir: Path, runs: int
+) -> dict[str, Any]:
+    """bench/rest.py's part: perf_analyzer -i http on each server's REST port."""
+    pa = installed.perf_analyzer
+
+    def start(key: str, models: tuple[str, ...], shape: tuple[int, ...] | None) -> Any:
+        spec = servers.spec(key)
+        tag = "rest-large" if shape else "rest"
+        server = fleet.start(spec, servers.Layout(models, shape=shape), tag)
+        try:
+            if key == rest.FLOOR:  # REST only: no gRPC port to ask
+                servers.wait_line(server, timeout=60)
+            else:  # the large echo's [-1,3,224,224] refuses client.py's warm-up tensor
+                fleet.wait_ready(server, warm=0 if shape else 3)
+            rest.wait_rest_ready(server.http_address, models)
+        except Exception:
+            fleet.stop(server)
+            raise
+        return server
+
+    def available(key: str) -> str:
+        venv = servers.spec(key).venv
+        return (
+            f"its peer ({venv}) is not installed here" if venv and venv not in fleet.venvs else ""
+        )
+
+    env = {**os.environ, **pa.env}
+    timeout = 10 * max(mode.window_ms, rest.LARGE_WINDOW_MS) / 1000 + 60
+    measure = functools.partial(measure_cell, mode=mode, pa=pa, env=env, timeout=timeout)
+    found = rest.phase(start, fleet.stop, measure, run_dir, runs, log, available)
+    found.update(
+        when=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        mode=mode.name,
+        window_ms=mode.window_ms,
+    )
+    return found
+
+
+def installed_peers(keys: Sequence[str]) -> install.Installed:
+    """The peers' environments these servers need; one that fails to install is left out
+    (its servers are then skipped with the reason), not a failure of the run."""
+    needed = sorted({s.venv for s in servers.SERVERS if s.key in keys and s.venv})
+    specs = []
+    for name in needed:
+        try:
+            install.ensure_all([install.PEER_VENVS[name]()])
+            specs.append(install.PEER_VENVS[name]())
+        except Exception as exc:
+            log(f"peer {name} could not be installed: {exc}")
+    return install.ensure_all(specs)
+
+
+def rest_only(mode: Mode, runs: int, publish_results: bool) -> dict[str, Any]:
+    """The REST part alone (`--only rest`); with --publish its section replaces the REST part
+    of bench/results/latest.json, and latest.md and docs/performance.md are rendered again."""
+    installed = installed_peers(rest.SERVERS)
+    run_dir = WORK / datetime.datetime.now().strftime("rest-%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True)
+    quiet = wait_for_quiet(mode.quiet_wait_s)
+    xgb_model = train_xgb(run_dir / "xgb" / "model.json")
+    load = servers.Workload(1, run_dir / "burn.count", xgb_model=xgb_model)
+    fleet = Fleet(run_dir, installed.venvs, load)
+    try:
+        found = rest_phase(fleet, mode, installed, run_dir, runs)
+    finally:
+        fleet.stop_all()
+    found["outside_load_at_start_cores"] = round(quiet, 3)
+    results: dict[str, Any] = {"meta": {"work_dir": str(run_dir), "mode": mode.name},
+                               "rest": found}  # fmt: skip
+    (run_dir / "rest-results.json").write_text(json.dumps(results, indent=1) + "\n")
+    log(f"wrote {run_dir / 'rest-results.json'}")
+    if publish_results and (RESULTS / "latest.json").exists():
+        merged = json.loads((RESULTS / "latest.json").read_text())
+        merged["rest"] = found
+        merged["meta"].setdefault("versions", {}).update(
+            versions(installed.venvs, installed.perf_analyzer)
+        )
+        publish(report.summarize(merged), installed.tools_python, RESULTS, docs=True)
+    return results
+
+
 # -- memory ---------------------------------------------------------------------------------
 
 
@@ -804,6 +900,8 @@ def run(mode: Mode, only: Sequence[str], publish_results: bool) -> dict[str, Any
             with phase("large tensors", timings):
                 results["large"] = large_phase(fleet, mode, installed.perf_analyzer, run_dir,
                                                mode.runs)  # fmt: skip
+        with phase("rest", timings):
+            results["rest"] = rest_phase(fleet, mode, installed, run_dir, mode.runs)
         with phase("memory", timings):
             results["memory"] = measure_memory(fleet, mode, [s.key for s in chosen])
         if servers.REFERENCE in [s.key for s in chosen]:
@@ -838,13 +936,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--only",
-        choices=["overload", "mlserver-dropin", "batching", "decoupled", "large"],
+        choices=["overload", "mlserver-dropin", "batching", "decoupled", "large", "rest"],
         help="run one part alone: overload (calibration, servers, overload), "
         "mlserver-dropin (bench/mlserver_dropin.py), batching (bench/batching.py), "
-        "decoupled (bench/decoupled.py) or large (the large-tensor echo, bench/large_tensors.py); "
-        "never published",
+        "decoupled (bench/decoupled.py), large (the large-tensor echo, bench/large_tensors.py) "
+        "or rest (perf_analyzer -i http, bench/rest.py); never published, except rest with "
+        "--publish (its section replaces latest.json's REST part)",
     )
-    parser.add_argument("--repeat", type=int, default=1, help="with --only: runs each")
+    parser.add_argument(
+        "--repeat", type=int, default=None, help="with --only: runs each (rest: the mode's)"
+    )
     parser.add_argument(
         "--publish",
         action=argparse.BooleanOptionalAction,
@@ -866,7 +967,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(dropin_only(mode)["table"])
         return 0
     if args.only == "overload":
-        print(report.overload_console(overload_only(mode, only, max(1, args.repeat))))
+        print(report.overload_console(overload_only(mode, only, max(1, args.repeat or 1))))
         return 0
     if args.only == "batching":
         print(batching_only(mode))
@@ -874,8 +975,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.only == "decoupled":
         print(decoupled.markdown(decoupled.measure()))
         return 0
+    if args.only == "rest":
+        print(rest.console(rest_only(mode, max(1, args.repeat or mode.runs), bool(args.publish))))
+        return 0
     if args.only == "large":
-        print(large_tensors.console(large_only(mode, max(1, args.repeat))))
+        print(large_tensors.console(large_only(mode, max(1, args.repeat or 1))))
         return 0
     publish_results = mode.publish if args.publish is None else args.publish
     results = run(mode, only, publish_results and not only)

@@ -93,6 +93,10 @@ class Context:
     workload: Workload
     layout: Layout
     venvs: dict[str, Path]  # peer venv name -> python
+    http_port: int = 0  # the REST port (0: a free one chosen by the builder)
+
+    def rest_port(self) -> int:
+        return self.http_port or free_port()
 
 
 Builder = Callable[["ServerSpec", Context], Launch]
@@ -178,6 +182,7 @@ def build_poolserve(spec: ServerSpec, ctx: Context) -> Launch:
     write_json(repo / "settings.json", limits)
     run_dir = Path(os.environ.get("XDG_RUNTIME_DIR") or "/tmp") / f"psb-{os.getpid()}-{ctx.port}"
     argv = [str(POOLSERVE), "serve", str(repo), "--grpc-port", str(ctx.port), "--metrics-port", "0"]
+    argv += ["--http-port", str(ctx.http_port)]  # 0: any free port (two trees at once)
     argv += ["--run-dir", str(run_dir), "--workers", str(spec.workers_for(ctx.layout))]
     return Launch(argv, ready_line="poolserve: ready", cleanup=(run_dir,))
 
@@ -198,7 +203,7 @@ def build_mlserver(spec: ServerSpec, ctx: Context) -> Launch:
             "parallel_workers": spec.workers_for(ctx.layout),
             "host": "127.0.0.1",
             "grpc_port": ctx.port,
-            "http_port": free_port(),
+            "http_port": ctx.rest_port(),
             "metrics_port": free_port(),
             "debug": MLSERVER_DEBUG,
             "grpc_max_message_length": MESSAGE_LIMIT,
@@ -238,7 +243,7 @@ def build_kserve(spec: ServerSpec, ctx: Context) -> Launch:
         write_model_settings(repo / model, model, f"kserve_server.{KSERVE_CLASSES[model]}", ctx)
     python = ctx.venvs[spec.venv]
     argv = [str(python), str(PEER_CODE / "kserve_server.py"), str(repo)]
-    argv += ["--grpc_port", str(ctx.port), "--http_port", str(free_port())]
+    argv += ["--grpc_port", str(ctx.port), "--http_port", str(ctx.rest_port())]
     argv += ["--grpc_max_send_message_length", str(MESSAGE_LIMIT)]
     argv += ["--grpc_max_receive_message_length", str(MESSAGE_LIMIT)]
     return Launch(argv, env={"PYTHONPATH": str(PEER_CODE), **KSERVE_ENV})
@@ -256,6 +261,16 @@ def build_bare(spec: ServerSpec, ctx: Context) -> Launch:
     if ctx.layout.shape:
         argv.append("--dims=" + ",".join(map(str, ctx.layout.shape)))
     return Launch(argv, env={"PYTHONPATH": str(PEER_CODE)}, ready_line="bare: ready")
+
+
+def build_rest_floor(spec: ServerSpec, ctx: Context) -> Launch:
+    """peers/rest_floor.py: one uvicorn process serving echo over REST only."""
+    if set(ctx.layout.models) != {"echo"}:
+        raise ValueError("the REST floor serves echo only")
+    argv = [str(PROJECT_PYTHON), str(PEER_CODE / "rest_floor.py"), "--port", str(ctx.http_port)]
+    if ctx.layout.shape:
+        argv.append("--dims=" + ",".join(map(str, ctx.layout.shape)))
+    return Launch(argv, env={"PYTHONPATH": str(PEER_CODE)}, ready_line="rest-floor: ready")
 
 
 MLSERVER_NOTE = (
@@ -299,6 +314,12 @@ SERVERS: tuple[ServerSpec, ...] = (
         "the bench's own single-process grpc.aio server: the floor of one Python gRPC hop",
     ),
 )  # fmt: skip
+# Served in the REST part only (bench/rest.py): no gRPC port.
+REST_FLOOR = ServerSpec(
+    "rest-floor", "bare uvicorn echo (1 process)", 0, build_rest_floor, "",
+    "the bench's own ASGI app on uvicorn (httptools, asyncio loop): decodes the JSON or binary "
+    "body into an array and answers it; the floor of one Python HTTP hop", models=("echo",),
+)  # fmt: skip
 SUBJECT = "poolserve"
 REFERENCE = "mlserver-2"  # the peer the targets compare against
 KSERVE = "kserve"  # the single-process peer the light-model targets compare against
@@ -306,7 +327,7 @@ INLINE = "poolserve-inline"
 
 
 def spec(key: str) -> ServerSpec:
-    for s in SERVERS:
+    for s in (*SERVERS, REST_FLOOR):
         if s.key == key:
             return s
     raise KeyError(key)
@@ -399,11 +420,16 @@ class Running:
     log: Path
     ready_line: str
     cleanup: tuple[Path, ...] = ()
+    http_port: int = 0  # the REST port, when the bench chose it
     seen: dict[int, int] = field(default_factory=dict)  # PID -> start time, all ever seen
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def http_address(self) -> str:
+        return f"127.0.0.1:{self.http_port}"
 
     def tree(self) -> list[int]:
         pids = process_tree(self.process.pid)
@@ -440,7 +466,15 @@ def start(spec: ServerSpec, ctx: Context) -> Running:
             start_new_session=True,
         )
     running = Running(
-        spec, ctx.layout, process, ctx.port, ctx.workdir, log, launch.ready_line, launch.cleanup
+        spec,
+        ctx.layout,
+        process,
+        ctx.port,
+        ctx.workdir,
+        log,
+        launch.ready_line,
+        launch.cleanup,
+        ctx.http_port,
     )
     running.tree()
     return running

@@ -613,3 +613,119 @@ def test_large_tensor_cells_targets_and_the_unsupported_shared_memory_cell() -> 
     assert "not supported" in text and "error" in text and "Errors: boom" in text
     assert large.unsupported("perf_analyzer exit 99: error: ... Method not found!")
     assert not large.unsupported("Thread [4] had error: deadline exceeded")
+
+
+rest = load("_bench_rest", ROOT / "bench" / "rest.py")
+
+
+def _rest_results() -> dict[str, Any]:
+    """Made-up REST runs: ratios and verdicts below follow from these numbers alone."""
+
+    def run(server: str, fmt: str, model: str, c: int, tput: float | None, p99_ms: float = 1.0,
+            router_s: float | None = None, **more: Any) -> dict[str, Any]:  # fmt: skip
+        found: dict[str, Any] = {"round": 0, "server": server, "model": model,
+                                 "concurrency": c, "format": fmt, **more}  # fmt: skip
+        if tput is not None:
+            found["result"] = {"throughput": tput, "p99_us": p99_ms * 1000}
+            by_process = {"poolserve-rtr": router_s} if router_s is not None else {}
+            found["cpu"] = {"wall_s": 10.0, "cpu_s": 2 * tput * 10 / 1000,
+                            "cpu_by_process": by_process, "foreign_cores": 0.1}  # fmt: skip
+        return found
+
+    big = rest.tensor_bytes(rest.LARGE_SHAPE)
+    runs = [
+        run("poolserve", "binary", "echo", 16, 3000.0, 4.0, router_s=3.0),
+        run("poolserve", "binary", "echo", 16, 2000.0, 4.0, router_s=2.0),
+        run("poolserve", "binary", "echo", 16, 4000.0, 4.0, router_s=4.0),  # median 3000
+        run("poolserve", "json", "echo", 16, 2400.0, 6.0, router_s=4.8),
+        run("poolserve", "grpc", "echo", 16, 5000.0, 3.0, router_s=5.0),
+        run("poolserve", "binary", "echo", 1, 900.0),
+        run("poolserve", "binary", "xgb", 16, 900.0),
+        run("kserve", "binary", "echo", 16, 1500.0, 5.0),
+        run("kserve", "json", "echo", 16, None,
+            unsupported="Thread [0] had error: ... member 'binary_data_size'"),
+        run("kserve", "binary", "xgb", 16, 500.0),
+        run("mlserver-2", "binary", "echo", 16, None,
+            unsupported="Thread [0] had error: failed to parse the request JSON buffer"),
+        run("mlserver-2", "json", "echo", 16, 1200.0, 20.0),
+        run("mlserver-0", "json", "echo", 16, None, error="boom"),
+        run("poolserve", "binary", rest.LARGE, 8, 20.0, bytes=big),
+        run("kserve", "binary", rest.LARGE, 8, 25.0, bytes=big),
+    ]  # fmt: skip
+    found: dict[str, Any] = {
+        "runs": runs,
+        "rounds": 3,
+        "skipped": {"rest-floor": "no uvicorn"},
+        "when": "2026-12-01 16:00 UTC",
+        "mode": "quick",
+        "window_ms": 1000,
+    }
+    found["cells"] = rest.cells(found)
+    return {"meta": {"date": "2026-12-01 06:00 UTC"}, "rest": found}
+
+
+def test_rest_cells_ratios_and_verdicts_from_made_up_runs() -> None:
+    results = _rest_results()
+    assert rest.figure(results, "poolserve", "binary", "echo", 16, "throughput") == 3000.0
+    # router CPU per request: 3.0 s over 3000/s x 10 s -> 0.1 ms; gRPC 5.0 s over 50000 -> 0.1
+    assert rest.figure(results, "poolserve", "binary", "echo", 16, "router_ms") == (
+        pytest.approx(0.1)
+    )
+    assert rest.figure(results, "poolserve", "json", "echo", 16, "router_ms") == pytest.approx(0.2)
+    size = rest.tensor_bytes(rest.LARGE_SHAPE)
+    assert rest.figure(results, "kserve", "binary", rest.LARGE, 8, "mb_s") == (
+        pytest.approx(25 * 2 * size / 1e6)
+    )
+    by_key = {t["key"]: t for t in rest.targets(results)}
+    # 3000 vs 1500: 2.0 >= 1.5 PASS
+    assert by_key["rest_echo_c16_vs_kserve_binary"]["value"] == pytest.approx(2.0)
+    assert by_key["rest_echo_c16_vs_kserve_binary"]["passed"]
+    # 2400 vs 1200 (JSON, MLServer's only format): 2.0 < 3.0 MISS
+    assert by_key["rest_echo_c16_vs_mlserver_json"]["value"] == pytest.approx(2.0)
+    assert not by_key["rest_echo_c16_vs_mlserver_json"]["passed"]
+    # a format the peer does not take gives no target row
+    assert "rest_echo_c16_vs_kserve_json" not in by_key
+    assert "rest_echo_c16_vs_mlserver_binary" not in by_key
+    # XGBoost 900 vs 500: 1.8 < 2.0 MISS
+    assert by_key["rest_xgb_c16_vs_kserve_binary"]["value"] == pytest.approx(1.8)
+    assert not by_key["rest_xgb_c16_vs_kserve_binary"]["passed"]
+    # 9.2 MiB: 20 vs 25 infer/s -> 0.8 < 1.0 MISS
+    assert by_key["rest_large_c8_vs_kserve_binary"]["value"] == pytest.approx(0.8)
+    assert not by_key["rest_large_c8_vs_kserve_binary"]["passed"]
+    # p99 4 ms vs 5 ms: 0.8 <= 1.0 PASS
+    assert by_key["rest_echo_c16_p99_vs_kserve_binary"]["value"] == pytest.approx(0.8)
+    assert by_key["rest_echo_c16_p99_vs_kserve_binary"]["passed"]
+    # no KServe figure for XGBoost over JSON: a miss, not a pass
+    assert by_key["rest_xgb_c16_vs_kserve_json"]["value"] is None
+    assert not by_key["rest_xgb_c16_vs_kserve_json"]["passed"]
+    assert all(t["issue"] == "29" for t in by_key.values())
+
+
+def test_rest_section_renders_ratios_verdicts_skips_and_the_router_beside_grpc(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    results = _rest_results()
+    text = rest.section(results)
+    assert "| 2.00 | >= 1.5 | PASS |" in text
+    assert "| 2.00 | >= 3.0 | MISS |" in text
+    assert "2.00x" in text  # poolserve / KServe REST, echo c16 binary
+    assert "not supported" in text and "skipped" in text
+    assert "Skipped: bare uvicorn echo (1 process): no uvicorn" in text
+    assert "Errors: MLServer 1.7.1 REST (parallel_workers 0) echo (json): boom" in text
+    assert "| poolserve router (poolserve-rtr) | 0.100 | 0.100 | 0.200 |" in text
+    assert "2026-12-01 16:00 UTC, quick mode" in text
+    monkeypatch.setattr(report, "PARTS", [rest])
+    full = report.summarize({**results, "runs": []})
+    assert any(t["key"] == "rest_echo_c16_vs_kserve_binary" for t in full["targets"])
+    assert "## REST (perf_analyzer -i http)" in report.markdown(full)
+    assert "### REST (perf_analyzer -i http)" in report.docs_section(full)
+    assert rest.unsupported("Thread [0] had error: failed to parse the request JSON buffer")
+    assert not rest.unsupported("Thread [3] had error: deadline exceeded")
+
+
+def test_perf_analyzer_speaks_http_when_asked() -> None:
+    argv = perf.command(Path("pa"), "127.0.0.1:8080", "echo", 16, 1000, Path("x.csv"),
+                        extra=rest.format_flags("json"), protocol="http")  # fmt: skip
+    assert argv[argv.index("-i") + 1] == "http"
+    assert argv[-2:] == ["--input-tensor-format=json", "--output-tensor-format=json"]
+    assert rest.format_flags("grpc") == []

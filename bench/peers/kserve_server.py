@@ -22,7 +22,9 @@ Two things KServe 0.21.0 has no setting for, which this launcher adds:
   ``127.0.0.1``;
 - **ModelConfig and ModelStatistics** (perf_handlers.py): added as one generic
   handler just before KServe starts the server it built and registered its own
-  servicer on. KServe's interceptors, servicer and ModelInfer path are its own.
+  servicer on; over REST, as two GET routes (``/v2/models/{m}/config`` and
+  ``/stats``) on the FastAPI app KServe builds. KServe's interceptors,
+  middlewares, servicer, routes and inference paths are its own.
 
 usage: python kserve_server.py MODEL_REPOSITORY --grpc_port N --http_port M
 (MODEL_REPOSITORY holds one model-settings.json per model, written by the bench.)
@@ -41,7 +43,7 @@ import kserve  # parses its own flags (--grpc_port, --http_port) from sys.argv
 import numpy as np
 import workload
 from kserve import InferOutput, InferRequest, InferResponse
-from perf_handlers import AddonHandlers, read_models
+from perf_handlers import AddonHandlers, add_rest_routes, read_models
 
 LOOPBACK = "127.0.0.1"
 ALL_INTERFACES = ("[::]", "0.0.0.0", "")
@@ -73,7 +75,13 @@ class BenchModel(kserve.Model):
 
     def respond(self, payload: InferRequest, y: np.ndarray, name: str = "OUTPUT0") -> InferResponse:
         out = InferOutput(name, shape=list(y.shape), datatype="FP32", data=y)
-        return InferResponse(response_id=payload.id, model_name=self.name, infer_outputs=[out])
+        if payload.from_grpc:  # the gRPC part's path, unchanged
+            return InferResponse(response_id=payload.id, model_name=self.name, infer_outputs=[out])
+        # REST: binary outputs when the request asks (Triton's binary tensor extension:
+        # binary_data_output or an output's binary_data), passed on as KServe's API takes them.
+        return InferResponse(response_id=payload.id, model_name=self.name, infer_outputs=[out],
+                             use_binary_outputs=payload.use_binary_outputs,
+                             requested_outputs=payload.request_outputs)  # fmt: skip
 
 
 class EchoModel(BenchModel):
@@ -192,6 +200,14 @@ def install(repo: Path) -> None:
             self.config.host = LOOPBACK
 
     rest_server.RESTServer.__init__ = rest_init  # type: ignore[method-assign]
+
+    original_register = rest_server.RESTServer._register_endpoints
+
+    def register(self: Any, app: Any) -> None:
+        add_rest_routes(app, addon.models, "kserve")  # before KServe's own /v2 routes
+        original_register(self, app)
+
+    rest_server.RESTServer._register_endpoints = register  # type: ignore[method-assign]
 
 
 def models(repo: Path) -> list[kserve.Model]:

@@ -26,9 +26,11 @@ class EchoRuntime(MLModel):
 
     async def predict(self, payload: InferenceRequest) -> InferenceResponse:
         x = NumpyCodec.decode_input(payload.inputs[0])
-        return InferenceResponse(
-            model_name=self.name, outputs=[NumpyCodec.encode_output("OUTPUT0", x)]
-        )
+        out = NumpyCodec.encode_output("OUTPUT0", x)
+        # perf_analyzer's HTTP client (tritonclient 2.51) fails on an output whose parameters
+        # lack binary_data_size; NumpyCodec adds {"content_type": "np"}: drop it (REST part).
+        out.parameters = None
+        return InferenceResponse(model_name=self.name, outputs=[out])
 
 
 class BurnRuntime(MLModel):

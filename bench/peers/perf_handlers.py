@@ -81,3 +81,63 @@ class AddonHandlers:
                 "ModelStatistics": unary(self.model_statistics),
             },
         )
+
+
+# -- the same two answers over REST (Triton's HTTP API: GET .../config, GET .../stats) --------
+
+STAT_KINDS = (
+    "success", "fail", "queue", "compute_input", "compute_infer", "compute_output",
+    "cache_hit", "cache_miss",
+)  # fmt: skip
+
+
+def _rest_tensors(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        {"name": t["name"], "data_type": f"TYPE_{t['datatype']}", "dims": list(t["shape"])}
+        for t in items
+    ]
+
+
+def rest_config(name: str, settings: dict[str, Any], platform: str) -> dict[str, Any]:
+    """GET /v2/models/{name}/config: Triton's model configuration as JSON."""
+    return {
+        "name": name,
+        "platform": platform,
+        "max_batch_size": 0,
+        "input": _rest_tensors(settings.get("inputs", [])),
+        "output": _rest_tensors(settings.get("outputs", [])),
+    }
+
+
+def rest_stats(names: list[str]) -> dict[str, Any]:
+    """GET /v2/models/{name}/stats: version "1" and zero counts, as over gRPC."""
+    zero = {kind: {"count": 0, "ns": 0} for kind in STAT_KINDS}
+    return {
+        "model_stats": [
+            {"name": n, "version": ADDON_VERSION, "last_inference": 0, "inference_count": 0,
+             "execution_count": 0, "inference_stats": zero, "batch_stats": []}
+            for n in names
+        ]
+    }  # fmt: skip
+
+
+def add_rest_routes(app: Any, models: dict[str, dict[str, Any]], platform: str) -> None:
+    """GET /v2/models/{m}[/versions/{v}]/config and .../stats on a peer's FastAPI app."""
+    from starlette.responses import Response
+
+    def answer(found: object) -> Any:
+        if found is None:
+            return Response(b'{"error":"model not found"}', 404, media_type="application/json")
+        return Response(json.dumps(found).encode(), 200, media_type="application/json")
+
+    async def config(model_name: str, model_version: str = "") -> Any:
+        settings = models.get(model_name)
+        return answer(rest_config(model_name, settings, platform) if settings else None)
+
+    async def stats(model_name: str, model_version: str = "") -> Any:
+        return answer(rest_stats([model_name]) if model_name in models else None)
+
+    for suffix, endpoint in (("config", config), ("stats", stats)):
+        app.add_api_route(f"/v2/models/{{model_name}}/{suffix}", endpoint, methods=["GET"])
+        app.add_api_route(f"/v2/models/{{model_name}}/versions/{{model_version}}/{suffix}",
+                          endpoint, methods=["GET"])  # fmt: skip
