@@ -347,6 +347,9 @@ def test_streams_nobody_reads_are_ended_and_free_their_workers(tmp_path: Path) -
                 assert "stream_stall_s" in (info.value.details() or "")
                 assert len(got) < asked
         assert "Traceback" not in serving.log()
+        # the router says why each stream ended, for operators
+        freed = serving.log().count("(stream_stall_s); its worker is freed")
+        assert freed == len(stalled), serving.log()[-3000:]
 
     stall = {"POOLSERVE_STREAM_STALL_S": "1"}  # small for the test (default 10)
     with Serving(repo, tmp_path / "run", workers=2, env=stall) as serving:

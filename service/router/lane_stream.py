@@ -18,6 +18,7 @@ count. A stream the pool has ended holds no worker, and is left to its reader.""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 
@@ -37,6 +38,8 @@ from poolserve.service.contract.lane import (
 )
 from poolserve.service.contract.lane_window import Window
 from poolserve.service.grpcserver.status import as_serving_error
+
+log = logging.getLogger(__name__)
 
 REQUESTS = 8  # requests the pool has not taken yet, at most ...
 REQUEST_BYTES = 4 << 20  # ... and their bytes (one always goes, however large)
@@ -164,6 +167,13 @@ class LaneStream:
         self._watch = loop.call_at(since + self.stall_s, self._check, transport)
 
     def _stalled(self, transport: Batcher) -> None:
+        # Operators see why a stream ended, and that its worker went back to the pool.
+        log.warning(
+            "router: stream %d ended: its client took none of its responses for %g s "
+            "(stream_stall_s); its worker is freed",
+            self.seq,
+            self.stall_s,
+        )
         transport.write(HEADER.pack(0, CANCEL, self.seq))  # the worker is free at once
         self.ended = True
         self.frames.clear()  # what the client will not read goes now, not at its deadline
