@@ -133,11 +133,14 @@ def test_random_deadlines_and_cancels(tmp_path: Path) -> None:
 
     async def body(channel: grpc.aio.Channel, stub: Stub) -> None:
         async def one(k: int) -> tuple[grpc.StatusCode, float, float]:
-            deadline = rng.uniform(0.005, 0.2)
+            # every 25th call has time to spare and is never cancelled: it must be OK
+            # whatever the load, which the short-deadline calls cannot promise
+            roomy = k % 25 == 0
+            deadline = 60.0 if roomy else rng.uniform(0.005, 0.2)
             request = sleep_request(rng.randint(0, 60), float(k))
             began = time.monotonic()
             call = stub.ModelInfer(request, timeout=deadline)
-            if rng.random() < 0.2:
+            if not roomy and rng.random() < 0.2:
                 await asyncio.sleep(rng.uniform(0, deadline))
                 call.cancel()
             try:
@@ -157,7 +160,8 @@ def test_random_deadlines_and_cancels(tmp_path: Path) -> None:
             grpc.StatusCode.DEADLINE_EXCEEDED,
             grpc.StatusCode.CANCELLED,
         }, codes
-        assert grpc.StatusCode.OK in codes
+        roomy_codes = [results[k][0] for k in range(0, 500, 25)]
+        assert roomy_codes == [grpc.StatusCode.OK] * 20, roomy_codes
         over = sorted((took - limit) * 1000 for _, took, limit in results)
         print(f"500 calls: worst {over[-1]:+.1f} ms past the deadline, p99 {over[494]:+.1f} ms")
         late = [(took, limit) for _, took, limit in results if took > limit + slack]
