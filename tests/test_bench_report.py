@@ -744,7 +744,8 @@ def test_the_fleet_part_sums_cpu_by_role_and_names_the_bound() -> None:
 
     # 10 s at 1000/s: 10,000 requests; two routers' CPU summed under one role
     two = {"poolserve-rtr": 4.0, "poolserve-pool": 2.0, "poolserve-wrk": 3.0, "poolserve": 0.1}
-    found = {"runs": [run("poolserve-routers2", 1000.0, two), run("kserve", 800.0, {"python": 8.0})]}
+    kserve = run("kserve", 800.0, {"python": 8.0})
+    found = {"runs": [run("poolserve-routers2", 1000.0, two), kserve]}
     found["cells"] = fleet_part.cells(found)
     cpu = found["cells"]["poolserve-routers2"]["cpu_ms"]
     assert cpu["router"] == pytest.approx(0.4) and cpu["pool"] == pytest.approx(0.2)
