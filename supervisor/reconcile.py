@@ -559,6 +559,12 @@ class Reconciler:
             report.failures.append(f"configuration not reloaded: {error}")
             return
         plan = plan_reload(self.current, wanted)
+        if wanted.settings.routers != self.current.settings.routers:
+            log.warning(
+                "reload: routers %s is kept until the server restarts (fixed at start; asked: %s)",
+                self.current.settings.routers,
+                wanted.settings.routers,
+            )
         try:
             pools = self._tree.pools()
         except RuntimeError as error:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -324,7 +325,7 @@ def _host_port(host: str, port: int) -> str:
 
 def _publish(path: Path, host: str, port: int) -> FileId | None:
     """Writes ``host:port`` to ``path`` at once (a reader never sees half of it)."""
-    partial = path.with_suffix(".tmp")
+    partial = path.with_suffix(f".{os.getpid()}.tmp")  # a fleet's routers write the same file
     partial.write_text(_host_port(host, port) + "\n")
     partial.replace(path)
     return file_id(path)
