@@ -43,6 +43,7 @@ from poolserve.service.grpcserver.shm_store import SharedStore
 from poolserve.service.inference.codec import decode_outputs, encode_inputs
 from poolserve.supervisor.control import fetch_tree_status, walk
 from poolserve.supervisor.fleet import hold_shared_ports
+from poolserve.supervisor.top_cli import _tree_processes
 
 from harness import Tree, wait_gone
 from support import EXAMPLES, wait_until, write_model
@@ -251,6 +252,12 @@ def test_the_census_and_status_have_every_router(fleet: Tree) -> None:
     ids = [child.id for child in status.root.children]
     assert ids == ["control", "pools", *(f"router-{i}" for i in range(ROUTERS))]
     assert {n.pid for n in status.root.children if n.id.startswith("router-")} == set(
+        census.pids("router")
+    )
+    problems: list[str] = []
+    rows = _tree_processes(fleet.run_dir, 30, problems)  # what `poolserve top` lists
+    assert not problems
+    assert {pid for pid, kind, _ in rows if kind.startswith("router-")} == set(
         census.pids("router")
     )
 
