@@ -392,7 +392,7 @@ def run_serve(repo: Path, flags: Mapping[str, object]) -> int:
             reasons = "; ".join(bad.reason for bad in repository.invalid)
             raise ConfigError(str(repo), "(repository)", f"no valid model: {reasons}")
         run_dir = settings.resolved_run_dir()
-        check_socket_paths(run_dir, repository.pools())
+        check_socket_paths(run_dir, repository.pools(), router_count(settings))
         # Before run_dir and any pool: a second tree with the same metrics or
         # REST port (the defaults with another --grpc-port) fails now, not after
         # its pools loaded.

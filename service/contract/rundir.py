@@ -39,7 +39,6 @@ SHM_REGISTRY_FILE = (
 )
 CONTROL_SOCKET = "supervisor.sock"  # SupervisorControl (supervisor/control.py serves it)
 LOCK_FILE = "poolserve.lock"  # flock: who owns this run_dir; holds the owner's pid
-MAX_FLEET = 64  # routers in one tree, at most (settings.MAX_ROUTERS)
 CLAIM_WAIT_S = 2.0  # a socket still answering after this long belongs to a live process
 _CLAIM_POLL_S = 0.05
 
@@ -80,9 +79,9 @@ def pool_socket_path(run_dir: Path, gid: str) -> Path:
     return socket_path(run_dir, f"pool-{gid}.sock")
 
 
-def check_socket_paths(run_dir: Path, gids: Iterable[str]) -> None:
-    """Every socket a tree over these pools binds fits in a unix socket path."""
-    for name in (CONTROL_SOCKET, ROUTER_CONTROL_SOCKET, router_control_socket(MAX_FLEET - 1)):
+def check_socket_paths(run_dir: Path, gids: Iterable[str], routers: int = 1) -> None:
+    """Every socket a tree over these pools and routers binds fits in a unix socket path."""
+    for name in (CONTROL_SOCKET, ROUTER_CONTROL_SOCKET, router_control_socket(routers - 1)):
         socket_path(run_dir, name)
     for gid in gids:
         pool_socket_path(run_dir, gid)
