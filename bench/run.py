@@ -49,6 +49,7 @@ sys.path.insert(0, str(BENCH / "peers"))
 
 import batching  # noqa: E402
 import decoupled  # noqa: E402
+import fleet as fleet_part  # noqa: E402
 import install  # noqa: E402
 import large_tensors  # noqa: E402
 import mlserver_dropin  # noqa: E402
@@ -60,6 +61,7 @@ import workload  # noqa: E402
 
 report.PARTS.append(large_tensors)  # its targets and its section in the report
 report.PARTS.append(rest)  # the REST part (issue 29)
+report.PARTS.append(fleet_part)  # the router fleet (issue 31)
 
 ROOT = BENCH.parent
 RESULTS = BENCH / "results"
@@ -700,6 +702,56 @@ def rest_phase(
     return found
 
 
+def fleet_phase(fleet: Fleet, mode: Mode, installed: install.Installed, run_dir: Path,
+                runs: int) -> dict[str, Any]:  # fmt: skip
+    """bench/fleet.py's part: echo c16 with routers 1 and 2, and KServe's one process."""
+    pa = installed.perf_analyzer
+
+    def start(key: str) -> Any:
+        server = fleet.start(servers.spec(key), servers.Layout(("echo",)), "fleet")
+        try:
+            fleet.wait_ready(server)
+        except Exception:
+            fleet.stop(server)
+            raise
+        return server
+
+    def available(key: str) -> str:
+        venv = servers.spec(key).venv
+        return (
+            f"its peer ({venv}) is not installed here" if venv and venv not in fleet.venvs else ""
+        )
+
+    env = {**os.environ, **pa.env}
+    timeout = 10 * mode.window_ms / 1000 + 30
+    measure = functools.partial(measure_cell, mode=mode, pa=pa, env=env, timeout=timeout)
+    found = fleet_part.phase(start, fleet.stop, measure, run_dir, runs, log, available)
+    found.update(
+        when=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        mode=mode.name,
+        window_ms=mode.window_ms,
+    )
+    return found
+
+
+def fleet_only(mode: Mode, runs: int) -> dict[str, Any]:
+    """The router-fleet part alone (`--only fleet`); never published."""
+    installed = installed_peers(fleet_part.SERVERS)
+    run_dir = WORK / datetime.datetime.now().strftime("fleet-%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True)
+    quiet = wait_for_quiet(mode.quiet_wait_s)
+    load = servers.Workload(1, run_dir / "burn.count")
+    fleet = Fleet(run_dir, installed.venvs, load)
+    try:
+        found = fleet_phase(fleet, mode, installed, run_dir, runs)
+    finally:
+        fleet.stop_all()
+    found["outside_load_at_start_cores"] = round(quiet, 3)
+    (run_dir / "fleet-results.json").write_text(json.dumps(found, indent=1) + "\n")
+    log(f"wrote {run_dir / 'fleet-results.json'}")
+    return found
+
+
 def installed_peers(keys: Sequence[str]) -> install.Installed:
     """The peers' environments these servers need; one that fails to install is left out
     (its servers are then skipped with the reason), not a failure of the run."""
@@ -902,6 +954,8 @@ def run(mode: Mode, only: Sequence[str], publish_results: bool) -> dict[str, Any
                                                mode.runs)  # fmt: skip
         with phase("rest", timings):
             results["rest"] = rest_phase(fleet, mode, installed, run_dir, mode.runs)
+        with phase("router fleet", timings):
+            results["fleet"] = fleet_phase(fleet, mode, installed, run_dir, mode.runs)
         with phase("memory", timings):
             results["memory"] = measure_memory(fleet, mode, [s.key for s in chosen])
         if servers.REFERENCE in [s.key for s in chosen]:
@@ -936,11 +990,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--only",
-        choices=["overload", "mlserver-dropin", "batching", "decoupled", "large", "rest"],
+        choices=["overload", "mlserver-dropin", "batching", "decoupled", "large", "rest", "fleet"],
         help="run one part alone: overload (calibration, servers, overload), "
         "mlserver-dropin (bench/mlserver_dropin.py), batching (bench/batching.py), "
         "decoupled (bench/decoupled.py), large (the large-tensor echo, bench/large_tensors.py) "
-        "or rest (perf_analyzer -i http, bench/rest.py); never published, except rest with "
+        "rest (perf_analyzer -i http, bench/rest.py) or fleet (routers 1 and 2, echo c16, and "
+        "the capacity table, bench/fleet.py); never published, except rest with "
         "--publish (its section replaces latest.json's REST part)",
     )
     parser.add_argument(
@@ -977,6 +1032,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.only == "rest":
         print(rest.console(rest_only(mode, max(1, args.repeat or mode.runs), bool(args.publish))))
+        return 0
+    if args.only == "fleet":
+        print(fleet_part.console(fleet_only(mode, max(1, args.repeat or mode.runs))))
         return 0
     if args.only == "large":
         print(large_tensors.console(large_only(mode, max(1, args.repeat or 1))))

@@ -116,6 +116,7 @@ class ServerSpec:
     note: str = ""
     models: tuple[str, ...] = BOTH  # what it serves in the perf_analyzer rounds
     inline: bool = False  # poolserve: "parallel_workers": 0 and extra.inline_fast in every model
+    routers: int = 1  # poolserve: the routers setting (bench/fleet.py)
 
     def workers_for(self, layout: Layout) -> int:
         return self.workers if layout.workers is None else layout.workers
@@ -184,6 +185,8 @@ def build_poolserve(spec: ServerSpec, ctx: Context) -> Launch:
     argv = [str(POOLSERVE), "serve", str(repo), "--grpc-port", str(ctx.port), "--metrics-port", "0"]
     argv += ["--http-port", str(ctx.http_port)]  # 0: any free port (two trees at once)
     argv += ["--run-dir", str(run_dir), "--workers", str(spec.workers_for(ctx.layout))]
+    if spec.routers != 1:
+        argv += ["--routers", str(spec.routers)]
     return Launch(argv, ready_line="poolserve: ready", cleanup=(run_dir,))
 
 
@@ -320,6 +323,12 @@ REST_FLOOR = ServerSpec(
     "the bench's own ASGI app on uvicorn (httptools, asyncio loop): decodes the JSON or binary "
     "body into an array and answers it; the floor of one Python HTTP hop", models=("echo",),
 )  # fmt: skip
+# Served in the router-fleet part only (bench/fleet.py): echo, two routers.
+ROUTERS2 = ServerSpec(
+    "poolserve-routers2", "poolserve (2 routers, 2 workers)", 2, build_poolserve, "",
+    "poolserve with routers: 2 (two router processes on the same ports, SO_REUSEPORT)",
+    models=("echo",), routers=2,
+)  # fmt: skip
 SUBJECT = "poolserve"
 REFERENCE = "mlserver-2"  # the peer the targets compare against
 KSERVE = "kserve"  # the single-process peer the light-model targets compare against
@@ -327,7 +336,7 @@ INLINE = "poolserve-inline"
 
 
 def spec(key: str) -> ServerSpec:
-    for s in (*SERVERS, REST_FLOOR):
+    for s in (*SERVERS, REST_FLOOR, ROUTERS2):
         if s.key == key:
             return s
     raise KeyError(key)

@@ -223,10 +223,13 @@ def _gid_of(pid: int) -> str:
     return ""
 
 
-def take_census(supervisor: int, expected: Mapping[str, int], run_dir: Path) -> Census:
+def take_census(
+    supervisor: int, expected: Mapping[str, int], run_dir: Path, routers: int = 1
+) -> Census:
     """Walks the tree below ``supervisor`` and compares it with ``expected``
-    (gid -> workers): exactly one router, and per gid one pool with one zygote
-    with that many workers; no zombie, no orphan, no duplicate, nothing else."""
+    (gid -> workers): exactly ``routers`` routers, and per gid one pool with one
+    zygote with that many workers; no zombie, no orphan, no duplicate, nothing
+    else: 1 + routers + G x (2 + W) processes."""
     procs: list[Proc] = []
     problems: list[str] = []
     stack = [(supervisor, 0, "")]
@@ -244,9 +247,9 @@ def take_census(supervisor: int, expected: Mapping[str, int], run_dir: Path) -> 
         stack.extend((kid, pid, gid) for kid in children_of(pid))
     by_pid = {p.pid: p for p in procs}
     live = [p for p in procs if p.state != "Z"]
-    routers = [p for p in live if p.role == "router"]
-    if len(routers) != 1:
-        problems.append(f"{len(routers)} routers")
+    live_routers = [p for p in live if p.role == "router"]
+    if len(live_routers) != routers:
+        problems.append(f"{len(live_routers)} routers, expected {routers}")
     for p in live:
         parent = by_pid.get(p.ppid)
         want_parent = {"router": "supervisor", "pool": "supervisor", "zygote": "pool"}
@@ -373,8 +376,8 @@ class Tree:
         self.seen.update(found)
         return found
 
-    def census(self, expected: Mapping[str, int]) -> Census:
-        found = take_census(self.pid, expected, self.run_dir)
+    def census(self, expected: Mapping[str, int], routers: int = 1) -> Census:
+        found = take_census(self.pid, expected, self.run_dir, routers)
         self.seen.update(p.pid for p in found.procs if p.pid != self.pid)
         return found
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from poolserve.service.contract.rundir import ROUTER_CONTROL_SOCKET
+from poolserve.service.contract.rundir import router_control_socket
 from poolserve.supervisor.notify import SystemdNotifier
 
 log = logging.getLogger(__name__)
@@ -51,14 +51,26 @@ async def announce_serving(
     address: Callable[[], str],
     count: Callable[[], int],
     notifier: SystemdNotifier,
+    routers: int = 1,
 ) -> None:
-    """Prints the ready line once the router's health turns SERVING, then returns.
+    """Prints the ready line once every router's health turned SERVING, then returns.
 
     Runs until then (cancel it when the tree stops); a router that restarts
     meanwhile is followed again after a short back-off.
     """
     await listening.wait()
-    target = f"unix:{run_dir / ROUTER_CONTROL_SOCKET}"
+    for index in range(routers):
+        if not await _serving(run_dir, index):
+            return
+    line = ready_line(address(), count())
+    with contextlib.suppress(OSError):  # nobody reads stdout any more
+        print(line, flush=True)
+    notifier.status(line.removeprefix("poolserve: "))
+
+
+async def _serving(run_dir: Path, index: int) -> bool:
+    """Waits for router ``index``'s health SERVING; False: it serves no health."""
+    target = f"unix:{run_dir / router_control_socket(index)}"
     request = health_pb2.HealthCheckRequest(service="")
     delay = RETRY_S[0]
     while True:
@@ -67,14 +79,10 @@ async def announce_serving(
                 stream = health_pb2_grpc.HealthStub(channel).Watch(request, wait_for_ready=True)
                 async for reply in stream:
                     if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        line = ready_line(address(), count())
-                        with contextlib.suppress(OSError):  # nobody reads stdout any more
-                            print(line, flush=True)
-                        notifier.status(line.removeprefix("poolserve: "))
-                        return
+                        return True
         except grpc.aio.AioRpcError as error:
             if error.code() == grpc.StatusCode.UNIMPLEMENTED:
                 log.warning("the router serves no health on its control socket")
-                return
+                return False
         await asyncio.sleep(delay)  # back-off between reconnects, not a readiness wait
         delay = min(delay * 2, RETRY_S[1])

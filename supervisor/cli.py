@@ -26,6 +26,9 @@ def _server_flags(parser: argparse.ArgumentParser) -> None:
         "--http-port", type=int, help="router's HTTP/REST port (default 8080; -1: off)"
     )
     parser.add_argument("--workers", type=int, help="workers per pool (default 2)")
+    parser.add_argument(
+        "--routers", help="router processes sharing the ports (default 1; 'auto': by cores)"
+    )
     parser.add_argument("--run-dir", help="private directory for internal sockets")
     parser.add_argument("--log-format", choices=("text", "json"))
 
@@ -37,6 +40,7 @@ def _flags(args: argparse.Namespace) -> dict[str, object]:
         "metrics_port": args.metrics_port,
         "http_port": args.http_port,
         "parallel_workers": args.workers,
+        "routers": args.routers,
         "run_dir": args.run_dir,
         "log_format": args.log_format,
     }
@@ -52,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     pool.add_argument("--gid", required=True, help="the inference pool gid")
     router = commands.add_parser("router", help="run the router (normally started by serve)")
     _server_flags(router)
+    router.add_argument(
+        "--router-index", type=int, default=0, help="this router's place in the fleet (from 0)"
+    )
     inproc = commands.add_parser(
         "serve-inprocess", help="serve every model inside one process (development)"
     )
@@ -153,7 +160,7 @@ def _main(argv: Sequence[str] | None) -> int:
     if args.command == "router":
         from poolserve.service.router.main import run_router
 
-        return run_router(args.repo, _flags(args))
+        return run_router(args.repo, _flags(args), args.router_index)
     if args.command == "serve-inprocess":
         return _serve_inprocess(args)
     from poolserve.supervisor.serve import run_serve

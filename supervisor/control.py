@@ -35,9 +35,9 @@ from poolserve.service.contract.errors import (
 )
 from poolserve.service.contract.rundir import (
     CONTROL_SOCKET,
-    ROUTER_CONTROL_SOCKET,
     pool_socket_path,
     remove_own,
+    router_control_socket,
 )
 from poolserve.service.contract.settings import ConfigError
 from poolserve.service.grpcserver.handlers import guarded
@@ -61,8 +61,8 @@ def control_socket_path(run_dir: Path) -> Path:
     return run_dir / CONTROL_SOCKET
 
 
-def router_control_path(run_dir: Path) -> Path:
-    return run_dir / ROUTER_CONTROL_SOCKET
+def router_control_path(run_dir: Path, index: int = 0) -> Path:
+    return run_dir / router_control_socket(index)
 
 
 # -- the tree as a message --------------------------------------------------------
@@ -286,10 +286,20 @@ def route_table(routes: Routes, generation: int, run_dir: Path) -> cpb.RouteTabl
     )
 
 
-async def push_routes(run_dir: Path, routes: Routes, generation: int, timeout: float) -> bool:
-    """Sends the route table to the router; False when the router cannot take
+async def push_fleet_routes(
+    run_dir: Path, routers: int, routes: Routes, generation: int, timeout: float
+) -> bool:
+    """:func:`push_routes` to every router of the fleet at once; False unless all took it."""
+    pushes = (push_routes(run_dir, routes, generation, timeout, i) for i in range(routers))
+    return all(await asyncio.gather(*pushes))
+
+
+async def push_routes(
+    run_dir: Path, routes: Routes, generation: int, timeout: float, index: int = 0
+) -> bool:
+    """Sends the route table to router ``index``; False when the router cannot take
     it live (no control socket, or SetRoutes unimplemented): restart it then."""
-    path = router_control_path(run_dir)
+    path = router_control_path(run_dir, index)
     if not path.exists():
         return False
     async with grpc.aio.insecure_channel(f"unix:{path}", options=CHANNEL_OPTIONS) as channel:

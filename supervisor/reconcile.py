@@ -111,11 +111,17 @@ ROUTER_SETTINGS = (
 )
 # compared through workers_for(gid), threads_for(gid) and start_method_for(gid)
 PER_POOL_SETTINGS = ("parallel_workers", "pools", "threads_per_worker", "start_method")
-FIXED_SETTINGS = ("run_dir",)  # given to every child on its command line: never reloaded
+# given to every child on its command line, or fixing the tree's shape: never reloaded
+FIXED_SETTINGS = ("run_dir", "routers")
 
 
 def pool_child_id(gid: str) -> str:
     return f"pool:{gid}"
+
+
+def router_child_id(index: int, count: int) -> str:
+    """``router`` for the one router of a tree, ``router-<index>`` in a fleet."""
+    return ROUTER if count == 1 else f"{ROUTER}-{index}"
 
 
 # -- what should run ------------------------------------------------------------
@@ -410,7 +416,9 @@ class TreeOps(Protocol):
         """The spec of a pool started or restarted while the tree runs."""
         ...
 
-    def router_spec(self, settings: ServerSettings) -> ChildSpec: ...
+    def router_specs(self, settings: ServerSettings) -> list[ChildSpec]:
+        """The spec of each router of the fleet (their ids are the tree's)."""
+        ...
 
     def use(self, desired: Desired) -> None:
         """What a restart of the pools supervisor builds from now on."""
@@ -551,6 +559,12 @@ class Reconciler:
             report.failures.append(f"configuration not reloaded: {error}")
             return
         plan = plan_reload(self.current, wanted)
+        if wanted.settings.routers != self.current.settings.routers:
+            log.warning(
+                "reload: routers %s is kept until the server restarts (fixed at start; asked: %s)",
+                self.current.settings.routers,
+                wanted.settings.routers,
+            )
         try:
             pools = self._tree.pools()
         except RuntimeError as error:
@@ -647,16 +661,18 @@ class Reconciler:
                     return
             except Exception as error:
                 log.warning("reload: the router did not take the routes live: %s", error)
-        ready = self._watch.expect(ROOT, ROUTER)
-        try:
-            await self._tree.root().restart_child(ROUTER, self._tree.router_spec(wanted.settings))
-        except KeyError:
-            ready.cancel()
-            return  # a tree without a router (tests)
-        report.restarted.append(ROUTER)
-        problem = await wait_ready(ready, self.start_timeout)
-        if problem is not None:
-            report.failures.append(f"router: {problem}")
+        # One router after another: in a fleet the others serve meanwhile.
+        for spec in self._tree.router_specs(wanted.settings):
+            ready = self._watch.expect(ROOT, spec.id)
+            try:
+                await self._tree.root().restart_child(spec.id, spec)
+            except KeyError:
+                ready.cancel()
+                return  # a tree without a router (tests)
+            report.restarted.append(spec.id)
+            problem = await wait_ready(ready, self.start_timeout)
+            if problem is not None:
+                report.failures.append(f"{spec.id}: {problem}")
 
     # -- EnsurePool -------------------------------------------------------
 

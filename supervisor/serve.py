@@ -3,8 +3,10 @@
     root (one_for_one)
      |- control               the control socket (status, reload, EnsurePool)
      |- pools (one_for_one)   pool:<gid> ... one process per gid, started first
-     |- router                started once every pool reported ready
-     `- systemd               READY=1 once the router serves; watchdog pings
+     |- router                started once every pool reported ready; with
+     |                        routers N > 1: router-0 ... router-<N-1>, one
+     |                        after another, sharing the ports (fleet.py)
+     `- systemd               READY=1 once every router serves; watchdog pings
 
 Children start in that order, each after the previous one's readiness
 handshake; they stop in reverse (the router drains first, the control socket
@@ -33,6 +35,8 @@ from typing import Any
 from poolserve.service.contract.repository import scan
 from poolserve.service.contract.rundir import (
     ADDRESS_FILE,
+    HTTP_ADDRESS_FILE,
+    SHM_REGISTRY_FILE,
     RunDirLock,
     check_socket_paths,
     ensure_private_dir,
@@ -43,12 +47,14 @@ from poolserve.service.contract.settings import (
     ServerSettings,
     load_server_settings,
     mlserver_notices,
+    router_count,
+    usable_cores,
 )
 from poolserve.service.lifecycle.exitcodes import EXIT_CONFIG, EXIT_OK, EXIT_UNRECOVERABLE
 from poolserve.service.lifecycle.limits import raise_open_file_limit
 from poolserve.service.lifecycle.logs import setup_logging, wrap_line
 from poolserve.supervisor.announce import announce_serving, listening_line
-from poolserve.supervisor.control import ControlService, push_routes
+from poolserve.supervisor.control import ControlService, push_fleet_routes
 from poolserve.supervisor.events import (
     ChildExited,
     ChildReady,
@@ -57,6 +63,7 @@ from poolserve.supervisor.events import (
     event_logger,
     fan_out,
 )
+from poolserve.supervisor.fleet import PortHold, hold_shared_ports
 from poolserve.supervisor.notify import SystemdNotifier, SystemdService
 from poolserve.supervisor.process import ExitAction, process_child
 from poolserve.supervisor.reaper import OrphanReaper, become_subreaper
@@ -68,6 +75,7 @@ from poolserve.supervisor.reconcile import (
     Reconciler,
     Routes,
     pool_child_id,
+    router_child_id,
 )
 from poolserve.supervisor.relay import LineSink, json_sink
 from poolserve.supervisor.spec import (
@@ -199,14 +207,6 @@ def _host_port(address: tuple[Any, ...]) -> str:
 THREADS_PER_CORE_WARNING = 4
 
 
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity), else os.cpu_count()."""
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def warn_oversubscribed(
     settings: ServerSettings, gids: Iterable[str], cores: int | None = None
 ) -> list[str]:
@@ -278,18 +278,20 @@ class ServeTree:
         grace = settings.stop_grace_s
         pools_budget = _pools_budget(len(desired.pools), grace) + 5
         notify = notifier or SystemdNotifier(None)
+        self.routers = router_count(settings)  # fixed for the tree's life (FIXED_SETTINGS)
         children = [
             ChildSpec(
                 POOLS, self._build_pools, restart=Restart.PERMANENT, stop_timeout=pools_budget
             ),
-            self.router_spec(settings),
+            *self.router_specs(settings),
         ]
         if notify.enabled:  # started by systemd (NOTIFY_SOCKET): nothing to tell otherwise
-            # Last, so READY=1 reaches systemd only once the router serves.
+            # Last, so READY=1 reaches systemd only once every router serves.
             children.append(ChildSpec("systemd", lambda: SystemdService(notify)))
         if control is not None:
             children.insert(0, ChildSpec("control", control, stop_timeout=CONTROL_STOP_TIMEOUT))
-        budget = pools_budget + grace + 2 * KILL_GRACE + CONTROL_STOP_TIMEOUT + 10
+        routers_budget = self.routers * (grace + KILL_GRACE)  # drained one after another
+        budget = pools_budget + routers_budget + KILL_GRACE + CONTROL_STOP_TIMEOUT + 10
         spec = SupervisorSpec("root", strategy=Strategy.ONE_FOR_ONE, stop_timeout=budget)
         self._root = Supervisor(spec, children, events=events)
 
@@ -306,14 +308,19 @@ class ServeTree:
     def pool_spec(self, gid: str, settings: ServerSettings) -> ChildSpec:
         return self._pool_child(gid, settings, RUNTIME_POOL_EXIT_CODES)
 
-    def router_spec(self, settings: ServerSettings) -> ChildSpec:
+    def router_specs(self, settings: ServerSettings) -> list[ChildSpec]:
+        return [self._router_child(index, settings) for index in range(self.routers)]
+
+    def _router_child(self, index: int, settings: ServerSettings) -> ChildSpec:
+        child = router_child_id(index, self.routers)
         argv = child_argv(ROUTER, self.repo, self.flags)
+        argv += ["--routers", str(self.routers), "--router-index", str(index)]
         return process_child(
-            ROUTER,
+            child,
             argv,
             stop_timeout=settings.stop_grace_s,
             watchdog_timeout=watchdog_timeout(settings),
-            output=child_output(ROUTER, settings),
+            output=child_output(child, settings),
         )
 
     def use(self, desired: Desired) -> None:
@@ -385,18 +392,20 @@ def run_serve(repo: Path, flags: Mapping[str, object]) -> int:
             reasons = "; ".join(bad.reason for bad in repository.invalid)
             raise ConfigError(str(repo), "(repository)", f"no valid model: {reasons}")
         run_dir = settings.resolved_run_dir()
-        check_socket_paths(run_dir, repository.pools())
+        check_socket_paths(run_dir, repository.pools(), router_count(settings))
         # Before run_dir and any pool: a second tree with the same metrics or
         # REST port (the defaults with another --grpc-port) fails now, not after
         # its pools loaded.
         check_http_ports(settings, given)
+        # A fleet's shared ports: checked and held for the tree's life.
+        ports = hold_shared_ports(settings, given) if router_count(settings) > 1 else PortHold()
         ensure_private_dir(run_dir)
         # Before anything in run_dir is touched: it belongs to one live tree.
         lock = RunDirLock.take(run_dir)
     except ConfigError as exc:
         print(early_error(f"poolserve: {exc}", flags), file=sys.stderr)
         return EXIT_CONFIG
-    with lock:
+    with lock, ports:
         setup_logging("supervisor", settings.log_format, relay="thread")
         for notice in mlserver_notices(repo):
             log.warning("MLServer setting: %s", notice)
@@ -406,8 +415,10 @@ def run_serve(repo: Path, flags: Mapping[str, object]) -> int:
         removed = sweep_stale_sockets(run_dir)
         if removed:
             log.info("removed stale sockets of a tree gone: %s", ", ".join(removed))
+        remove_shm_registry(run_dir)  # a fleet's registrations never outlive their tree
         resolved = dict(flags)
         resolved["run_dir"] = str(run_dir)
+        resolved.update(ports.ports)  # port 0 resolved once: every router binds the same
         desired = Desired.from_repository(settings, repository)
         warn_oversubscribed(settings, desired.pools)
         return asyncio.run(_serve(repo, desired, resolved, run_dir))
@@ -424,7 +435,9 @@ async def _serve(repo: Path, desired: Desired, flags: Mapping[str, object], run_
     ready_seen = False
 
     async def update_router(routes: Routes, generation: int) -> bool:
-        return await push_routes(run_dir, routes, generation, ROUTER_PUSH_TIMEOUT)
+        return await push_fleet_routes(
+            run_dir, tree.routers, routes, generation, ROUTER_PUSH_TIMEOUT
+        )
 
     def control() -> Service:
         return ControlService(run_dir, tree.root, reconciler, started_at=started_at)
@@ -461,15 +474,28 @@ async def _serve(repo: Path, desired: Desired, flags: Mapping[str, object], run_
     try:
         async with OrphanReaper(events=events), asyncio.TaskGroup() as tasks:
             announcer = tasks.create_task(
-                announce_serving(run_dir, listening, lambda: address, model_count, notifier),
+                announce_serving(
+                    run_dir, listening, lambda: address, model_count, notifier, tree.routers
+                ),
                 name="announce",
             )
             code = await run_root(tree.root(), ready=ready)
             announcer.cancel()
     finally:
         loop.remove_signal_handler(signal.SIGHUP)
+        if tree.routers > 1:  # a fleet's routers share these files: the last one out removes
+            for name in (ADDRESS_FILE, HTTP_ADDRESS_FILE):
+                (run_dir / name).unlink(missing_ok=True)
+            remove_shm_registry(run_dir)
     log.info("stopped with exit code %d", code)
     return code
+
+
+def remove_shm_registry(run_dir: Path) -> None:
+    """The fleet's shared-memory store (grpcserver/shm_store.py) and its lock file."""
+    path = run_dir / SHM_REGISTRY_FILE
+    for stale in (path, path.with_suffix(".lock")):
+        stale.unlink(missing_ok=True)
 
 
 def _request_reload(reconciler: Reconciler) -> None:

@@ -167,7 +167,8 @@ def build_programs(
             final_codes=(EXIT_OK, EXIT_CONFIG, EXIT_UNRECOVERABLE),
         )
         programs.append(Program(pool_program_name(gid), tuple(options)))
-    router = [("command", _quote([*exe, "router", str(repo), *shared]))]
+    # One router: a fleet (routers > 1) needs the ports `poolserve serve` holds for it.
+    router = [("command", _quote([*exe, "router", str(repo), *shared, "--routers", "1"]))]
     router += _common_options(
         settings, priority=ROUTER_PRIORITY, stop_as_group=True, user=user, log_stdout=log_stdout
     )

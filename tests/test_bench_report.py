@@ -729,3 +729,31 @@ def test_perf_analyzer_speaks_http_when_asked() -> None:
     assert argv[argv.index("-i") + 1] == "http"
     assert argv[-2:] == ["--input-tensor-format=json", "--output-tensor-format=json"]
     assert rest.format_flags("grpc") == []
+
+
+fleet_part = load("_bench_fleet", ROOT / "bench" / "fleet.py")
+
+
+def test_the_fleet_part_sums_cpu_by_role_and_names_the_bound() -> None:
+    def run(server: str, throughput: float, cpu: dict[str, float]) -> dict[str, Any]:
+        return {
+            "server": server,
+            "result": {"throughput": throughput, "p99_us": 2000.0},
+            "cpu": {"wall_s": 10.0, "cpu_s": sum(cpu.values()), "cpu_by_process": cpu},
+        }
+
+    # 10 s at 1000/s: 10,000 requests; two routers' CPU summed under one role
+    two = {"poolserve-rtr": 4.0, "poolserve-pool": 2.0, "poolserve-wrk": 3.0, "poolserve": 0.1}
+    kserve = run("kserve", 800.0, {"python": 8.0})
+    found = {"runs": [run("poolserve-routers2", 1000.0, two), kserve]}
+    found["cells"] = fleet_part.cells(found)
+    cpu = found["cells"]["poolserve-routers2"]["cpu_ms"]
+    assert cpu["router"] == pytest.approx(0.4) and cpu["pool"] == pytest.approx(0.2)
+    assert cpu["total"] == pytest.approx(0.91)
+    small, big = fleet_part.capacity(cpu, 4), fleet_part.capacity(cpu, 32)
+    assert small["routers"] == 1 and small["bound"] == "routers (1)"
+    assert small["throughput"] == pytest.approx(2500.0)  # one router at 0.4 ms a request
+    assert big["routers"] == 8 and big["bound"] == "pool (1 per gid)"  # 1 / 0.2 ms
+    text = fleet_part.section({"fleet": found})
+    assert "routers (1)" in text and "pool (1 per gid)" in text
+    assert "1,000" in text  # KServe: 1 / 1 ms a request at one core

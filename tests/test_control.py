@@ -262,7 +262,7 @@ class FakeTree:
         self._desired = current
         self._events = events
         self._pools: Supervisor | None = None
-        children = [ChildSpec("pools", self._build), self.router_spec(current.settings)]
+        children = [ChildSpec("pools", self._build), *self.router_specs(current.settings)]
         self._root = Supervisor(SupervisorSpec("root"), children, events=events)
 
     def root(self) -> Supervisor:
@@ -275,8 +275,8 @@ class FakeTree:
     def pool_spec(self, gid: str, settings: ServerSettings) -> ChildSpec:
         return ChildSpec(f"pool:{gid}", lambda: Idle(f"pool:{gid}", self.log))
 
-    def router_spec(self, settings: ServerSettings) -> ChildSpec:
-        return ChildSpec("router", lambda: Idle("router", self.log))
+    def router_specs(self, settings: ServerSettings) -> list[ChildSpec]:
+        return [ChildSpec("router", lambda: Idle("router", self.log))]
 
     def use(self, desired: Desired) -> None:
         self._desired = desired

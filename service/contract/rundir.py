@@ -34,6 +34,9 @@ ADDRESS_FILE = "router.addr"  # host:port the router bound (useful with --grpc-p
 METRICS_ADDRESS_FILE = "metrics.addr"  # host:port of the router's /metrics (metrics_port)
 HTTP_ADDRESS_FILE = "http.addr"  # host:port of the router's HTTP/REST door (http_port)
 ROUTER_CONTROL_SOCKET = "router-control.sock"  # RouterControl for the supervisor only
+SHM_REGISTRY_FILE = (
+    "shm-registry.json"  # a fleet's shared-memory registrations (grpcserver/shm_store)
+)
 CONTROL_SOCKET = "supervisor.sock"  # SupervisorControl (supervisor/control.py serves it)
 LOCK_FILE = "poolserve.lock"  # flock: who owns this run_dir; holds the owner's pid
 CLAIM_WAIT_S = 2.0  # a socket still answering after this long belongs to a live process
@@ -65,14 +68,20 @@ def socket_path(run_dir: Path, name: str) -> Path:
     return path
 
 
+def router_control_socket(index: int) -> str:
+    """The private control socket of router ``index`` of the fleet (0: the first,
+    the one a tree of one router has)."""
+    return ROUTER_CONTROL_SOCKET if index == 0 else f"router-control-{index}.sock"
+
+
 def pool_socket_path(run_dir: Path, gid: str) -> Path:
     # The lane (pool-<gid>.lane) has the same length: one check covers both.
     return socket_path(run_dir, f"pool-{gid}.sock")
 
 
-def check_socket_paths(run_dir: Path, gids: Iterable[str]) -> None:
-    """Every socket a tree over these pools binds fits in a unix socket path."""
-    for name in (CONTROL_SOCKET, ROUTER_CONTROL_SOCKET):
+def check_socket_paths(run_dir: Path, gids: Iterable[str], routers: int = 1) -> None:
+    """Every socket a tree over these pools and routers binds fits in a unix socket path."""
+    for name in (CONTROL_SOCKET, ROUTER_CONTROL_SOCKET, router_control_socket(routers - 1)):
         socket_path(run_dir, name)
     for gid in gids:
         pool_socket_path(run_dir, gid)

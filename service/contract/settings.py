@@ -50,6 +50,9 @@ class ServerSettings:
     grpc_port: int = 8081
     metrics_port: int = 8082  # the router's HTTP /metrics, on host; 0: any free port, -1: off
     parallel_workers: int = 2
+    # Router processes sharing grpc_port and http_port (SO_REUSEPORT); "auto":
+    # one per ROUTER_CORES usable cores (sched_getaffinity), at least one.
+    routers: int | str = 1
     pools: Mapping[str, PoolOverride] = field(default_factory=dict)
     max_queue: int = 1024
     max_message_size: int = 64 * MIB
@@ -201,6 +204,47 @@ _STR_FIELDS = {
     "stream_messages",
 }
 STREAM_MESSAGES = ("kserve", "mlserver")
+ROUTERS_AUTO = "auto"
+MAX_ROUTERS = 64
+ROUTER_CORES = 4  # routers "auto": one router per this many usable cores
+
+
+def _check_routers(source: str, value: object) -> int | str:
+    """``routers``: an integer 1..MAX_ROUTERS or "auto" (a string of digits, from
+    the environment or the command line, is the integer)."""
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == ROUTERS_AUTO:
+            return ROUTERS_AUTO
+        if text.isdigit():
+            value = int(text)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(
+            source,
+            "routers",
+            f"expected an integer from 1 to {MAX_ROUTERS} or 'auto', got {value!r}",
+        )
+    if not 1 <= value <= MAX_ROUTERS:
+        raise ConfigError(
+            source, "routers", f"out of range: {value} (expected 1 to {MAX_ROUTERS}, or 'auto')"
+        )
+    return value
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity), else os.cpu_count()."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def router_count(settings: ServerSettings, cores: int | None = None) -> int:
+    """How many router processes ``routers`` asks for on this machine."""
+    if settings.routers == ROUTERS_AUTO:
+        cores = cores or usable_cores()
+        return max(1, min(MAX_ROUTERS, cores // ROUTER_CORES))
+    return int(settings.routers)
 
 
 def _check_value(source: str, name: str, value: object) -> object:
@@ -237,6 +281,8 @@ def _check_value(source: str, name: str, value: object) -> object:
         return value
     if name == "pools":
         return _parse_pools(source, value)
+    if name == "routers":
+        return _check_routers(source, value)
     raise ConfigError(source, name, "unknown field")
 
 

@@ -1,6 +1,8 @@
 """Triton's shared-memory RPCs and the registry behind them.
 
-The router owns the one registry of a ``poolserve serve`` tree; a pool
+The router owns the one registry of a ``poolserve serve`` tree (a fleet of
+routers shares it through a run-dir store,
+:mod:`poolserve.service.grpcserver.shm_store`); a pool
 server addressed directly on its private socket and ``serve-inprocess`` each
 have their own, through this same code. Registering checks what can be
 checked at once: the key names an existing POSIX shared-memory object that is
@@ -188,6 +190,10 @@ class SharedMemory:
             raise NotFound(f"no shared-memory region '{clip(name)}' is registered")
         return [region]
 
+    def lookup(self, name: str) -> Region | None:
+        """The registration of ``name`` a request uses (a fleet's store: the current one)."""
+        return self.regions.get(name)
+
     def attach(self, body: bytes, head: bytes | None = None) -> bytes:
         """The ModelInfer request with the registrations of the regions it names in front.
 
@@ -215,7 +221,7 @@ class SharedMemory:
                     "must be a string_param"
                 )
             name = param.string_param
-            region = self.regions.get(name)
+            region = self.lookup(name)
             if region is None:
                 raise InvalidInput(
                     f"{role} '{clip(tensor.name)}' names shared-memory region '{clip(name)}', "

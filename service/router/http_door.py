@@ -132,8 +132,9 @@ class HttpDoor:
         )
         self._config.load()
 
-    async def start(self, host: str, port: int) -> int:
-        """Listens on ``host:port``; the port bound (``port`` 0: any free one)."""
+    async def start(self, host: str, port: int, reuse_port: bool = False) -> int:
+        """Listens on ``host:port``; the port bound (``port`` 0: any free one).
+        ``reuse_port``: SO_REUSEPORT, a fleet's routers share the port."""
         loop = asyncio.get_running_loop()
 
         def connection() -> HttpConnection:
@@ -151,6 +152,7 @@ class HttpDoor:
             host,
             port,
             backlog=2048,
+            reuse_port=reuse_port,
             ssl=tls,
             ssl_handshake_timeout=self.settings.handshake_timeout_s if tls else None,
         )

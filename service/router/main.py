@@ -10,14 +10,19 @@ from pathlib import Path
 from poolserve.service.contract.repository import scan
 from poolserve.service.contract.rundir import (
     CLAIM_WAIT_S,
-    ROUTER_CONTROL_SOCKET,
     RunDirLock,
     SocketInUse,
     claim_socket,
     ensure_private_dir,
+    router_control_socket,
     socket_path,
 )
-from poolserve.service.contract.settings import ConfigError, ServerSettings, load_server_settings
+from poolserve.service.contract.settings import (
+    ConfigError,
+    ServerSettings,
+    load_server_settings,
+    router_count,
+)
 from poolserve.service.lifecycle.child import (
     announce_ready,
     beating,
@@ -30,7 +35,8 @@ from poolserve.service.lifecycle.logs import setup_logging
 from poolserve.service.lifecycle.procutil import set_process_name
 
 
-def run_router(repo: Path, flags: Mapping[str, object]) -> int:
+def run_router(repo: Path, flags: Mapping[str, object], index: int = 0) -> int:
+    from poolserve.service.router.fleet import Fleet
     from poolserve.service.router.router import Router
 
     die_with_parent()
@@ -41,14 +47,19 @@ def run_router(repo: Path, flags: Mapping[str, object]) -> int:
         settings: ServerSettings = load_server_settings(repo, flags=flags)
         setup_logging("router", settings.log_format, relay="process", relay_stdout=True)
         run_dir = settings.resolved_run_dir()
-        router = Router(scan(repo), settings, run_dir, repo)
+        count = router_count(settings)
+        if not 0 <= index < count:
+            raise ConfigError(
+                "command line", "router_index", f"{index} is not below routers {count}"
+            )
+        router = Router(scan(repo), settings, run_dir, repo, Fleet(run_dir, index, count))
         ensure_private_dir(run_dir)
         lock = RunDirLock.share(run_dir)
     except ConfigError as exc:
         print(f"poolserve router: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     try:
-        claim_socket(socket_path(run_dir, ROUTER_CONTROL_SOCKET), CLAIM_WAIT_S)
+        claim_socket(socket_path(run_dir, router_control_socket(index)), CLAIM_WAIT_S)
         serving = router.serve(
             lambda: announce_ready(pipe, f"router listening on port {router.port}")
         )

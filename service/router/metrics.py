@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import grpc
@@ -168,6 +168,21 @@ class RouterCounts:
 
     deadlines: Mapping[tuple[str, str, str], int]
     routed: Iterable[tuple[str, str]] = ()  # (model, pool): their series start at 0
+    # the other routers of a fleet (their own answers, fleet.py): rows of kind router
+    processes: tuple[cpb.ProcessMetrics, ...] = ()
+
+
+def merge_counts(own: RouterCounts, peers: Iterable[RouterCounts]) -> RouterCounts:
+    """A fleet's counts: every router's deadlines summed, routes and processes together."""
+    deadlines: dict[tuple[str, str, str], int] = dict(own.deadlines)
+    routed = set(own.routed)
+    processes = list(own.processes)
+    for peer in peers:
+        for key, count in peer.deadlines.items():
+            deadlines[key] = deadlines.get(key, 0) + count
+        routed.update(peer.routed)
+        processes.extend(peer.processes)
+    return RouterCounts(deadlines, sorted(routed), tuple(processes))
 
 
 class Snapshot(Collector):
@@ -343,7 +358,7 @@ class Snapshot(Collector):
             "poolserve_processes", "Processes, by kind", labels=("kind", "pool")
         )
         rows: dict[tuple[str, str], list[float]] = {}
-        for proc in own_processes():
+        for proc in (*own_processes(), *self.own.processes):
             row = rows.setdefault((proc.kind, ""), [0.0, 0.0, 0.0])
             row[0] += proc.rss_bytes
             row[1] += proc.pss_bytes
@@ -409,9 +424,11 @@ class MetricsSource:
         pools: Callable[[], Mapping[str, grpc.aio.Channel | None]],
         own: Callable[[], RouterCounts],
         timeout_s: float = POOL_TIMEOUT_S,
+        peers: Callable[[], Awaitable[list[RouterCounts]]] | None = None,
     ) -> None:
         self._pools = pools
         self._own = own
+        self._peers = peers  # a fleet's other routers (router 0 serves the fleet's /metrics)
         self.timeout_s = timeout_s
         self.continuity: dict[str, Continuity] = {}
         self._lock = asyncio.Lock()  # scrapes only, never the request path
@@ -444,7 +461,10 @@ class MetricsSource:
                     )
             for gone in set(self.continuity) - set(pools):
                 del self.continuity[gone]  # a pool removed by a reload: its series end
-            return Snapshot(by_gid, dict(self.continuity), self._own(), openmetrics)
+            own = self._own()
+            if self._peers is not None:
+                own = merge_counts(own, await self._peers())
+            return Snapshot(by_gid, dict(self.continuity), own, openmetrics)
 
 
 def render(snapshot: Snapshot, accept: str = "") -> tuple[bytes, str]:

@@ -6,6 +6,8 @@ and answers protobuf bytes; a door only translates."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service.contract.errors import FailedPrecondition, ServingError
 from poolserve.service.contract.settings import ServerSettings
@@ -17,10 +19,17 @@ UNLOAD = "RepositoryModelUnload"
 
 
 class RepositoryCalls:
-    def __init__(self, settings: ServerSettings, routes: Routes, core: Forwarder) -> None:
+    def __init__(
+        self,
+        settings: ServerSettings,
+        routes: Routes,
+        core: Forwarder,
+        learned: Callable[[str], Awaitable[None]] | None = None,
+    ) -> None:
         self.settings = settings
         self.routes = routes
         self.core = core
+        self.learned = learned  # a fleet: tells the other routers of a route learned here
 
     async def control(
         self, method: str, name: str, body: bytes, budget: float | None, metadata: Metadata
@@ -34,6 +43,8 @@ class RepositoryCalls:
             )
         if method == LOAD and name not in self.routes.routes:
             await self.routes.learn_route(name)
+            if self.learned is not None and name in self.routes.routes:
+                await self.learned(name)
         return await self.core.forward(self.routes.route(name), method, body, budget, metadata)
 
     async def index(self, body: bytes, budget: float | None, metadata: Metadata) -> bytes:

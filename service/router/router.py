@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -26,16 +27,17 @@ from poolserve.service.contract.rundir import (
     ADDRESS_FILE,
     HTTP_ADDRESS_FILE,
     METRICS_ADDRESS_FILE,
-    ROUTER_CONTROL_SOCKET,
     FileId,
     file_id,
     remove_own,
+    router_control_socket,
 )
 from poolserve.service.contract.settings import ConfigError, ServerSettings
 from poolserve.service.contract.slab import MAX_BODY as SLAB_MAX_BODY
 from poolserve.service.contract.slab import Arena
 from poolserve.service.grpcserver.handlers import guarded
 from poolserve.service.grpcserver.shm import SharedMemory
+from poolserve.service.grpcserver.shm_store import SharedStore
 from poolserve.service.grpcserver.sockets import bind_private_unix
 from poolserve.service.grpcserver.tracing import Tracing
 from poolserve.service.lifecycle.limits import (
@@ -44,6 +46,7 @@ from poolserve.service.lifecycle.limits import (
     trim_heap,
     watch_descriptors,
 )
+from poolserve.service.router.fleet import Fleet
 from poolserve.service.router.forwarding import Forwarder
 from poolserve.service.router.grpc_door import GrpcDoor
 from poolserve.service.router.http_door import HttpDoor
@@ -76,16 +79,21 @@ def server_credentials(settings: ServerSettings) -> grpc.ServerCredentials | Non
     )
 
 
-def server_options(settings: ServerSettings) -> list[tuple[str, int]]:
+def server_options(settings: ServerSettings, shared: bool = False) -> list[tuple[str, int]]:
     """The router port's channel options: message sizes, and how long a
-    connection may sit in its handshake, idle, or silent under a call."""
+    connection may sit in its handshake, idle, or silent under a call.
+
+    ``shared``: a fleet's router, sharing the port with the others
+    (SO_REUSEPORT; the supervisor checked and holds the port,
+    supervisor/fleet.py). Alone, the router does not share: a port in use is
+    an error at once."""
     limit = settings.max_message_size
     options = [
         ("grpc.max_receive_message_length", limit),
         ("grpc.max_send_message_length", limit),
         # No grpc.max_concurrent_streams: in grpcio 1.81 it bounds the whole
         # server, not one connection; the router counts them (streams.py).
-        ("grpc.so_reuseport", 0),
+        ("grpc.so_reuseport", 1 if shared else 0),
         # The client's HTTP/2 SETTINGS (and the TLS handshake) must come within
         # this, or the connection is closed: a connection that only sent the
         # preface no longer holds a descriptor for gRPC's default 120 s.
@@ -119,15 +127,21 @@ class Router:
         settings: ServerSettings,
         run_dir: Path,
         repo: Path | None = None,
+        fleet: Fleet | None = None,
     ) -> None:
         self.settings = settings
+        self.fleet = fleet or Fleet(run_dir, 0, 1)
         self.address_file = run_dir / ADDRESS_FILE
         # large ModelInfer bodies go to the workers through these (contract/slab.py)
         self.arena = Arena(min(settings.max_message_size, SLAB_MAX_BODY))
         self.routes = Routes(repository, settings, run_dir, self.arena, repo)
         self.health = self.routes.health
-        # the one registry of the whole server
-        self.shared_memory = SharedMemory.from_settings(settings)
+        # the one registry of the whole server (a fleet's: in the run dir, shared)
+        self.shared_memory = (
+            SharedStore.in_run_dir(settings, run_dir)
+            if self.fleet.shared
+            else SharedMemory.from_settings(settings)
+        )
         self.replies = ReplyBudget(
             settings.max_unread_reply_bytes,
             settings.max_unread_reply_bytes_total,
@@ -136,7 +150,9 @@ class Router:
         )
         self.streams = StreamLimit(settings.max_concurrent_streams)  # per connection
         self.core = Forwarder(settings, self.routes, self.shared_memory)
-        self.repository = RepositoryCalls(settings, self.routes, self.core)
+        self.repository = RepositoryCalls(
+            settings, self.routes, self.core, self.fleet.learned if self.fleet.shared else None
+        )
         self.grpc_door = GrpcDoor(
             settings, self.routes, self.core, self.shared_memory, self.replies, self.repository
         )
@@ -145,7 +161,7 @@ class Router:
         self.http_address_file = run_dir / HTTP_ADDRESS_FILE
         self._http_written: FileId | None = None
         self._stop = asyncio.Event()
-        self.control_path = run_dir / ROUTER_CONTROL_SOCKET
+        self.control_path = run_dir / router_control_socket(self.fleet.index)
         self._control_bound: FileId | None = None  # what we bound and wrote, we remove
         self._address_written: FileId | None = None
         self.port = 0
@@ -154,8 +170,12 @@ class Router:
         self._metrics_written: FileId | None = None
         self.metrics = MetricsSource(
             lambda: {gid: route.channel for gid, route in self.routes.pools.items()},
-            lambda: RouterCounts(self.core.router_deadlines, self.routes.routed_models()),
+            self.own_counts,
+            peers=self.fleet.counts if self.fleet.shared else None,
         )
+
+    def own_counts(self) -> RouterCounts:
+        return RouterCounts(self.core.router_deadlines, self.routes.routed_models())
 
     def _control_server(self) -> grpc.aio.Server:
         server = grpc.aio.server()
@@ -171,6 +191,9 @@ class Router:
         )
         # Health here too: the supervisor follows it to say when the server is ready.
         server.add_generic_rpc_handlers((handler, self.health.generic_handler()))
+        if self.fleet.shared:
+            fleet = self.fleet.handlers(self.routes.learn_route, self.own_counts)
+            server.add_generic_rpc_handlers((fleet,))
         self._control_bound = bind_private_unix(server, self.control_path)
         return server
 
@@ -187,7 +210,7 @@ class Router:
         self.routes.sync_health()
         if return_large_frees():  # (tests/test_client_limits.py looks for this line)
             log.info("router: malloc maps buffers of 16 MiB and up on their own, reuses smaller")
-        server = grpc.aio.server(options=server_options(self.settings))
+        server = grpc.aio.server(options=server_options(self.settings, self.fleet.shared))
         mlserver_repository = model_repository_handler(  # MLServer's, over the same calls
             self.grpc_door.repository_index,
             self.grpc_door.routed_by_field2("RepositoryModelLoad"),
@@ -243,9 +266,10 @@ class Router:
             fds.cancel()
             heap.cancel()
         remove_own(self.control_path, self._control_bound)
-        remove_own(self.address_file, self._address_written)
         remove_own(self.metrics_address_file, self._metrics_written)
-        remove_own(self.http_address_file, self._http_written)
+        if not self.fleet.shared:  # a fleet's: the others still serve there (serve.py removes)
+            remove_own(self.address_file, self._address_written)
+            remove_own(self.http_address_file, self._http_written)
         if self.core.tracing is not None:
             await asyncio.to_thread(self.core.tracing.shutdown)  # flushes, off the loop
         await self.routes.close()
@@ -263,7 +287,9 @@ class Router:
         )
         host = self.settings.host
         try:
-            self.http_port = await door.start(host, self.settings.http_port)
+            self.http_port = await door.start(
+                host, self.settings.http_port, reuse_port=self.fleet.shared
+            )
         except OSError as exc:
             raise ConfigError(
                 "router", "http_port", f"cannot listen on {host}:{self.settings.http_port}: {exc}"
@@ -274,8 +300,9 @@ class Router:
         return door
 
     async def _start_metrics(self) -> MetricsServer | None:
-        """The HTTP /metrics port (metrics_port; -1: none), on this event loop."""
-        if self.settings.metrics_port < 0:
+        """The HTTP /metrics port (metrics_port; -1: none), on this event loop.
+        In a fleet, router 0 serves it, with the others' counts (fleet.py)."""
+        if self.settings.metrics_port < 0 or self.fleet.index != 0:
             return None
         metrics = MetricsServer(self.metrics)
         host = self.settings.host
@@ -298,7 +325,7 @@ def _host_port(host: str, port: int) -> str:
 
 def _publish(path: Path, host: str, port: int) -> FileId | None:
     """Writes ``host:port`` to ``path`` at once (a reader never sees half of it)."""
-    partial = path.with_suffix(".tmp")
+    partial = path.with_suffix(f".{os.getpid()}.tmp")  # a fleet's routers write the same file
     partial.write_text(_host_port(host, port) + "\n")
     partial.replace(path)
     return file_id(path)

@@ -1,0 +1,221 @@
+"""The router fleet (issue 31): echo c16 with ``routers: 2`` beside ``routers: 1``,
+and what more cores would carry.
+
+Three servers, each with only echo (FP32 [1,16]), measured at concurrency 16
+over gRPC with the servers interleaved innermost per round: poolserve with one
+router, poolserve with two routers (both 2 workers), and KServe's single
+process. The bench already reads every process's CPU before and after a cell
+(run.py ``cpu_record``); from it comes the CPU per request of each poolserve
+process role (router, pool, worker, supervisor, zygote), summed over the
+processes of that role.
+
+The capacity table turns those into requests/s on 4, 8, 16 and 32 cores,
+one model in one pool. The model: each process runs on at most one core, so a
+role of ``n`` processes carries at most ``n / cpu`` requests/s (``cpu`` its
+CPU seconds per request), and all of them together at most
+``cores / total``. Routers are what ``routers: auto`` starts (one per 4
+cores; settings.router_count); the pool and its workers share the other cores
+in proportion to their CPU per request (a pool is one process per gid: one
+model has one, so the table also says what a single pool caps). The
+smallest of these is the figure, and its role is named as the bound. KServe
+is one process: at most one core, whatever the machine (``1 / its CPU per
+request``). It is a model from measured CPU, not a measurement on such
+machines: the cores the measuring box lacks are the assumption.
+
+Only the standard library at import time: run.py registers this module's
+section in report.py, and tests load it by path.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+TITLE = "Router fleet (routers: 2)"
+ONE, TWO, KSERVE = "poolserve", "poolserve-routers2", "kserve"
+SERVERS = (ONE, TWO, KSERVE)
+ECHO = "echo"
+C = 16
+CORES = (4, 8, 16, 32)
+ROUTER_CORES = 4  # settings.ROUTER_CORES: routers "auto" is one per this many cores
+# /proc/PID/comm of each poolserve process -> its role
+ROLES = {
+    "poolserve-rtr": "router",
+    "poolserve-pool": "pool",
+    "poolserve-wrk": "worker",
+    "poolserve-zyg": "zygote",
+    "poolserve": "supervisor",
+}
+
+Start = Callable[[str], Any]
+Measure = Callable[..., dict[str, Any]]
+
+
+def phase(
+    start: Start,
+    stop: Callable[[Any], None],
+    measure: Measure,
+    run_dir: Path,
+    runs: int,
+    log: Callable[[str], None],
+    available: Callable[[str], str],
+) -> dict[str, Any]:
+    """Starts the three servers (``start(key)``: echo only, gRPC-ready), measures
+    echo c16 on each ``runs`` times, interleaved, and stops them."""
+    folder = run_dir / "fleet"
+    folder.mkdir(parents=True, exist_ok=True)
+    skipped: dict[str, str] = {}
+    running: dict[str, Any] = {}
+    records: list[dict[str, Any]] = []
+    for key in SERVERS:
+        why = available(key)
+        if not why:
+            try:
+                running[key] = start(key)
+                continue
+            except Exception as exc:  # a peer that does not start: say so, go on
+                why = f"did not start: {str(exc)[:300]}"
+        skipped[key] = why
+        log(f"fleet: skipping {key}: {why}")
+    try:
+        for r in range(runs):
+            keys = list(running)
+            order = keys[r % max(1, len(keys)) :] + keys[: r % max(1, len(keys))]
+            for key in order:
+                csv_path = folder / f"r{r}-{key}-echo-c{C}.csv"
+                out = measure(running[key], list(running.values()), ECHO, C, csv_path=csv_path)
+                records.append({"round": r, "server": key, "model": ECHO, "concurrency": C, **out})
+                log(f"[{len(records)}/{runs * len(running)}] fleet {key:<20} {out['shown']}")
+                del records[-1]["shown"]
+                (run_dir / "fleet.json").write_text(json.dumps(records, indent=1))
+    finally:
+        for server in running.values():
+            stop(server)
+    found: dict[str, Any] = {"runs": records, "rounds": runs, "skipped": skipped}
+    found["cells"] = cells(found)
+    return found
+
+
+def _requests(run: Mapping[str, Any]) -> float:
+    return float(run["result"]["throughput"]) * float(run["cpu"]["wall_s"])
+
+
+def cells(fleet: Mapping[str, Any]) -> dict[str, Any]:
+    """server -> median throughput, p99 and CPU ms per request by role (and total)."""
+    grouped: dict[str, list[Mapping[str, Any]]] = {}
+    for run in fleet.get("runs", []):
+        if run.get("result") and run.get("cpu") and _requests(run) > 0:
+            grouped.setdefault(run["server"], []).append(run)
+    out: dict[str, Any] = {}
+    for server, runs in grouped.items():
+        per_role: dict[str, list[float]] = {}
+        for run in runs:
+            roles: dict[str, float] = {"total": float(run["cpu"]["cpu_s"])}
+            for name, seconds in run["cpu"].get("cpu_by_process", {}).items():
+                role = ROLES.get(name, name)
+                roles[role] = roles.get(role, 0.0) + float(seconds)
+            for role, seconds in roles.items():
+                per_role.setdefault(role, []).append(1000 * seconds / _requests(run))
+        out[server] = {
+            "throughput": statistics.median(float(r["result"]["throughput"]) for r in runs),
+            "p99_ms": statistics.median(float(r["result"]["p99_us"]) / 1000 for r in runs),
+            "cpu_ms": {role: statistics.median(v) for role, v in sorted(per_role.items())},
+        }
+    return out
+
+
+def auto_routers(cores: int) -> int:
+    return max(1, cores // ROUTER_CORES)
+
+
+def capacity(cpu_ms: Mapping[str, float], cores: int) -> dict[str, Any]:
+    """Requests/s ``cores`` would carry with the fleet, and the role that bounds it."""
+    router, pool, worker = (max(cpu_ms.get(k, 0.0), 1e-6) for k in ("router", "pool", "worker"))
+    total = max(cpu_ms.get("total", router + pool + worker), router + pool + worker)
+    routers = auto_routers(cores)
+    rest = max(2, cores - routers)
+    pool_cores = rest * pool / (pool + worker)
+    workers = max(1, round(rest - min(pool_cores, 1.0)))
+    limits = {
+        "cores": cores * 1000 / total,
+        f"routers ({routers})": routers * 1000 / router,
+        "pool (1 per gid)": 1000 / pool,
+        f"workers ({workers})": workers * 1000 / worker,
+    }
+    bound = min(limits, key=lambda k: limits[k])
+    return {"cores": cores, "routers": routers, "workers": workers, "limits": limits,
+            "throughput": limits[bound], "bound": bound}  # fmt: skip
+
+
+def _fmt(value: float | None, digits: int = 0) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def measured_table(fleet: Mapping[str, Any]) -> str:
+    found = fleet.get("cells", {})
+    rows = []
+    for key, label in ((ONE, "poolserve, routers: 1"), (TWO, "poolserve, routers: 2"),
+                       (KSERVE, "KServe (1 process)")):  # fmt: skip
+        cell = found.get(key)
+        if cell is None:
+            why = fleet.get("skipped", {}).get(key, "not measured")
+            rows.append([label, "-", "-", "-", "-", "-", "-", why])
+            continue
+        cpu = cell["cpu_ms"]
+        rows.append([label, _fmt(cell["throughput"], 1), _fmt(cell["p99_ms"], 1),
+                     *(_fmt(cpu.get(role), 3) for role in ("router", "pool", "worker")),
+                     _fmt(cpu.get("total"), 3), ""])  # fmt: skip
+    header = ["echo c16 (gRPC)", "infer/s", "p99 ms", "router CPU ms/req", "pool CPU ms/req",
+              "worker CPU ms/req", "total CPU ms/req", "note"]  # fmt: skip
+    return _table(header, rows)
+
+
+def capacity_table(fleet: Mapping[str, Any]) -> str:
+    found = fleet.get("cells", {})
+    source = TWO if TWO in found else ONE
+    if source not in found:
+        return ""
+    cpu = found[source]["cpu_ms"]
+    kserve = found.get(KSERVE, {}).get("cpu_ms", {}).get("total")
+    kserve_rate = 1000 / kserve if kserve else None
+    rows = []
+    for cores in CORES:
+        got = capacity(cpu, cores)
+        ratio = got["throughput"] / kserve_rate if kserve_rate else None
+        rows.append([str(cores), str(got["routers"]), str(got["workers"]),
+                     _fmt(got["throughput"]), got["bound"], _fmt(kserve_rate),
+                     "-" if ratio is None else f"{ratio:.1f}x"])  # fmt: skip
+    header = ["cores", "routers (auto)", "workers", "poolserve infer/s", "bound by",
+              "KServe infer/s (1 process)", "poolserve / KServe"]  # fmt: skip
+    return (
+        _table(header, rows)
+        + f"\n\nFrom the CPU per request of `{source}` above (echo c16); KServe at one core: "
+        "1 / its CPU per request."
+    )
+
+
+def section(results: Mapping[str, Any]) -> str:
+    fleet = results.get("fleet")
+    if not fleet:
+        return ""
+    return (
+        f"{measured_table(fleet)}\n\nWhat more cores would carry (one model, one pool; "
+        f"bench/fleet.py says how):\n\n{capacity_table(fleet)}"
+    )
+
+
+def targets(results: Mapping[str, Any]) -> list[dict[str, Any]]:
+    return []  # figures for the issue, no pass/fail target yet
+
+
+def console(found: Mapping[str, Any]) -> str:
+    return section({"fleet": found}) + "\n"
