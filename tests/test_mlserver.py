@@ -27,11 +27,13 @@ import joblib
 import numpy as np
 import pytest
 import requests
+from google.protobuf.message import Message
 from sklearn.datasets import load_iris
 from sklearn.linear_model import LogisticRegression
 
 from poolserve.protos import inference_pb2 as pb
 from poolserve.protos import inference_pb2_grpc as pbg
+from poolserve.protos import model_repository_pb2 as mr
 
 from mlserver_peer import PEER_HTTP, mlserver_serving
 from serving import Serving, wait_serving
@@ -261,7 +263,10 @@ def mlserver_folders(repo: Path) -> list[str]:
         },
         TOKENS,
     )
-    return ["scaler", "iris", "wordcount", "tokens"]
+    return list(MODELS)
+
+
+MODELS = ("scaler", "iris", "wordcount", "tokens")  # mlserver_folders' models
 
 
 @pytest.fixture(scope="module")
@@ -978,3 +983,74 @@ def test_same_metadata_as_mlserver(served: Serving, mlserver: str) -> None:
         assert ours == theirs, (name, ours, theirs)
     scaler = pb.ModelMetadataResponse.FromString(asyncio.run(metadata(served.address, "scaler")))
     assert list(scaler.versions) == [] and scaler.platform == ""  # none in its settings
+
+
+def test_same_versions_as_mlserver(served: Serving, mlserver: str) -> None:
+    """A model whose model-settings.json declares no version: both repository
+    indexes show none, and a request for version "1" is NOT_FOUND in MLServer's
+    words, as MLServer answers (Triton's "1" is for poolserve's own models)."""
+
+    async def unary(address: str, service: str, method: str, request: Message) -> bytes:
+        async with grpc.aio.insecure_channel(address) as channel:
+            call = channel.unary_unary(f"/{service}/{method}")
+            return bytes(await call(request.SerializeToString(), timeout=60))
+
+    async def failed(address: str, method: str, request: Message) -> tuple[str, str]:
+        try:
+            await unary(address, "inference.GRPCInferenceService", method, request)
+        except grpc.aio.AioRpcError as exc:
+            return exc.code().name, exc.details() or ""
+        return "OK", ""
+
+    def indexes(address: str) -> list[list[tuple[str, str, str]]]:
+        found = []
+        for service, reply_type in (
+            ("inference.GRPCInferenceService", pb.RepositoryIndexResponse),
+            ("inference.model_repository.ModelRepositoryService", mr.RepositoryIndexResponse),
+        ):
+            request = mr.RepositoryIndexRequest()
+            reply = reply_type.FromString(
+                asyncio.run(unary(address, service, "RepositoryIndex", request))
+            )
+            # MLServer 1.7.1 writes str() of its State enum ("State.READY"): poolserve
+            # writes the name (docs/migrating-from-mlserver.md)
+            states = [(m.name, m.version, m.state.removeprefix("State.")) for m in reply.models]
+            found.append(sorted(s for s in states if s[0] in MODELS))
+        return found
+
+    ours, theirs = indexes(served.address), indexes(mlserver)
+    assert ours == theirs, (ours, theirs)
+    assert ("scaler", "", "READY") in ours[0] and ("iris", "v2", "READY") in ours[1]
+    asked = [
+        ("ModelReady", pb.ModelReadyRequest(name="scaler", version="1")),
+        ("ModelReady", pb.ModelReadyRequest(name="iris", version="1")),
+        ("ModelMetadata", pb.ModelMetadataRequest(name="scaler", version="1")),
+        ("ModelInfer", pb.ModelInferRequest(model_name="scaler", model_version="1")),
+    ]
+    for method, request in asked:
+        mine = asyncio.run(failed(served.address, method, request))
+        peer = asyncio.run(failed(mlserver, method, request))
+        assert mine[0] == "NOT_FOUND", (method, mine)
+        if method == "ModelReady":  # MLServer's ModelReady lacks its error handler: UNKNOWN,
+            # "Unexpected <class 'mlserver.errors.ModelNotFound'>: " before the text
+            assert peer[0] == "UNKNOWN" and peer[1].endswith(": " + mine[1]), (mine, peer)
+        else:
+            assert mine == peer, (method, mine, peer)
+    ready = pb.ModelReadyResponse.FromString(
+        asyncio.run(
+            unary(
+                served.address,
+                "inference.GRPCInferenceService",
+                "ModelReady",
+                pb.ModelReadyRequest(name="scaler"),
+            )
+        )
+    )
+    assert ready.ready  # no version asked: its only one
+    ours_http = f"http://{(served.run_dir / 'http.addr').read_text().strip()}"
+    theirs_http = f"http://{PEER_HTTP[mlserver]}"
+    for path in ("/v2/models/scaler/versions/1/ready", "/v2/models/scaler/versions/1"):
+        mine_http = requests.get(f"{ours_http}{path}", timeout=WAIT)
+        peer_http = requests.get(f"{theirs_http}{path}", timeout=WAIT)
+        assert mine_http.status_code == peer_http.status_code == 404, (path, mine_http.text)
+        assert mine_http.json() == peer_http.json(), (mine_http.text, peer_http.text)

@@ -35,7 +35,7 @@ from poolserve.service.grpcserver.handlers import (
 from poolserve.service.grpcserver.shm import SharedMemory
 from poolserve.service.grpcserver.status import grpc_status
 from poolserve.service.grpcserver.tracing import Tracing, deadline_event
-from poolserve.service.poolserver.catalog import Catalog, ModelEntry
+from poolserve.service.poolserver.catalog import Catalog, ModelEntry, wrong_version
 from poolserve.service.poolserver.metadata import model_config, model_metadata
 from poolserve.service.poolserver.rest_scheduling import scheduling_view
 from poolserve.service.poolserver.statistics import model_statistics
@@ -118,9 +118,12 @@ class InferenceServicer:
         return pb.ServerReadyResponse(ready=self.ready())
 
     async def model_ready(self, req: pb.ModelReadyRequest, _: Any) -> pb.ModelReadyResponse:
-        # As Triton: a model (or version) that does not exist is simply not ready.
+        # As Triton: a model (or version) that does not exist is simply not ready;
+        # as MLServer for its models: a version they do not have is NOT_FOUND.
         entry = self.catalog.find(req.name)
-        if entry is None or (req.version and req.version != entry.version):
+        if entry is None or (req.version and req.version != entry.shown_version):
+            if entry is not None and entry.mlserver:
+                raise wrong_version(entry, req.version)
             return pb.ModelReadyResponse(ready=False)
         return pb.ModelReadyResponse(ready=entry.ready and self.backend.serving())
 
@@ -377,7 +380,7 @@ def index_entries(
 ) -> list[pb.RepositoryIndexResponse.ModelIndex]:
     return [
         pb.RepositoryIndexResponse.ModelIndex(
-            name=e.name, version=e.version, state=str(e.state), reason=e.reason
+            name=e.name, version=e.shown_version, state=str(e.state), reason=e.reason
         )
         for e in catalog.entries()
         if e.ready or not ready_only
