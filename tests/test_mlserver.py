@@ -196,6 +196,30 @@ MORPH_STREAM = (
 """
 )
 
+HOOKS = """
+from fastapi import Header, Request
+from mlserver import MLModel
+from mlserver.errors import InferenceError
+from mlserver.handlers import custom_handler
+
+
+class Hooks(MLModel):
+    async def load(self) -> bool:
+        self.prefix = self.settings.parameters.extra["prefix"]
+        return True
+
+    @custom_handler(rest_path="/invocations")
+    async def invocations(self, request: Request, content_type: str = Header(None)) -> dict:
+        doc = await request.json()
+        return {"prefix": self.prefix, "got": doc, "content_type": content_type}
+
+    @custom_handler(rest_path="/hooks/{item}", rest_method="GET")
+    async def item(self, item: str, n: int = 1) -> dict:
+        if item == "bad":
+            raise InferenceError(f"no item {item}")
+        return {"item": item * n}
+"""
+
 NOT_READY = """
 from mlserver import MLModel
 
@@ -263,10 +287,20 @@ def mlserver_folders(repo: Path) -> list[str]:
         },
         TOKENS,
     )
+    write_model(  # MLServer's custom REST endpoints (@custom_handler)
+        repo,
+        "hooks",
+        {
+            "name": "hooks",
+            "implementation": "model.Hooks",
+            "parameters": {"extra": {"prefix": "p"}},
+        },
+        HOOKS,
+    )
     return list(MODELS)
 
 
-MODELS = ("scaler", "iris", "wordcount", "tokens")  # mlserver_folders' models
+MODELS = ("scaler", "iris", "wordcount", "tokens", "hooks")  # mlserver_folders' models
 
 
 @pytest.fixture(scope="module")
@@ -335,6 +369,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
                     "streamonly",
                     "morph",
                     "inlinetokens",
+                    "hooks",
                     "echo",
                     "sleepy",
                 ):
@@ -1054,3 +1089,31 @@ def test_same_versions_as_mlserver(served: Serving, mlserver: str) -> None:
         peer_http = requests.get(f"{theirs_http}{path}", timeout=WAIT)
         assert mine_http.status_code == peer_http.status_code == 404, (path, mine_http.text)
         assert mine_http.json() == peer_http.json(), (mine_http.text, peer_http.text)
+
+
+def test_same_custom_endpoints_as_mlserver(served: Serving, mlserver: str) -> None:
+    """An MLServer model's @custom_handler endpoints (as mlserver-mlflow's
+    /invocations) on the REST door: the same status and JSON as MLServer's,
+    the handler run in a worker on the body the router forwarded unparsed."""
+    ours = f"http://{(served.run_dir / 'http.addr').read_text().strip()}"
+    theirs = f"http://{PEER_HTTP[mlserver]}"
+    calls: list[tuple[str, str, dict[str, object]]] = [
+        ("POST", "/invocations", {"json": {"instances": [[1, 2]], "k": "v"}}),
+        ("POST", "/invocations", {"data": b"[1, 2]", "headers": {"Content-Type": "text/csv"}}),
+        ("GET", "/hooks/ab?n=3", {}),
+        ("GET", "/hooks/bad", {}),  # MLServer's InferenceError: 400 {"error": ...}
+        ("GET", "/hooks/ab?n=x", {}),  # FastAPI's validation: 422 {"detail": [...]}
+    ]
+    for method, path, options in calls:
+        mine = requests.request(method, f"{ours}{path}", timeout=WAIT, **options)  # type: ignore[arg-type]
+        peer = requests.request(method, f"{theirs}{path}", timeout=WAIT, **options)  # type: ignore[arg-type]
+        assert mine.status_code == peer.status_code, (path, mine.text, peer.text)
+        assert mine.json() == peer.json(), (path, mine.text, peer.text)
+        assert mine.headers["content-type"] == peer.headers["content-type"]
+    assert requests.get(f"{ours}/hooks/ab?n=3", timeout=WAIT).json() == {"item": "ababab"}
+    # a declared path with another method, and a path nobody declared
+    for method, path, status in (("POST", "/hooks/ab", 405), ("GET", "/nothing/here", 404)):
+        mine = requests.request(method, f"{ours}{path}", timeout=WAIT)
+        peer = requests.request(method, f"{theirs}{path}", timeout=WAIT)
+        assert mine.status_code == peer.status_code == status, (path, mine.text, peer.text)
+        assert "error" in mine.json()

@@ -50,6 +50,9 @@ class ZygoteEvents:
     on_load_traceback: Callable[[str, str], None] | None = None
     # a loaded model's own ModelMetadata answer (an adapter's), before its on_model
     on_metadata: Callable[[str, bytes], None] | None = None
+    # a loaded MLServer model's @custom_handler endpoints ((method, path) pairs),
+    # before its on_model
+    on_custom_routes: Callable[[str, tuple[tuple[str, str], ...]], None] | None = None
 
 
 class ZygoteControl:
@@ -93,6 +96,9 @@ class ZygoteControl:
                 events.on_load_traceback(str(msg["name"]), str(trace))
             if events.on_metadata is not None and "metadata" in msg:
                 events.on_metadata(msg["name"], base64.b64decode(msg["metadata"]))
+            if events.on_custom_routes is not None and "custom_routes" in msg:
+                pairs = tuple((str(m), str(p)) for m, p in msg["custom_routes"])
+                events.on_custom_routes(msg["name"], pairs)
             events.on_model(
                 msg["name"],
                 bool(msg["ok"]),

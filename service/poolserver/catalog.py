@@ -52,6 +52,8 @@ class ModelEntry:
     # the model's own ModelMetadata answer (an MLServer model's, made by MLServer's
     # code when it loaded); None: poolserve's, from the specs
     own_metadata: bytes | None = None
+    # an MLServer model's @custom_handler endpoints: (method, path template) pairs
+    custom_routes: tuple[tuple[str, str], ...] = ()
 
     @property
     def policy(self) -> TransactionPolicy:

@@ -12,6 +12,7 @@ dispatcher over pre-forked workers) and in-process (backend: a thread).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
@@ -161,6 +162,17 @@ class InferenceServicer:
         return pb.ModelStatisticsResponse(
             model_stats=[model_statistics(e.stats, e.name, e.version) for e in entries]
         )
+
+    async def custom_routes(self, _: bytes, __: Any) -> bytes:
+        """The @custom_handler endpoints of this pool's ready MLServer models, for
+        the router's HTTP door: JSON ``[[model, method, path], ...]``."""
+        routes = [
+            [e.name, method, path]
+            for e in self.catalog.entries()
+            if e.ready
+            for method, path in e.custom_routes
+        ]
+        return json.dumps(routes).encode()
 
     async def repository_index(
         self, req: pb.RepositoryIndexRequest, _: Any
@@ -369,6 +381,8 @@ class InferenceServicer:
             ),
             # Bytes in, bytes out: no (de)serializer on the hot path.
             "ModelInfer": grpc.unary_unary_rpc_method_handler(guarded(self.model_infer)),
+            # for the router only (this socket is private): bytes in, JSON out
+            "CustomRoutes": grpc.unary_unary_rpc_method_handler(guarded(self.custom_routes)),
             "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(self.model_stream_infer),
             **self.shared_memory.handlers(),
         }
