@@ -106,7 +106,9 @@ class CustomRoutes:
                     if self.core.routes.routes.get(model) is route:
                         routes.append(CustomRoute(model, method, template, compile_path(template)))
             self.routes = routes
-            self._asked = time.monotonic()
+        except Exception:  # a pool's answer that is not the table: the last one stays
+            log.exception("router: the pools' custom REST endpoints could not be read")
         finally:
+            self._asked = time.monotonic()
             self._asking.set_result(None)
             self._asking = None
