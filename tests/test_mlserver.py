@@ -14,6 +14,7 @@ want the same replies.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import shutil
 import socket
@@ -1097,9 +1098,12 @@ def test_same_custom_endpoints_as_mlserver(served: Serving, mlserver: str) -> No
     the handler run in a worker on the body the router forwarded unparsed."""
     ours = f"http://{(served.run_dir / 'http.addr').read_text().strip()}"
     theirs = f"http://{PEER_HTTP[mlserver]}"
+    zipped = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
     calls: list[tuple[str, str, dict[str, object]]] = [
         ("POST", "/invocations", {"json": {"instances": [[1, 2]], "k": "v"}}),
         ("POST", "/invocations", {"data": b"[1, 2]", "headers": {"Content-Type": "text/csv"}}),
+        ("POST", "/invocations", {"data": gzip.compress(b'{"z": 1}'), "headers": zipped}),
+        ("POST", "/invocations", {"json": {"long": "x" * 2000}}),  # a gzip reply (over 500 B)
         ("GET", "/hooks/ab?n=3", {}),
         ("GET", "/hooks/bad", {}),  # MLServer's InferenceError: 400 {"error": ...}
         ("GET", "/hooks/ab?n=x", {}),  # FastAPI's validation: 422 {"detail": [...]}
@@ -1109,7 +1113,8 @@ def test_same_custom_endpoints_as_mlserver(served: Serving, mlserver: str) -> No
         peer = requests.request(method, f"{theirs}{path}", timeout=WAIT, **options)  # type: ignore[arg-type]
         assert mine.status_code == peer.status_code, (path, mine.text, peer.text)
         assert mine.json() == peer.json(), (path, mine.text, peer.text)
-        assert mine.headers["content-type"] == peer.headers["content-type"]
+        for header in ("content-type", "content-encoding"):
+            assert mine.headers.get(header) == peer.headers.get(header), (path, header)
     assert requests.get(f"{ours}/hooks/ab?n=3", timeout=WAIT).json() == {"item": "ababab"}
     # a declared path with another method, and a path nobody declared
     for method, path, status in (("POST", "/hooks/ab", 405), ("GET", "/nothing/here", 404)):

@@ -2,17 +2,20 @@
 
 MLServer adds each ``@custom_handler(rest_path=..., rest_method=...)`` method
 of a loaded model to its FastAPI app (``app.add_api_route(rest_path, method,
-methods=[rest_method])``): FastAPI reads the method's signature (a
-``fastapi.Request``, path and query parameters, a pydantic or plain JSON
-body, headers), and encodes what it returns with MLServer's ``Response``
-(JSON); MLServer's exception handler answers an ``MLServerError`` with its
-status and ``{"error": ...}``. poolserve builds the same app, with the same
-calls, once per model where it loads (:func:`custom_app`: the zygote, so the
-workers share it), and each worker runs a call on it as an ASGI application
-(:func:`call_app`): the router forwarded the call's method, path, query,
-headers and body unparsed. One difference: an exception that is not
-MLServer's own is ``500 Internal Server Error`` in plain text, never the
-traceback that MLServer's ``debug`` (true by default) sends to the client.
+methods=[rest_method])``, with MLServer's route class): FastAPI reads the
+method's signature (a ``Request``, MLServer's, which inflates a gzip body;
+path and query parameters, a pydantic or plain JSON body, headers), and
+encodes what it returns with MLServer's ``Response`` (JSON, without unset or
+None fields; gzip for a client that accepts it); MLServer's exception
+handler answers an ``MLServerError`` with its status and ``{"error": ...}``.
+
+poolserve builds the same app, with the same calls, once per model where it
+loads (:func:`custom_app`: the zygote, so the workers share it), and each
+worker runs a call on it as an ASGI application (:func:`call_app`): the
+router forwarded the call's method, path, query, headers and body unparsed.
+One difference: an exception that is not MLServer's own is ``500 Internal
+Server Error`` in plain text, never the traceback that MLServer's ``debug``
+(true by default) sends to the client.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ def custom_app(mlmodel: Any) -> tuple[Routes, Any]:
     if not handlers:
         return (), None
     from fastapi import FastAPI
+    from fastapi.middleware.gzip import GZipMiddleware
+    from mlserver.rest.app import APIRoute
     from mlserver.rest.errors import _EXCEPTION_HANDLERS
     from mlserver.rest.responses import Response
 
@@ -43,6 +48,10 @@ def custom_app(mlmodel: Any) -> tuple[Routes, Any]:
         redoc_url=None,
         openapi_url=None,
     )
+    # as mlserver.rest.app.create_app: its route class (its Request, which inflates a
+    # gzip body; its Response), and gzip replies for clients that accept them
+    app.router.route_class = APIRoute
+    app.add_middleware(GZipMiddleware)
     for handler, method in handlers:
         app.add_api_route(handler.rest_path, method, methods=[handler.rest_method])
     return tuple((h.rest_method.upper(), h.rest_path) for h, _ in handlers), app
