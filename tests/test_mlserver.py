@@ -221,6 +221,17 @@ class Hooks(MLModel):
         return {"item": item * n}
 """
 
+INLINE_HOOKS = """
+from mlserver import MLModel
+from mlserver.handlers import custom_handler
+
+
+class InlineHooks(MLModel):
+    @custom_handler(rest_path="/inline/{x}", rest_method="PUT")
+    def put(self, x: int, body: dict) -> dict:  # a plain def: FastAPI runs it on a thread
+        return {"x": x + 1, "body": body, "name": self.name}
+"""
+
 NOT_READY = """
 from mlserver import MLModel
 
@@ -346,6 +357,12 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
         },
         MORPH_UNARY,
     )
+    write_model(  # inline: its custom endpoint runs in the pool process
+        repo,
+        "inlinehooks",
+        {"name": "inlinehooks", "implementation": "model.InlineHooks", "parallel_workers": 0},
+        INLINE_HOOKS,
+    )
     write_model(  # inline (runs in the pool process): streams there
         repo,
         "inlinetokens",
@@ -371,6 +388,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
                     "morph",
                     "inlinetokens",
                     "hooks",
+                    "inlinehooks",
                     "echo",
                     "sleepy",
                 ):
@@ -1122,3 +1140,16 @@ def test_same_custom_endpoints_as_mlserver(served: Serving, mlserver: str) -> No
         peer = requests.request(method, f"{theirs}{path}", timeout=WAIT)
         assert mine.status_code == peer.status_code == status, (path, mine.text, peer.text)
         assert "error" in mine.json()
+
+
+def test_custom_endpoint_of_an_inline_model(served: Serving) -> None:
+    """A @custom_handler of a model run in the pool process (parallel_workers 0),
+    a plain ``def`` with an int path parameter and a JSON body, on PUT."""
+    ours = f"http://{(served.run_dir / 'http.addr').read_text().strip()}"
+    reply = requests.put(f"{ours}/inline/41", json={"a": [1]}, timeout=WAIT)
+    assert reply.status_code == 200, reply.text
+    assert reply.json() == {"x": 42, "body": {"a": [1]}, "name": "inlinehooks"}
+    bad = requests.put(f"{ours}/inline/x", json={}, timeout=WAIT)
+    assert bad.status_code == 422, bad.text  # FastAPI validates the int, as under MLServer
+    assert bad.json()["detail"][0]["loc"] == ["path", "x"]
+    assert requests.get(f"{ours}/inline/41", timeout=WAIT).status_code == 405
