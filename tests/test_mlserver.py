@@ -1103,6 +1103,15 @@ def test_same_versions_as_mlserver(served: Serving, mlserver: str) -> None:
     assert ready.ready  # no version asked: its only one
     ours_http = f"http://{(served.run_dir / 'http.addr').read_text().strip()}"
     theirs_http = f"http://{PEER_HTTP[mlserver]}"
+    rest_index = []
+    for base in (ours_http, theirs_http):
+        reply = requests.post(f"{base}/v2/repository/index", json={}, timeout=WAIT)
+        assert reply.status_code == 200, reply.text
+        rest_index.append(
+            sorted((m["name"], m.get("version")) for m in reply.json() if m["name"] in MODELS)
+        )
+    assert rest_index[0] == rest_index[1], rest_index
+    assert ("scaler", None) in rest_index[0]
     for path in ("/v2/models/scaler/versions/1/ready", "/v2/models/scaler/versions/1"):
         mine_http = requests.get(f"{ours_http}{path}", timeout=WAIT)
         peer_http = requests.get(f"{theirs_http}{path}", timeout=WAIT)
