@@ -5,7 +5,8 @@ The bench's echo and burn written as ``mlserver.MLModel`` runtimes
 served by poolserve with 2 workers (service/runtimes/mlmodel.py adapts them)
 and by MLServer 1.7.1 with 2 workers, in the same run, interleaved: echo and
 burn at concurrency 16 (perf_analyzer), then the PSS of each process tree.
-Targets: echo c16 >= 2 x MLServer, burn c16 >= 1.0 x MLServer, PSS <= 0.5 x.
+Targets: echo c16 >= 2 x MLServer, burn c16 >= 1.0 x MLServer, PSS <= 0.7 x
+(the PSS of each whole process tree, from /proc/PID/smaps_rollup).
 
 Registered in run.py (a phase of ``make bench``, or alone with
 ``python bench/run.py --only mlserver-dropin``); report.py shows the table
@@ -26,7 +27,7 @@ import servers
 KEY = "poolserve-mlmodel"
 CONCURRENCY = 16
 TARGETS = {"echo": 2.0, "burn": 1.0}  # throughput x MLServer at c16, at least
-PSS_TARGET = 0.5  # x MLServer, at most
+PSS_TARGET = 0.7  # x MLServer, at most (issue 30: 0.5x needs fewer Python processes)
 ROUNDS = 5  # in full mode: pairs of fresh servers (see measure)
 
 

@@ -14,6 +14,7 @@ want the same replies.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import shutil
 import socket
@@ -27,11 +28,13 @@ import joblib
 import numpy as np
 import pytest
 import requests
+from google.protobuf.message import Message
 from sklearn.datasets import load_iris
 from sklearn.linear_model import LogisticRegression
 
 from poolserve.protos import inference_pb2 as pb
 from poolserve.protos import inference_pb2_grpc as pbg
+from poolserve.protos import model_repository_pb2 as mr
 
 from mlserver_peer import PEER_HTTP, mlserver_serving
 from serving import Serving, wait_serving
@@ -194,6 +197,41 @@ MORPH_STREAM = (
 """
 )
 
+HOOKS = """
+from fastapi import Header, Request
+from mlserver import MLModel
+from mlserver.errors import InferenceError
+from mlserver.handlers import custom_handler
+
+
+class Hooks(MLModel):
+    async def load(self) -> bool:
+        self.prefix = self.settings.parameters.extra["prefix"]
+        return True
+
+    @custom_handler(rest_path="/invocations")
+    async def invocations(self, request: Request, content_type: str = Header(None)) -> dict:
+        doc = await request.json()
+        return {"prefix": self.prefix, "got": doc, "content_type": content_type}
+
+    @custom_handler(rest_path="/hooks/{item}", rest_method="GET")
+    async def item(self, item: str, n: int = 1) -> dict:
+        if item == "bad":
+            raise InferenceError(f"no item {item}")
+        return {"item": item * n}
+"""
+
+INLINE_HOOKS = """
+from mlserver import MLModel
+from mlserver.handlers import custom_handler
+
+
+class InlineHooks(MLModel):
+    @custom_handler(rest_path="/inline/{x}", rest_method="PUT")
+    def put(self, x: int, body: dict) -> dict:  # a plain def: FastAPI runs it on a thread
+        return {"x": x + 1, "body": body, "name": self.name}
+"""
+
 NOT_READY = """
 from mlserver import MLModel
 
@@ -261,7 +299,20 @@ def mlserver_folders(repo: Path) -> list[str]:
         },
         TOKENS,
     )
-    return ["scaler", "iris", "wordcount", "tokens"]
+    write_model(  # MLServer's custom REST endpoints (@custom_handler)
+        repo,
+        "hooks",
+        {
+            "name": "hooks",
+            "implementation": "model.Hooks",
+            "parameters": {"extra": {"prefix": "p"}},
+        },
+        HOOKS,
+    )
+    return list(MODELS)
+
+
+MODELS = ("scaler", "iris", "wordcount", "tokens", "hooks")  # mlserver_folders' models
 
 
 @pytest.fixture(scope="module")
@@ -306,6 +357,12 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
         },
         MORPH_UNARY,
     )
+    write_model(  # inline: its custom endpoint runs in the pool process
+        repo,
+        "inlinehooks",
+        {"name": "inlinehooks", "implementation": "model.InlineHooks", "parallel_workers": 0},
+        INLINE_HOOKS,
+    )
     write_model(  # inline (runs in the pool process): streams there
         repo,
         "inlinetokens",
@@ -330,6 +387,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
                     "streamonly",
                     "morph",
                     "inlinetokens",
+                    "hooks",
+                    "inlinehooks",
                     "echo",
                     "sleepy",
                 ):
@@ -978,3 +1037,128 @@ def test_same_metadata_as_mlserver(served: Serving, mlserver: str) -> None:
         assert ours == theirs, (name, ours, theirs)
     scaler = pb.ModelMetadataResponse.FromString(asyncio.run(metadata(served.address, "scaler")))
     assert list(scaler.versions) == [] and scaler.platform == ""  # none in its settings
+
+
+def test_same_versions_as_mlserver(served: Serving, mlserver: str) -> None:
+    """A model whose model-settings.json declares no version: both repository
+    indexes show none, and a request for version "1" is NOT_FOUND in MLServer's
+    words, as MLServer answers (Triton's "1" is for poolserve's own models)."""
+
+    async def unary(address: str, service: str, method: str, request: Message) -> bytes:
+        async with grpc.aio.insecure_channel(address) as channel:
+            call = channel.unary_unary(f"/{service}/{method}")
+            return bytes(await call(request.SerializeToString(), timeout=60))
+
+    async def failed(address: str, method: str, request: Message) -> tuple[str, str]:
+        try:
+            await unary(address, "inference.GRPCInferenceService", method, request)
+        except grpc.aio.AioRpcError as exc:
+            return exc.code().name, exc.details() or ""
+        return "OK", ""
+
+    def indexes(address: str) -> list[list[tuple[str, str, str]]]:
+        found = []
+        for service, reply_type in (
+            ("inference.GRPCInferenceService", pb.RepositoryIndexResponse),
+            ("inference.model_repository.ModelRepositoryService", mr.RepositoryIndexResponse),
+        ):
+            request = mr.RepositoryIndexRequest()
+            reply = reply_type.FromString(
+                asyncio.run(unary(address, service, "RepositoryIndex", request))
+            )
+            # MLServer 1.7.1 writes str() of its State enum ("State.READY"): poolserve
+            # writes the name (docs/migrating-from-mlserver.md)
+            states = [(m.name, m.version, m.state.removeprefix("State.")) for m in reply.models]
+            found.append(sorted(s for s in states if s[0] in MODELS))
+        return found
+
+    ours, theirs = indexes(served.address), indexes(mlserver)
+    assert ours == theirs, (ours, theirs)
+    assert ("scaler", "", "READY") in ours[0] and ("iris", "v2", "READY") in ours[1]
+    asked = [
+        ("ModelReady", pb.ModelReadyRequest(name="scaler", version="1")),
+        ("ModelReady", pb.ModelReadyRequest(name="iris", version="1")),
+        ("ModelMetadata", pb.ModelMetadataRequest(name="scaler", version="1")),
+        ("ModelInfer", pb.ModelInferRequest(model_name="scaler", model_version="1")),
+    ]
+    for method, request in asked:
+        mine = asyncio.run(failed(served.address, method, request))
+        peer = asyncio.run(failed(mlserver, method, request))
+        assert mine[0] == "NOT_FOUND", (method, mine)
+        if method == "ModelReady":  # MLServer's ModelReady lacks its error handler: UNKNOWN,
+            # "Unexpected <class 'mlserver.errors.ModelNotFound'>: " before the text
+            assert peer[0] == "UNKNOWN" and peer[1].endswith(": " + mine[1]), (mine, peer)
+        else:
+            assert mine == peer, (method, mine, peer)
+    ready = pb.ModelReadyResponse.FromString(
+        asyncio.run(
+            unary(
+                served.address,
+                "inference.GRPCInferenceService",
+                "ModelReady",
+                pb.ModelReadyRequest(name="scaler"),
+            )
+        )
+    )
+    assert ready.ready  # no version asked: its only one
+    ours_http = f"http://{(served.run_dir / 'http.addr').read_text().strip()}"
+    theirs_http = f"http://{PEER_HTTP[mlserver]}"
+    rest_index = []
+    for base in (ours_http, theirs_http):
+        reply = requests.post(f"{base}/v2/repository/index", json={}, timeout=WAIT)
+        assert reply.status_code == 200, reply.text
+        rest_index.append(
+            sorted((m["name"], m.get("version")) for m in reply.json() if m["name"] in MODELS)
+        )
+    assert rest_index[0] == rest_index[1], rest_index
+    assert ("scaler", None) in rest_index[0]
+    for path in ("/v2/models/scaler/versions/1/ready", "/v2/models/scaler/versions/1"):
+        mine_http = requests.get(f"{ours_http}{path}", timeout=WAIT)
+        peer_http = requests.get(f"{theirs_http}{path}", timeout=WAIT)
+        assert mine_http.status_code == peer_http.status_code == 404, (path, mine_http.text)
+        assert mine_http.json() == peer_http.json(), (mine_http.text, peer_http.text)
+
+
+def test_same_custom_endpoints_as_mlserver(served: Serving, mlserver: str) -> None:
+    """An MLServer model's @custom_handler endpoints (as mlserver-mlflow's
+    /invocations) on the REST door: the same status and JSON as MLServer's,
+    the handler run in a worker on the body the router forwarded unparsed."""
+    ours = f"http://{(served.run_dir / 'http.addr').read_text().strip()}"
+    theirs = f"http://{PEER_HTTP[mlserver]}"
+    zipped = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
+    calls: list[tuple[str, str, dict[str, object]]] = [
+        ("POST", "/invocations", {"json": {"instances": [[1, 2]], "k": "v"}}),
+        ("POST", "/invocations", {"data": b"[1, 2]", "headers": {"Content-Type": "text/csv"}}),
+        ("POST", "/invocations", {"data": gzip.compress(b'{"z": 1}'), "headers": zipped}),
+        ("POST", "/invocations", {"json": {"long": "x" * 2000}}),  # a gzip reply (over 500 B)
+        ("GET", "/hooks/ab?n=3", {}),
+        ("GET", "/hooks/bad", {}),  # MLServer's InferenceError: 400 {"error": ...}
+        ("GET", "/hooks/ab?n=x", {}),  # FastAPI's validation: 422 {"detail": [...]}
+    ]
+    for method, path, options in calls:
+        mine = requests.request(method, f"{ours}{path}", timeout=WAIT, **options)  # type: ignore[arg-type]
+        peer = requests.request(method, f"{theirs}{path}", timeout=WAIT, **options)  # type: ignore[arg-type]
+        assert mine.status_code == peer.status_code, (path, mine.text, peer.text)
+        assert mine.json() == peer.json(), (path, mine.text, peer.text)
+        for header in ("content-type", "content-encoding"):
+            assert mine.headers.get(header) == peer.headers.get(header), (path, header)
+    assert requests.get(f"{ours}/hooks/ab?n=3", timeout=WAIT).json() == {"item": "ababab"}
+    # a declared path with another method, and a path nobody declared
+    for method, path, status in (("POST", "/hooks/ab", 405), ("GET", "/nothing/here", 404)):
+        mine = requests.request(method, f"{ours}{path}", timeout=WAIT)
+        peer = requests.request(method, f"{theirs}{path}", timeout=WAIT)
+        assert mine.status_code == peer.status_code == status, (path, mine.text, peer.text)
+        assert "error" in mine.json()
+
+
+def test_custom_endpoint_of_an_inline_model(served: Serving) -> None:
+    """A @custom_handler of a model run in the pool process (parallel_workers 0),
+    a plain ``def`` with an int path parameter and a JSON body, on PUT."""
+    ours = f"http://{(served.run_dir / 'http.addr').read_text().strip()}"
+    reply = requests.put(f"{ours}/inline/41", json={"a": [1]}, timeout=WAIT)
+    assert reply.status_code == 200, reply.text
+    assert reply.json() == {"x": 42, "body": {"a": [1]}, "name": "inlinehooks"}
+    bad = requests.put(f"{ours}/inline/x", json={}, timeout=WAIT)
+    assert bad.status_code == 422, bad.text  # FastAPI validates the int, as under MLServer
+    assert bad.json()["detail"][0]["loc"] == ["path", "x"]
+    assert requests.get(f"{ours}/inline/41", timeout=WAIT).status_code == 405

@@ -338,12 +338,12 @@ def test_mlserver_model_repository_service(streaming: Serving) -> None:
         "load:nobody",
         "unload:nobody",
     )
-    # version "1": poolserve numbers a model without parameters.version (MLServer: "")
-    ready = ["text-model", "1", "READY", ""]
+    # no version: an MLServer model without parameters.version, as MLServer lists it
+    ready = ["text-model", "", "READY", ""]
     summed = ["sum-model", "v1.2.3", "READY", ""]
     assert got[:2] == [[summed, ready], "unloaded"]
     name, version, state, _ = got[2][1]
-    assert (name, version, state) == ("text-model", "1", "UNAVAILABLE")  # MLServer: no UNLOADED
+    assert (name, version, state) == ("text-model", "", "UNAVAILABLE")  # MLServer: no UNLOADED
     assert got[3:7] == [[summed], "loaded", [summed, ready], [summed, ready]]
     assert got[7][0] == "NOT_FOUND" and got[8][0] == "NOT_FOUND", got
     # the model streams again after its reload

@@ -101,6 +101,9 @@ class ModelSettings:
     batch_safe_parameters: frozenset[str] = frozenset()
     # parameters.extra.sequence: a sequence model (sticky routing, per-sequence state)
     sequence: SequencePolicy | None = None
+    # parameters.version was written: False when ``version`` is DEFAULT_VERSION by
+    # default (MLServer shows such a model with no version at all)
+    version_declared: bool = False
 
     @property
     def batching(self) -> BatchPolicy | None:
@@ -291,6 +294,7 @@ def parse_model_settings(path: Path) -> ModelSettings:
         sequence=sequence_policy(source, extra, {s.name: s.datatype for s in inputs}),
         preferred_batch_sizes=preferred,
         batch_safe_parameters=safe,
+        version_declared="version" in params,
     )
 
 

@@ -16,6 +16,10 @@ pool) that runs it looks inside (:mod:`poolserve.service.inference.rest`).
   :data:`ACCEPT_FIELD` (varints, optional): the body's ``Content-Encoding``
   (gzip or deflate; the worker inflates it, to at most the limit) and the
   encoding the client accepts for the reply (``Accept-Encoding``).
+- fields :data:`PROTOCOL_FIELD` (varint) and :data:`CALL_FIELD` (bytes):
+  the body's protocol, and for :data:`CUSTOM` (an MLServer model's
+  ``@custom_handler`` endpoint) the call's method, path, query and headers,
+  as JSON (:func:`custom_call`): the worker runs the handler on them.
 - field :data:`BODY_FIELD` (bytes): the body as the client sent it. When
   the body travels in a slab, the envelope's head (what the pool peeks at)
   holds instead :data:`JSON_HEAD_FIELD`: the JSON of a binary-extension
@@ -30,9 +34,11 @@ Standard library only.
 
 from __future__ import annotations
 
+import json
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from poolserve.service.contract.errors import InvalidInput
 from poolserve.service.contract.wire import Wire, encode_varint, read_varint
@@ -44,9 +50,12 @@ ACCEPT_FIELD = 4092  # the reply encoding the client accepts (absent: identity)
 LIMIT_FIELD = 4091  # the most bytes a compressed body may inflate to
 JSON_HEAD_FIELD = 4090  # a slab envelope's head: the JSON before the binary tensors
 PROTOCOL_FIELD = 4089  # the body's protocol (absent: the Open Inference Protocol, V2)
+CALL_FIELD = 4088  # CUSTOM: the HTTP call's method, path, query and headers (JSON)
 V2, V1 = 0, 1  # KServe's V1: {"instances": [...]} in, {"predictions": [...]} out
+CUSTOM = 2  # an MLServer model's @custom_handler endpoint: the body as it came, its reply as is
 _BODY_TAG = (BODY_FIELD << 3) | 2
 _JSON_HEAD_TAG = (JSON_HEAD_FIELD << 3) | 2
+_CALL_TAG = (CALL_FIELD << 3) | 2
 MAX_PEEK = 64 * 1024  # the most JSON the pool reads on its event loop for scheduling
 _BODY_TAG_BYTES = encode_varint(_BODY_TAG)
 _VARINT_FIELDS = {
@@ -57,8 +66,10 @@ _VARINT_FIELDS = {
     (PROTOCOL_FIELD << 3): "protocol",
 }
 # The reply's head: the JSON's length (uncompressed), the reply's encoding, and
-# whether binary outputs follow the JSON.
+# whether binary outputs follow the JSON (CUSTOM_REPLY there: the JSON is a
+# custom endpoint's status and headers, and its body follows as it is).
 REPLY_HEAD = struct.Struct("<IBB")
+CUSTOM_REPLY = 2
 
 IDENTITY, GZIP, DEFLATE = 0, 1, 2
 ENCODINGS = {b"identity": IDENTITY, b"gzip": GZIP, b"deflate": DEFLATE}
@@ -74,6 +85,7 @@ class RestHead:
     accept: int = IDENTITY  # the encoding of the reply (from Accept-Encoding)
     limit: int = 0  # max_message_size: what a compressed body may inflate to
     protocol: int = V2  # V1: KServe's V1 predict
+    call: bytes = b""  # CUSTOM: the HTTP call (:func:`custom_call`)
 
 
 def _len_field(number: int, payload: bytes) -> bytes:
@@ -96,6 +108,8 @@ def wrap_head(name: str, version: str, body_length: int, rest: RestHead) -> byte
         head += _varint_field(ACCEPT_FIELD, rest.accept)
     if rest.protocol != V2:
         head += _varint_field(PROTOCOL_FIELD, rest.protocol)
+    if rest.call:
+        head += _len_field(CALL_FIELD, rest.call)
     return head + _BODY_TAG_BYTES + encode_varint(body_length)
 
 
@@ -120,7 +134,7 @@ def envelope_head(name: str, version: str, rest: RestHead, body: Wire) -> bytes:
 def unwrap(data: Wire) -> tuple[RestHead, Wire] | None:
     """(what the router read from the headers, the body as a slice of ``data``)
     when ``data`` is a REST wrapper, else None (a ModelInferRequest)."""
-    values: dict[str, int] = {}
+    values: dict[str, Any] = {}
     pos, end = 0, len(data)
     try:
         while pos < end:
@@ -131,7 +145,11 @@ def unwrap(data: Wire) -> tuple[RestHead, Wire] | None:
                     return None
                 return RestHead(**values), data[pos:end]
             key = _VARINT_FIELDS.get(tag)
-            if key is not None:
+            if tag == _CALL_TAG:
+                size, pos = read_varint(data, pos)
+                values["call"] = bytes(data[pos : pos + size])
+                pos += size
+            elif key is not None:
                 values[key], pos = read_varint(data, pos)
             elif tag & 7 == 2 and tag >> 3 in (1, 2):
                 size, pos = read_varint(data, pos)
@@ -175,3 +193,11 @@ def encode_parameters(params: Mapping[str, object]) -> bytes:
             continue
         out += _len_field(4, _len_field(1, key.encode()) + _len_field(2, param))
     return bytes(out)
+
+
+def custom_call(method: str, path: str, query: bytes, headers: list[tuple[bytes, bytes]]) -> bytes:
+    """The :data:`CALL_FIELD` of a custom endpoint's call (JSON)."""
+    pairs = [[k.decode("latin-1"), v.decode("latin-1")] for k, v in headers]
+    return json.dumps(
+        {"method": method, "path": path, "query": query.decode("latin-1"), "headers": pairs}
+    ).encode()

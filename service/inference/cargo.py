@@ -190,6 +190,7 @@ class InferenceCargo:
                 "decoupled": policy.decoupled,
                 "unary": policy.unary,
                 **metadata_json(own_metadata),
+                **custom_routes_json(model),
             }
         )
 
@@ -327,6 +328,13 @@ class InferenceZygote(ForkedZygote):
         if overrides:
             message["overrides"] = dict(overrides)
         self.command(message)
+
+
+def custom_routes_json(model: object) -> dict[str, list[list[str]]]:
+    """A model's custom REST endpoints in a load report (an MLServer model's
+    ``@custom_handler`` methods: ``custom_routes``, (method, path) pairs), if any."""
+    routes = getattr(model, "custom_routes", ())
+    return {"custom_routes": [list(pair) for pair in routes]} if routes else {}
 
 
 def metadata_json(own_metadata: object) -> dict[str, str]:

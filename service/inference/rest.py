@@ -30,7 +30,7 @@ import orjson
 
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service.contract.errors import InvalidInput, MessageTooLarge, clip
-from poolserve.service.contract.rest import GZIP, IDENTITY, REPLY_HEAD, V1, unwrap
+from poolserve.service.contract.rest import CUSTOM, GZIP, IDENTITY, REPLY_HEAD, V1, unwrap
 from poolserve.service.contract.shm import Region
 from poolserve.service.inference.codec import dtype_for
 from poolserve.service.inference.infer import run_request
@@ -56,6 +56,11 @@ def infer_rest(
     model: Model, data: Buffer, regions: dict[str, Region]
 ) -> tuple[list[Buffer], Timings]:
     """One REST inference on ``model``: the reply's parts (see the module)."""
+    unwrapped = unwrap(data)
+    if unwrapped is not None and unwrapped[0].protocol == CUSTOM:  # a @custom_handler call
+        from poolserve.service.inference.custom_rest import run_custom
+
+        return run_custom(model, *unwrapped)
     t0 = time.perf_counter_ns()
     request, raw, encode = decode(data, model)
     if isinstance(model, WireModel):

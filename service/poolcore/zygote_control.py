@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -50,6 +51,9 @@ class ZygoteEvents:
     on_load_traceback: Callable[[str, str], None] | None = None
     # a loaded model's own ModelMetadata answer (an adapter's), before its on_model
     on_metadata: Callable[[str, bytes], None] | None = None
+    # a loaded MLServer model's @custom_handler endpoints ((method, path) pairs),
+    # before its on_model
+    on_custom_routes: Callable[[str, tuple[tuple[str, str], ...]], None] | None = None
 
 
 class ZygoteControl:
@@ -93,6 +97,9 @@ class ZygoteControl:
                 events.on_load_traceback(str(msg["name"]), str(trace))
             if events.on_metadata is not None and "metadata" in msg:
                 events.on_metadata(msg["name"], base64.b64decode(msg["metadata"]))
+            if events.on_custom_routes is not None and "custom_routes" in msg:
+                pairs = tuple((str(m), str(p)) for m, p in msg["custom_routes"])
+                events.on_custom_routes(msg["name"], pairs)
             events.on_model(
                 msg["name"],
                 bool(msg["ok"]),
@@ -154,6 +161,8 @@ class ForkedZygote(ZygoteControl):
         """Forks the zygote. Call before any gRPC object or thread exists."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         parent_pid = os.getpid()
+        gc.collect()
+        gc.freeze()  # the objects both processes hold: no GC pass writes (so copies) their pages
         pid = os.fork()
         if pid == 0:
             ours.close()

@@ -52,6 +52,8 @@ class ModelEntry:
     # the model's own ModelMetadata answer (an MLServer model's, made by MLServer's
     # code when it loaded); None: poolserve's, from the specs
     own_metadata: bytes | None = None
+    # an MLServer model's @custom_handler endpoints: (method, path template) pairs
+    custom_routes: tuple[tuple[str, str], ...] = ()
 
     @property
     def policy(self) -> TransactionPolicy:
@@ -64,6 +66,21 @@ class ModelEntry:
     @property
     def ready(self) -> bool:
         return self.state is ModelState.READY
+
+    @property
+    def mlserver(self) -> bool:
+        """An MLServer model: one that answers MLServer's own metadata (known once loaded)."""
+        return self.own_metadata is not None
+
+    @property
+    def shown_version(self) -> str:
+        """The version the repository indexes show and requests are checked
+        against: none for an MLServer model whose model-settings.json declares
+        none (MLServer's registry keeps it unversioned: asking it for "1" is
+        NOT_FOUND); :attr:`version` otherwise (Triton's "1" by default)."""
+        if self.mlserver and self.settings is not None and not self.settings.version_declared:
+            return ""
+        return self.version
 
     @property
     def platform(self) -> str:
@@ -116,7 +133,7 @@ class Catalog:
         entry = self._entries.get(name)
         if entry is None:
             raise unknown_model(name)
-        if version and version != entry.version:
+        if version and version != entry.shown_version:
             raise wrong_version(entry, version)
         return entry
 

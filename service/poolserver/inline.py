@@ -155,6 +155,7 @@ class InlineRunner:
             if entry is not None:
                 own = getattr(model, "own_metadata", None)  # an adapter's server's answer
                 entry.own_metadata = own if isinstance(own, bytes) else None
+                entry.custom_routes = tuple(getattr(model, "custom_routes", ()))
             self._catalog.set_state(
                 settings.name, ModelState.READY, "", tensor_specs(model), policy
             )

@@ -69,6 +69,7 @@ class LiveModels:
     _flights: dict[tuple[str, str], asyncio.Task[ServingError | None]]
     _model_replies: dict[str, asyncio.Future[ModelReply]]
     _own_metadata: dict[str, bytes]
+    _custom_routes: dict[str, tuple[tuple[str, str], ...]]
     _rescanner: Rescanner[Repository] | None
     _reloads: Pacer
     _loaded_from: dict[str, Fingerprint | None]
@@ -214,6 +215,7 @@ class LiveModels:
             entry.settings, entry.version = settings, settings.version
             entry.declared = outcome.policy
             entry.own_metadata = self._own_metadata.pop(name, None)
+            entry.custom_routes = self._custom_routes.pop(name, ())
             failed = self.fleet.respawner.failed_warmup.get(name)
             if failed is not None:  # the fresh workers of the roll could not warm it up
                 self.catalog.set_state(name, ModelState.UNAVAILABLE, failed)

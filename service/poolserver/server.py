@@ -141,6 +141,7 @@ class PoolServer(LiveModels):
         self._flights: dict[tuple[str, str], asyncio.Task[ServingError | None]] = {}
         self._model_replies: dict[str, asyncio.Future[ModelReply]] = {}
         self._own_metadata: dict[str, bytes] = {}  # a loaded model's, until the catalog takes it
+        self._custom_routes: dict[str, tuple[tuple[str, str], ...]] = {}  # the same
         self._rescanner: Rescanner[Repository] | None = None
         self._rescan_task: asyncio.Task[None] | None = None
         self._reloads = Pacer(settings.repository_rescan_s)
@@ -187,6 +188,7 @@ class PoolServer(LiveModels):
             entry = self.catalog.find(name)
             if entry is not None:
                 entry.own_metadata = self._own_metadata.pop(name, None)
+                entry.custom_routes = self._custom_routes.pop(name, ())
             self.catalog.set_state(name, ModelState.READY, "", (inputs, outputs), policy)
         else:
             # The traceback goes in a field of its own (log_format json); a text
@@ -200,6 +202,9 @@ class PoolServer(LiveModels):
 
     def _on_metadata(self, name: str, data: bytes) -> None:
         self._own_metadata[name] = data  # the catalog takes it with the model's load
+
+    def _on_custom_routes(self, name: str, routes: tuple[tuple[str, str], ...]) -> None:
+        self._custom_routes[name] = routes  # the same
 
     def _on_loaded(self) -> None:
         if not self.worker_models:
@@ -299,6 +304,7 @@ class PoolServer(LiveModels):
                     self._on_unloaded,
                     self._on_load_traceback,
                     self._on_metadata,
+                    self._on_custom_routes,
                 )
             )
             # The lane listens before the gRPC socket answers: the router follows

@@ -12,6 +12,7 @@ dispatcher over pre-forked workers) and in-process (backend: a thread).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
@@ -35,7 +36,7 @@ from poolserve.service.grpcserver.handlers import (
 from poolserve.service.grpcserver.shm import SharedMemory
 from poolserve.service.grpcserver.status import grpc_status
 from poolserve.service.grpcserver.tracing import Tracing, deadline_event
-from poolserve.service.poolserver.catalog import Catalog, ModelEntry
+from poolserve.service.poolserver.catalog import Catalog, ModelEntry, wrong_version
 from poolserve.service.poolserver.metadata import model_config, model_metadata
 from poolserve.service.poolserver.rest_scheduling import scheduling_view
 from poolserve.service.poolserver.statistics import model_statistics
@@ -118,9 +119,12 @@ class InferenceServicer:
         return pb.ServerReadyResponse(ready=self.ready())
 
     async def model_ready(self, req: pb.ModelReadyRequest, _: Any) -> pb.ModelReadyResponse:
-        # As Triton: a model (or version) that does not exist is simply not ready.
+        # As Triton: a model (or version) that does not exist is simply not ready;
+        # as MLServer for its models: a version they do not have is NOT_FOUND.
         entry = self.catalog.find(req.name)
-        if entry is None or (req.version and req.version != entry.version):
+        if entry is None or (req.version and req.version != entry.shown_version):
+            if entry is not None and entry.mlserver:
+                raise wrong_version(entry, req.version)
             return pb.ModelReadyResponse(ready=False)
         return pb.ModelReadyResponse(ready=entry.ready and self.backend.serving())
 
@@ -158,6 +162,17 @@ class InferenceServicer:
         return pb.ModelStatisticsResponse(
             model_stats=[model_statistics(e.stats, e.name, e.version) for e in entries]
         )
+
+    async def custom_routes(self, _: bytes, __: Any) -> bytes:
+        """The @custom_handler endpoints of this pool's ready MLServer models, for
+        the router's HTTP door: JSON ``[[model, method, path], ...]``."""
+        routes = [
+            [e.name, method, path]
+            for e in self.catalog.entries()
+            if e.ready
+            for method, path in e.custom_routes
+        ]
+        return json.dumps(routes).encode()
 
     async def repository_index(
         self, req: pb.RepositoryIndexRequest, _: Any
@@ -366,6 +381,8 @@ class InferenceServicer:
             ),
             # Bytes in, bytes out: no (de)serializer on the hot path.
             "ModelInfer": grpc.unary_unary_rpc_method_handler(guarded(self.model_infer)),
+            # for the router only (this socket is private): bytes in, JSON out
+            "CustomRoutes": grpc.unary_unary_rpc_method_handler(guarded(self.custom_routes)),
             "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(self.model_stream_infer),
             **self.shared_memory.handlers(),
         }
@@ -377,7 +394,7 @@ def index_entries(
 ) -> list[pb.RepositoryIndexResponse.ModelIndex]:
     return [
         pb.RepositoryIndexResponse.ModelIndex(
-            name=e.name, version=e.version, state=str(e.state), reason=e.reason
+            name=e.name, version=e.shown_version, state=str(e.state), reason=e.reason
         )
         for e in catalog.entries()
         if e.ready or not ready_only

@@ -57,9 +57,11 @@ from poolserve.service.contract.slab import THRESHOLD as SLAB_THRESHOLD
 from poolserve.service.grpcserver.shm import SharedMemory
 from poolserve.service.grpcserver.status import http_status
 from poolserve.service.grpcserver.tracing import Tracing, deadline_event
+from poolserve.service.router.custom_routes import CustomRoutes
 from poolserve.service.router.forwarding import SPAN, Forwarder
 from poolserve.service.router.http_connection import HttpConnection, tls_context
 from poolserve.service.router.http_control import HttpControl
+from poolserve.service.router.http_custom import run_custom
 from poolserve.service.router.http_wire import (
     MODEL_PATH,
     SSE_START,
@@ -114,6 +116,7 @@ class HttpDoor:
         self.shared_memory = shared_memory
         self.replies = replies  # the router's one budget of unread replies, both doors
         self.control = HttpControl(settings, routes, core, repository, shared_memory)
+        self.custom = CustomRoutes(core)  # MLServer models' @custom_handler endpoints
         self.state = ServerState()
         self._server: asyncio.base_events.Server | None = None
         self._config = Config(
@@ -185,21 +188,53 @@ class HttpDoor:
         method: str = scope["method"]
         path: str = scope["path"]
         try:
-            if method == "POST" and path.endswith("/generate_stream"):
+            if method == "POST" and path.endswith("/generate_stream") and _STREAM_PATH.match(path):
                 await self._traced(self._generate_stream, connection, scope, receive, send, path)
                 return
-            if method == "POST" and path.endswith(("/infer", "/generate", ":predict")):
+            infer = ("/infer", "/generate", ":predict")
+            if method == "POST" and path.endswith(infer) and _is_infer(path):
                 await self._traced(self._run_infer, connection, scope, receive, send, path)
                 return
             status, body = await self.control.answer(method, path, scope, receive)
         except Gone:
             return
         except HttpError as exc:
+            if exc.status in (404, 405) and await self._custom(connection, scope, receive, send):
+                return  # a path none of ours: an MLServer model's @custom_handler endpoint
             status, body = exc.status, error_body(exc.message)
         except ServingError as exc:
             status, message = http_status(exc)
             body = error_body(message)
         await respond(send, status, body)
+
+    async def _custom(
+        self, connection: HttpConnection, scope: Scope, receive: Receive, send: Send
+    ) -> bool:
+        """Runs the call if a loaded MLServer model declared its path
+        (:mod:`poolserve.service.router.http_custom`); False if none did."""
+        method, path = scope["method"], scope["path"]
+        route, other = await self.custom.find(method, path)
+        if route is None:
+            if not other:
+                return False
+            await respond(send, 405, error_body(f"{method} {clip(path)}: Method Not Allowed"))
+            return True
+
+        async def run(
+            connection: HttpConnection,
+            scope: Scope,
+            receive: Receive,
+            send: Send,
+            _: str,
+            span: Span | None,
+        ) -> int:
+            return await run_custom(
+                self.settings, self.core, self._read_body, self._answer_reply, route,
+                connection, scope, receive, send, span,
+            )  # fmt: skip
+
+        await self._traced(run, connection, scope, receive, send, path)
+        return True
 
     async def _traced(
         self,
@@ -437,6 +472,13 @@ class HttpDoor:
                 "deadline exceeded while the client was still sending its body", stage="router"
             ) from None
         return chunks
+
+
+def _is_infer(path: str) -> bool:
+    match = MODEL_PATH.match(path)
+    if match is not None:
+        return match.group(3) in ("infer", "generate")
+    return _V1_PREDICT_PATH.match(path) is not None
 
 
 def _infer_target(path: str) -> tuple[str, str, int]:

@@ -18,6 +18,7 @@ from poolserve.service.contract.errors import (
     clip,
 )
 from poolserve.service.contract.rest import (
+    CUSTOM_REPLY,
     ENCODING_NAMES,
     ENCODINGS,
     IDENTITY,
@@ -225,6 +226,13 @@ async def send_reply(send: Send, reply: bytes) -> None:
     """A worker's reply: JSON alone, or JSON and binary outputs (Triton's extension)."""
     json_length, encoding, binary = REPLY_HEAD.unpack_from(reply)
     start = REPLY_HEAD.size
+    if binary == CUSTOM_REPLY:  # a custom endpoint's own status, headers and body
+        head = orjson.loads(memoryview(reply)[start : start + json_length])
+        body = memoryview(reply)[start + json_length :]
+        pairs = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in head["headers"]]
+        await send({"type": "http.response.start", "status": head["status"], "headers": pairs})
+        await send({"type": "http.response.body", "body": body})
+        return
     view = memoryview(reply)[start:]
     headers = [(b"content-length", b"%d" % len(view))]
     if encoding != IDENTITY:

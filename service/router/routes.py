@@ -48,6 +48,7 @@ POOL_METHODS = (
     "RepositoryIndex",
     "RepositoryModelLoad",
     "RepositoryModelUnload",
+    "CustomRoutes",  # MLServer models' @custom_handler endpoints (router/custom_routes.py)
 )
 
 

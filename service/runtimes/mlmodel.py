@@ -143,6 +143,10 @@ class MLModelAdapter(WireModel):
         # ModelMetadata as MLServer answers it (its MLModel.metadata() and gRPC
         # converter): the pool answers these bytes for this model
         self.own_metadata: bytes | None = None
+        # its @custom_handler endpoints ((method, path) pairs) and the app serving
+        # them (service/runtimes/mlserver_rest.py), made at load
+        self.custom_routes: tuple[tuple[str, str], ...] = ()
+        self._custom_app: Any = None
 
     def load(self) -> None:
         from mlserver.repository.load import load_model_settings
@@ -164,6 +168,20 @@ class MLModelAdapter(WireModel):
                 "such a model ready (load() must return True)"
             )
         self.mlmodel.ready = True
+        from poolserve.service.runtimes.mlserver_rest import custom_app
+
+        self.custom_routes, self._custom_app = custom_app(self.mlmodel)
+
+    def call_custom(self, call: bytes, body: bytes) -> tuple[int, list[list[str]], bytes]:
+        """One call of a @custom_handler endpoint: (status, headers, body)."""
+        from poolserve.service.runtimes.mlserver_rest import call_app
+
+        if self._custom_app is None:
+            raise ModelNotFound(f"model '{self.settings.name}' has no custom REST endpoints")
+        result: tuple[int, list[list[str]], bytes] = self._run(
+            call_app(self._custom_app, call, body)
+        )
+        return result
 
     async def _metadata(self) -> bytes | None:
         """MLServer's ModelMetadataResponse of this model, as its data plane makes it."""

@@ -1,0 +1,114 @@
+"""MLServer models' custom REST endpoints (``@custom_handler(rest_path=...,
+rest_method=...)``, as mlserver-mlflow's ``/invocations``): which model
+serves a path, for the HTTP door.
+
+The router imports no model code: each pool says which endpoints its loaded
+models declared (the pool method :data:`POOL_METHOD`, JSON
+``[[model, method, path], ...]``, from the load reports). The table is
+asked of every pool at most once per :data:`FRESH_S`, and again on a miss
+after :data:`MISS_S` (a model loaded a moment ago): a flood of calls to
+paths that do not exist costs one question per pool per :data:`MISS_S`.
+Paths are matched as MLServer's web framework (Starlette) matches them:
+``{name}`` is one path segment, ``{name:path}`` the rest of the path,
+``{name:int}`` digits, ``{name:float}`` a decimal number.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from dataclasses import dataclass
+
+import orjson
+
+from poolserve.service.contract.errors import ServingError
+from poolserve.service.router.forwarding import Forwarder
+
+log = logging.getLogger(__name__)
+
+POOL_METHOD = "CustomRoutes"
+FRESH_S = 2.0
+MISS_S = 0.25
+_PARAM = re.compile(r"{([a-zA-Z_][a-zA-Z0-9_]*)(?::([a-zA-Z_][a-zA-Z0-9_]*))?}")
+_CONVERTERS = {
+    "str": "[^/]+",
+    "path": ".*",
+    "int": "[0-9]+",
+    "float": r"[0-9]+(?:\.[0-9]+)?",
+    "uuid": "[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}",
+}
+
+
+@dataclass(frozen=True)
+class CustomRoute:
+    model: str
+    method: str
+    template: str
+    pattern: re.Pattern[str]
+
+
+def compile_path(template: str) -> re.Pattern[str]:
+    """A path template's regular expression (Starlette's converters)."""
+    out, pos = "^", 0
+    for match in _PARAM.finditer(template):
+        out += re.escape(template[pos : match.start()])
+        out += f"(?:{_CONVERTERS.get(match.group(2) or 'str', '[^/]+')})"
+        pos = match.end()
+    return re.compile(out + re.escape(template[pos:]) + "$")
+
+
+class CustomRoutes:
+    """The custom endpoints of the models every pool serves, kept fresh."""
+
+    def __init__(self, core: Forwarder) -> None:
+        self.core = core
+        self.routes: list[CustomRoute] = []
+        self._asked = -FRESH_S  # monotonic time of the last answer
+        self._asking: asyncio.Future[None] | None = None
+
+    async def find(self, method: str, path: str) -> tuple[CustomRoute | None, bool]:
+        """(the route of ``method path``, whether the path has a route for another method)."""
+        age = time.monotonic() - self._asked
+        if age > FRESH_S:
+            await self._refresh()
+        found, other = self._match(method, path)
+        if found is None and age > MISS_S and age <= FRESH_S:
+            await self._refresh()
+            found, other = self._match(method, path)
+        return found, other
+
+    def _match(self, method: str, path: str) -> tuple[CustomRoute | None, bool]:
+        other = False
+        for route in self.routes:
+            if route.pattern.match(path):
+                if route.method == method:
+                    return route, False
+                other = True
+        return None, other
+
+    async def _refresh(self) -> None:
+        """Asks every pool; concurrent callers share one round of questions."""
+        if self._asking is not None:
+            await asyncio.shield(self._asking)
+            return
+        self._asking = asyncio.get_running_loop().create_future()
+        try:
+            routes: list[CustomRoute] = []
+            answers = await self.core.gather(POOL_METHOD, b"", None, ())
+            for route, answer in answers:
+                if isinstance(answer, ServingError):
+                    # that pool's models keep the endpoints they had
+                    routes += [r for r in self.routes if r.model in route.models]
+                    continue
+                for model, method, template in orjson.loads(answer):
+                    if self.core.routes.routes.get(model) is route:
+                        routes.append(CustomRoute(model, method, template, compile_path(template)))
+            self.routes = routes
+        except Exception:  # a pool's answer that is not the table: the last one stays
+            log.exception("router: the pools' custom REST endpoints could not be read")
+        finally:
+            self._asked = time.monotonic()
+            self._asking.set_result(None)
+            self._asking = None
