@@ -110,15 +110,20 @@ def reload_main(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
 
 
 def ports_text(run_dir: Path) -> str:
-    """Where the router listens (gRPC) and serves /metrics, from its address files."""
-    from poolserve.service.contract.rundir import ADDRESS_FILE, METRICS_ADDRESS_FILE
+    """Where the routers listen (gRPC, REST) and serve /metrics, from their address files."""
+    from poolserve.service.contract.rundir import (
+        ADDRESS_FILE,
+        HTTP_ADDRESS_FILE,
+        METRICS_ADDRESS_FILE,
+    )
 
     lines = ""
     for name, template in (
         (ADDRESS_FILE, "grpc     {}"),
+        (HTTP_ADDRESS_FILE, "rest     http://{}/v2"),
         (METRICS_ADDRESS_FILE, "metrics  http://{}/metrics"),
     ):
-        with contextlib.suppress(OSError):  # not written: metrics off, or no router yet
+        with contextlib.suppress(OSError):  # not written: that port off, or no router yet
             lines += template.format((run_dir / name).read_text().strip()) + "\n"
     return lines
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from poolserve.service.contract.rundir import ADDRESS_FILE, HTTP_ADDRESS_FILE
 from poolserve.supervisor.status_cli import EXIT_UNREACHABLE
 
 from serving import Serving, env_without_notify, wait_serving
@@ -115,3 +116,8 @@ def test_status_shows_no_systemd_child_outside_systemd(tree: Serving) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "systemd" not in proc.stdout, proc.stdout
     assert "router" in proc.stdout and "pool:default" in proc.stdout, proc.stdout
+    # where each door listens, from the routers' address files
+    rest = (tree.run_dir / HTTP_ADDRESS_FILE).read_text().strip()
+    assert f"rest     http://{rest}/v2\n" in proc.stdout, proc.stdout
+    grpc_addr = (tree.run_dir / ADDRESS_FILE).read_text().strip()
+    assert f"grpc     {grpc_addr}\n" in proc.stdout, proc.stdout
