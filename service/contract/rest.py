@@ -147,6 +147,48 @@ def is_rest(data: Wire) -> bool:
     return unwrap(data) is not None
 
 
+RESERVED = range(PROTOCOL_FIELD, BODY_FIELD + 1)  # 4089-4095: the wrapper's own fields
+
+
+def reserved_field(data: Wire) -> int | None:
+    """The first of the wrapper's fields (:data:`RESERVED`) a ModelInferRequest
+    from a gRPC client carries, else None: the gRPC door refuses such a
+    request, so that only the HTTP door makes REST wrappers. Top-level fields
+    only, none parsed; bytes that are not a message are the parser's to refuse."""
+    pos, end = 0, len(data)
+    try:
+        while pos < end:
+            tag, pos = read_varint(data, pos)
+            number, kind = tag >> 3, tag & 7
+            if number in RESERVED:
+                return number
+            if kind == 0:
+                _, pos = read_varint(data, pos)
+            elif kind == 2:
+                size, pos = read_varint(data, pos)
+                pos += size
+            elif kind == 1:
+                pos += 8
+            elif kind == 5:
+                pos += 4
+            else:
+                return None
+    except InvalidInput:
+        return None
+    return None
+
+
+def refuse_reserved(data: Wire) -> None:
+    """InvalidInput when a gRPC client's ModelInferRequest carries a reserved field."""
+    number = reserved_field(data)
+    if number is not None:
+        raise InvalidInput(
+            f"ModelInferRequest field {number} is reserved: fields {RESERVED.start}-"
+            f"{RESERVED.stop - 1} carry the HTTP door's REST bodies inside the server "
+            "and cannot come from a gRPC client"
+        )
+
+
 # The request parameters the pool schedules by (the schedule_policy and sequence
 # extensions), read from a REST body's JSON by the pool: everything else is the
 # worker's to read.
