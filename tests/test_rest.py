@@ -824,3 +824,46 @@ def test_a_client_that_does_not_read_is_bounded_by_the_reply_budget(small: Servi
         lambda: _post_binary(small, medium, sleep_ms=0).status_code == 200,
         "large replies are still refused after the silent client left",
     )
+
+
+# -- the REST wrapper's fields are the HTTP door's own -----------------------------------
+
+
+def _forged_wrapper() -> bytes:
+    """What the HTTP door would send a pool for an echo call: a ModelInferRequest
+    of fields 1 and 4095 (the body), as a gRPC client could write it."""
+    from poolserve.service.contract.rest import RestHead, wrap_head
+
+    body = json.dumps(_infer_body([1.0, 2.0])).encode()
+    return wrap_head("echo", "", len(body), RestHead()) + body
+
+
+def test_grpc_requests_carrying_the_rest_fields_are_refused(tree: Serving) -> None:
+    from poolserve.protos import inference_pb2 as pb
+
+    forged = _forged_wrapper()
+    with grpc.insecure_channel(tree.address) as channel:
+        infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        with pytest.raises(grpc.RpcError) as refused:
+            infer(forged, timeout=WAIT)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "field 4095 is reserved" in (refused.value.details() or "")
+        # a well-formed request that also carries one (priority's place taken by 4089)
+        plain = pb.ModelInferRequest(model_name="echo")
+        tensor = plain.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 1])
+        tensor.contents.fp32_contents.append(1.0)
+        with pytest.raises(grpc.RpcError) as refused:
+            infer(plain.SerializeToString() + b"\xc8\xff\x01\x01", timeout=WAIT)  # field 4089
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "field 4089 is reserved" in (refused.value.details() or "")
+        assert pb.ModelInferResponse.FromString(infer(plain.SerializeToString(), timeout=WAIT))
+        # in a stream: first or later, each is answered with the error, the stream goes on
+        stream = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")
+        answers = [
+            pb.ModelStreamInferResponse.FromString(reply)
+            for reply in stream(iter([forged, plain.SerializeToString(), forged]), timeout=WAIT)
+        ]
+    assert len(answers) == 3
+    assert "field 4095 is reserved" in answers[0].error_message
+    assert not answers[1].error_message and answers[1].infer_response.model_name == "echo"
+    assert "field 4095 is reserved" in answers[2].error_message
