@@ -867,3 +867,23 @@ def test_grpc_requests_carrying_the_rest_fields_are_refused(tree: Serving) -> No
     assert "field 4095 is reserved" in answers[0].error_message
     assert not answers[1].error_message and answers[1].infer_response.model_name == "echo"
     assert "field 4095 is reserved" in answers[2].error_message
+
+
+def test_scheduling_parameters_of_compressed_and_large_bodies(tree: Serving) -> None:
+    """A gzip body's priority is checked by the pool as a plain one's; one in a
+    JSON too large for the pool to read is refused, not ignored."""
+    compressed = gzip.compress(json.dumps(_infer_body([1.0], priority=3)).encode())
+    reply = _post(
+        tree,
+        "/v2/models/echo/infer",
+        data=compressed,
+        headers={"Content-Encoding": "gzip", "Content-Type": "application/json"},
+    )
+    assert reply.status_code == 400 and "priority" in reply.json()["error"]
+    large = _infer_body([0.5] * 20_000, priority=1)
+    reply = _post(tree, "/v2/models/echo/infer", json=large)
+    assert (
+        reply.status_code == 400 and "'priority' is in a JSON of more than" in reply.json()["error"]
+    )
+    del large["parameters"]
+    assert _post(tree, "/v2/models/echo/infer", json=large).status_code == 200

@@ -30,7 +30,17 @@ import orjson
 
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service.contract.errors import InvalidInput, MessageTooLarge, clip
-from poolserve.service.contract.rest import GZIP, IDENTITY, REPLY_HEAD, V1, unwrap
+from poolserve.service.contract.rest import (
+    GZIP,
+    IDENTITY,
+    MAX_PEEK,
+    REPLY_HEAD,
+    SCHEDULING,
+    V1,
+    RestHead,
+    scheduling_json,
+    unwrap,
+)
 from poolserve.service.contract.shm import Region
 from poolserve.service.inference.codec import dtype_for
 from poolserve.service.inference.infer import run_request
@@ -80,11 +90,26 @@ def decode(data: Buffer, model: Model) -> tuple[pb.ModelInferRequest, list[Buffe
         request, raw, _ = decode_v1(memoryview(body), model)
         return request, raw, lambda response, views: encode_v1(response, views, rest.accept)
     request, raw, binary = decode_request(memoryview(body), rest.header_length)
+    if request.parameters:
+        _scheduled(request, rest, unwrapped[1])
 
     def encode(response: pb.ModelInferResponse, views: list[Buffer]) -> list[Buffer]:
         return encode_response(request, response, views, binary, rest.accept)
 
     return request, raw, encode
+
+
+def _scheduled(request: pb.ModelInferRequest, rest: RestHead, sent: Buffer) -> None:
+    """InvalidInput when the request carries a parameter the pool schedules by
+    in a JSON the pool did not read (over MAX_PEEK bytes): never ignored."""
+    keys = [key for key in SCHEDULING if key in request.parameters]
+    if keys and scheduling_json(rest, sent) is None:
+        raise InvalidInput(
+            f"request parameter '{keys[0]}' is in a JSON of more than {MAX_PEEK} bytes "
+            "(inflated): the server schedules by the parameters of a smaller JSON only; "
+            "send the tensors as binary data (Triton's binary tensor extension: "
+            "Inference-Header-Content-Length), the JSON then stays small"
+        )
 
 
 def inflate(body: Buffer, limit: int) -> bytes:

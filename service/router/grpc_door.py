@@ -32,8 +32,8 @@ from poolserve.service.contract.errors import (
     load_failed,
 )
 from poolserve.service.contract.lane import refused_request
-from poolserve.service.contract.settings import ServerSettings
 from poolserve.service.contract.rest import refuse_reserved
+from poolserve.service.contract.settings import ServerSettings
 from poolserve.service.contract.shm import forged
 from poolserve.service.contract.wire import peek_model
 from poolserve.service.grpcserver.handlers import (
