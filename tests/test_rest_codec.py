@@ -385,3 +385,49 @@ def test_scheduling_parameters_the_pool_cannot_read_are_refused_by_the_worker() 
         for encoding in (IDENTITY, GZIP):
             with pytest.raises(InvalidInput, match=f"'{next(iter(params))}' is in a JSON of more"):
                 call(params, encoding)
+
+
+def _bytes_tensor(*items: bytes) -> bytes:
+    return b"".join(struct.pack("<I", len(item)) + item for item in items)
+
+
+def test_bytes_outputs_are_text_or_base64_with_mlservers_content_type() -> None:
+    import base64
+
+    from poolserve.service.inference.rest import encode_v1
+
+    request, _, binary = _decode(
+        {"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}]}
+    )
+    raw = [b"\xff\x00ok", b"caf\xc3\xa9"]
+    response, views = _response(
+        ("text", "BYTES", [2], _bytes_tensor(b"ok", "café".encode())),
+        ("raw", "BYTES", [2], _bytes_tensor(*raw)),
+    )
+    head, _ = _reply(encode_response(request, response, views, binary))
+    text, packed = head["outputs"]
+    assert text["data"] == ["ok", "café"] and "parameters" not in text
+    assert packed["parameters"] == {"content_type": "base64"}
+    assert [base64.b64decode(item) for item in packed["data"]] == raw  # as MLServer decodes
+    v1, _ = _reply(
+        encode_v1(_response(("raw", "BYTES", [2], _bytes_tensor(*raw)))[0], [views[1]], 0)
+    )
+    assert v1 == {"predictions": [{"b64": base64.b64encode(raw[0]).decode()}, "café"]}
+
+
+def test_a_base64_input_reaches_the_model_as_sent_with_its_content_type() -> None:
+    """As MLServer's REST server: the model's codec (MLServer's Base64Codec) decodes it."""
+    doc = {
+        "inputs": [
+            {
+                "name": "b",
+                "shape": [1],
+                "datatype": "BYTES",
+                "data": ["aGk="],
+                "parameters": {"content_type": "base64"},
+            }
+        ]
+    }
+    request, raw, _ = _decode(doc)
+    assert bytes(raw[0]) == _bytes_tensor(b"aGk=")
+    assert request.inputs[0].parameters["content_type"].string_param == "base64"
