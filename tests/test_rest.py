@@ -887,3 +887,92 @@ def test_scheduling_parameters_of_compressed_and_large_bodies(tree: Serving) -> 
     )
     del large["parameters"]
     assert _post(tree, "/v2/models/echo/infer", json=large).status_code == 200
+
+
+def test_kserve_inference_rest_client_calls(tree: Serving) -> None:
+    """The calls of KServe's ``InferenceRESTClient`` (kserve 0.21, inference_client.py),
+    made as it makes them: an httpx.AsyncClient, orjson bodies, JSON or binary
+    tensors (Inference-Header-Content-Length, application/octet-stream), the reply
+    split at that header, errors read from ``{"error"}`` when the content type is
+    exactly application/json. (The kserve package is not in the test extra:
+    see pyproject.toml.)"""
+    import httpx
+    import orjson
+
+    base = f"http://{_http(tree)}"
+    values = np.array([[1.5, -2.0, 3.25]], np.float32)
+
+    async def calls() -> None:
+        async with httpx.AsyncClient(timeout=WAIT) as client:
+            ready = await client.get(f"{base}/v2/health/ready")
+            assert ready.is_success and ready.json().get("ready") is True
+            live = await client.get(f"{base}/v2/health/live")
+            assert live.json().get("live") is True
+            model = await client.get(f"{base}/v2/models/echo/ready")
+            assert model.is_success
+            # JSON tensors
+            doc = {
+                "id": "k1",
+                "inputs": [
+                    {
+                        "name": "INPUT0",
+                        "shape": [1, 3],
+                        "datatype": "FP32",
+                        "data": values.ravel().tolist(),
+                    }
+                ],
+            }
+            reply = await client.post(
+                f"{base}/v2/models/echo/infer",
+                content=orjson.dumps(doc),
+                headers={"content-type": "application/json"},
+            )
+            assert reply.is_success
+            length = int(reply.headers.get("inference-header-content-length", len(reply.content)))
+            out = orjson.loads(reply.content[:length])
+            assert out["id"] == "k1" and out["outputs"][0]["data"] == values.ravel().tolist()
+            # binary tensors both ways, as InferRequest.to_rest() writes them
+            doc = {
+                "id": "k2",
+                "inputs": [
+                    {
+                        "name": "INPUT0",
+                        "shape": [1, 3],
+                        "datatype": "FP32",
+                        "parameters": {"binary_data_size": values.nbytes},
+                    }
+                ],
+                "outputs": [{"name": "OUTPUT0", "parameters": {"binary_data": True}}],
+            }
+            text = orjson.dumps(doc)
+            reply = await client.post(
+                f"{base}/v2/models/echo/infer",
+                content=text + values.tobytes(),
+                headers={
+                    "inference-header-content-length": str(len(text)),
+                    "content-type": "application/octet-stream",
+                },
+            )
+            assert reply.is_success
+            length = int(reply.headers["inference-header-content-length"])
+            head = orjson.loads(reply.content[:length])
+            size = head["outputs"][0]["parameters"]["binary_data_size"]
+            got = np.frombuffer(reply.content[length : length + size], np.float32)
+            assert got.tolist() == values.ravel().tolist()
+            # V1, and an error as the client reads it
+            v1 = await client.post(
+                f"{base}/v1/models/echo:predict",
+                content=orjson.dumps({"instances": values.tolist()}),
+                headers={"content-type": "application/json"},
+            )
+            assert v1.is_success and v1.json()["predictions"] == values.tolist()
+            missing = await client.post(
+                f"{base}/v2/models/nope/infer",
+                content=orjson.dumps(doc),
+                headers={"content-type": "application/json"},
+            )
+            assert missing.status_code == 404
+            assert missing.headers["content-type"] == "application/json"
+            assert "nope" in missing.json()["error"]
+
+    asyncio.run(calls())
