@@ -100,6 +100,8 @@ class HttpConnection(HttpToolsProtocol):
             return
         if cycle is None or not cycle.response_started:
             self.transport.write(raw_response(status, error_body(message)))
+        if self.writer is not None:
+            self.writer.end()  # a response half gathered goes nowhere, as the app's
         if cycle is not None:
             cycle.disconnected = True  # the app's answer, if any, goes nowhere
             cycle.message_event.set()

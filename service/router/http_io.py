@@ -50,17 +50,26 @@ class Corked(asyncio.Transport):
         super().__init__()
         self.transport = transport
         self._pending: list[bytes | memoryview] | None = None
+        self._ended = False  # the connection answered on its own (a refusal): no more writes
 
     def cork(self) -> None:
         self._pending = []
 
+    def end(self) -> None:
+        """Drops what is gathered and any later write: the connection's own
+        answer went out, and the transport takes no more."""
+        self._pending = None
+        self._ended = True
+
     def uncork(self) -> None:
         pending, self._pending = self._pending, None
-        if not pending or self.transport.is_closing():
+        if not pending or self._ended or self.transport.is_closing():
             return
         self.transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
 
     def write(self, data: Any) -> None:
+        if self._ended:
+            return
         if self._pending is not None:
             self._pending.append(data)
         else:
