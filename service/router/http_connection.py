@@ -39,6 +39,7 @@ class HttpConnection(HttpToolsProtocol):
         self._head_bytes = 0
         self._body_bytes = 0
         self._head_timer: asyncio.TimerHandle | None = None
+        self._in_head = False  # a request began and its headers are not all here
         self._linger: asyncio.TimerHandle | None = None
         self.writer: Corked | None = None  # the transport as response cycles see it
         self._body: Body | None = None  # the body of the call being parsed, when forwarded
@@ -88,6 +89,8 @@ class HttpConnection(HttpToolsProtocol):
         except httptools.HttpParserError as exc:
             if not self.refused:
                 self.refuse(400, f"invalid HTTP request: {exc}")
+        if self._in_head and self._head_timer is None and not self.refused:
+            self._arm_head_timer()  # a head split over reads: it has handshake_timeout_s
 
     def refuse(self, status: int, message: str) -> None:
         """Answers ``status`` (unless a response began) and closes the connection."""
@@ -163,8 +166,7 @@ class HttpConnection(HttpToolsProtocol):
         super().on_message_begin()
         self._head_bytes = self._body_bytes = 0
         self.scope["poolserve.connection"] = self  # type: ignore[typeddict-unknown-key]
-        if self._head_timer is None:
-            self._arm_head_timer()
+        self._in_head = True  # timed from the end of this read unless the head ends in it
 
     def on_url(self, url: bytes) -> None:
         self._count_head(len(url))
@@ -181,6 +183,7 @@ class HttpConnection(HttpToolsProtocol):
             raise Refused
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
         self._disarm_head_timer()
         self._body = None
         super().on_headers_complete()
