@@ -426,8 +426,8 @@ class HttpDoor:
         encoding_of(headers)  # one we cannot inflate is refused before the body comes
         body: Body = scope["poolserve.body"]  # the connection keeps a forwarded call's chunks
         body.unread = 0
-        if body.complete:
-            return body.chunks  # all there already (a small body): nothing to wait for
+        if body.complete:  # all there already (a small body): nothing to wait for
+            return None if scope["poolserve.connection"].lost else body.chunks
         timeout = self.core.timeout(budget)
         try:
             async with asyncio.timeout(timeout):
