@@ -976,3 +976,71 @@ def test_kserve_inference_rest_client_calls(tree: Serving) -> None:
             assert "nope" in missing.json()["error"]
 
     asyncio.run(calls())
+
+
+def test_a_body_in_chunks_over_several_reads_is_forwarded_whole(tree: Serving) -> None:
+    """The door keeps a body's chunks as they come (chunked encoding, split over
+    reads, the handler waiting for the rest) and forwards them joined."""
+    host, port = _http(tree).rsplit(":", 1)
+    values = [float(i) for i in range(300)]
+    body = json.dumps(_infer_body(values)).encode()
+    with socket.create_connection((host, int(port)), timeout=WAIT) as sock:
+        sock.sendall(
+            b"POST /v2/models/echo/infer HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+        )
+        for start in range(0, len(body), 700):
+            piece = body[start : start + 700]
+            sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+            select.select([], [], [], 0.01)  # separate reads at the router, not a handshake
+        sock.sendall(b"0\r\n\r\n")
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += sock.recv(65536)
+        head, _, rest = answer.partition(b"\r\n\r\n")
+        length = int(
+            next(
+                line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
+            ).split(b":")[1]
+        )
+        while len(rest) < length:
+            rest += sock.recv(65536)
+    assert head.startswith(b"HTTP/1.1 200 ")
+    assert json.loads(rest)["outputs"][0]["data"] == values
+
+
+def test_corked_writes_go_out_as_one() -> None:
+    import asyncio as aio
+
+    from poolserve.service.router.http_io import Corked
+
+    class Transport(aio.Transport):
+        def __init__(self) -> None:
+            super().__init__()
+            self.writes: list[bytes] = []
+            self.closed = False
+
+        def write(self, data: Any) -> None:
+            self.writes.append(bytes(data))
+
+        def close(self) -> None:
+            self.closed = True
+
+        def is_closing(self) -> bool:
+            return self.closed
+
+    inner = Transport()
+    corked = Corked(inner)
+    corked.write(b"a")
+    corked.cork()
+    corked.write(b"head")
+    corked.write(memoryview(b"body"))
+    assert inner.writes == [b"a"]
+    corked.uncork()
+    assert inner.writes == [b"a", b"headbody"]
+    corked.cork()
+    corked.write(b"last")
+    corked.close()  # what is gathered goes before the close
+    assert inner.writes[-1] == b"last" and inner.closed
+    corked.end()
+    corked.write(b"x")
+    assert inner.writes[-1] == b"last"
