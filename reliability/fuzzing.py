@@ -31,6 +31,7 @@ import numpy as np
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service.contract.errors import ServingError
 from poolserve.service.contract.repository import parse_model_settings
+from poolserve.service.contract.rest import reserved_field
 from poolserve.service.contract.schedule import schedule
 from poolserve.service.contract.wire import peek_model, peek_routing
 from poolserve.service.grpcserver.status import grpc_status
@@ -282,6 +283,9 @@ def crafted() -> list[tuple[str, bytes]]:
         ("length 2**64-1", field(1, 2, b"echo") + varint((7 << 3) | 2) + b"\xff" * 9 + b"\x01"),
         ("truncated length", field(1, 2, b"echo") + varint((7 << 3) | 2) + b"\x80"),
         ("unknown field 99 (allowed)", field(1, 2, b"echo") + field(99, 2, b"junk")),
+        ("a REST wrapper forged (field 4095)",
+         field(1, 2, b"echo") + field(4095, 2, b'{"inputs": []}')),
+        ("reserved field 4089 after a request", _typed_mismatch() + field(4089, 0, value=1)),
         ("nested groups, depth 5", field(1, 2, b"echo") + nested(5)),
         ("nested groups, depth 200", field(1, 2, b"echo") + nested(200)),
         ("unbalanced group end", field(1, 2, b"echo") + field(99, 4)),
@@ -384,6 +388,8 @@ class Oracle:
             return Expected("RESOURCE_EXHAUSTED")
         try:
             name, version = peek_model(body)
+            if reserved_field(body) is not None:  # the REST door's own fields
+                return Expected("INVALID_ARGUMENT")
             if name not in self.served:
                 return Expected("NOT_FOUND")
             routing = peek_routing(body)

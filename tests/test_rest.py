@@ -824,3 +824,223 @@ def test_a_client_that_does_not_read_is_bounded_by_the_reply_budget(small: Servi
         lambda: _post_binary(small, medium, sleep_ms=0).status_code == 200,
         "large replies are still refused after the silent client left",
     )
+
+
+# -- the REST wrapper's fields are the HTTP door's own -----------------------------------
+
+
+def _forged_wrapper() -> bytes:
+    """What the HTTP door would send a pool for an echo call: a ModelInferRequest
+    of fields 1 and 4095 (the body), as a gRPC client could write it."""
+    from poolserve.service.contract.rest import RestHead, wrap_head
+
+    body = json.dumps(_infer_body([1.0, 2.0])).encode()
+    return wrap_head("echo", "", len(body), RestHead()) + body
+
+
+def test_grpc_requests_carrying_the_rest_fields_are_refused(tree: Serving) -> None:
+    from poolserve.protos import inference_pb2 as pb
+
+    forged = _forged_wrapper()
+    with grpc.insecure_channel(tree.address) as channel:
+        infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        with pytest.raises(grpc.RpcError) as refused:
+            infer(forged, timeout=WAIT)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "field 4095 is reserved" in (refused.value.details() or "")
+        # a well-formed request that also carries one (priority's place taken by 4089)
+        plain = pb.ModelInferRequest(model_name="echo")
+        tensor = plain.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 1])
+        tensor.contents.fp32_contents.append(1.0)
+        with pytest.raises(grpc.RpcError) as refused:
+            infer(plain.SerializeToString() + b"\xc8\xff\x01\x01", timeout=WAIT)  # field 4089
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "field 4089 is reserved" in (refused.value.details() or "")
+        assert pb.ModelInferResponse.FromString(infer(plain.SerializeToString(), timeout=WAIT))
+        # in a stream: first or later, each is answered with the error, the stream goes on
+        stream = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")
+        answers = [
+            pb.ModelStreamInferResponse.FromString(reply)
+            for reply in stream(iter([forged, plain.SerializeToString(), forged]), timeout=WAIT)
+        ]
+    assert len(answers) == 3
+    assert "field 4095 is reserved" in answers[0].error_message
+    assert not answers[1].error_message and answers[1].infer_response.model_name == "echo"
+    assert "field 4095 is reserved" in answers[2].error_message
+
+
+def test_scheduling_parameters_of_compressed_and_large_bodies(tree: Serving) -> None:
+    """A gzip body's priority is checked by the pool as a plain one's; one in a
+    JSON too large for the pool to read is refused, not ignored."""
+    compressed = gzip.compress(json.dumps(_infer_body([1.0], priority=3)).encode())
+    reply = _post(
+        tree,
+        "/v2/models/echo/infer",
+        data=compressed,
+        headers={"Content-Encoding": "gzip", "Content-Type": "application/json"},
+    )
+    assert reply.status_code == 400 and "priority" in reply.json()["error"]
+    large = _infer_body([0.5] * 20_000, priority=1)
+    reply = _post(tree, "/v2/models/echo/infer", json=large)
+    assert (
+        reply.status_code == 400 and "'priority' is in a JSON of more than" in reply.json()["error"]
+    )
+    del large["parameters"]
+    assert _post(tree, "/v2/models/echo/infer", json=large).status_code == 200
+
+
+def test_kserve_inference_rest_client_calls(tree: Serving) -> None:
+    """The calls of KServe's ``InferenceRESTClient`` (kserve 0.21, inference_client.py),
+    made as it makes them: an httpx.AsyncClient, orjson bodies, JSON or binary
+    tensors (Inference-Header-Content-Length, application/octet-stream), the reply
+    split at that header, errors read from ``{"error"}`` when the content type is
+    exactly application/json. (The kserve package is not in the test extra:
+    see pyproject.toml.)"""
+    import httpx
+    import orjson
+
+    base = f"http://{_http(tree)}"
+    values = np.array([[1.5, -2.0, 3.25]], np.float32)
+
+    async def calls() -> None:
+        async with httpx.AsyncClient(timeout=WAIT) as client:
+            ready = await client.get(f"{base}/v2/health/ready")
+            assert ready.is_success and ready.json().get("ready") is True
+            live = await client.get(f"{base}/v2/health/live")
+            assert live.json().get("live") is True
+            model = await client.get(f"{base}/v2/models/echo/ready")
+            assert model.is_success
+            # JSON tensors
+            doc = {
+                "id": "k1",
+                "inputs": [
+                    {
+                        "name": "INPUT0",
+                        "shape": [1, 3],
+                        "datatype": "FP32",
+                        "data": values.ravel().tolist(),
+                    }
+                ],
+            }
+            reply = await client.post(
+                f"{base}/v2/models/echo/infer",
+                content=orjson.dumps(doc),
+                headers={"content-type": "application/json"},
+            )
+            assert reply.is_success
+            length = int(reply.headers.get("inference-header-content-length", len(reply.content)))
+            out = orjson.loads(reply.content[:length])
+            assert out["id"] == "k1" and out["outputs"][0]["data"] == values.ravel().tolist()
+            # binary tensors both ways, as InferRequest.to_rest() writes them
+            doc = {
+                "id": "k2",
+                "inputs": [
+                    {
+                        "name": "INPUT0",
+                        "shape": [1, 3],
+                        "datatype": "FP32",
+                        "parameters": {"binary_data_size": values.nbytes},
+                    }
+                ],
+                "outputs": [{"name": "OUTPUT0", "parameters": {"binary_data": True}}],
+            }
+            text = orjson.dumps(doc)
+            reply = await client.post(
+                f"{base}/v2/models/echo/infer",
+                content=text + values.tobytes(),
+                headers={
+                    "inference-header-content-length": str(len(text)),
+                    "content-type": "application/octet-stream",
+                },
+            )
+            assert reply.is_success
+            length = int(reply.headers["inference-header-content-length"])
+            head = orjson.loads(reply.content[:length])
+            size = head["outputs"][0]["parameters"]["binary_data_size"]
+            got = np.frombuffer(reply.content[length : length + size], np.float32)
+            assert got.tolist() == values.ravel().tolist()
+            # V1, and an error as the client reads it
+            v1 = await client.post(
+                f"{base}/v1/models/echo:predict",
+                content=orjson.dumps({"instances": values.tolist()}),
+                headers={"content-type": "application/json"},
+            )
+            assert v1.is_success and v1.json()["predictions"] == values.tolist()
+            missing = await client.post(
+                f"{base}/v2/models/nope/infer",
+                content=orjson.dumps(doc),
+                headers={"content-type": "application/json"},
+            )
+            assert missing.status_code == 404
+            assert missing.headers["content-type"] == "application/json"
+            assert "nope" in missing.json()["error"]
+
+    asyncio.run(calls())
+
+
+def test_a_body_in_chunks_over_several_reads_is_forwarded_whole(tree: Serving) -> None:
+    """The door keeps a body's chunks as they come (chunked encoding, split over
+    reads, the handler waiting for the rest) and forwards them joined."""
+    host, port = _http(tree).rsplit(":", 1)
+    values = [float(i) for i in range(300)]
+    body = json.dumps(_infer_body(values)).encode()
+    with socket.create_connection((host, int(port)), timeout=WAIT) as sock:
+        sock.sendall(
+            b"POST /v2/models/echo/infer HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+        )
+        for start in range(0, len(body), 700):
+            piece = body[start : start + 700]
+            sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+            select.select([], [], [], 0.01)  # separate reads at the router, not a handshake
+        sock.sendall(b"0\r\n\r\n")
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += sock.recv(65536)
+        head, _, rest = answer.partition(b"\r\n\r\n")
+        length = int(
+            next(
+                line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
+            ).split(b":")[1]
+        )
+        while len(rest) < length:
+            rest += sock.recv(65536)
+    assert head.startswith(b"HTTP/1.1 200 ")
+    assert json.loads(rest)["outputs"][0]["data"] == values
+
+
+def test_corked_writes_go_out_as_one() -> None:
+    import asyncio as aio
+
+    from poolserve.service.router.http_io import Corked
+
+    class Transport(aio.Transport):
+        def __init__(self) -> None:
+            super().__init__()
+            self.writes: list[bytes] = []
+            self.closed = False
+
+        def write(self, data: Any) -> None:
+            self.writes.append(bytes(data))
+
+        def close(self) -> None:
+            self.closed = True
+
+        def is_closing(self) -> bool:
+            return self.closed
+
+    inner = Transport()
+    corked = Corked(inner)
+    corked.write(b"a")
+    corked.cork()
+    corked.write(b"head")
+    corked.write(memoryview(b"body"))
+    assert inner.writes == [b"a"]
+    corked.uncork()
+    assert inner.writes == [b"a", b"headbody"]
+    corked.cork()
+    corked.write(b"last")
+    corked.close()  # what is gathered goes before the close
+    assert inner.writes[-1] == b"last" and inner.closed
+    corked.end()
+    corked.write(b"x")
+    assert inner.writes[-1] == b"last"

@@ -15,7 +15,17 @@ from hypothesis import strategies as st
 
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service.contract.errors import InvalidInput
-from poolserve.service.contract.rest import GZIP, REPLY_HEAD, RestHead, unwrap, wrap_head
+from poolserve.service.contract.rest import (
+    DEFLATE,
+    GZIP,
+    IDENTITY,
+    MAX_PEEK,
+    REPLY_HEAD,
+    RestHead,
+    envelope_head,
+    unwrap,
+    wrap_head,
+)
 from poolserve.service.inference.codec import decode_inputs
 from poolserve.service.inference.rest import decode_request, encode_response
 
@@ -197,7 +207,7 @@ def test_the_wrapper_round_trips() -> None:
 def test_scheduling_parameters_reach_the_pools_peeks() -> None:
     from poolserve.service.contract.sequence import peek_sequence
     from poolserve.service.contract.wire import peek_routing
-    from poolserve.service.poolserver.rest_scheduling import MAX_PEEK, scheduling_view
+    from poolserve.service.poolserver.rest_scheduling import scheduling_view
 
     params = {"priority": 2, "timeout": 5000, "sequence_id": "s1", "sequence_start": True, "x": 1}
     body = json.dumps({"parameters": params, "inputs": []}).encode()
@@ -291,3 +301,133 @@ def test_any_json_body_is_decoded_or_invalid_input(doc: dict[str, Any], binary: 
         decode_inputs(request, raw=raw)
     except InvalidInput:
         pass
+
+
+def _compressed(text: bytes, encoding: int) -> bytes:
+    import gzip
+    import zlib
+
+    return gzip.compress(text) if encoding == GZIP else zlib.compress(text)
+
+
+@pytest.mark.parametrize("encoding", [GZIP, DEFLATE])
+def test_scheduling_parameters_of_compressed_bodies_reach_the_pools_peeks(encoding: int) -> None:
+    from poolserve.service.contract.wire import peek_routing
+    from poolserve.service.poolserver.rest_scheduling import rest_batch, scheduling_view
+
+    tensor = {"name": "x", "shape": [2, 3], "datatype": "FP32", "data": [0] * 6}
+    text = json.dumps({"parameters": {"priority": 2}, "inputs": [tensor]}).encode()
+    body = _compressed(text, encoding)
+    wrapped = wrap_head("m", "", len(body), RestHead(None, encoding, 0, 1 << 20)) + body
+    assert peek_routing(scheduling_view(wrapped)).priority == 2
+    batch = rest_batch(wrapped, frozenset())
+    assert batch is not None and batch[0] == 2
+    # binary tensors after the JSON, the whole compressed: the JSON is inflated, not the rest
+    doc = {
+        "parameters": {"timeout": 7000},
+        "inputs": [{**tensor, "data": None, "parameters": {"binary_data_size": 24}}],
+    }
+    text = json.dumps(doc).encode()
+    body = _compressed(text + bytes(24), encoding)
+    head = RestHead(len(text), encoding, 0, 1 << 20)
+    assert (
+        peek_routing(scheduling_view(wrap_head("m", "", len(body), head) + body)).timeout_us == 7000
+    )
+
+
+@pytest.mark.parametrize("encoding", [IDENTITY, GZIP])
+def test_a_slabs_envelope_head_holds_what_the_pool_schedules_by(encoding: int) -> None:
+    """A body over the slab threshold travels in a slab; the head the pool peeks
+    at gives the same scheduling parameters as the whole body."""
+    from poolserve.service.contract.wire import peek_routing
+    from poolserve.service.poolserver.rest_scheduling import scheduling_view
+
+    rng = np.random.default_rng(29)
+    tensors = rng.integers(0, 255, 200_000, dtype=np.uint8).tobytes()  # incompressible
+    doc = {
+        "parameters": {"priority": 2, "sequence_id": 9, "sequence_start": True},
+        "inputs": [{"name": "x", "shape": [len(tensors)], "datatype": "UINT8",
+                    "parameters": {"binary_data_size": len(tensors)}}],
+    }  # fmt: skip
+    text = json.dumps(doc).encode()
+    body = text + tensors
+    if encoding != IDENTITY:
+        body = _compressed(body, encoding)
+    rest = RestHead(len(text), encoding, 0, 1 << 24)
+    whole = wrap_head("m", "", len(body), rest) + body
+    envelope = envelope_head("m", "", rest, body)
+    assert len(envelope) < 70_000 < len(whole)
+    for view in (scheduling_view(whole), scheduling_view(envelope)):
+        assert peek_routing(view).priority == 2
+    # a JSON-only body just under the peek limit: in a slab once wrapped, read all the same
+    small = json.dumps({"parameters": {"priority": 2}, "pad": "x" * (MAX_PEEK - 50)}).encode()
+    assert len(small) <= MAX_PEEK
+    envelope = envelope_head("m", "", RestHead(), small)
+    assert peek_routing(scheduling_view(envelope)).priority == 2
+
+
+def test_scheduling_parameters_the_pool_cannot_read_are_refused_by_the_worker() -> None:
+    from typing import cast
+
+    from poolserve.service.inference.model import Model
+    from poolserve.service.inference.rest import decode
+
+    def call(params: dict[str, Any], encoding: int = IDENTITY) -> None:
+        tensor = {"name": "x", "shape": [20_000], "datatype": "FP32", "data": [0.5] * 20_000}
+        text = json.dumps({"parameters": params, "inputs": [tensor]}).encode()
+        assert len(text) > MAX_PEEK
+        body = text if encoding == IDENTITY else _compressed(text, encoding)
+        rest = RestHead(None, encoding, 0, 1 << 24)
+        decode(wrap_head("m", "", len(body), rest) + body, cast(Model, None))
+
+    call({"mode": "x"})  # not one the pool schedules by: goes to the model
+    for params in ({"priority": 1}, {"sequence_id": 3}, {"timeout": 100}):
+        for encoding in (IDENTITY, GZIP):
+            with pytest.raises(InvalidInput, match=f"'{next(iter(params))}' is in a JSON of more"):
+                call(params, encoding)
+
+
+def _bytes_tensor(*items: bytes) -> bytes:
+    return b"".join(struct.pack("<I", len(item)) + item for item in items)
+
+
+def test_bytes_outputs_are_text_or_base64_with_mlservers_content_type() -> None:
+    import base64
+
+    from poolserve.service.inference.rest import encode_v1
+
+    request, _, binary = _decode(
+        {"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}]}
+    )
+    raw = [b"\xff\x00ok", b"caf\xc3\xa9"]
+    response, views = _response(
+        ("text", "BYTES", [2], _bytes_tensor(b"ok", "café".encode())),
+        ("raw", "BYTES", [2], _bytes_tensor(*raw)),
+    )
+    head, _ = _reply(encode_response(request, response, views, binary))
+    text, packed = head["outputs"]
+    assert text["data"] == ["ok", "café"] and "parameters" not in text
+    assert packed["parameters"] == {"content_type": "base64"}
+    assert [base64.b64decode(item) for item in packed["data"]] == raw  # as MLServer decodes
+    v1, _ = _reply(
+        encode_v1(_response(("raw", "BYTES", [2], _bytes_tensor(*raw)))[0], [views[1]], 0)
+    )
+    assert v1 == {"predictions": [{"b64": base64.b64encode(raw[0]).decode()}, "café"]}
+
+
+def test_a_base64_input_reaches_the_model_as_sent_with_its_content_type() -> None:
+    """As MLServer's REST server: the model's codec (MLServer's Base64Codec) decodes it."""
+    doc = {
+        "inputs": [
+            {
+                "name": "b",
+                "shape": [1],
+                "datatype": "BYTES",
+                "data": ["aGk="],
+                "parameters": {"content_type": "base64"},
+            }
+        ]
+    }
+    request, raw, _ = _decode(doc)
+    assert bytes(raw[0]) == _bytes_tensor(b"aGk=")
+    assert request.inputs[0].parameters["content_type"].string_param == "base64"

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import struct
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +58,7 @@ _BODY_TAG = (BODY_FIELD << 3) | 2
 _JSON_HEAD_TAG = (JSON_HEAD_FIELD << 3) | 2
 _CALL_TAG = (CALL_FIELD << 3) | 2
 MAX_PEEK = 64 * 1024  # the most JSON the pool reads on its event loop for scheduling
+MAX_PEEK_COMPRESSED = MAX_PEEK + 1024  # the most of a compressed body it inflates for that
 _BODY_TAG_BYTES = encode_varint(_BODY_TAG)
 _VARINT_FIELDS = {
     (HEADER_FIELD << 3): "header_length",
@@ -121,14 +123,53 @@ def routing_head(name: str, version: str) -> bytes:
 
 def envelope_head(name: str, version: str, rest: RestHead, body: Wire) -> bytes:
     """What the pool peeks at when the body travels in a slab: the model, and
-    the JSON of a binary-extension body when it is small (its scheduling
-    parameters are there); the tensors' bytes stay in the slab."""
+    the part of the body :func:`scheduling_json` reads (the JSON when small,
+    the first bytes of a compressed body); the rest stays in the slab."""
     head = routing_head(name, version)
     length = rest.header_length
-    if length is None or rest.encoding != IDENTITY or length > min(MAX_PEEK, len(body)):
+    if rest.encoding != IDENTITY:
+        head += _varint_field(ENCODING_FIELD, rest.encoding)
+        if length is not None:
+            head += _varint_field(HEADER_FIELD, length)
+        return head + _len_field(JSON_HEAD_FIELD, bytes(body[:MAX_PEEK_COMPRESSED]))
+    if length is None:
+        length = len(body)
+    elif length > len(body):
+        return head  # refused by the worker
+    if length > MAX_PEEK:
         return head
-    json = bytes(body[:length])
-    return head + _varint_field(HEADER_FIELD, length) + _len_field(JSON_HEAD_FIELD, json)
+    if rest.header_length is not None:
+        head += _varint_field(HEADER_FIELD, length)
+    return head + _len_field(JSON_HEAD_FIELD, bytes(body[:length]))
+
+
+def scheduling_json(rest: RestHead, body: Wire) -> Wire | None:
+    """The JSON the pool reads a REST body's scheduling parameters from, or
+    None when it reads none (V1, or a JSON over :data:`MAX_PEEK` bytes).
+
+    The JSON is the body, or its first ``Inference-Header-Content-Length``
+    bytes, inflated when the body is compressed; at most
+    :data:`MAX_PEEK_COMPRESSED` bytes of a compressed body are inflated.
+    Only a prefix of the body is ever looked at, so the pool (that may hold
+    only :func:`envelope_head`'s part of the body) and the worker (that holds
+    all of it, and refuses scheduling parameters the pool could not read)
+    get the same answer."""
+    if rest.protocol != V2:
+        return None
+    length = rest.header_length
+    if rest.encoding == IDENTITY:
+        size = len(body) if length is None else length
+        return body[:size] if size <= min(MAX_PEEK, len(body)) else None
+    if length is not None and length > MAX_PEEK:
+        return None
+    inflater = zlib.decompressobj(wbits=47)  # 32 + 15: a gzip or a zlib header
+    try:
+        out = inflater.decompress(body[:MAX_PEEK_COMPRESSED], MAX_PEEK + 1)
+    except zlib.error:
+        return None  # the worker says what is wrong with it
+    if length is not None:
+        return out[:length] if len(out) >= length else None
+    return out if inflater.eof and len(out) <= MAX_PEEK else None
 
 
 def unwrap(data: Wire) -> tuple[RestHead, Wire] | None:
@@ -163,6 +204,48 @@ def unwrap(data: Wire) -> tuple[RestHead, Wire] | None:
 
 def is_rest(data: Wire) -> bool:
     return unwrap(data) is not None
+
+
+RESERVED = range(PROTOCOL_FIELD, BODY_FIELD + 1)  # 4089-4095: the wrapper's own fields
+
+
+def reserved_field(data: Wire) -> int | None:
+    """The first of the wrapper's fields (:data:`RESERVED`) a ModelInferRequest
+    from a gRPC client carries, else None: the gRPC door refuses such a
+    request, so that only the HTTP door makes REST wrappers. Top-level fields
+    only, none parsed; bytes that are not a message are the parser's to refuse."""
+    pos, end = 0, len(data)
+    try:
+        while pos < end:
+            tag, pos = read_varint(data, pos)
+            number, kind = tag >> 3, tag & 7
+            if number in RESERVED:
+                return number
+            if kind == 0:
+                _, pos = read_varint(data, pos)
+            elif kind == 2:
+                size, pos = read_varint(data, pos)
+                pos += size
+            elif kind == 1:
+                pos += 8
+            elif kind == 5:
+                pos += 4
+            else:
+                return None
+    except InvalidInput:
+        return None
+    return None
+
+
+def refuse_reserved(data: Wire) -> None:
+    """InvalidInput when a gRPC client's ModelInferRequest carries a reserved field."""
+    number = reserved_field(data)
+    if number is not None:
+        raise InvalidInput(
+            f"ModelInferRequest field {number} is reserved: fields {RESERVED.start}-"
+            f"{RESERVED.stop - 1} carry the HTTP door's REST bodies inside the server "
+            "and cannot come from a gRPC client"
+        )
 
 
 # The request parameters the pool schedules by (the schedule_policy and sequence

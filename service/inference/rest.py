@@ -17,6 +17,7 @@ length), the JSON, then the binary outputs, in order.
 
 from __future__ import annotations
 
+import base64
 import math
 import struct
 import time
@@ -30,7 +31,18 @@ import orjson
 
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service.contract.errors import InvalidInput, MessageTooLarge, clip
-from poolserve.service.contract.rest import CUSTOM, GZIP, IDENTITY, REPLY_HEAD, V1, unwrap
+from poolserve.service.contract.rest import (
+    CUSTOM,
+    GZIP,
+    IDENTITY,
+    MAX_PEEK,
+    REPLY_HEAD,
+    SCHEDULING,
+    V1,
+    RestHead,
+    scheduling_json,
+    unwrap,
+)
 from poolserve.service.contract.shm import Region
 from poolserve.service.inference.codec import dtype_for
 from poolserve.service.inference.infer import run_request
@@ -41,6 +53,7 @@ from poolserve.service.poolcore.stats import Timings
 BINARY_DATA_SIZE = "binary_data_size"
 BINARY_DATA = "binary_data"
 BINARY_DATA_OUTPUT = "binary_data_output"
+CONTENT_TYPE, BASE64 = "content_type", "base64"  # MLServer's codec parameter
 _LENGTH = struct.Struct("<I")
 _INT_KINDS = frozenset("iu")
 _NUMBER_KINDS = frozenset("iuf")
@@ -85,11 +98,26 @@ def decode(data: Buffer, model: Model) -> tuple[pb.ModelInferRequest, list[Buffe
         request, raw, _ = decode_v1(memoryview(body), model)
         return request, raw, lambda response, views: encode_v1(response, views, rest.accept)
     request, raw, binary = decode_request(memoryview(body), rest.header_length)
+    if request.parameters:
+        _scheduled(request, rest, unwrapped[1])
 
     def encode(response: pb.ModelInferResponse, views: list[Buffer]) -> list[Buffer]:
         return encode_response(request, response, views, binary, rest.accept)
 
     return request, raw, encode
+
+
+def _scheduled(request: pb.ModelInferRequest, rest: RestHead, sent: Buffer) -> None:
+    """InvalidInput when the request carries a parameter the pool schedules by
+    in a JSON the pool did not read (over MAX_PEEK bytes): never ignored."""
+    keys = [key for key in SCHEDULING if key in request.parameters]
+    if keys and scheduling_json(rest, sent) is None:
+        raise InvalidInput(
+            f"request parameter '{keys[0]}' is in a JSON of more than {MAX_PEEK} bytes "
+            "(inflated): the server schedules by the parameters of a smaller JSON only; "
+            "send the tensors as binary data (Triton's binary tensor extension: "
+            "Inference-Header-Content-Length), the JSON then stays small"
+        )
 
 
 def inflate(body: Buffer, limit: int) -> bytes:
@@ -398,11 +426,12 @@ def encode_v1(response: pb.ModelInferResponse, views: list[Buffer], encoding: in
     if not response.outputs:
         raise InvalidInput(f"model '{response.model_name}' returned no outputs")
     tensor = response.outputs[0]
-    data = _output_data(tensor.name, tensor.datatype, views[0])
-    if isinstance(data, np.ndarray):
-        data = data.reshape(tuple(tensor.shape))
+    data: object
+    if tensor.datatype == "BYTES":  # text, or {"b64": ...} (KServe's V1, TF Serving's)
+        items = [_v1_bytes(item) for item in _bytes_items(views[0])]
+        data = np.asarray(items, dtype=object).reshape(tuple(tensor.shape)).tolist()
     else:
-        data = np.asarray(data, dtype=object).reshape(tuple(tensor.shape)).tolist()
+        data = _numbers(tensor.datatype, views[0]).reshape(tuple(tensor.shape))
     text = orjson.dumps({"predictions": data}, option=orjson.OPT_SERIALIZE_NUMPY)
     head = REPLY_HEAD.pack(len(text), encoding, 0)
     if encoding != IDENTITY:
@@ -450,8 +479,10 @@ def encode_response(
         if binary(tensor.name):
             params[BINARY_DATA_SIZE] = memoryview(view).nbytes
             tail.append(view)
+        elif tensor.datatype == "BYTES":
+            out["data"] = _json_bytes(_bytes_items(view), params)
         else:
-            out["data"] = _output_data(tensor.name, tensor.datatype, view)
+            out["data"] = _numbers(tensor.datatype, view)
         if params:
             out["parameters"] = params
         outputs.append(out)
@@ -468,21 +499,35 @@ def _value(param: pb.InferParameter) -> object:
     return None if choice is None else getattr(param, choice)
 
 
-def _output_data(name: str, datatype: str, view: Buffer) -> object:
-    if datatype == "BYTES":
-        items: list[str] = []
-        data = memoryview(view).cast("B")
-        pos = 0
-        while pos < len(data):
-            (size,) = _LENGTH.unpack_from(data, pos)
-            pos += _LENGTH.size
-            try:
-                items.append(bytes(data[pos : pos + size]).decode())
-            except UnicodeDecodeError:
-                raise InvalidInput(
-                    f"output '{clip(name)}' holds bytes that are not UTF-8 text: ask for it "
-                    "as binary data (parameter 'binary_data': true)"
-                ) from None
-            pos += size
-        return items
+def _numbers(datatype: str, view: Buffer) -> npt.NDArray[Any]:
     return np.frombuffer(view, dtype_for(datatype))
+
+
+def _v1_bytes(item: bytes) -> object:
+    try:
+        return item.decode()
+    except UnicodeDecodeError:
+        return {"b64": base64.b64encode(item).decode("ascii")}
+
+
+def _bytes_items(view: Buffer) -> list[bytes]:
+    items: list[bytes] = []
+    data = memoryview(view).cast("B")
+    pos = 0
+    while pos < len(data):
+        (size,) = _LENGTH.unpack_from(data, pos)
+        pos += _LENGTH.size
+        items.append(bytes(data[pos : pos + size]))
+        pos += size
+    return items
+
+
+def _json_bytes(items: list[bytes], params: dict[str, Any]) -> list[str]:
+    """A BYTES output's elements as JSON strings: as text when all are UTF-8
+    (Triton, MLServer), else all base64, with the output parameter
+    ``content_type: base64`` (MLServer's Base64Codec reads them back)."""
+    try:
+        return [item.decode() for item in items]
+    except UnicodeDecodeError:
+        params[CONTENT_TYPE] = BASE64
+        return [base64.b64encode(item).decode("ascii") for item in items]

@@ -6,11 +6,14 @@ without parsing (:mod:`poolserve.service.contract.wire`,
 :mod:`poolserve.service.contract.sequence`). A REST body arrives as the
 router forwarded it (:mod:`poolserve.service.contract.rest`); here its JSON
 is read with orjson when it is small enough to read on the pool's event loop
-(:data:`MAX_PEEK` bytes: Triton's binary extension keeps the JSON small
-whatever the tensors' size), and the parameters are turned into the same
-wire bytes, so that the same peeks, with the same checks and the same
-errors, apply. A larger or compressed JSON body is scheduled with the
-defaults, and its parameters reach the model only.
+(:data:`MAX_PEEK` bytes, inflated first when compressed: Triton's binary
+extension keeps the JSON small whatever the tensors' size), and the
+parameters are turned into the same wire bytes, so that the same peeks, with
+the same checks and the same errors, apply
+(:func:`poolserve.service.contract.rest.scheduling_json` says which JSON).
+A larger JSON is scheduled with the defaults and runs alone (no batch); the
+worker refuses it when it carries a scheduling parameter
+(:func:`poolserve.service.inference.rest.decode`), so that none is ignored.
 """
 
 from __future__ import annotations
@@ -21,13 +24,11 @@ import orjson
 
 from poolserve.service.contract.framing import Payload
 from poolserve.service.contract.rest import (
-    IDENTITY,
-    MAX_PEEK,
     SCHEDULING,
-    V2,
     RestHead,
     encode_parameters,
     routing_head,
+    scheduling_json,
 )
 from poolserve.service.contract.rest import unwrap as unwrap_rest
 from poolserve.service.contract.shm import unwrap
@@ -47,10 +48,9 @@ def scheduling_view(request: Payload) -> Wire:
 
 
 def _document(head: RestHead, body: Wire) -> dict[str, Any] | None:
-    """The body's JSON, when small, plain and an object; else None."""
-    length = head.header_length
-    text = body if length is None else body[:length]
-    if head.encoding != IDENTITY or head.protocol != V2 or len(text) > MAX_PEEK:
+    """The body's JSON when the pool reads it (:func:`scheduling_json`) and an object."""
+    text = scheduling_json(head, body)
+    if text is None:
         return None
     try:
         doc = orjson.loads(text)

@@ -32,6 +32,7 @@ from poolserve.service.contract.errors import (
     load_failed,
 )
 from poolserve.service.contract.lane import refused_request
+from poolserve.service.contract.rest import refuse_reserved
 from poolserve.service.contract.settings import ServerSettings
 from poolserve.service.contract.shm import forged
 from poolserve.service.contract.wire import peek_model
@@ -129,6 +130,7 @@ class GrpcDoor:
                 # As Triton: a model that does not exist is not ready; no NOT_FOUND.
                 return pb.ModelReadyResponse(ready=False).SerializeToString()
             if method == "ModelInfer":
+                refuse_reserved(body)  # only the HTTP door makes REST wrappers
                 if self.replies.total:  # someone is not reading: is it this connection?
                     self.replies.check(context)
                 reply = await self.core.infer(
@@ -240,6 +242,7 @@ class GrpcDoor:
             first = taken
             try:
                 name, version = peek_model(first)
+                refuse_reserved(first)
                 route = self.routes.route(name)
                 deadline = self.core.deadline(remaining(context))
             except ServingError as exc:
@@ -288,6 +291,10 @@ class GrpcDoor:
         that starts with a zero byte (only the router may send such bytes to a
         pool), or that names a model of another pool, goes as its refusal,
         answered by the pool in the same place."""
+        try:
+            refuse_reserved(message)
+        except InvalidInput as exc:
+            return refused_request(exc.message)
         try:
             body = self.shared_memory.attach(message)
         except InvalidInput as exc:

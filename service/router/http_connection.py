@@ -6,13 +6,17 @@ the hook that cancels a call whose client closed its connection."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
+from collections.abc import Iterator
 from typing import Any
 
 import httptools
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from poolserve.service.contract.settings import ServerSettings
+from poolserve.service.router.http_io import Body, Corked, forwarded
 from poolserve.service.router.http_wire import error_body
 from poolserve.service.router.replybudget import ReplyBudget
 
@@ -35,7 +39,10 @@ class HttpConnection(HttpToolsProtocol):
         self._head_bytes = 0
         self._body_bytes = 0
         self._head_timer: asyncio.TimerHandle | None = None
+        self._in_head = False  # a request began and its headers are not all here
         self._linger: asyncio.TimerHandle | None = None
+        self.writer: Corked | None = None  # the transport as response cycles see it
+        self._body: Body | None = None  # the body of the call being parsed, when forwarded
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -46,6 +53,7 @@ class HttpConnection(HttpToolsProtocol):
             self._linger_close(transport)
             return
         super().connection_made(transport)
+        self.writer = Corked(transport)
         self._arm_head_timer()
 
     def _linger_close(self, transport: asyncio.Transport) -> None:
@@ -81,6 +89,8 @@ class HttpConnection(HttpToolsProtocol):
         except httptools.HttpParserError as exc:
             if not self.refused:
                 self.refuse(400, f"invalid HTTP request: {exc}")
+        if self._in_head and self._head_timer is None and not self.refused:
+            self._arm_head_timer()  # a head split over reads: it has handshake_timeout_s
 
     def refuse(self, status: int, message: str) -> None:
         """Answers ``status`` (unless a response began) and closes the connection."""
@@ -93,6 +103,8 @@ class HttpConnection(HttpToolsProtocol):
             return
         if cycle is None or not cycle.response_started:
             self.transport.write(raw_response(status, error_body(message)))
+        if self.writer is not None:
+            self.writer.end()  # a response half gathered goes nowhere, as the app's
         if cycle is not None:
             cycle.disconnected = True  # the app's answer, if any, goes nowhere
             cycle.message_event.set()
@@ -100,6 +112,19 @@ class HttpConnection(HttpToolsProtocol):
         if self.forwarding is not None:
             self.forwarding.cancel()
         self._linger_close(self.transport)
+
+    @contextlib.contextmanager
+    def corked(self) -> Iterator[None]:
+        """A response's writes, gathered into one (see :class:`Corked`)."""
+        writer = self.writer
+        if writer is None:
+            yield
+            return
+        writer.cork()
+        try:
+            yield
+        finally:
+            writer.uncork()
 
     def _arm_head_timer(self) -> None:
         self._disarm_head_timer()
@@ -141,8 +166,7 @@ class HttpConnection(HttpToolsProtocol):
         super().on_message_begin()
         self._head_bytes = self._body_bytes = 0
         self.scope["poolserve.connection"] = self  # type: ignore[typeddict-unknown-key]
-        if self._head_timer is None:
-            self._arm_head_timer()
+        self._in_head = True  # timed from the end of this read unless the head ends in it
 
     def on_url(self, url: bytes) -> None:
         self._count_head(len(url))
@@ -159,8 +183,18 @@ class HttpConnection(HttpToolsProtocol):
             raise Refused
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
         self._disarm_head_timer()
+        self._body = None
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is None or cycle.scope is not self.scope:
+            return  # an upgrade: refused in data_received
+        assert self.writer is not None
+        cycle.transport = self.writer
+        if forwarded(self.scope["method"], self.scope["path"]):
+            self._body = Body()
+            self.scope["poolserve.body"] = self._body  # type: ignore[typeddict-unknown-key]
 
     def on_body(self, body: bytes) -> None:
         self._body_bytes += len(body)
@@ -170,7 +204,21 @@ class HttpConnection(HttpToolsProtocol):
                 f"the body is over max_message_size ({self.settings.max_message_size} bytes)",
             )
             raise Refused
-        super().on_body(body)
+        sink, cycle = self._body, self.cycle
+        if sink is None or cycle is None:
+            super().on_body(body)
+            return
+        if cycle.response_complete:
+            return
+        sink.add(body)  # kept as httptools made it: the door joins the chunks once
+        if sink.unread > HIGH_WATER_LIMIT:
+            self.flow.pause_reading()  # until the door asks for more (uvicorn's receive)
+        cycle.message_event.set()
+
+    def on_message_complete(self) -> None:
+        if self._body is not None:
+            self._body.complete = True
+        super().on_message_complete()
 
 
 class Refused(Exception):

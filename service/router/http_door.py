@@ -62,6 +62,7 @@ from poolserve.service.router.forwarding import SPAN, Forwarder
 from poolserve.service.router.http_connection import HttpConnection, tls_context
 from poolserve.service.router.http_control import HttpControl
 from poolserve.service.router.http_custom import run_custom
+from poolserve.service.router.http_io import Body, forwarded
 from poolserve.service.router.http_wire import (
     MODEL_PATH,
     SSE_START,
@@ -191,8 +192,7 @@ class HttpDoor:
             if method == "POST" and path.endswith("/generate_stream") and _STREAM_PATH.match(path):
                 await self._traced(self._generate_stream, connection, scope, receive, send, path)
                 return
-            infer = ("/infer", "/generate", ":predict")
-            if method == "POST" and path.endswith(infer) and _is_infer(path):
+            if forwarded(method, path) and _is_infer(path):
                 await self._traced(self._run_infer, connection, scope, receive, send, path)
                 return
             status, body = await self.control.answer(method, path, scope, receive)
@@ -205,7 +205,8 @@ class HttpDoor:
         except ServingError as exc:
             status, message = http_status(exc)
             body = error_body(message)
-        await respond(send, status, body)
+        with connection.corked():
+            await respond(send, status, body)
 
     async def _custom(
         self, connection: HttpConnection, scope: Scope, receive: Receive, send: Send
@@ -284,7 +285,7 @@ class HttpDoor:
             headers = headers_of(scope)
             budget = budget_of(scope, headers)
             header_length = header_length_of(headers)
-            chunks = await self._read_body(receive, headers, budget)
+            chunks = await self._read_body(scope, receive, headers, budget)
             if chunks is None:
                 return 499  # the client went away while sending
             limit = self.settings.max_message_size
@@ -359,7 +360,7 @@ class HttpDoor:
             budget = budget_of(scope, headers)
             started = time.monotonic()
             header_length = header_length_of(headers)
-            chunks = await self._read_body(receive, headers, budget)
+            chunks = await self._read_body(scope, receive, headers, budget)
             if chunks is None:
                 return 499  # the client went away while sending
             body_read = True
@@ -415,7 +416,8 @@ class HttpDoor:
         else:
             return await self._answer_reply(connection, send, reply)
         if body_read:
-            await respond(send, status, error_body(message))
+            with connection.corked():
+                await respond(send, status, error_body(message))
         else:  # the body is still coming: answered, and the connection closed
             connection.refuse(status, message)
         return status
@@ -430,7 +432,8 @@ class HttpDoor:
                 status, message = http_status(exc)
                 await respond(send, status, error_body(message))
                 return status
-        await send_reply(send, reply)
+        with connection.corked():  # the status line, headers and body as one write
+            await send_reply(send, reply)
         connection.settle()
         return 200
 
@@ -446,9 +449,10 @@ class HttpDoor:
         return wrapped.find(_MENTION, start, end) >= 0
 
     async def _read_body(
-        self, receive: Receive, headers: dict[bytes, bytes], budget: float | None
+        self, scope: Scope, receive: Receive, headers: dict[bytes, bytes], budget: float | None
     ) -> list[bytes] | None:
-        """The body's chunks (None: the client went away), within the call's deadline."""
+        """The body's chunks as httptools made them (None: the client went
+        away), within the call's deadline; joined once, by the caller."""
         limit = self.settings.max_message_size
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -456,22 +460,44 @@ class HttpDoor:
                 f"the body of {int(declared)} bytes is over max_message_size ({limit})"
             )
         encoding_of(headers)  # one we cannot inflate is refused before the body comes
-        chunks: list[bytes] = []
+        body: Body | None = scope.get("poolserve.body")  # type: ignore[assignment]
+        if body is None:  # not an inference's path (an MLServer custom endpoint)
+            return await self._receive_body(receive, budget)
+        body.unread = 0
+        if body.complete:  # all there already (a small body): nothing to wait for
+            return None if scope["poolserve.connection"].lost else body.chunks
         timeout = self.core.timeout(budget)
         try:
             async with asyncio.timeout(timeout):
                 while True:
-                    message = await receive()
+                    message = await receive()  # resumes reading; its body is empty
+                    body.unread = 0
                     if message["type"] == "http.disconnect":
                         return None
-                    chunks.append(message.get("body", b""))
                     if not message.get("more_body", False):
                         break
         except TimeoutError:
             raise DeadlineExceeded(
                 "deadline exceeded while the client was still sending its body", stage="router"
             ) from None
-        return chunks
+        return body.chunks
+
+    async def _receive_body(self, receive: Receive, budget: float | None) -> list[bytes] | None:
+        """A body the connection did not keep, through uvicorn's receive."""
+        chunks: list[bytes] = []
+        try:
+            async with asyncio.timeout(self.core.timeout(budget)):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return None
+                    chunks.append(message.get("body", b""))
+                    if not message.get("more_body", False):
+                        return chunks
+        except TimeoutError:
+            raise DeadlineExceeded(
+                "deadline exceeded while the client was still sending its body", stage="router"
+            ) from None
 
 
 def _is_infer(path: str) -> bool:
