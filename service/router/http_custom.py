@@ -46,7 +46,9 @@ from poolserve.service.router.http_wire import (
     respond,
 )
 
-ReadBody = Callable[[Receive, dict[bytes, bytes], float | None], Awaitable[list[bytes] | None]]
+ReadBody = Callable[
+    [Scope, Receive, dict[bytes, bytes], float | None], Awaitable[list[bytes] | None]
+]
 AnswerReply = Callable[[HttpConnection, Send, bytes], Awaitable[int]]
 
 
@@ -71,7 +73,7 @@ async def run_custom(
             span.set_attribute("poolserve.mlserver.custom_path", route.template)
         headers = headers_of(scope)
         budget = budget_of(scope, headers)
-        chunks = await read_body(receive, headers, budget)
+        chunks = await read_body(scope, receive, headers, budget)
         if chunks is None:
             return 499  # the client went away while sending
         body_read = True

@@ -460,7 +460,7 @@ class HttpDoor:
                 f"the body of {int(declared)} bytes is over max_message_size ({limit})"
             )
         encoding_of(headers)  # one we cannot inflate is refused before the body comes
-        body: Body | None = scope.get("poolserve.body")  # type: ignore[assignment]
+        body: Body | None = scope.get("poolserve.body")
         if body is None:  # not an inference's path (an MLServer custom endpoint)
             return await self._receive_body(receive, budget)
         body.unread = 0
