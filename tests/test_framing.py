@@ -251,3 +251,37 @@ def test_write_now_sends_at_once_after_what_this_turn_queued() -> None:
             await asyncio.sleep(0)
 
     asyncio.run(main())
+
+
+def test_write_now_keeps_what_a_short_write_left_in_order() -> None:
+    """A frame of bytes parts that the socket takes only in part: the rest goes out
+    once it is writable, before any later frame, nothing lost or doubled."""
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        left, right = socket.socketpair()
+        left.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        right.setblocking(False)
+        transport, _ = await loop.connect_accepted_socket(asyncio.Protocol, sock=left)
+        assert isinstance(transport, asyncio.Transport)
+        batcher = Batcher(transport)
+        big = bytes(pattern(1 << 20))
+        expected = b"head" + big + b"next" + b"last"
+        received = bytearray()
+        try:
+            batcher.write_now(b"head", big)  # far more than the socket holds
+            batcher.write_now(b"next")  # waits behind the rest of the first
+            batcher.write_now(b"last")
+            while len(received) < len(expected):
+                try:
+                    received += right.recv(65536)
+                except BlockingIOError:
+                    await asyncio.sleep(0.001)
+            assert bytes(received) == expected
+        finally:
+            batcher.close()
+            transport.close()
+            right.close()
+            await asyncio.sleep(0)
+
+    asyncio.run(main())

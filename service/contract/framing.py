@@ -224,6 +224,26 @@ class Batcher:
             return
         if self._fd < 0 or self.transport.is_closing():
             return
+        if not self._pending and all(type(part) is bytes for part in parts):
+            # the common case (a small job: header and body as bytes, nothing
+            # waiting): one writev, without views or the queue; what a short
+            # write leaves waits as below
+            total = sum(len(part) for part in parts)
+            try:
+                sent = os.writev(self._fd, parts)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError:
+                self.transport.close()
+                return
+            if sent == total:
+                return
+            rest = memoryview(b"".join(parts))[sent:]  # a short write: rare, and small
+            self._pending.append(rest)
+            if not self._waiting:
+                self._waiting = True
+                self.loop.add_writer(self._fd, self._writable)
+            return
         self._pending.extend(flat(part) for part in parts if len(part))
         if not self._waiting:
             self._send()
