@@ -98,14 +98,18 @@ class Dispatcher:
 
     async def run(self, started: Callable[[], None] = lambda: None) -> None:
         """Owns the worker reader tasks and the heartbeat watch until :meth:`close`."""
-        async with asyncio.TaskGroup() as tasks:
-            self._tasks = tasks
-            watch = tasks.create_task(self.watch.watch_heartbeats(), name="heartbeats")
-            started()
-            await self._closing.wait()
-            watch.cancel()
-            self.roster.close_all()
-        self._tasks = None
+        self.admission.loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                self._tasks = tasks
+                watch = tasks.create_task(self.watch.watch_heartbeats(), name="heartbeats")
+                started()
+                await self._closing.wait()
+                watch.cancel()
+                self.roster.close_all()
+        finally:
+            self._tasks = None
+            self.admission.loop = None
 
     def close(self) -> None:
         self._closing.set()
@@ -213,7 +217,7 @@ class Dispatcher:
         ``pinned``: the worker of the stream's ``sequence`` (a decoupled sequence
         model), where it runs after the jobs already pinned to it.
         """
-        loop = asyncio.get_running_loop()
+        loop = self.admission.running_loop()
         if pinned is not None:
             self.admission.check_arrival(deadline)
             parts = Parts(max(1, window))
@@ -258,7 +262,7 @@ class Dispatcher:
         pinned jobs; nobody waits for the answer."""
         if worker.state is WorkerState.DEAD:
             return
-        deadline = asyncio.get_running_loop().time() + 3600.0
+        deadline = self.admission.running_loop().time() + 3600.0
         job = self.admission.pinned(worker, body, deadline, sequence, tag, notice=True)
         self._pin(worker, job)
         job.future.add_done_callback(lambda done: done.exception())
@@ -298,7 +302,7 @@ class Dispatcher:
 
     async def _answer(self, job: Job) -> Result:
         """``job``'s result; its caller leaves at its deadline, or on a cancel."""
-        timer = asyncio.get_running_loop().call_at(job.deadline, self._expire, job)
+        timer = self.admission.running_loop().call_at(job.deadline, self._expire, job)
         try:
             return await job.future
         finally:
@@ -310,7 +314,7 @@ class Dispatcher:
             self._abandon(job, "its deadline passed")
 
     def _start(self, worker: Worker, jobs: list[Job]) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self.admission.running_loop()
         now = loop.time()
         for member in jobs:
             member.state = JobState.RUNNING
@@ -387,7 +391,7 @@ class Dispatcher:
             return  # the worker stays in the stream until its final frame
         replies = reply_per_job(job, reply)
         worker.served += 1
-        finished = asyncio.get_running_loop().time()
+        finished = self.admission.running_loop().time()
         self.admission.learn_service_time(job, replies, finished - job.started)
         self.late_replies += answer(job, replies, finished)
         if job.overtime is not None:
