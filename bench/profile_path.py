@@ -26,7 +26,10 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import pstats
+import resource
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -54,14 +57,46 @@ class Subject:
     running: servers.Running | None = None
 
 
+# Imported by every process of a tree started from a shim (Python imports sitecustomize
+# from the path): in the router and the pool server, SIGUSR1 starts cProfile and SIGUSR2
+# stops it and writes its stats to $PROFILE_PATH_OUT/<role>-<pid>.prof. A forked child
+# (the zygote, the workers) drops the profiler and the handlers. Bench only.
+SITECUSTOMIZE = """
+import os, signal, sys
+_out = os.environ.get("PROFILE_PATH_OUT")
+_role = sys.argv[1] if len(sys.argv) > 1 else ""
+if _out and _role in ("router", "pool"):
+    import cProfile
+    _profiler = cProfile.Profile()
+
+    def _start(signum, frame):
+        _profiler.enable()
+
+    def _stop(signum, frame):
+        _profiler.disable()
+        _profiler.dump_stats(os.path.join(_out, f"{_role}-{os.getpid()}.prof"))
+
+    def _child():
+        _profiler.disable()
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+        signal.signal(signal.SIGUSR2, signal.SIG_DFL)
+
+    signal.signal(signal.SIGUSR1, _start)
+    signal.signal(signal.SIGUSR2, _stop)
+    os.register_at_fork(after_in_child=_child)
+"""
+
+
 def shim(label: str, source: Path) -> Path:
-    """A folder with ``poolserve/{service,protos,supervisor}`` linking to ``source``."""
+    """A folder with ``poolserve/{service,protos,supervisor}`` linking to ``source``,
+    and the cProfile hook (:data:`SITECUSTOMIZE`)."""
     top = WORK / f"src-{label}"
     pkg = top / "poolserve"
     shutil.rmtree(top, ignore_errors=True)
     pkg.mkdir(parents=True)
     for name in ("service", "protos", "supervisor"):
         (pkg / name).symlink_to((source / name).resolve())
+    (top / "sitecustomize.py").write_text(SITECUSTOMIZE)
     return top
 
 
@@ -77,7 +112,8 @@ def start(subject: Subject, run_dir: Path, venvs: dict[str, Path]) -> servers.Ru
 
         def with_path(s: servers.ServerSpec, c: servers.Context) -> servers.Launch:
             launch = build(s, c)
-            return replace(launch, env={**launch.env, "PYTHONPATH": path})
+            env = {**launch.env, "PYTHONPATH": path, "PROFILE_PATH_OUT": str(workdir)}
+            return replace(launch, env=env)
 
         spec = replace(spec, build=with_path)
     server = servers.start(spec, ctx)
@@ -141,14 +177,27 @@ def cell(
     server = subject.running
     assert server is not None
     before, began = cpu_by_role(server), time.monotonic()
+    busy, ours = servers.machine_busy_seconds(), _ours()
     result = perf.run(pa.binary, {**os.environ, **pa.env}, server.address, "echo", concurrency,
                       window_ms, out / f"{subject.label}.csv", 300)  # fmt: skip
     wall = time.monotonic() - began
     after = cpu_by_role(server)
+    spent = (_ours() - ours) + sum(after.values()) - sum(before.values())
+    foreign = max(0.0, servers.machine_busy_seconds() - busy - spent) / wall
     requests = result.throughput * wall
     per = {k: 1000 * (after[k] - before.get(k, 0.0)) / requests for k in after}
     per["total"] = sum(per.values())
-    return {"throughput": result.throughput, "p99_ms": result.p99_us / 1000, "cpu_ms": per}
+    return {"throughput": result.throughput, "p99_ms": result.p99_us / 1000, "cpu_ms": per,
+            "foreign_cores": foreign, "requests": requests}  # fmt: skip
+
+
+def _ours() -> float:
+    """CPU of this script and its reaped children (perf_analyzer)."""
+    me, kids = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def profile(subject: Subject, pa: install.PerfAnalyzer, window_ms: int, out: Path,
@@ -179,6 +228,7 @@ def profile(subject: Subject, pa: install.PerfAnalyzer, window_ms: int, out: Pat
             spy.wait()
     by_role: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     inclusive: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    kinds: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     totals: collections.Counter[str] = collections.Counter()
     for role, raw, _ in spies:
         if not raw.exists():
@@ -189,9 +239,10 @@ def profile(subject: Subject, pa: install.PerfAnalyzer, window_ms: int, out: Pat
             if not stack or not count.isdigit():
                 continue
             frames = stack.split(";")
-            if frames[-1].startswith(("process ", "thread ")) or _idle(frames[-1]):
+            if frames[-1].startswith(("process ", "thread ")) or _idle(frames):
                 continue
             by_role[role][_short(frames[-1])] += int(count)
+            kinds[role][_kind(frames[-1])] += int(count)
             for name in {_short(f) for f in frames if "(" in f and ".py" in f}:
                 inclusive[role][name] += int(count)
             totals[role] += int(count)
@@ -199,6 +250,10 @@ def profile(subject: Subject, pa: install.PerfAnalyzer, window_ms: int, out: Pat
           f"(share of that role's busy samples) ==")  # fmt: skip
     for role, counter in sorted(by_role.items()):
         print(f"-- {role} ({totals[role]} samples)")
+        shares = ", ".join(
+            f"{name} {100 * count / totals[role]:.0f}%" for name, count in kinds[role].most_common()
+        )
+        print(f"  by kind: {shares}")
         for name, count in counter.most_common(top):
             print(f"  {100 * count / totals[role]:5.1f}%  {name}")
         print(f"-- {role}: inclusive (Python functions on the stack)")
@@ -206,15 +261,74 @@ def profile(subject: Subject, pa: install.PerfAnalyzer, window_ms: int, out: Pat
             print(f"  {100 * count / totals[role]:5.1f}%  {name}")
 
 
-# Leaf frames of a thread that waits (py-spy counts them unless it can tell idle threads
+# A sample of a thread that waits (py-spy counts them unless it can tell idle threads
 # apart, which it cannot on every host): the event loop's poll, a worker's blocking
-# read, grpc's and the worker's waiting threads (their C waits show as these frames).
-IDLE = ("select (selectors.py", "EpollSelector.select", "SocketIO.readinto", "Thread.run (",
-        "heartbeat (", "_Zygote._serve", "epoll_wait", "wait (threading.py")  # fmt: skip
+# read, its heartbeat thread, the zygote; with --native, a leaf that is a wait.
+WAITING = ("EpollSelector.select", "SocketIO.readinto", "heartbeat (", "_Zygote._serve")
+NATIVE_WAITS = ("epoll_wait", "epoll_pwait", "poll", "ppoll", "clock_nanosleep", "select",
+                "pselect6", "pthread_cond_wait", "pthread_cond_timedwait")  # fmt: skip
+SYSCALLS = ("sendmsg", "recvmsg", "write", "writev", "read", "readv", "recv", "send", "syscall",
+            "getpid", "epoll_ctl", "sendto", "recvfrom", "eventfd_write")  # fmt: skip
 
 
-def _idle(frame: str) -> bool:
-    return any(mark in frame for mark in IDLE)
+def _idle(frames: list[str]) -> bool:
+    leaf = frames[-1].partition(" (")[0]
+    if leaf in NATIVE_WAITS or frames[-1].startswith("Thread.run ("):
+        return True  # (without --native a grpc thread shows only Thread.run: not ours)
+    return any(mark in frame for frame in frames for mark in WAITING)
+
+
+def _kind(frame: str) -> str:
+    """What a leaf frame is: a system call, grpc's C core, asyncio, our code, ..."""
+    name, _, where = frame.partition(" (")
+    if name in SYSCALLS:
+        return "system calls"
+    if "cygrpc" in where or "libgrpc" in where:
+        return "grpc C core"
+    if "/asyncio/" in where or "_asynciomodule" in where:
+        return "asyncio"
+    if "/poolserve/" in where or "/service/" in where or "/supervisor/" in where:
+        return "poolserve code"
+    if "_message" in where or "upb" in name or "/protobuf/" in where:
+        return "protobuf"
+    if "numpy" in where or "_multiarray" in where:
+        return "numpy"
+    if ".py:" in where:
+        return "other Python"
+    return "CPython and libc"
+
+
+def deterministic(subject: Subject, pa: install.PerfAnalyzer, window_ms: int, out: Path,
+                  concurrency: int, top: int) -> None:  # fmt: skip
+    """One more cell with cProfile on in the router and the pool server: the functions
+    with the most own time, and how many calls each makes per request (exact counts;
+    the times are inflated by the profiler, compare them with each other only)."""
+    server = subject.running
+    assert server is not None
+    armed = {pid: role for pid, role in roles(server).items() if role in ("router", "pool")}
+    for pid in armed:
+        os.kill(pid, signal.SIGUSR1)
+    got = cell(subject, pa, window_ms, out, concurrency)
+    for pid in armed:
+        os.kill(pid, signal.SIGUSR2)
+    # the served count: what the worker-side CPU cell estimated (throughput x wall)
+    requests = got["requests"]
+    print(f"\n== cProfile, {subject.label}: {requests:.0f} requests (profiled, slower) ==")
+    for pid, role in sorted(armed.items(), key=lambda item: item[1]):
+        path = server.workdir / f"{role}-{pid}.prof"
+        for _ in range(100):
+            if path.exists() and path.stat().st_size:
+                break
+            time.sleep(0.1)
+        stats = pstats.Stats(str(path))
+        rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)  # type: ignore[attr-defined]
+        total = sum(v[2] for _, v in rows)
+        print(f"-- {role}: own time {1e6 * total / requests:.0f} us per request (profiled)")
+        print("   share  calls/req  function")
+        for (file, line, name), (_, ncalls, tottime, _, _) in rows[:top]:
+            where = "/".join(file.rsplit("/", 2)[-2:])
+            share, per = 100 * tottime / total, ncalls / requests
+            print(f"  {share:5.1f}%  {per:8.2f}  {name} ({where}:{line})")
 
 
 def _short(frame: str) -> str:
@@ -235,7 +349,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--window-ms", type=int, default=4000)
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--profile", choices=["py-spy"], default=None)
+    parser.add_argument("--profile", choices=["py-spy", "cprofile"], default=None)
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--native", action="store_true", help="py-spy --native (C frames too)")
     args = parser.parse_args()
@@ -263,13 +377,18 @@ def main() -> None:
                 results[subject.label].append(got)
                 cpu = " ".join(f"{k} {v:.3f}" for k, v in sorted(got["cpu_ms"].items()))
                 print(f"round {r + 1} {subject.label:>14}: {got['throughput']:8.1f}/s "
-                      f"p99 {got['p99_ms']:6.1f} ms  cpu ms/req: {cpu}", flush=True)  # fmt: skip
+                      f"p99 {got['p99_ms']:6.1f} ms  other load {got['foreign_cores']:.2f} cores  "
+                      f"cpu ms/req: {cpu}", flush=True)  # fmt: skip
         report(results, args.rounds)
-        if args.profile:
-            for subject in subjects:
-                if subject.source is not None:
-                    profile(subject, installed.perf_analyzer, args.window_ms, run_dir,
-                            args.concurrency, args.top, args.native)  # fmt: skip
+        for subject in subjects:
+            if subject.source is None:
+                continue
+            if args.profile == "py-spy":
+                profile(subject, installed.perf_analyzer, args.window_ms, run_dir,
+                        args.concurrency, args.top, args.native)  # fmt: skip
+            elif args.profile == "cprofile":
+                deterministic(subject, installed.perf_analyzer, args.window_ms, run_dir,
+                              args.concurrency, args.top)  # fmt: skip
     finally:
         for subject in subjects:
             if subject.running is not None:
