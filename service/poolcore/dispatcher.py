@@ -51,6 +51,7 @@ from poolserve.service.poolcore.jobs import (
 )
 from poolserve.service.poolcore.link import send_job, serve_link
 from poolserve.service.poolcore.roster import Roster
+from poolserve.service.poolcore.started import Started
 from poolserve.service.poolcore.streams import Parts, cancel_stream, next_part, part_came, took_part
 from poolserve.service.poolcore.watch import WorkerWatch
 
@@ -192,6 +193,29 @@ class Dispatcher:
         if job.state is JobState.QUEUED and self.roster.idle:
             self._fill_idle()  # a batch waiting for more jobs may be complete now
         return await self._answer(job)
+
+    def begin(
+        self,
+        body: Payload,
+        deadline: float,
+        done: Callable[[Result | BaseException], None],
+        *,
+        priority: int | None = None,
+        idempotent: bool = True,
+        tag: str = "",
+        timeout: float | None = None,
+        precision: float = 0.0,
+    ) -> Started:
+        """:meth:`submit` of a job that is not batched, without a task: ``done``
+        gets its result or its error, as ``submit`` would return or raise them,
+        unless the call's :meth:`Started.cancel` came first. The same admission,
+        queue, deadline (its caller leaves at it) and cancel as ``submit``; the
+        refusals are raised here."""
+        job = self.admission.admit(body, deadline, priority, tag, idempotent, timeout, precision)
+        self._place(job, precision)
+        if job.state is JobState.QUEUED and self.roster.idle:
+            self._fill_idle()
+        return Started(self.admission.running_loop(), job, done, self._expire, self._abandon)
 
     async def submit_stream(
         self,
