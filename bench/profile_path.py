@@ -331,6 +331,40 @@ def deterministic(subject: Subject, pa: install.PerfAnalyzer, window_ms: int, ou
             print(f"  {share:5.1f}%  {per:8.2f}  {name} ({where}:{line})")
 
 
+def syscalls(subject: Subject, pa: install.PerfAnalyzer, window_ms: int, out: Path,
+             concurrency: int, top: int) -> None:  # fmt: skip
+    """One more cell with ``strace -c -f`` on the router, the pool server and each
+    worker: system calls per request by role (exact counts; strace slows the calls)."""
+    server = subject.running
+    assert server is not None
+    folder = out / f"strace-{subject.label}"
+    folder.mkdir(parents=True, exist_ok=True)
+    traced = []
+    for pid, role in sorted(roles(server).items()):
+        if role in ("supervisor", "zygote"):
+            continue
+        path = folder / f"{role}-{pid}.txt"
+        argv = ["strace", "-c", "-f", "-p", str(pid), "-o", str(path)]
+        traced.append((role, path, subprocess.Popen(argv, stderr=subprocess.DEVNULL)))
+    time.sleep(1.0)  # attached before the load starts
+    got = cell(subject, pa, window_ms, out, concurrency)
+    for _, _, tracer in traced:
+        tracer.terminate()
+        tracer.wait(30)
+    counts: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    for role, path, _ in traced:
+        for line in path.read_text().splitlines():
+            fields = line.split()
+            if len(fields) >= 5 and fields[0][0].isdigit() and fields[-1] != "total":
+                counts[role][fields[-1]] += int(fields[3])
+    served = counts["worker"]["recvfrom"] or got["requests"]  # a worker reads once per request
+    print(f"\n== strace, {subject.label}: system calls per request ({served:.0f} requests) ==")
+    for role, counter in sorted(counts.items()):
+        total = sum(counter.values()) / served
+        calls = ", ".join(f"{n} {c / served:.2f}" for n, c in counter.most_common(top))
+        print(f"-- {role}: {total:.1f} per request: {calls}")
+
+
 def _short(frame: str) -> str:
     """'fn (path/to/file.py:123)' -> 'fn (file.py)'."""
     name, _, where = frame.partition(" (")
@@ -349,7 +383,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--window-ms", type=int, default=4000)
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--profile", choices=["py-spy", "cprofile"], default=None)
+    parser.add_argument("--profile", choices=["py-spy", "cprofile", "strace"], default=None)
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--native", action="store_true", help="py-spy --native (C frames too)")
     args = parser.parse_args()
@@ -386,6 +420,9 @@ def main() -> None:
             if args.profile == "py-spy":
                 profile(subject, installed.perf_analyzer, args.window_ms, run_dir,
                         args.concurrency, args.top, args.native)  # fmt: skip
+            elif args.profile == "strace":
+                syscalls(subject, installed.perf_analyzer, args.window_ms, run_dir,
+                         args.concurrency, args.top)  # fmt: skip
             elif args.profile == "cprofile":
                 deterministic(subject, installed.perf_analyzer, args.window_ms, run_dir,
                               args.concurrency, args.top)  # fmt: skip
@@ -426,7 +463,17 @@ def report(results: dict[str, list[dict[str, Any]]], rounds: int) -> None:
             c = statistics.median(
                 runs[i]["cpu_ms"]["total"] / first[i]["cpu_ms"]["total"] for i in range(rounds)
             )
-            print(f"{label} / {labels[0]}: throughput {t:.2f}x, CPU/req {c:.2f}x")
+            by_role = " ".join(
+                f"{role} {_role_ratio(runs, first, role):.2f}x"
+                for role in ("router", "pool", "worker")
+            )
+            print(f"{label} / {labels[0]}: throughput {t:.2f}x, CPU/req {c:.2f}x ({by_role})")
+
+
+def _role_ratio(runs: list[dict[str, Any]], first: list[dict[str, Any]], role: str) -> float:
+    """The median over rounds of one role's CPU per request, this tree's over the first's."""
+    pairs = zip(runs, first, strict=True)
+    return statistics.median(r["cpu_ms"].get(role, 0.0) / f["cpu_ms"][role] for r, f in pairs)
 
 
 if __name__ == "__main__":
