@@ -490,3 +490,33 @@ async def until_true(predicate: Callable[[], bool]) -> None:
             return
         await asyncio.sleep(0.001 if _ > 1000 else 0)
     raise AssertionError("condition never held")
+
+
+def test_a_stopping_pool_does_not_wait_for_a_begun_call_its_caller_cancelled(sock: Path) -> None:
+    begun: list[bytes] = []
+
+    class Begun:
+        def cancel(self) -> None:
+            pass
+
+    def begin(
+        body: bytes, deadline: float, trace: Trace, reply: Callable[[bytes | Exception], None]
+    ) -> Begun:
+        begun.append(body)
+        return Begun()
+
+    async def main() -> None:
+        async with asyncio.TaskGroup() as tasks:
+            server = LaneServer(sock, echo, "pool 'x'", begin=begin)
+            await server.start(tasks)
+            client = LaneClient(sock, "pool 'x'")
+            call = tasks.create_task(client.call(b"held", soon(), []))
+            await until_true(lambda: begun == [b"held"])
+            stopping = tasks.create_task(server.stop(3600.0))
+            await asyncio.sleep(0)
+            call.cancel()  # the CANCEL frame ends the last call in flight
+            await asyncio.wait_for(stopping, 60)  # not the 3600 s grace
+            assert server.in_flight() == 0
+            client.close()
+
+    asyncio.run(main())

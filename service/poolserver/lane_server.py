@@ -100,6 +100,8 @@ class _ServerProtocol(asyncio.BufferedProtocol):
                 task = self.running.pop(seq, None)
                 if task is not None:
                     task.cancel()
+                    if not isinstance(task, asyncio.Task):  # (a task settles as it ends)
+                        self.server.settle()
             elif kind == PING:
                 self._send(HEADER.pack(0, REPLY, seq))
             elif kind in _STREAM_FRAMES:
