@@ -252,10 +252,17 @@ def test_begun_jobs_keep_the_queue_bound_deadlines_and_cancel() -> None:
         await until(lambda: d.live_workers() == 1)
         now = asyncio.get_running_loop().time()
         outcomes: dict[str, list[object]] = {}
+        arrived: dict[str, asyncio.Event] = {}
 
         def begin(name: str, deadline: float) -> object:
             got = outcomes.setdefault(name, [])
-            return d.begin(name.encode(), deadline, got.append)
+            came = arrived.setdefault(name, asyncio.Event())
+
+            def done(outcome: object) -> None:
+                got.append(outcome)
+                came.set()
+
+            return d.begin(name.encode(), deadline, done)
 
         running = begin("busy", now + 60)
         seq, _ = await w.receive()
@@ -266,7 +273,7 @@ def test_begun_jobs_keep_the_queue_bound_deadlines_and_cancel() -> None:
             d.begin(b"x", now + 60, outcomes.setdefault("x", []).append)
         cancelled.cancel()  # type: ignore[attr-defined]
         assert d.queue_depth() == 1, "a cancelled call's job leaves the queue at once"
-        await until(lambda: bool(outcomes["late1"]))
+        await asyncio.wait_for(arrived["late1"].wait(), 30)  # its deadline, 50 ms
         (error,) = outcomes["late1"]
         assert isinstance(error, DeadlineExceeded) and "never reached a worker" in str(error)
         assert d.queue_depth() == 0 and d.expired_in_queue == 1
@@ -277,7 +284,7 @@ def test_begun_jobs_keep_the_queue_bound_deadlines_and_cancel() -> None:
         seq, got = await w.receive()
         assert got == b"next", "neither the expired nor the cancelled job reached the worker"
         w.reply(seq, b"fine")
-        await until(lambda: bool(outcomes["next"]))
+        await asyncio.wait_for(arrived["next"].wait(), 30)
         (result,) = outcomes["next"]
         assert getattr(result, "body", None) == b"fine"
         for _ in range(10):
