@@ -281,6 +281,7 @@ def _idle(frames: list[str]) -> bool:
 def _kind(frame: str) -> str:
     """What a leaf frame is: a system call, grpc's C core, asyncio, our code, ..."""
     name, _, where = frame.partition(" (")
+    where = "/" + where  # py-spy shortens paths: "asyncio/events.py", "service/..."
     if name in SYSCALLS:
         return "system calls"
     if "cygrpc" in where or "libgrpc" in where:
