@@ -117,14 +117,18 @@ def start(subject: Subject, run_dir: Path, venvs: dict[str, Path]) -> servers.Ru
 
         spec = replace(spec, build=with_path)
     server = servers.start(spec, ctx)
-    servers.wait_line(server, timeout=120)
-    ready = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "client.py"), "ready", server.address,
-         "--models", "echo", "--timeout", "120", "--warm", "3"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    if '"ready": true' not in ready.stdout:
-        raise RuntimeError(f"{subject.label} never became ready: {ready.stdout} {ready.stderr}")
+    try:
+        servers.wait_line(server, timeout=120)
+        ready = subprocess.run(
+            [sys.executable, str(ROOT / "bench" / "client.py"), "ready", server.address,
+             "--models", "echo", "--timeout", "120", "--warm", "3"],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        if '"ready": true' not in ready.stdout:
+            raise RuntimeError(f"{subject.label} not ready: {ready.stdout} {ready.stderr}")
+    except BaseException:
+        servers.stop(server)  # by PID, what it started too
+        raise
     return server
 
 
