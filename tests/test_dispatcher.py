@@ -241,6 +241,59 @@ def test_cancel_leaves_queue_and_late_reply_is_dropped() -> None:
     with_dispatcher(body)
 
 
+def test_begun_jobs_keep_the_queue_bound_deadlines_and_cancel() -> None:
+    """Dispatcher.begin (a lane call without a task): the same bound, expiry in the
+    queue, cancel out of the queue and dropped late reply as submit; each outcome
+    delivered once, none after a cancel."""
+
+    async def body(d: Dispatcher, _: list[WorkerGone]) -> None:
+        w = FakeWorker(d, 1)
+        await w.connect()
+        await until(lambda: d.live_workers() == 1)
+        now = asyncio.get_running_loop().time()
+        outcomes: dict[str, list[object]] = {}
+        arrived: dict[str, asyncio.Event] = {}
+
+        def begin(name: str, deadline: float) -> object:
+            got = outcomes.setdefault(name, [])
+            came = arrived.setdefault(name, asyncio.Event())
+
+            def done(outcome: object) -> None:
+                got.append(outcome)
+                came.set()
+
+            return d.begin(name.encode(), deadline, done)
+
+        running = begin("busy", now + 60)
+        seq, _ = await w.receive()
+        begin("late1", now + 0.05)
+        cancelled = begin("gone", now + 60)
+        await until(lambda: d.queue_depth() == 2)
+        with pytest.raises(QueueFull, match="pool 'p'"):
+            d.begin(b"x", now + 60, outcomes.setdefault("x", []).append)
+        cancelled.cancel()  # type: ignore[attr-defined]
+        assert d.queue_depth() == 1, "a cancelled call's job leaves the queue at once"
+        await asyncio.wait_for(arrived["late1"].wait(), 30)  # its deadline, 50 ms
+        (error,) = outcomes["late1"]
+        assert isinstance(error, DeadlineExceeded) and "never reached a worker" in str(error)
+        assert d.queue_depth() == 0 and d.expired_in_queue == 1
+        running.cancel()  # type: ignore[attr-defined]  # its caller leaves while it runs
+        w.reply(seq, b"late")
+        await until(lambda: d.late_replies == 1)
+        begin("next", now + 60)
+        seq, got = await w.receive()
+        assert got == b"next", "neither the expired nor the cancelled job reached the worker"
+        w.reply(seq, b"fine")
+        await asyncio.wait_for(arrived["next"].wait(), 30)
+        (result,) = outcomes["next"]
+        assert getattr(result, "body", None) == b"fine"
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert outcomes["busy"] == [] and outcomes["gone"] == [] and outcomes["x"] == []
+
+    with_dispatcher(body, max_queue=2)
+
+
 def test_worker_death_retries_once_or_fails_with_status() -> None:
     async def body(d: Dispatcher, gone: list[WorkerGone]) -> None:
         a, b = FakeWorker(d, 11), FakeWorker(d, 12)

@@ -251,3 +251,73 @@ def test_write_now_sends_at_once_after_what_this_turn_queued() -> None:
             await asyncio.sleep(0)
 
     asyncio.run(main())
+
+
+def test_write_now_keeps_what_a_short_write_left_in_order() -> None:
+    """A frame of bytes parts that the socket takes only in part: the rest goes out
+    once it is writable, before any later frame, nothing lost or doubled."""
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        left, right = socket.socketpair()
+        left.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        right.setblocking(False)
+        transport, _ = await loop.connect_accepted_socket(asyncio.Protocol, sock=left)
+        assert isinstance(transport, asyncio.Transport)
+        batcher = Batcher(transport)
+        big = bytes(pattern(1 << 20))
+        expected = b"head" + big + b"next" + b"last"
+        received = bytearray()
+        try:
+            batcher.write_now(b"head", big)  # far more than the socket holds
+            batcher.write_now(b"next")  # waits behind the rest of the first
+            batcher.write_now(b"last")
+            while len(received) < len(expected):
+                try:
+                    received += right.recv(65536)
+                except BlockingIOError:
+                    await asyncio.sleep(0.001)
+            assert bytes(received) == expected
+        finally:
+            batcher.close()
+            transport.close()
+            right.close()
+            await asyncio.sleep(0)
+
+    asyncio.run(main())
+
+
+def test_frames_of_bytes_a_short_write_cuts_go_out_whole_and_in_order() -> None:
+    """Frames written in one turn as ``bytes`` parts (one writev of them as they
+    are) on a socket that takes only part: the rest follows, then later frames."""
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        left, right = socket.socketpair()
+        left.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        right.setblocking(False)
+        transport, _ = await loop.connect_accepted_socket(asyncio.Protocol, sock=left)
+        assert isinstance(transport, asyncio.Transport)
+        batcher = Batcher(transport)
+        parts = [bytes(pattern(n)) for n in (10, 300_000, 0, 7, 200_000)]
+        expected = b"".join(parts) + b"after" + b"now"
+        received = bytearray()
+        try:
+            for part in parts:
+                batcher.write(b"", part)
+            await asyncio.sleep(0)  # the turn's flush: a short write
+            batcher.write(b"after")
+            batcher.write_now(b"now")  # after what this turn queued, and what waits
+            while len(received) < len(expected):
+                try:
+                    received += right.recv(65536)
+                except BlockingIOError:
+                    await asyncio.sleep(0.001)
+            assert bytes(received) == expected
+        finally:
+            batcher.close()
+            transport.close()
+            right.close()
+            await asyncio.sleep(0)
+
+    asyncio.run(main())

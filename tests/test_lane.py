@@ -416,3 +416,107 @@ def test_immediate_answers_on_the_spot_and_falls_back_to_the_handler(sock: Path)
             await server.stop(5.0)
 
     asyncio.run(main())
+
+
+def test_calls_begun_without_a_task_answer_once_and_a_cancel_reaches_them(sock: Path) -> None:
+    """The ``begin`` hook: its reply (bytes or error) is answered on the lane; a call it
+    declines goes to the handler; a CANCEL frame cancels a begun call, which then
+    answers nothing; a stopping pool waits for begun calls as for tasks."""
+    handled: list[bytes] = []
+    begun: dict[bytes, Callable[[bytes | Exception], None]] = {}
+    cancelled: list[bytes] = []
+
+    class Begun:
+        def __init__(self, body: bytes) -> None:
+            self.body = body
+
+        def cancel(self) -> None:
+            cancelled.append(self.body)
+
+    def begin(
+        body: bytes, deadline: float, trace: Trace, reply: Callable[[bytes | Exception], None]
+    ) -> Begun | None:
+        if body == b"refused":
+            raise InvalidInput("refused on arrival")
+        if body.startswith(b"task"):
+            return None
+        begun[body] = reply
+        return Begun(body)
+
+    async def handler(body: bytes, deadline: float, trace: Trace) -> bytes:
+        handled.append(body)
+        return b"task:" + body
+
+    async def main() -> None:
+        async with asyncio.TaskGroup() as tasks:
+            server = LaneServer(sock, handler, "pool 'x'", begin=begin)
+            await server.start(tasks)
+            client = LaneClient(sock, "pool 'x'")
+            assert await client.call(b"task1", soon(), []) == b"task:task1"
+            with pytest.raises(InvalidInput, match="refused on arrival"):
+                await client.call(b"refused", soon(), [])
+            ok = tasks.create_task(client.call(b"ok", soon(), []))
+            bad = tasks.create_task(caught(client.call(b"bad", soon(), [])))
+            gone = tasks.create_task(client.call(b"gone", soon(), []))
+            await until_true(lambda: len(begun) == 3)
+            assert server.in_flight() == 3
+            begun[b"ok"](b"reply:ok")
+            begun[b"bad"](InvalidInput("the model said no"))
+            assert await ok == b"reply:ok"
+            error = await bad
+            assert isinstance(error, InvalidInput) and "the model said no" in str(error)
+            gone.cancel()
+            await until_true(lambda: cancelled == [b"gone"])  # the CANCEL frame reached it
+            assert server.in_flight() == 0
+            begun[b"gone"](b"too late")  # answers nothing: nobody waits
+            assert handled == [b"task1"]
+            assert await client.call(b"task2", soon(), []) == b"task:task2"
+            client.close()
+            await server.stop(5.0)
+
+    asyncio.run(main())
+
+
+async def caught(call: Awaitable[bytes]) -> bytes | Exception:
+    try:
+        return await call
+    except Exception as exc:
+        return exc
+
+
+async def until_true(predicate: Callable[[], bool]) -> None:
+    for _ in range(100_000):
+        if predicate():
+            return
+        await asyncio.sleep(0.001 if _ > 1000 else 0)
+    raise AssertionError("condition never held")
+
+
+def test_a_stopping_pool_does_not_wait_for_a_begun_call_its_caller_cancelled(sock: Path) -> None:
+    begun: list[bytes] = []
+
+    class Begun:
+        def cancel(self) -> None:
+            pass
+
+    def begin(
+        body: bytes, deadline: float, trace: Trace, reply: Callable[[bytes | Exception], None]
+    ) -> Begun:
+        begun.append(body)
+        return Begun()
+
+    async def main() -> None:
+        async with asyncio.TaskGroup() as tasks:
+            server = LaneServer(sock, echo, "pool 'x'", begin=begin)
+            await server.start(tasks)
+            client = LaneClient(sock, "pool 'x'")
+            call = tasks.create_task(client.call(b"held", soon(), []))
+            await until_true(lambda: begun == [b"held"])
+            stopping = tasks.create_task(server.stop(3600.0))
+            await asyncio.sleep(0)
+            call.cancel()  # the CANCEL frame ends the last call in flight
+            await asyncio.wait_for(stopping, 60)  # not the 3600 s grace
+            assert server.in_flight() == 0
+            client.close()
+
+    asyncio.run(main())

@@ -32,6 +32,26 @@ def test_peek_matches_protobuf(
     assert peek_model(request.SerializeToString()) == (name, version)
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    name=st.text(min_size=100, max_size=300),
+    raw=st.binary(min_size=128, max_size=20000),
+    unknown=st.integers(min_value=16, max_value=2**20),
+)
+def test_peek_reads_long_fields_and_large_field_numbers(
+    name: str, raw: bytes, unknown: int
+) -> None:
+    """Lengths of 128 bytes and more, and tags of two bytes and more (fields from 16):
+    the multi-byte varints next to the one-byte fast path."""
+    request = pb.ModelInferRequest(model_name=name, model_version="7")
+    request.raw_input_contents.append(raw)
+    data = request.SerializeToString() + encode_len_field(unknown, b"x" * 130)
+    assert peek_model(data) == (name, "7")
+    assert peek_routing(data).name == name
+    with pytest.raises(InvalidInput):
+        peek_model(data[:-1])  # the unknown field's payload runs past the end
+
+
 def test_fields_in_any_order_last_wins() -> None:
     data = encode_len_field(3, b"id") + encode_len_field(1, b"a") + encode_len_field(1, b"b")
     assert peek_model(data) == ("b", "")

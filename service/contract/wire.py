@@ -72,7 +72,11 @@ def peek_routing(data: Wire, with_parameters: bool = True) -> Routing:
     pos = 0
     end = len(data)
     while pos < end:
-        key, pos = _varint(data, pos)
+        key = data[pos]  # a one-byte varint (fields 1 to 15), else the whole reader
+        if key < 0x80:
+            pos += 1
+        else:
+            key, pos = _varint(data, pos)
         number, wire_type = key >> 3, key & 7
         if number == 0:
             raise InvalidInput("request bytes hold a field number 0")
@@ -83,7 +87,11 @@ def peek_routing(data: Wire, with_parameters: bool = True) -> Routing:
         elif wire_type == _I32:
             pos += 4
         elif wire_type == _LEN:
-            size, pos = _varint(data, pos)
+            if pos < end and data[pos] < 0x80:  # a length under 128: one byte
+                size = data[pos]
+                pos += 1
+            else:
+                size, pos = _varint(data, pos)
             start, pos = pos, pos + size
             if pos > end:
                 raise InvalidInput("request bytes are truncated (a field runs past the end)")

@@ -51,6 +51,7 @@ from poolserve.service.poolcore.jobs import (
 )
 from poolserve.service.poolcore.link import send_job, serve_link
 from poolserve.service.poolcore.roster import Roster
+from poolserve.service.poolcore.started import Started
 from poolserve.service.poolcore.streams import Parts, cancel_stream, next_part, part_came, took_part
 from poolserve.service.poolcore.watch import WorkerWatch
 
@@ -98,14 +99,18 @@ class Dispatcher:
 
     async def run(self, started: Callable[[], None] = lambda: None) -> None:
         """Owns the worker reader tasks and the heartbeat watch until :meth:`close`."""
-        async with asyncio.TaskGroup() as tasks:
-            self._tasks = tasks
-            watch = tasks.create_task(self.watch.watch_heartbeats(), name="heartbeats")
-            started()
-            await self._closing.wait()
-            watch.cancel()
-            self.roster.close_all()
-        self._tasks = None
+        self.admission.loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                self._tasks = tasks
+                watch = tasks.create_task(self.watch.watch_heartbeats(), name="heartbeats")
+                started()
+                await self._closing.wait()
+                watch.cancel()
+                self.roster.close_all()
+        finally:
+            self._tasks = None
+            self.admission.loop = None
 
     def close(self) -> None:
         self._closing.set()
@@ -189,6 +194,29 @@ class Dispatcher:
             self._fill_idle()  # a batch waiting for more jobs may be complete now
         return await self._answer(job)
 
+    def begin(
+        self,
+        body: Payload,
+        deadline: float,
+        done: Callable[[Result | BaseException], None],
+        *,
+        priority: int | None = None,
+        idempotent: bool = True,
+        tag: str = "",
+        timeout: float | None = None,
+        precision: float = 0.0,
+    ) -> Started:
+        """:meth:`submit` of a job that is not batched, without a task: ``done``
+        gets its result or its error, as ``submit`` would return or raise them,
+        unless the call's :meth:`Started.cancel` came first. The same admission,
+        queue, deadline (its caller leaves at it) and cancel as ``submit``; the
+        refusals are raised here."""
+        job = self.admission.admit(body, deadline, priority, tag, idempotent, timeout, precision)
+        self._place(job, precision)
+        if job.state is JobState.QUEUED and self.roster.idle:
+            self._fill_idle()
+        return Started(self.admission.running_loop(), job, done, self._expire, self._abandon)
+
     async def submit_stream(
         self,
         body: Payload,
@@ -213,7 +241,7 @@ class Dispatcher:
         ``pinned``: the worker of the stream's ``sequence`` (a decoupled sequence
         model), where it runs after the jobs already pinned to it.
         """
-        loop = asyncio.get_running_loop()
+        loop = self.admission.running_loop()
         if pinned is not None:
             self.admission.check_arrival(deadline)
             parts = Parts(max(1, window))
@@ -258,7 +286,7 @@ class Dispatcher:
         pinned jobs; nobody waits for the answer."""
         if worker.state is WorkerState.DEAD:
             return
-        deadline = asyncio.get_running_loop().time() + 3600.0
+        deadline = self.admission.running_loop().time() + 3600.0
         job = self.admission.pinned(worker, body, deadline, sequence, tag, notice=True)
         self._pin(worker, job)
         job.future.add_done_callback(lambda done: done.exception())
@@ -298,7 +326,7 @@ class Dispatcher:
 
     async def _answer(self, job: Job) -> Result:
         """``job``'s result; its caller leaves at its deadline, or on a cancel."""
-        timer = asyncio.get_running_loop().call_at(job.deadline, self._expire, job)
+        timer = self.admission.running_loop().call_at(job.deadline, self._expire, job)
         try:
             return await job.future
         finally:
@@ -310,7 +338,7 @@ class Dispatcher:
             self._abandon(job, "its deadline passed")
 
     def _start(self, worker: Worker, jobs: list[Job]) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self.admission.running_loop()
         now = loop.time()
         for member in jobs:
             member.state = JobState.RUNNING
@@ -387,7 +415,7 @@ class Dispatcher:
             return  # the worker stays in the stream until its final frame
         replies = reply_per_job(job, reply)
         worker.served += 1
-        finished = asyncio.get_running_loop().time()
+        finished = self.admission.running_loop().time()
         self.admission.learn_service_time(job, replies, finished - job.started)
         self.late_replies += answer(job, replies, finished)
         if job.overtime is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from poolserve.service.contract.batching import peek_batch
 from poolserve.service.contract.errors import (
@@ -27,6 +27,7 @@ from poolserve.service.contract.wire import Routing
 from poolserve.service.poolcore.dispatcher import Dispatcher
 from poolserve.service.poolcore.jobs import Result
 from poolserve.service.poolcore.sequences import Sequences
+from poolserve.service.poolcore.started import Started
 from poolserve.service.poolserver.catalog import ModelEntry
 from poolserve.service.poolserver.inline import InlineRunner
 from poolserve.service.poolserver.inline_sequences import InlineSequences
@@ -112,6 +113,68 @@ class PoolBackend:
         except ServingError as exc:
             entry.stats.record_failure(time.monotonic_ns() - began, error=exc)
             raise
+        body = self._answered(entry, result, began)
+        if observe is not None:
+            observe(result)
+        return body
+
+    def begin(
+        self,
+        entry: ModelEntry,
+        request: Payload,
+        deadline: float,
+        routing: Routing,
+        reply: Callable[[Payload | Exception], None],
+    ) -> Started | None:
+        """:meth:`infer` without a task, for a request on a forked worker that runs
+        alone (not inline, not in a sequence, not batched, unary): its reply's
+        bytes or its error go to ``reply`` (unless cancelled first), counted in
+        the model's statistics as :meth:`infer` counts them. None: it takes
+        :meth:`infer`. Refusals on arrival are raised here."""
+        settings = entry.settings
+        if (
+            not entry.policy.unary
+            or entry.name in self.inline
+            or (
+                settings is not None
+                and (settings.sequence is not None or settings.batching is not None)
+            )
+        ):
+            return None
+        plan = self._plan(entry, routing, deadline)
+        if self.reject_hopeless:
+            self._reject_if_hopeless(entry, plan.deadline)
+        stats = entry.stats
+        began = time.monotonic_ns()
+
+        def done(outcome: Result | BaseException) -> None:
+            try:
+                if isinstance(outcome, BaseException):
+                    if isinstance(outcome, ServingError):
+                        stats.record_failure(time.monotonic_ns() - began, error=outcome)
+                    reply(outcome if isinstance(outcome, Exception) else Exception(outcome))
+                    return
+                reply(self._answered(entry, outcome, began))
+            except Exception as exc:  # (a bug: the call still gets an answer)
+                reply(exc)
+
+        try:
+            return self.dispatcher.begin(
+                request,
+                plan.deadline,
+                done,
+                priority=plan.priority,
+                idempotent=routing.idempotent,
+                tag=entry.name,
+                timeout=settings.timeout_s if settings is not None else None,
+                precision=plan.precision,
+            )
+        except ServingError as exc:
+            stats.record_failure(time.monotonic_ns() - began, error=exc)
+            raise
+
+    def _answered(self, entry: ModelEntry, result: Result, began: int) -> Payload:
+        """A worker's result, counted: its body, or MessageTooLarge (raised)."""
         if len(result.body) > self.max_message_size:
             too_large = MessageTooLarge.reply(entry.name, len(result.body), self.max_message_size)
             entry.stats.record_failure(time.monotonic_ns() - began, error=too_large)
@@ -121,8 +184,6 @@ class PoolBackend:
         )
         if result.batch_report:
             entry.stats.record_batch(result.batch_size, result.timings)
-        if observe is not None:
-            observe(result)
         return result.body
 
     async def _infer_in_sequence(

@@ -7,11 +7,13 @@ starts a stream's task the same way; that stream's other frames go to it
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import struct
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Protocol
 
 from google.protobuf.message import DecodeError
 
@@ -51,6 +53,16 @@ Handler = Callable[[Payload, float, Trace], Awaitable[Payload]]
 Immediate = Callable[[Payload, float, Trace], bytes | None]
 
 
+class Cancellable(Protocol):
+    def cancel(self) -> object: ...
+
+
+# Optionally, next: the call started without a task; its reply (bytes, or the error
+# as from Handler) goes to the function given, once, unless cancelled first. Returns
+# what cancels it, or None when the call needs the Handler's task.
+Begin = Callable[[Payload, float, Trace, Callable[[Payload | Exception], None]], Cancellable | None]
+
+
 _STREAM_FRAMES = frozenset((STREAM_REQUEST, STREAM_CLOSE, STREAM_ACK))
 
 
@@ -62,7 +74,7 @@ class _ServerProtocol(asyncio.BufferedProtocol):
     def __init__(self, server: LaneServer) -> None:
         self.server = server
         self.frames = FrameBuffer(server.max_frame)
-        self.running: dict[int, asyncio.Task[None]] = {}
+        self.running: dict[int, Cancellable] = {}  # tasks, and calls begun without one
         self.streams: dict[int, LaneStream] = {}
         self.transport: asyncio.Transport | None = None
         self.batcher: Batcher | None = None
@@ -88,6 +100,8 @@ class _ServerProtocol(asyncio.BufferedProtocol):
                 task = self.running.pop(seq, None)
                 if task is not None:
                     task.cancel()
+                    if not isinstance(task, asyncio.Task):  # (a task settles as it ends)
+                        self.server.settle()
             elif kind == PING:
                 self._send(HEADER.pack(0, REPLY, seq))
             elif kind in _STREAM_FRAMES:
@@ -124,7 +138,26 @@ class _ServerProtocol(asyncio.BufferedProtocol):
             if reply is not None:  # answered on the spot: no task, no await
                 self._send(HEADER.pack(len(reply), REPLY, seq), reply)
                 return
+        if server.begin is not None:
+            try:
+                begun = server.begin(body, deadline, trace, functools.partial(self._done, seq))
+            except Exception as exc:
+                self._send(self._error(seq, exc))
+                return
+            if begun is not None:  # running without a task: its reply comes to _done
+                self.running[seq] = begun
+                return
         self.running[seq] = server.tasks.create_task(self._run(seq, body, deadline, trace))
+
+    def _done(self, seq: int, outcome: Payload | Exception) -> None:
+        """The reply of a call begun without a task (none once it was cancelled)."""
+        if self.running.pop(seq, None) is None:
+            return  # cancelled, or its connection went: nobody to answer
+        self.server.settle()
+        if isinstance(outcome, Exception):
+            self._send(self._error(seq, outcome))
+        else:
+            self._send(HEADER.pack(len(outcome), REPLY, seq), outcome)
 
     def _open(self, seq: int, payload: Payload) -> None:
         server = self.server
@@ -204,10 +237,12 @@ class LaneServer:
         max_frame: int = MAX_FRAME,
         immediate: Immediate | None = None,
         streamer: StreamHandler | None = None,
+        begin: Begin | None = None,
     ) -> None:
         self.path = path
         self.handler = handler
         self.immediate = immediate
+        self.begin = begin
         self.streamer = streamer
         self.where = where
         self.max_frame = max_frame

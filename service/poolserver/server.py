@@ -41,6 +41,7 @@ from poolserve.service.grpcserver.tracing import Tracing
 from poolserve.service.inference.cargo import InferenceZygote
 from poolserve.service.poolcore.fleet import Fleet
 from poolserve.service.poolcore.jobs import Limits, WorkerGone
+from poolserve.service.poolcore.started import Started
 from poolserve.service.poolcore.zygote_control import ZygoteEvents
 from poolserve.service.poolserver.backend import PoolBackend
 from poolserve.service.poolserver.catalog import Catalog, ModelState
@@ -133,6 +134,7 @@ class PoolServer(LiveModels):
             max_frame=settings.max_message_size + LANE_OVERHEAD,
             immediate=self._lane_now,
             streamer=self.servicer.stream_lane,
+            begin=self._lane_begin,
         )
         self._stop = asyncio.Event()
         self.exit_code = 0
@@ -156,6 +158,21 @@ class PoolServer(LiveModels):
         entry = self.catalog.lookup_ready(routing.name, routing.version)
         deadline -= self.servicer.margin_s
         return self.backend.infer_now(entry, request, deadline, routing)
+
+    def _lane_begin(
+        self,
+        request: Payload,
+        deadline: float,
+        trace: Trace,
+        reply: Callable[[Payload | Exception], None],
+    ) -> Started | None:
+        """A lane call started without a task: untraced, on a forked worker, alone."""
+        if self.servicer.tracing is not None:
+            return None
+        routing = peek_routing(scheduling_view(request))
+        entry = self.catalog.lookup_ready(routing.name, routing.version)
+        deadline -= self.servicer.margin_s
+        return self.backend.begin(entry, request, deadline, routing, reply)
 
     def _runs_inline(self, settings: ModelSettings) -> bool:
         # A pool of 0 workers runs its models inline, as MLServer's parallel_workers 0.

@@ -117,7 +117,7 @@ class LaneClient:
         """
         transport = self._transport or await self._connect()
         leased = self._lease(body, model, head)
-        loop = asyncio.get_running_loop()
+        loop = transport.loop  # (asyncio.get_running_loop() costs a getpid system call)
         seq = next(self._seq)
         future: asyncio.Future[bytes | ServingError] = loop.create_future()
         self.pending[seq] = future
