@@ -53,8 +53,9 @@ $(RUN_STAMP): pyproject.toml
 run: $(RUN_STAMP)
 	@test -f examples/models/iris/model.joblib || $(BIN)/python examples/models/iris/train.py
 	@test -f examples/models/boosted/model.joblib || $(BIN)/python examples/models/boosted/train.py
-	@echo "poolserve: serving $(REPO) on 127.0.0.1:8081 (Ctrl-C stops it)."
+	@echo "poolserve: serving $(REPO) on 127.0.0.1:8081 (gRPC) and :8080 (REST) (Ctrl-C stops it)."
 	@echo "  try: $(BIN)/python examples/client.py 127.0.0.1:8081"
+	@echo "   or: curl -s localhost:8080/v2/models/echo/infer -d '{\"inputs\": [{\"name\": \"INPUT0\", \"shape\": [1, 2], \"datatype\": \"FP32\", \"data\": [1, 2]}]}'"
 	$(BIN)/poolserve serve $(REPO)
 
 # Side-by-side benchmark against MLServer, KServe and a bare grpc.aio server, over gRPC

@@ -21,8 +21,8 @@ not ready, with its state and reason, as ``poolserve status`` shows them
 
 Without ``--addr``, the probe asks the router of the local tree: the
 address it wrote in its run directory (``--run-dir``, ``POOLSERVE_RUN_DIR``,
-or the default of ``POOLSERVE_GRPC_PORT``, as ``poolserve status`` finds
-it), else ``localhost:8081``.
+or the default of ``--grpc-port`` or ``POOLSERVE_GRPC_PORT``, as ``poolserve
+status`` finds it), else ``localhost:PORT``.
 
 The connection is made first (bounded by ``--connect-timeout``), then the
 one RPC (bounded by ``--rpc-timeout``), so the exit code says which failed.
@@ -132,6 +132,12 @@ def add_probe_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--run-dir", default=None, help="without --addr: the run directory of the tree to probe"
     )
+    parser.add_argument(
+        "--grpc-port",
+        type=int,
+        default=None,
+        help="without --addr: the tree's port, to find its run directory (as status does)",
+    )
     parser.add_argument("--service", default=None, help='health service name (default: "")')
     what = parser.add_mutually_exclusive_group()
     what.add_argument("--ready", action="store_true", help="check ServerReady instead of health")
@@ -162,7 +168,7 @@ def add_probe_arguments(parser: argparse.ArgumentParser) -> None:
 
 def options_from_args(args: argparse.Namespace) -> ProbeOptions:
     """Validates the combination of flags, as grpc_health_probe does."""
-    addr = args.addr or default_address(args.run_dir)
+    addr = args.addr or default_address(args.run_dir, grpc_port=args.grpc_port)
     for name in ("connect_timeout", "rpc_timeout"):
         if getattr(args, name) <= 0:
             flag = "--" + name.replace("_", "-")
@@ -208,18 +214,24 @@ def options_from_args(args: argparse.Namespace) -> ProbeOptions:
     )
 
 
-def default_address(run_dir: str | None, environ: Mapping[str, str] | None = None) -> str:
+def default_address(
+    run_dir: str | None,
+    environ: Mapping[str, str] | None = None,
+    grpc_port: int | None = None,
+) -> str:
     """The router address of the local tree, as ``poolserve status`` finds its run
-    directory; ``localhost:PORT`` when the tree wrote none (or runs elsewhere)."""
+    directory (``--run-dir``, ``POOLSERVE_RUN_DIR``, the default of ``--grpc-port``
+    or ``POOLSERVE_GRPC_PORT``); ``localhost:PORT`` when the tree wrote none."""
     from poolserve.service.contract.rundir import ADDRESS_FILE
     from poolserve.supervisor.status_cli import default_grpc_port, resolve_run_dir
 
     env = os.environ if environ is None else environ
     try:
-        written = (resolve_run_dir(run_dir, None, env) / ADDRESS_FILE).read_text().strip()
+        written = (resolve_run_dir(run_dir, grpc_port, env) / ADDRESS_FILE).read_text().strip()
     except OSError:
         written = ""
-    return written or f"localhost:{default_grpc_port(env)}"
+    port = default_grpc_port(env) if grpc_port is None else grpc_port
+    return written or f"localhost:{port}"
 
 
 class ProbeArgumentParser(argparse.ArgumentParser):

@@ -437,6 +437,7 @@ class ReloadReport:
     updated: list[str] = field(default_factory=list)  # gids with models changed live
     restarted: list[str] = field(default_factory=list)  # child ids
     failures: list[str] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)  # fixed settings asked to change
     router_updated: bool = False
 
     @property
@@ -456,6 +457,8 @@ class ReloadReport:
         if self.router_updated:
             parts.append("router took the new routes live")
         text = "; ".join(parts) or "nothing to change"
+        if self.kept:
+            text += "; " + "; ".join(self.kept)
         if self.failures:
             text += f"; {len(self.failures)} problem(s): " + "; ".join(self.failures)
         return text
@@ -494,6 +497,7 @@ class Reconciler:
         self.repo = repo
         self.flags = dict(flags)
         self.current = current
+        self.routers = current.settings.routers  # fixed at start (FIXED_SETTINGS)
         self._tree = tree
         self._run_dir = run_dir
         self._watch = watch
@@ -559,12 +563,15 @@ class Reconciler:
             report.failures.append(f"configuration not reloaded: {error}")
             return
         plan = plan_reload(self.current, wanted)
-        if wanted.settings.routers != self.current.settings.routers:
-            log.warning(
-                "reload: routers %s is kept until the server restarts (fixed at start; asked: %s)",
-                self.current.settings.routers,
-                wanted.settings.routers,
+        if wanted.settings.routers != self.routers:
+            # Against the value the tree started with: self.current takes the
+            # new settings below, so comparing with it would warn only once.
+            kept = (
+                f"routers {self.routers} kept until the server restarts"
+                f" (fixed at start; asked: {wanted.settings.routers})"
             )
+            log.warning("reload: %s", kept)
+            report.kept.append(kept)
         try:
             pools = self._tree.pools()
         except RuntimeError as error:

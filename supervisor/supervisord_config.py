@@ -40,7 +40,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from poolserve.service.contract.repository import scan
-from poolserve.service.contract.settings import ConfigError, ServerSettings, load_server_settings
+from poolserve.service.contract.settings import (
+    ConfigError,
+    ServerSettings,
+    load_server_settings,
+    router_count,
+)
 from poolserve.service.lifecycle.exitcodes import EXIT_CONFIG, EXIT_OK, EXIT_UNRECOVERABLE
 
 POOL_PRIORITY = 100
@@ -228,6 +233,14 @@ def main(
     except ConfigError as exc:
         print(f"poolserve supervisord-config: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    asked = router_count(load_server_settings(repo.resolve(), flags=flags))
+    if asked > 1:  # said, not silently dropped: the program runs one router
+        print(
+            f"poolserve supervisord-config: routers {asked}: this layout runs one router"
+            " (a fleet shares ports that only `poolserve serve` holds for it);"
+            " use `poolserve serve` under supervisord (one program) for a fleet",
+            file=sys.stderr,
+        )
     sections = standalone_sections(standalone) if standalone is not None else ""
     sys.stdout.write(sections + render_config(repo, programs))
     return EXIT_OK

@@ -488,6 +488,27 @@ def test_reload_requests_are_queued_and_share_a_result(repo: Path, tmp_path: Pat
     run(main)
 
 
+def test_reload_says_routers_are_kept_every_time(repo: Path, tmp_path: Path) -> None:
+    """`routers` is fixed at start: a reload asking for another count says so in
+    its summary (what `poolserve reload` prints), every time, against the count
+    the tree started with; asking for that count again says nothing."""
+
+    async def main() -> None:
+        async with Harness(repo, tmp_path, "") as harness:
+            (repo / "settings.json").write_text('{"routers": 2}')
+            for _ in range(2):
+                report = await harness.reconciler.reload()
+                assert report.ok
+                assert "routers 1 kept until the server restarts (fixed at start; asked: 2)" in (
+                    report.summary()
+                )
+            (repo / "settings.json").write_text('{"routers": 1}')
+            report = await harness.reconciler.reload()
+            assert "kept" not in report.summary()
+
+    run(main)
+
+
 def test_ensure_pool(repo: Path, tmp_path: Path) -> None:
     async def main() -> None:
         async with Harness(repo, tmp_path, "") as harness:

@@ -262,6 +262,25 @@ def test_default_address_without_a_tree(tmp_path: Path) -> None:
     assert probe_module.default_address(str(tmp_path), env) == "127.0.0.1:4567"
 
 
+def test_grpc_port_finds_that_trees_run_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`probe --grpc-port P` finds the tree on P as `status --grpc-port P` does
+    (README's second tree): its run directory's address file, else localhost:P."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    env: dict[str, str] = {}
+    assert probe_module.default_address(None, env, grpc_port=9123) == "localhost:9123"
+    run_dir = tmp_path / f"poolserve-{os.getuid()}-9123"
+    run_dir.mkdir()
+    (run_dir / "router.addr").write_text("127.0.0.1:9123\n")
+    assert probe_module.default_address(None, env, grpc_port=9123) == "127.0.0.1:9123"
+    parser = argparse.ArgumentParser()
+    probe_module.add_probe_arguments(parser)
+    args = parser.parse_args(["--grpc-port", "9123"])
+    monkeypatch.delenv("POOLSERVE_RUN_DIR", raising=False)
+    assert probe_module.options_from_args(args).addr == "127.0.0.1:9123"
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("check", [["--live"], ["--model", "echo"], ["--service", "model:echo"]])
 def test_what_still_works_exits_0(unready_server: Serving, check: list[str]) -> None:

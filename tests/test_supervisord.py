@@ -439,3 +439,20 @@ def test_generated_config_rejects_an_empty_repository(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2, proc.stderr
     assert "no valid model" in proc.stderr
+
+
+def test_generated_config_says_it_runs_one_router(tmp_path: Path) -> None:
+    """`--routers 2` is not dropped silently: the flat layout runs one router
+    (--routers 1 in its command), and stderr says so; exit 0."""
+    repo = tmp_path / "models"
+    copy_example(repo, "echo")
+    proc = subprocess.run(
+        [str(BIN / "poolserve"), "supervisord-config", str(repo), "--routers", "2"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "--routers 1" in proc.stdout
+    assert "routers 2: this layout runs one router" in proc.stderr
