@@ -144,8 +144,12 @@ HTTP_PORTS = (
 
 
 def check_http_ports(settings: ServerSettings, given: Collection[str]) -> None:
-    """:func:`check_port` for each of the router's HTTP ports."""
-    for field, flag, what, off in HTTP_PORTS:
+    """:func:`check_port` for each of the router's HTTP ports, and for its gRPC
+    port when one router runs (a fleet holds its ports: fleet.py)."""
+    ports = list(HTTP_PORTS)
+    if router_count(settings) == 1:
+        ports.insert(0, ("grpc_port", "--grpc-port", "the router's gRPC port", ""))
+    for field, flag, what, off in ports:
         source = flag if field in given else "settings"
         check_port(settings, field, flag, what, off, source)
 
@@ -179,7 +183,7 @@ def check_port(
                 f"{what} cannot listen on {_host_port(address)}: "
                 f"{exc.strerror} (another tree? each tree needs its own: "
                 f"set {flag} / {field} / POOLSERVE_{field.upper()} to a "
-                f"free port, 0 for any free port, -1 for {off})",
+                f"free port, 0 for any free port{f', -1 for {off}' if off else ''})",
             ) from None
 
 

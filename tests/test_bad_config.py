@@ -206,14 +206,19 @@ class M(Model):
 
 @pytest.mark.parametrize(
     ("flag", "field", "address_file"),
-    [("--metrics-port", "metrics_port", "metrics.addr"), ("--http-port", "http_port", "http.addr")],
+    [
+        ("--metrics-port", "metrics_port", "metrics.addr"),
+        ("--http-port", "http_port", "http.addr"),
+        ("--grpc-port", "grpc_port", "router.addr"),
+    ],
 )
-def test_second_tree_on_the_same_http_port_exits_2_before_any_pool(
+def test_second_tree_on_the_same_port_exits_2_before_any_pool(
     tmp_path: Path, flag: str, field: str, address_file: str
 ) -> None:
     """The metrics (8082) and REST (8080) ports stay when --grpc-port changes;
     a second tree found the clash only in its router, after its pools had
-    loaded, leaving a socket in its run_dir. It must fail before any pool."""
+    loaded, leaving a socket in its run_dir. It must fail before any pool; so
+    must one on the same gRPC port (a fleet holds its ports; one router did not)."""
     port = free_port()
     first = Tree(make_repo(tmp_path / "repo1", {"echo": None}), tmp_path / "run1",
                  workers=1, extra=(flag, str(port)))  # fmt: skip
