@@ -432,6 +432,37 @@ def test_metrics_count_every_call_whichever_router_took_it(fleet: Tree) -> None:
     assert _sample(text, "poolserve_processes", kind="router") == ROUTERS
 
 
+def test_metrics_count_each_routers_calls_apart(fleet: Tree) -> None:
+    """poolserve_router_requests_total{router="i"}: the calls router i took (the
+    kernel's spread), summing to the calls made; the totals unchanged."""
+    status = asyncio.run(fetch_tree_status(fleet.run_dir, 30, skip_pools=True))
+    index = {n.pid: n.id.removeprefix("router-") for n in walk(status.root)}
+    index = {pid: i for pid, i in index.items() if i.isdigit()}
+    assert sorted(index.values()) == [str(i) for i in range(ROUTERS)]
+    text = _scrape(fleet)
+    per_router = {
+        i: _sample(text, "poolserve_router_requests_total", router=i) for i in index.values()
+    }
+    success = _sample(text, "nv_inference_request_success", model="echo")
+    channels = located(fleet)
+    took = dict.fromkeys(index.values(), 0)
+    try:
+        for _ in range(3):
+            for c in channels:
+                c.stub.ModelInfer(echo_request(np.zeros((1, 1), np.float32)), timeout=60)
+                assert c.router is not None
+                took[index[c.router]] += 1
+    finally:
+        for c in channels:
+            c.close()
+    text = _scrape(fleet)
+    for i, before in per_router.items():
+        assert _sample(text, "poolserve_router_requests_total", router=i) - before == took[i], i
+    assert all(took.values()), took  # both routers took some
+    calls = sum(took.values())
+    assert _sample(text, "nv_inference_request_success", model="echo") - success == calls
+
+
 def test_a_killed_router_restarts_while_the_other_serves(fleet: Tree) -> None:
     channels = located(fleet)
     victim = channels[0].router
