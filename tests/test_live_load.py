@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import shutil
 from pathlib import Path
@@ -124,6 +125,28 @@ def test_failed_reload_keeps_previous_version(tmp_path: Path) -> None:
 
     with Serving(repo, tmp_path / "run") as serving:
         asyncio.run(main(serving))
+        # the model's traceback is in the log, once, by the pool, with the model's name
+        log = serving.log()
+        assert log.count("live load of model echo: load failed: ") == 1, log[-3000:]
+        (line,) = [ln for ln in log.splitlines() if "live load of model echo" in ln]
+        assert " pool:default[" in line and "half-written file" in line, line
+        after = log.split(line, 1)[1]
+        assert after.lstrip("\n").startswith("Traceback (most recent call last)"), after[:500]
+        assert "raise ImportError('half-written file')" in after
+        assert log.count("raise ImportError('half-written file')") == 1
+
+        # the same through REST, for a model added after start whose load raises
+        add_echo_copy(repo, "broken")
+        (repo / "broken" / "model.py").write_text("raise OSError('weights missing')\n")
+        host, port = (serving.run_dir / "http.addr").read_text().strip().rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("POST", "/v2/repository/models/broken/load", b"{}")
+        reply = conn.getresponse()
+        assert reply.status >= 400 and b"weights missing" in reply.read()
+        conn.close()
+        log = serving.log()
+        assert log.count("live load of model broken: load failed: ") == 1, log[-3000:]
+        assert log.count("raise OSError('weights missing')") == 1, log[-3000:]
 
 
 def test_model_control_can_be_disabled(tmp_path: Path) -> None:

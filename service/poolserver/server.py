@@ -180,6 +180,9 @@ class PoolServer(LiveModels):
         trace = self._load_tracebacks.pop(name, "")
         waiting = self._model_replies.pop(name, None)
         if waiting is not None:  # a live load: _load decides what the catalog says
+            if not ok:  # the client hears the reason; the log has the traceback too
+                extra = {"model": name, "traceback": trace} if trace else {"model": name}
+                log.error("pool %s: live load of model %s: %s", self.gid, name, reason, extra=extra)
             if not waiting.done():
                 waiting.set_result(ModelReply(ok, reason, (inputs, outputs), policy))
             return
@@ -191,8 +194,8 @@ class PoolServer(LiveModels):
                 entry.custom_routes = self._custom_routes.pop(name, ())
             self.catalog.set_state(name, ModelState.READY, "", (inputs, outputs), policy)
         else:
-            # The traceback goes in a field of its own (log_format json); a text
-            # line stays one line.
+            # The traceback goes in a field of its own (log_format json); text
+            # prints it after the line (logs.TextFormatter).
             extra = {"model": name, "traceback": trace} if trace else {"model": name}
             log.error("pool %s: model %s: %s", self.gid, name, reason, extra=extra)
             self.catalog.set_state(name, ModelState.UNAVAILABLE, reason)
