@@ -58,11 +58,11 @@ LOCAL_POOL = (("grpc.use_local_subchannel_pool", 1),)  # each channel its own co
 
 
 def test_routers_setting_parses_counts_and_auto(tmp_path: Path) -> None:
-    assert router_count(ServerSettings()) == 1
+    assert router_count(ServerSettings(), 8) == 1
     auto = load_server_settings(tmp_path, environ={"POOLSERVE_ROUTERS": "auto"})
     assert auto.routers == "auto"
     assert [router_count(auto, cores) for cores in (1, 3, 4, 8, 16, 32)] == [1, 1, 1, 2, 4, 8]
-    assert router_count(load_server_settings(tmp_path, environ={}, flags={"routers": "3"})) == 3
+    assert router_count(load_server_settings(tmp_path, environ={}, flags={"routers": "3"}), 1) == 3
     (tmp_path / "settings.json").write_text(json.dumps({"routers": 2}))
     assert load_server_settings(tmp_path, environ={}).routers == 2
     for bad in ("0", "-1", "many", "65", "2.5"):
