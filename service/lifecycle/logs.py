@@ -63,18 +63,6 @@ class _RoleFilter(logging.Filter):
         return True
 
 
-class TextFormatter(logging.Formatter):
-    """``TEXT_FORMAT``; a record's ``traceback`` field (a failed model load's,
-    raised in another process) follows its line, as an exception's does."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        line = super().format(record)
-        trace = getattr(record, "traceback", None)
-        if isinstance(trace, str) and trace:
-            line = f"{line}\n{trace.rstrip()}"
-        return line
-
-
 def json_formatter() -> logging.Formatter:
     from pythonjsonlogger.json import JsonFormatter
 
@@ -106,7 +94,7 @@ def setup_logging(
     if log_format == "json":
         handler.setFormatter(json_formatter())
     else:
-        handler.setFormatter(TextFormatter(TEXT_FORMAT))
+        handler.setFormatter(logging.Formatter(TEXT_FORMAT))
     handler.addFilter(_RoleFilter())
     handler.addFilter(_late_reply_filter)
     logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)

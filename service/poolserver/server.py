@@ -194,8 +194,8 @@ class PoolServer(LiveModels):
                 entry.custom_routes = self._custom_routes.pop(name, ())
             self.catalog.set_state(name, ModelState.READY, "", (inputs, outputs), policy)
         else:
-            # The traceback goes in a field of its own (log_format json); text
-            # prints it after the line (logs.TextFormatter).
+            # The traceback goes in a field of its own (log_format json); a text
+            # line stays one line.
             extra = {"model": name, "traceback": trace} if trace else {"model": name}
             log.error("pool %s: model %s: %s", self.gid, name, reason, extra=extra)
             self.catalog.set_state(name, ModelState.UNAVAILABLE, reason)
