@@ -48,8 +48,8 @@ from poolserve.service.contract.settings import (
     load_server_settings,
     mlserver_notices,
     router_count,
-    usable_cores,
 )
+from poolserve.service.lifecycle.cpus import usable_cores
 from poolserve.service.lifecycle.exitcodes import EXIT_CONFIG, EXIT_OK, EXIT_UNRECOVERABLE
 from poolserve.service.lifecycle.limits import raise_open_file_limit
 from poolserve.service.lifecycle.logs import setup_logging, wrap_line
@@ -147,7 +147,7 @@ def check_http_ports(settings: ServerSettings, given: Collection[str]) -> None:
     """:func:`check_port` for each of the router's HTTP ports, and for its gRPC
     port when one router runs (a fleet holds its ports: fleet.py)."""
     ports = list(HTTP_PORTS)
-    if router_count(settings) == 1:
+    if router_count(settings, usable_cores()) == 1:
         ports.insert(0, ("grpc_port", "--grpc-port", "the router's gRPC port", ""))
     for field, flag, what, off in ports:
         source = flag if field in given else "settings"
@@ -228,7 +228,8 @@ def warn_oversubscribed(
             continue
         text = (
             f"threads_per_worker {threads} in pool {gid!r}: {workers} worker(s) x {threads} "
-            f"threads = {total} native threads on {cores} usable core(s) (sched_getaffinity), "
+            f"threads = {total} native threads on {cores} usable core(s) "
+            "(affinity, cgroup CPU quota), "
             f"more than {THREADS_PER_CORE_WARNING} per core: when the pool is busy they "
             "fight for the cores (OpenMP threads spin-wait); workers x threads_per_worker "
             "<= cores is the rule of thumb"
@@ -282,7 +283,9 @@ class ServeTree:
         grace = settings.stop_grace_s
         pools_budget = _pools_budget(len(desired.pools), grace) + 5
         notify = notifier or SystemdNotifier(None)
-        self.routers = router_count(settings)  # fixed for the tree's life (FIXED_SETTINGS)
+        self.routers = router_count(
+            settings, usable_cores()
+        )  # fixed for the tree's life (FIXED_SETTINGS)
         children = [
             ChildSpec(
                 POOLS, self._build_pools, restart=Restart.PERMANENT, stop_timeout=pools_budget
@@ -396,13 +399,14 @@ def run_serve(repo: Path, flags: Mapping[str, object]) -> int:
             reasons = "; ".join(bad.reason for bad in repository.invalid)
             raise ConfigError(str(repo), "(repository)", f"no valid model: {reasons}")
         run_dir = settings.resolved_run_dir()
-        check_socket_paths(run_dir, repository.pools(), router_count(settings))
+        routers = router_count(settings, usable_cores())
+        check_socket_paths(run_dir, repository.pools(), routers)
         # Before run_dir and any pool: a second tree with the same metrics or
         # REST port (the defaults with another --grpc-port) fails now, not after
         # its pools loaded.
         check_http_ports(settings, given)
         # A fleet's shared ports: checked and held for the tree's life.
-        ports = hold_shared_ports(settings, given) if router_count(settings) > 1 else PortHold()
+        ports = hold_shared_ports(settings, given) if routers > 1 else PortHold()
         ensure_private_dir(run_dir)
         # Before anything in run_dir is touched: it belongs to one live tree.
         lock = RunDirLock.take(run_dir)

@@ -46,6 +46,7 @@ from poolserve.service.contract.settings import (
     load_server_settings,
     router_count,
 )
+from poolserve.service.lifecycle.cpus import usable_cores
 from poolserve.service.lifecycle.exitcodes import EXIT_CONFIG, EXIT_OK, EXIT_UNRECOVERABLE
 
 POOL_PRIORITY = 100
@@ -233,7 +234,7 @@ def main(
     except ConfigError as exc:
         print(f"poolserve supervisord-config: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    asked = router_count(load_server_settings(repo.resolve(), flags=flags))
+    asked = router_count(load_server_settings(repo.resolve(), flags=flags), usable_cores())
     if asked > 1:  # said, not silently dropped: the program runs one router
         print(
             f"poolserve supervisord-config: routers {asked}: this layout runs one router"

@@ -11,6 +11,7 @@ import json
 import queue
 import shutil
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -354,6 +355,12 @@ def test_streams_nobody_reads_are_ended_and_free_their_workers(tmp_path: Path) -
     stall = {"POOLSERVE_STREAM_STALL_S": "1"}  # small for the test (default 10)
     with Serving(repo, tmp_path / "run", workers=2, env=stall) as serving:
         asyncio.run(main(serving))
+        # and counts them, by model, in /metrics
+        address = (serving.run_dir / "metrics.addr").read_text().strip()
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=30) as reply:
+            text = reply.read().decode()
+        assert 'poolserve_streams_stalled_total{model="counter"} 2.0' in text, text[-3000:]
+        assert 'poolserve_streams_stalled_total{model="echo"}' not in text
 
 
 async def drain(call: Any, into: list[bytes]) -> None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -16,7 +18,7 @@ from poolserve.protos import inference_pb2_grpc as pbg
 from poolserve.service.inference.codec import encode_inputs
 
 from serving import Serving, pool_status, wait_serving
-from support import copy_example
+from support import copy_example, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -124,6 +126,55 @@ def test_failed_reload_keeps_previous_version(tmp_path: Path) -> None:
 
     with Serving(repo, tmp_path / "run") as serving:
         asyncio.run(main(serving))
+
+
+def test_a_failed_live_load_is_logged_once_with_its_traceback(tmp_path: Path) -> None:
+    """A live load whose model raises (gRPC RepositoryModelLoad, REST
+    /v2/repository/models/{m}/load) is answered with the reason, and its pool
+    logs it once, naming the model, with the model's traceback (the
+    ``traceback`` field of log_format json; a text line stays one line)."""
+    repo = tmp_path / "repo"
+    copy_example(repo, "echo")
+
+    async def main(serving: Serving) -> None:
+        async with grpc.aio.insecure_channel(serving.address) as channel:
+            await wait_serving(channel)
+            stub = Stub(channel)
+            (repo / "echo" / "model.py").write_text("raise ImportError('half-written file')\n")
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="echo"))
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+    def failed_loads(log: str, model: str) -> list[dict[str, Any]]:
+        records = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+        return [r for r in records if r.get("model") == model and r["level"] == "ERROR"]
+
+    with Serving(repo, tmp_path / "run", "--log-format", "json") as serving:
+        asyncio.run(main(serving))
+        assert wait_until(lambda: failed_loads(serving.log(), "echo"), 60), serving.log()[-3000:]
+        (record,) = failed_loads(serving.log(), "echo")
+        assert record["role"] == "pool:default", record
+        assert "live load of model echo" in record["msg"], record
+        assert "half-written file" in record["msg"], record
+        trace = record["traceback"]
+        assert trace.startswith("Traceback (most recent call last)"), trace
+        assert "raise ImportError('half-written file')" in trace, trace
+
+        # through REST: a model added after start whose load raises
+        add_echo_copy(repo, "broken")
+        (repo / "broken" / "model.py").write_text("raise OSError('weights missing')\n")
+        host, port = (serving.run_dir / "http.addr").read_text().strip().rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        try:
+            conn.request("POST", "/v2/repository/models/broken/load", b"{}")
+            reply = conn.getresponse()
+            assert reply.status >= 400 and b"weights missing" in reply.read()
+        finally:
+            conn.close()
+        assert wait_until(lambda: failed_loads(serving.log(), "broken"), 60), serving.log()[-3000:]
+        (record,) = failed_loads(serving.log(), "broken")
+        assert record["role"] == "pool:default" and "live load" in record["msg"], record
+        assert "raise OSError('weights missing')" in record["traceback"], record
 
 
 def test_model_control_can_be_disabled(tmp_path: Path) -> None:

@@ -58,11 +58,11 @@ LOCAL_POOL = (("grpc.use_local_subchannel_pool", 1),)  # each channel its own co
 
 
 def test_routers_setting_parses_counts_and_auto(tmp_path: Path) -> None:
-    assert router_count(ServerSettings()) == 1
+    assert router_count(ServerSettings(), 8) == 1
     auto = load_server_settings(tmp_path, environ={"POOLSERVE_ROUTERS": "auto"})
     assert auto.routers == "auto"
     assert [router_count(auto, cores) for cores in (1, 3, 4, 8, 16, 32)] == [1, 1, 1, 2, 4, 8]
-    assert router_count(load_server_settings(tmp_path, environ={}, flags={"routers": "3"})) == 3
+    assert router_count(load_server_settings(tmp_path, environ={}, flags={"routers": "3"}), 1) == 3
     (tmp_path / "settings.json").write_text(json.dumps({"routers": 2}))
     assert load_server_settings(tmp_path, environ={}).routers == 2
     for bad in ("0", "-1", "many", "65", "2.5"):
@@ -430,6 +430,37 @@ def test_metrics_count_every_call_whichever_router_took_it(fleet: Tree) -> None:
     text = _scrape(fleet)
     assert _sample(text, "nv_inference_request_success", model="echo") - before == calls
     assert _sample(text, "poolserve_processes", kind="router") == ROUTERS
+
+
+def test_metrics_count_each_routers_calls_apart(fleet: Tree) -> None:
+    """poolserve_router_requests_total{router="i"}: the calls router i took (the
+    kernel's spread), summing to the calls made; the totals unchanged."""
+    status = asyncio.run(fetch_tree_status(fleet.run_dir, 30, skip_pools=True))
+    index = {n.pid: n.id.removeprefix("router-") for n in walk(status.root)}
+    index = {pid: i for pid, i in index.items() if i.isdigit()}
+    assert sorted(index.values()) == [str(i) for i in range(ROUTERS)]
+    text = _scrape(fleet)
+    per_router = {
+        i: _sample(text, "poolserve_router_requests_total", router=i) for i in index.values()
+    }
+    success = _sample(text, "nv_inference_request_success", model="echo")
+    channels = located(fleet)
+    took = dict.fromkeys(index.values(), 0)
+    try:
+        for _ in range(3):
+            for c in channels:
+                c.stub.ModelInfer(echo_request(np.zeros((1, 1), np.float32)), timeout=60)
+                assert c.router is not None
+                took[index[c.router]] += 1
+    finally:
+        for c in channels:
+            c.close()
+    text = _scrape(fleet)
+    for i, before in per_router.items():
+        assert _sample(text, "poolserve_router_requests_total", router=i) - before == took[i], i
+    assert all(took.values()), took  # both routers took some
+    calls = sum(took.values())
+    assert _sample(text, "nv_inference_request_success", model="echo") - success == calls
 
 
 def test_a_killed_router_restarts_while_the_other_serves(fleet: Tree) -> None:

@@ -179,7 +179,61 @@ def test_the_warning_rule_more_than_4_threads_per_core() -> None:
     assert warned(heavy, cores=2, gids=("default", "heavy")) == 1
 
 
-def test_usable_cores_is_the_affinity() -> None:
-    from poolserve.supervisor.serve import usable_cores
+def test_usable_cores_is_the_affinity_without_a_cgroup_quota(tmp_path: Path) -> None:
+    from poolserve.service.lifecycle.cpus import usable_cores
 
-    assert usable_cores() == len(os.sched_getaffinity(0))
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/\n")
+    (tmp_path / "cpu.max").write_text("max 100000\n")  # max: no quota
+    assert usable_cores(tmp_path, proc) == len(os.sched_getaffinity(0))
+    assert usable_cores(tmp_path / "none", proc) == len(os.sched_getaffinity(0))  # no cgroup v2
+
+
+def test_a_cgroup_cpu_quota_bounds_the_usable_cores(tmp_path: Path) -> None:
+    """cgroup v2 cpu.max (QUOTA PERIOD): the smallest along the process's cgroup
+    and its ancestors, rounded up, and never above the affinity."""
+    from poolserve.service.lifecycle.cpus import cgroup_cpu_quota, parse_cpu_max, usable_cores
+
+    assert parse_cpu_max("max 100000") is None
+    assert parse_cpu_max("150000 100000") == 1.5
+    assert parse_cpu_max("50000") == 0.5  # the default period
+    assert parse_cpu_max("garbage") is None and parse_cpu_max("") is None
+    proc = tmp_path / "cgroup"
+    proc.write_text("1:cpu:/\n0::/kubepods/pod1/ctr\n")
+    (tmp_path / "kubepods").mkdir()
+    (tmp_path / "kubepods" / "pod1" / "ctr").mkdir(parents=True)
+    (tmp_path / "kubepods" / "cpu.max").write_text("max 100000\n")
+    (tmp_path / "kubepods" / "pod1" / "cpu.max").write_text("150000 100000\n")
+    (tmp_path / "kubepods" / "pod1" / "ctr" / "cpu.max").write_text("400000 100000\n")
+    assert cgroup_cpu_quota(tmp_path, proc) == 1.5  # the pod's, smaller than the container's
+    affinity = len(os.sched_getaffinity(0))
+    assert usable_cores(tmp_path, proc) == min(affinity, 2)
+    (tmp_path / "kubepods" / "pod1" / "cpu.max").write_text("10000 100000\n")
+    assert usable_cores(tmp_path, proc) == 1  # a tenth of a core: still one
+    # in a container with its own cgroup namespace: /sys/fs/cgroup/cpu.max is its own
+    proc.write_text("0::/\n")
+    (tmp_path / "cpu.max").write_text("100000 100000\n")
+    assert usable_cores(tmp_path, proc) == 1
+
+
+def test_routers_auto_and_the_threads_warning_count_the_quota(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from poolserve.service.contract.settings import router_count
+    from poolserve.service.lifecycle import cpus
+    from poolserve.supervisor.serve import warn_oversubscribed
+
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/\n")
+    (tmp_path / "cpu.max").write_text("100000 100000\n")  # one core of quota
+    monkeypatch.setattr(cpus, "CGROUP_ROOT", tmp_path)
+    monkeypatch.setattr(cpus, "PROC_CGROUP", proc)
+    monkeypatch.setattr(cpus, "affinity_cores", lambda: 64)
+    assert cpus.usable_cores() == 1
+    settings = apply_overrides(ServerSettings(), {"threads_per_worker": 4}, "test")
+    (text,) = warn_oversubscribed(settings, ["default"])  # 2 x 4 on one core
+    assert "on 1 usable core(s)" in text, text
+    auto = apply_overrides(ServerSettings(), {"routers": "auto"}, "test")
+    assert router_count(auto, cpus.usable_cores()) == 1
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert router_count(auto, cpus.usable_cores()) == 16  # 64 cores, no quota

@@ -51,7 +51,7 @@ class ServerSettings:
     metrics_port: int = 8082  # the router's HTTP /metrics, on host; 0: any free port, -1: off
     parallel_workers: int = 2
     # Router processes sharing grpc_port and http_port (SO_REUSEPORT); "auto":
-    # one per ROUTER_CORES usable cores (sched_getaffinity), at least one.
+    # one per ROUTER_CORES usable cores (affinity, cgroup CPU quota), at least one.
     routers: int | str = 1
     pools: Mapping[str, PoolOverride] = field(default_factory=dict)
     max_queue: int = 1024
@@ -231,18 +231,10 @@ def _check_routers(source: str, value: object) -> int | str:
     return value
 
 
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity), else os.cpu_count()."""
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def router_count(settings: ServerSettings, cores: int | None = None) -> int:
-    """How many router processes ``routers`` asks for on this machine."""
+def router_count(settings: ServerSettings, cores: int) -> int:
+    """How many router processes ``routers`` asks for on a machine where this
+    process may use ``cores`` (:func:`poolserve.service.lifecycle.cpus.usable_cores`)."""
     if settings.routers == ROUTERS_AUTO:
-        cores = cores or usable_cores()
         return max(1, min(MAX_ROUTERS, cores // ROUTER_CORES))
     return int(settings.routers)
 

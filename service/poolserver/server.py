@@ -197,6 +197,9 @@ class PoolServer(LiveModels):
         trace = self._load_tracebacks.pop(name, "")
         waiting = self._model_replies.pop(name, None)
         if waiting is not None:  # a live load: _load decides what the catalog says
+            if not ok:  # the client hears the reason; the log has the traceback too
+                extra = {"model": name, "traceback": trace} if trace else {"model": name}
+                log.error("pool %s: live load of model %s: %s", self.gid, name, reason, extra=extra)
             if not waiting.done():
                 waiting.set_result(ModelReply(ok, reason, (inputs, outputs), policy))
             return

@@ -9,7 +9,8 @@ travels between them over their private control sockets
   through one router is routed by every router (each scans the repository
   itself, :meth:`Routes.learn_route`);
 - ``FleetCounts``: what a router counts itself (deadlines spent before it
-  could forward) and its own process, for the one /metrics router 0 serves.
+  could forward, the inference calls it took, streams it ended for stalling)
+  and its own process, for the one /metrics router 0 serves.
 
 Shared-memory registrations do not travel here: they live in a run-dir store
 every router reads (:mod:`poolserve.service.grpcserver.shm_store`). Neither
@@ -130,6 +131,8 @@ def encode_counts(own: RouterCounts) -> bytes:
             "deadlines": [[*key, count] for key, count in own.deadlines.items()],
             "routed": [list(pair) for pair in own.routed],
             "process": process,
+            "requests": dict(own.requests),
+            "stalled": dict(own.stalled),
         }
     ).encode()
 
@@ -151,4 +154,6 @@ def decode_counts(data: bytes) -> RouterCounts:
                 cpu_seconds=float(process["cpu"]),
             ),
         )
-    return RouterCounts(deadlines, routed, processes)
+    requests = {str(k): int(v) for k, v in doc.get("requests", {}).items()}
+    stalled = {str(k): int(v) for k, v in doc.get("stalled", {}).items()}
+    return RouterCounts(deadlines, routed, processes, requests, stalled)

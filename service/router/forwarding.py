@@ -58,6 +58,9 @@ class Forwarder:
         self.tracing: Tracing | None = None  # set in serve(): never before a fork
         # Deadlines spent before the router could forward, by (model, version, pool).
         self.router_deadlines: Counter[tuple[str, str, str]] = Counter()
+        self.requests = 0  # inference calls this router took (poolserve_router_requests_total)
+        # Streams ended by stream_stall_s, by model (the doors count them).
+        self.streams_stalled: Counter[str] = Counter()
 
     def timeout(self, remaining: float | None) -> float:
         """The time a call may take from now: the client's ``remaining`` (None or
@@ -80,6 +83,10 @@ class Forwarder:
         if exc.stage == "router" and route is not None:
             self.router_deadlines[(name, version, route.gid)] += 1
 
+    def count_stalled(self, name: str) -> None:
+        """A stream of model ``name`` ended by stream_stall_s."""
+        self.streams_stalled[name] += 1
+
     async def infer(
         self,
         name: str,
@@ -98,6 +105,7 @@ class Forwarder:
         envelope carries it for the pool's peeks); else found here.
         ``attached``: the door put the shared-memory registrations in front itself.
         """
+        self.requests += 1
         try:
             route = self.routes.route(name)
             deadline = self.deadline(remaining)

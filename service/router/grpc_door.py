@@ -259,7 +259,8 @@ class GrpcDoor:
         try:
             attach = functools.partial(self._attach_in_stream, route)
             stall_s = self.settings.stream_stall_s
-            lane = route.lane.stream(first, requests, deadline, attach, stall_s)
+            stalled = functools.partial(self.core.count_stalled, name)
+            lane = route.lane.stream(first, requests, deadline, attach, stall_s, stalled)
             async with contextlib.aclosing(lane):  # closed here, whatever ends the call
                 async for item in lane:
                     if isinstance(item, StreamStalled):  # the client stopped reading: a status

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import re
 import time
@@ -301,7 +302,8 @@ class HttpDoor:
             try:
                 # a client that reads none of its events for stream_stall_s frees its worker
                 stall_s = self.settings.stream_stall_s
-                items = route.lane.stream(wrapped, no_more(), deadline, as_is, stall_s)
+                stalled = functools.partial(self.core.count_stalled, name)
+                items = route.lane.stream(wrapped, no_more(), deadline, as_is, stall_s, stalled)
                 async with contextlib.aclosing(items) as events:
                     async for item in events:
                         if not started:

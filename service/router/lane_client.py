@@ -193,16 +193,18 @@ class LaneClient:
         deadline: float,
         attach: Callable[[bytes], bytes],
         stall_s: float = 0.0,
+        on_stall: Callable[[], None] | None = None,
     ) -> AsyncGenerator[bytes | ServingError, None]:
         """Runs one ModelStreamInfer in the pool until ``deadline`` (monotonic):
         its serialized responses as they come, then a ServingError if the stream
         failed as a whole. Leaving early (the client went away) cancels it there;
         so does a client that takes none of its responses for ``stall_s`` (0: no
-        limit), and the stream then fails with StreamStalled."""
+        limit), and the stream then fails with StreamStalled (``on_stall`` is
+        called then: the router's count)."""
         transport = self._transport or await self._connect()
         loop = asyncio.get_running_loop()
         seq = next(self._seq)
-        stream = self.streams[seq] = LaneStream(seq, stall_s)
+        stream = self.streams[seq] = LaneStream(seq, stall_s, on_stall)
         transport.write(stream_open_frame(seq, deadline))
         pump = loop.create_task(stream.pump(transport, first, requests, attach))
         late = DeadlineExceeded(f"deadline exceeded waiting for {self.where} to answer", "pool")

@@ -57,13 +57,17 @@ class LaneStream:
         "_watch",
         "ended",
         "frames",
+        "on_stall",
         "requests",
         "seq",
         "stall_s",
     )
 
-    def __init__(self, seq: int, stall_s: float = 0.0) -> None:
+    def __init__(
+        self, seq: int, stall_s: float = 0.0, on_stall: Callable[[], None] | None = None
+    ) -> None:
         self.seq = seq
+        self.on_stall = on_stall  # counts it (poolserve_streams_stalled_total)
         self.frames: deque[tuple[int, Payload | ServingError]] = deque()
         self.requests = Window(REQUESTS, REQUEST_BYTES)
         self.ended = False  # nothing to cancel in the pool: it ended it, or we cancelled it
@@ -174,6 +178,8 @@ class LaneStream:
             self.seq,
             self.stall_s,
         )
+        if self.on_stall is not None:
+            self.on_stall()
         transport.write(HEADER.pack(0, CANCEL, self.seq))  # the worker is free at once
         self.ended = True
         self.frames.clear()  # what the client will not read goes now, not at its deadline

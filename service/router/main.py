@@ -29,6 +29,7 @@ from poolserve.service.lifecycle.child import (
     die_with_parent,
     take_ready_pipe,
 )
+from poolserve.service.lifecycle.cpus import usable_cores
 from poolserve.service.lifecycle.exitcodes import EXIT_CONFIG, EXIT_OK
 from poolserve.service.lifecycle.limits import raise_open_file_limit
 from poolserve.service.lifecycle.logs import setup_logging
@@ -47,7 +48,7 @@ def run_router(repo: Path, flags: Mapping[str, object], index: int = 0) -> int:
         settings: ServerSettings = load_server_settings(repo, flags=flags)
         setup_logging("router", settings.log_format, relay="process", relay_stdout=True)
         run_dir = settings.resolved_run_dir()
-        count = router_count(settings)
+        count = router_count(settings, usable_cores())
         if not 0 <= index < count:
             raise ConfigError(
                 "command line", "router_index", f"{index} is not below routers {count}"

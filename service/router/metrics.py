@@ -170,6 +170,10 @@ class RouterCounts:
     routed: Iterable[tuple[str, str]] = ()  # (model, pool): their series start at 0
     # the other routers of a fleet (their own answers, fleet.py): rows of kind router
     processes: tuple[cpb.ProcessMetrics, ...] = ()
+    # inference calls each router took, by router index (its own, or a fleet's)
+    requests: Mapping[str, int] = field(default_factory=dict)
+    # streams ended by stream_stall_s, by model
+    stalled: Mapping[str, int] = field(default_factory=dict)
 
 
 def merge_counts(own: RouterCounts, peers: Iterable[RouterCounts]) -> RouterCounts:
@@ -177,12 +181,17 @@ def merge_counts(own: RouterCounts, peers: Iterable[RouterCounts]) -> RouterCoun
     deadlines: dict[tuple[str, str, str], int] = dict(own.deadlines)
     routed = set(own.routed)
     processes = list(own.processes)
+    requests = dict(own.requests)
+    stalled = dict(own.stalled)
     for peer in peers:
         for key, count in peer.deadlines.items():
             deadlines[key] = deadlines.get(key, 0) + count
         routed.update(peer.routed)
         processes.extend(peer.processes)
-    return RouterCounts(deadlines, sorted(routed), tuple(processes))
+        requests.update(peer.requests)  # each router answers for its own index
+        for model, count in peer.stalled.items():
+            stalled[model] = stalled.get(model, 0) + count
+    return RouterCounts(deadlines, sorted(routed), tuple(processes), requests, stalled)
 
 
 class Snapshot(Collector):
@@ -208,6 +217,7 @@ class Snapshot(Collector):
         yield from self._histograms(totals)
         yield from self._batch_sizes(totals)
         yield from self._pools(totals)
+        yield from self._routers()
         yield from self._processes()
 
     def _counter(self, name: str, doc: str) -> Metric:
@@ -342,6 +352,24 @@ class Snapshot(Collector):
                     value,
                 )
         yield from (up, queue, workers, ready, restarts, worker_restarts, deadlines)
+
+    def _routers(self) -> Iterator[Metric]:
+        """What the routers count themselves: calls per router, stalled streams."""
+        requests = Metric(
+            "poolserve_router_requests",
+            "Inference calls each router took (a fleet's spread), by router index",
+            "counter",
+        )
+        for index, count in sorted(self.own.requests.items(), key=lambda kv: int(kv[0])):
+            requests.add_sample("poolserve_router_requests_total", {"router": index}, count)
+        stalled = Metric(
+            "poolserve_streams_stalled",
+            "Streams ended because their client read none of their responses for stream_stall_s",
+            "counter",
+        )
+        for model, count in sorted(self.own.stalled.items()):
+            stalled.add_sample("poolserve_streams_stalled_total", {"model": model}, count)
+        yield from (requests, stalled)
 
     def _processes(self) -> Iterator[Metric]:
         rss = GaugeMetricFamily(

@@ -175,7 +175,12 @@ class Router:
         )
 
     def own_counts(self) -> RouterCounts:
-        return RouterCounts(self.core.router_deadlines, self.routes.routed_models())
+        return RouterCounts(
+            self.core.router_deadlines,
+            self.routes.routed_models(),
+            requests={str(self.fleet.index): self.core.requests},
+            stalled=self.core.streams_stalled,
+        )
 
     def _control_server(self) -> grpc.aio.Server:
         server = grpc.aio.server()
