@@ -403,10 +403,12 @@ def run_serve(repo: Path, flags: Mapping[str, object]) -> int:
         check_socket_paths(run_dir, repository.pools(), routers)
         # Before run_dir and any pool: a second tree with the same metrics or
         # REST port (the defaults with another --grpc-port) fails now, not after
-        # its pools loaded.
-        check_http_ports(settings, given)
+        # its pools loaded. A tree that holds this run_dir is named below instead.
+        held = RunDirLock.held(run_dir)
+        if not held:
+            check_http_ports(settings, given)
         # A fleet's shared ports: checked and held for the tree's life.
-        ports = hold_shared_ports(settings, given) if routers > 1 else PortHold()
+        ports = hold_shared_ports(settings, given) if routers > 1 and not held else PortHold()
         ensure_private_dir(run_dir)
         # Before anything in run_dir is touched: it belongs to one live tree.
         lock = RunDirLock.take(run_dir)

@@ -142,6 +142,21 @@ class RunDirLock:
         self.path = path
         self.fd = fd
 
+    @staticmethod
+    def held(run_dir: Path) -> bool:
+        """Whether a live tree holds ``run_dir`` now (creates nothing)."""
+        try:
+            fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+        return False
+
     @classmethod
     def take(cls, run_dir: Path) -> RunDirLock:
         """The exclusive lock of ``poolserve serve``; ConfigError naming the holder if taken."""
