@@ -168,6 +168,7 @@ class InferenceCargo:
             return
         self.models[settings.name] = model
         own_metadata = getattr(model, "own_metadata", None)  # an adapter's server's answer
+        routes = custom_routes_json(model)  # before a spawn start lets go of the model
         inputs, outputs = tensor_specs(model)
         try:
             example, source = warmup_inputs(model, inputs)
@@ -190,7 +191,7 @@ class InferenceCargo:
                 "decoupled": policy.decoupled,
                 "unary": policy.unary,
                 **metadata_json(own_metadata),
-                **custom_routes_json(model),
+                **routes,
             }
         )
 

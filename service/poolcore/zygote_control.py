@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import gc
 import json
 import os
 import signal
@@ -161,8 +160,6 @@ class ForkedZygote(ZygoteControl):
         """Forks the zygote. Call before any gRPC object or thread exists."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         parent_pid = os.getpid()
-        gc.collect()
-        gc.freeze()  # the objects both processes hold: no GC pass writes (so copies) their pages
         pid = os.fork()
         if pid == 0:
             ours.close()
