@@ -122,6 +122,11 @@ class Fleet:
         self.workload = load
         self.running: list[servers.Running] = []
 
+    def missing(self, key: str) -> str:
+        """Why server ``key`` cannot run here ("" if it can)."""
+        venv = servers.spec(key).venv
+        return f"its peer ({venv}) is not installed here" if venv and venv not in self.venvs else ""
+
     def start(self, spec: servers.ServerSpec, layout: servers.Layout, tag: str) -> servers.Running:
         workdir = self.run_dir / f"{tag}-{spec.key}"
         load = replace(self.workload, counter=workdir / "burn.count")
@@ -684,16 +689,10 @@ def rest_phase(
             raise
         return server
 
-    def available(key: str) -> str:
-        venv = servers.spec(key).venv
-        return (
-            f"its peer ({venv}) is not installed here" if venv and venv not in fleet.venvs else ""
-        )
-
     env = {**os.environ, **pa.env}
     timeout = 10 * max(mode.window_ms, rest.LARGE_WINDOW_MS) / 1000 + 60
     measure = functools.partial(measure_cell, mode=mode, pa=pa, env=env, timeout=timeout)
-    found = rest.phase(start, fleet.stop, measure, run_dir, runs, log, available)
+    found = rest.phase(start, fleet.stop, measure, run_dir, runs, log, fleet.missing)
     found.update(
         when=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         mode=mode.name,
@@ -716,16 +715,10 @@ def fleet_phase(fleet: Fleet, mode: Mode, installed: install.Installed, run_dir:
             raise
         return server
 
-    def available(key: str) -> str:
-        venv = servers.spec(key).venv
-        return (
-            f"its peer ({venv}) is not installed here" if venv and venv not in fleet.venvs else ""
-        )
-
     env = {**os.environ, **pa.env}
     timeout = 10 * mode.window_ms / 1000 + 30
     measure = functools.partial(measure_cell, mode=mode, pa=pa, env=env, timeout=timeout)
-    found = fleet_part.phase(start, fleet.stop, measure, run_dir, runs, log, available)
+    found = fleet_part.phase(start, fleet.stop, measure, run_dir, runs, log, fleet.missing)
     found.update(
         when=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         mode=mode.name,

@@ -462,38 +462,24 @@ class HttpDoor:
                 f"the body of {int(declared)} bytes is over max_message_size ({limit})"
             )
         encoding_of(headers)  # one we cannot inflate is refused before the body comes
+        # An inference's body is kept by the connection as httptools made it;
+        # another (an MLServer custom endpoint's) comes through uvicorn's receive.
         body: Body | None = scope.get("poolserve.body")
-        if body is None:  # not an inference's path (an MLServer custom endpoint)
-            return await self._receive_body(receive, budget)
-        body.unread = 0
-        if body.complete:  # all there already (a small body): nothing to wait for
-            return None if scope["poolserve.connection"].lost else body.chunks
-        timeout = self.core.timeout(budget)
-        try:
-            async with asyncio.timeout(timeout):
-                while True:
-                    message = await receive()  # resumes reading; its body is empty
-                    body.unread = 0
-                    if message["type"] == "http.disconnect":
-                        return None
-                    if not message.get("more_body", False):
-                        break
-        except TimeoutError:
-            raise DeadlineExceeded(
-                "deadline exceeded while the client was still sending its body", stage="router"
-            ) from None
-        return body.chunks
-
-    async def _receive_body(self, receive: Receive, budget: float | None) -> list[bytes] | None:
-        """A body the connection did not keep, through uvicorn's receive."""
-        chunks: list[bytes] = []
+        if body is not None:
+            body.unread = 0
+            if body.complete:  # all there already (a small body): nothing to wait for
+                return None if scope["poolserve.connection"].lost else body.chunks
+        chunks: list[bytes] = [] if body is None else body.chunks
         try:
             async with asyncio.timeout(self.core.timeout(budget)):
                 while True:
-                    message = await receive()
+                    message = await receive()  # a kept body's: resumes reading, comes empty
+                    if body is None:
+                        chunks.append(message.get("body", b""))
+                    else:
+                        body.unread = 0
                     if message["type"] == "http.disconnect":
                         return None
-                    chunks.append(message.get("body", b""))
                     if not message.get("more_body", False):
                         return chunks
         except TimeoutError:
