@@ -175,24 +175,44 @@ def cpu_by_role(server: servers.Running) -> dict[str, float]:
     return dict(out)
 
 
+def switches_by_role(server: servers.Running) -> dict[str, int]:
+    """Context switches (voluntary: the thread slept; and involuntary) of every
+    thread of every process, by role: how often a request wakes something."""
+    out: dict[str, int] = collections.defaultdict(int)
+    for pid, role in roles(server).items():
+        for status in Path(f"/proc/{pid}/task").glob("*/status"):
+            try:
+                text = status.read_text()
+            except OSError:
+                continue
+            for line in text.splitlines():
+                if "ctxt_switches:" in line:
+                    out[role] += int(line.split(":", 1)[1])
+    return dict(out)
+
+
 def cell(
     subject: Subject, pa: install.PerfAnalyzer, window_ms: int, out: Path, concurrency: int
 ) -> dict[str, Any]:
     server = subject.running
     assert server is not None
     before, began = cpu_by_role(server), time.monotonic()
+    woken = switches_by_role(server)
     busy, ours = servers.machine_busy_seconds(), _ours()
     result = perf.run(pa.binary, {**os.environ, **pa.env}, server.address, "echo", concurrency,
                       window_ms, out / f"{subject.label}.csv", 300)  # fmt: skip
     wall = time.monotonic() - began
     after = cpu_by_role(server)
+    switched = switches_by_role(server)
     spent = (_ours() - ours) + sum(after.values()) - sum(before.values())
     foreign = max(0.0, servers.machine_busy_seconds() - busy - spent) / wall
     requests = result.throughput * wall
     per = {k: 1000 * (after[k] - before.get(k, 0.0)) / requests for k in after}
     per["total"] = sum(per.values())
+    switches = {k: (switched[k] - woken.get(k, 0)) / requests for k in switched}
+    switches["total"] = sum(switches.values())
     return {"throughput": result.throughput, "p99_ms": result.p99_us / 1000, "cpu_ms": per,
-            "foreign_cores": foreign, "requests": requests}  # fmt: skip
+            "foreign_cores": foreign, "requests": requests, "switches": switches}  # fmt: skip
 
 
 def _ours() -> float:
@@ -418,6 +438,8 @@ def main() -> None:
                 print(f"round {r + 1} {subject.label:>14}: {got['throughput']:8.1f}/s "
                       f"p99 {got['p99_ms']:6.1f} ms  other load {got['foreign_cores']:.2f} cores  "
                       f"cpu ms/req: {cpu}", flush=True)  # fmt: skip
+                woke = " ".join(f"{k} {v:.1f}" for k, v in sorted(got["switches"].items()))
+                print(f"{'':>24}context switches/req: {woke}", flush=True)
         report(results, args.rounds)
         for subject in subjects:
             if subject.source is None:
