@@ -8,10 +8,13 @@ zygote and workers). ``--json`` prints the same as one JSON object.
 
 Exit codes, LSB status style like supervisorctl's:
 
-- status: 0 every node runs; 3 some node does not (starting, backoff,
-  stopped, failed); 4 no supervisor answers on the socket (no tree runs
-  with that run directory, or it runs under supervisord's flat layout,
-  which has no supervisor: the one line on stderr says which).
+- status: 0 every node runs and every model is READY; 1 every node runs
+  but some model is not READY (LOADING, UNAVAILABLE: a failed load; one
+  unloaded on request does not count), or a pool did not answer; 3 some
+  node does not run (starting, backoff, stopped, failed); 4 no supervisor
+  answers on the socket (no tree runs with that run directory, or it runs
+  under supervisord's flat layout, which has no supervisor: the one line on
+  stderr says which).
 - reload: 0 the tree converged; 1 the reload reported problems; 4 no
   supervisor answers on the socket.
 """
@@ -35,6 +38,7 @@ if TYPE_CHECKING:  # gRPC loads only when a command runs, not to build the parse
 
 EXIT_OK = 0
 EXIT_RELOAD_PROBLEMS = 1
+EXIT_MODELS_NOT_READY = 1  # status: every node runs, not every model is READY
 EXIT_NOT_RUNNING = 3
 EXIT_UNREACHABLE = 4
 
@@ -87,8 +91,24 @@ def status_main(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     else:
         out.write(render_tree(status.root))
         out.write(ports_text(run_dir))
-    everything_runs = all(node.state == "running" for node in walk(status.root))
-    return EXIT_OK if everything_runs else EXIT_NOT_RUNNING
+    if not all(node.state == "running" for node in walk(status.root)):
+        return EXIT_NOT_RUNNING
+    return EXIT_OK if models_ready(status.root) else EXIT_MODELS_NOT_READY
+
+
+def models_ready(root: cpb.TreeNode) -> bool:
+    """Whether every pool of the tree said its models are READY (one unloaded
+    on request aside): a pool that did not answer its status says nothing."""
+    from poolserve.supervisor.control import pool_gid, walk
+
+    for node in walk(root):
+        if pool_gid(node) is None:
+            continue
+        if node.pool_error:
+            return False
+        if any(model.state not in ("READY", "UNLOADED") for model in node.pool.models):
+            return False
+    return True
 
 
 def reload_main(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:

@@ -5,8 +5,10 @@ reader who stops early (`status --json | head`)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,10 +16,10 @@ import grpc
 import pytest
 
 from poolserve.service.contract.rundir import ADDRESS_FILE, HTTP_ADDRESS_FILE
-from poolserve.supervisor.status_cli import EXIT_UNREACHABLE
+from poolserve.supervisor.status_cli import EXIT_MODELS_NOT_READY, EXIT_UNREACHABLE
 
-from serving import Serving, env_without_notify, wait_serving
-from support import BIN, copy_example
+from serving import Serving, env_without_notify, pool_status, wait_serving
+from support import BIN, copy_example, write_model
 
 
 def poolserve(*args: str, **kwargs: object) -> subprocess.CompletedProcess[str]:
@@ -85,9 +87,9 @@ def tree(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
         yield serving
 
 
-async def _serving(address: str) -> None:
+async def _serving(address: str, service: str = "") -> None:
     async with grpc.aio.insecure_channel(address) as channel:
-        await wait_serving(channel, timeout=120)
+        await wait_serving(channel, service, timeout=120)
 
 
 @pytest.mark.e2e
@@ -121,3 +123,30 @@ def test_status_shows_no_systemd_child_outside_systemd(tree: Serving) -> None:
     assert f"rest     http://{rest}/v2\n" in proc.stdout, proc.stdout
     grpc_addr = (tree.run_dir / ADDRESS_FILE).read_text().strip()
     assert f"grpc     {grpc_addr}\n" in proc.stdout, proc.stdout
+
+
+@pytest.mark.e2e
+def test_status_exits_1_while_a_model_is_not_ready(tmp_path: Path) -> None:
+    """Every node runs, one model's load failed (UNAVAILABLE): status says so
+    and exits 1, for scripts and probes."""
+    repo = tmp_path / "repo"
+    copy_example(repo, "echo")
+    broken = {"name": "broken", "implementation": "model.Broken"}
+    write_model(repo, "broken", broken, "raise RuntimeError('this model never loads')\n")
+    with Serving(repo, tmp_path / "run", workers=1, env_replace=env_without_notify()) as serving:
+        asyncio.run(_serving(serving.address, "model:echo"))
+        end = time.monotonic() + 120
+        while True:  # the pool's status has no event for a failed load
+            states = {m.name: m.state for m in asyncio.run(pool_status(serving)).models}
+            if states.get("broken") == "UNAVAILABLE":
+                break
+            assert time.monotonic() < end, states
+            time.sleep(0.05)
+        proc = poolserve("status", "--run-dir", str(serving.run_dir))
+        assert proc.returncode == EXIT_MODELS_NOT_READY == 1, proc.stdout + proc.stderr
+        assert "model broken" in proc.stdout and "UNAVAILABLE" in proc.stdout, proc.stdout
+        shown = poolserve("status", "--run-dir", str(serving.run_dir), "--json")
+        assert shown.returncode == 1, shown.stderr
+        pools = json.loads(shown.stdout)["children"][1]["children"]
+        models = {m["name"]: m["state"] for m in pools[0]["pool"]["models"]}
+        assert models == {"echo": "READY", "broken": "UNAVAILABLE"}

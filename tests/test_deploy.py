@@ -904,7 +904,8 @@ def exported_metric_names() -> set[str]:
     answer.models[0].compute.buckets.extend([0] * 16)
     state = Continuity()
     state.update("1", pool_counters(answer))
-    text, _ = render(Snapshot({"a": answer}, {"a": state}, RouterCounts({})))
+    counts = RouterCounts({}, requests={"0": 1}, stalled={"m": 1})
+    text, _ = render(Snapshot({"a": answer}, {"a": state}, counts))
     names = {s.name for f in text_string_to_metric_families(text.decode()) for s in f.samples}
     return names | {n.removesuffix("_total") for n in names}  # Triton's counters keep theirs
 
@@ -925,6 +926,22 @@ def test_grafana_dashboard_queries_only_exported_metrics() -> None:
         assert names <= exported, f"{expr}: {names - exported} not exported"
         used |= names
     titles = " ".join(panel["title"].lower() for panel in dashboard["panels"])
-    for topic in ("throughput", "p50", "p99", "queue", "busy", "restarts", "deadline"):
+    topics = (
+        "throughput",
+        "p50",
+        "p99",
+        "queue",
+        "busy",
+        "restarts",
+        "deadline",
+        "router",
+        "stalled",
+    )
+    for topic in topics:
         assert topic in titles, topic
-    assert {"nv_inference_request_success", "poolserve_deadline_exceeded_total"} <= used
+    assert {
+        "nv_inference_request_success",
+        "poolserve_deadline_exceeded_total",
+        "poolserve_router_requests_total",
+        "poolserve_streams_stalled_total",
+    } <= used

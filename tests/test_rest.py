@@ -607,6 +607,58 @@ def test_a_body_shorter_than_its_length_ends_at_the_deadline(tree: Serving) -> N
     assert answer.startswith(b"HTTP/1.1 504 "), answer[:200]
 
 
+def _half_closed(tree: Serving, request: bytes) -> bytes:
+    """``request`` on a raw connection, then the write side shut (``nc -N``);
+    everything the server sends until it closes."""
+    host, port = _http(tree).rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=WAIT) as sock:
+        sock.sendall(request)
+        sock.shutdown(socket.SHUT_WR)
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _infer_request(model: str, body: bytes, length: int | None = None) -> bytes:
+    return (
+        b"POST /v2/models/%s/infer HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n" % (model.encode(), len(body) if length is None else length)
+    ) + body
+
+
+@pytest.mark.parametrize(("model", "parameters"), [("echo", {}), ("sleep", {"sleep_ms": 300})])
+def test_a_whole_request_then_a_half_close_is_answered(
+    tree: Serving, model: str, parameters: dict[str, Any]
+) -> None:
+    """A client that shuts its write side after a whole request gets its answer,
+    then the connection closes (nginx's behaviour); the sleep model's call is
+    in the pool when the EOF comes."""
+    values = [1.0, 2.0, 3.0]
+    body = json.dumps(_infer_body(values, **parameters)).encode()
+    answer = _half_closed(tree, _infer_request(model, body))
+    head, _, rest = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 "), answer[:300]
+    if parameters:  # the EOF came while the call ran: the answer says it closes
+        assert b"connection: close" in head.lower(), head
+    assert json.loads(rest)["outputs"][0]["data"] == values
+
+
+def test_pipelined_requests_then_a_half_close_are_all_answered(tree: Serving) -> None:
+    slow = json.dumps(_infer_body([1.0], sleep_ms=200)).encode()
+    fast = json.dumps(_infer_body([2.0])).encode()
+    answer = _half_closed(tree, _infer_request("sleep", slow) + _infer_request("echo", fast))
+    assert answer.count(b"HTTP/1.1 200 ") == 2, answer[:600]
+    assert b'"data":[1.0]' in answer and b'"data":[2.0]' in answer
+
+
+def test_a_half_close_in_the_middle_of_a_body_drops_the_call(tree: Serving) -> None:
+    body = json.dumps(_infer_body([1.0])).encode()
+    answer = _half_closed(tree, _infer_request("echo", body[:10], length=len(body)))
+    assert not answer.startswith(b"HTTP/1.1 200 "), answer[:300]
+    assert _post(tree, "/v2/models/echo/infer", json=_infer_body([1.0])).status_code == 200
+
+
 def test_kserve_v1_predict_and_model_readiness(tree: Serving) -> None:
     url = f"http://{_http(tree)}/v1/models"
     reply = requests.post(f"{url}/echo:predict", json={"instances": [[1, 2], [3, 4]]}, timeout=WAIT)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import struct
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -14,12 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from poolserve.protos import inference_pb2 as pb
-from poolserve.service.contract.errors import InvalidInput
+from poolserve.service.contract.errors import InvalidInput, MessageTooLarge
 from poolserve.service.contract.rest import (
     DEFLATE,
     GZIP,
     IDENTITY,
     MAX_PEEK,
+    MAX_PEEK_COMPRESSED,
     REPLY_HEAD,
     RestHead,
     envelope_head,
@@ -230,7 +232,7 @@ def test_scheduling_parameters_reach_the_pools_peeks() -> None:
 
 
 def test_rest_batch_keys_match_for_json_and_binary_tensors() -> None:
-    from poolserve.service.poolserver.rest_scheduling import rest_batch
+    from poolserve.service.poolserver.rest_scheduling import rest_batch, scheduling_routing
 
     def wrapped(doc: dict[str, Any], binary: bytes = b"") -> bytes:
         text = json.dumps(doc).encode()
@@ -253,6 +255,13 @@ def test_rest_batch_keys_match_for_json_and_binary_tensors() -> None:
     assert rest_batch(other, frozenset({"mode"})) == json_key
     assert rest_batch(wrapped({"inputs": [{**tensor, "shape": [3]}]}), frozenset()) is not None
     assert rest_batch(wrapped({"inputs": []}), frozenset()) is None
+    # from what the pool's routing kept of the body (read once): the same keys
+    bodies = [as_json, as_binary, other, wrapped({"inputs": [None]}), wrapped({"inputs": "x"})]
+    bodies.append(wrapped({"inputs": [{**tensor, "data": [0] * 6}], "pad": "x" * MAX_PEEK}))
+    for body in bodies:
+        for safe in (frozenset(), frozenset({"mode"})):
+            kept = rest_batch(body, safe, scheduling_routing(body))
+            assert kept == rest_batch(body, safe), body[:80]
 
 
 JSON_VALUES = st.recursive(
@@ -431,3 +440,121 @@ def test_a_base64_input_reaches_the_model_as_sent_with_its_content_type() -> Non
     request, raw, _ = _decode(doc)
     assert bytes(raw[0]) == _bytes_tensor(b"aGk=")
     assert request.inputs[0].parameters["content_type"].string_param == "base64"
+
+
+def _peek_sizes() -> list[tuple[bytes, int | None]]:
+    """(body, Inference-Header-Content-Length) on both sides of the pool's
+    bounds: the JSON near MAX_PEEK inflated, the compressed body near
+    MAX_PEEK_COMPRESSED (random bytes: gzip stores them), binary tensors after."""
+    rng = np.random.default_rng(31)
+    cases: list[tuple[bytes, int | None]] = []
+    for pad in (10, MAX_PEEK - 100, MAX_PEEK - 30, MAX_PEEK + 10, 3 * MAX_PEEK):
+        for noise in (False, True):
+            filler = rng.integers(97, 123, pad, dtype=np.uint8).tobytes() if noise else b"x" * pad
+            text = json.dumps({"parameters": {"priority": 2}, "pad": filler.decode()}).encode()
+            cases.append((text, None))
+            tensors = rng.integers(0, 255, 5000, dtype=np.uint8).tobytes()
+            cases.append((text + tensors, len(text)))
+    for size in (MAX_PEEK - 200, MAX_PEEK, MAX_PEEK + 1, MAX_PEEK_COMPRESSED):
+        cases.append((rng.integers(0, 255, size, dtype=np.uint8).tobytes(), None))
+    return cases
+
+
+@pytest.mark.parametrize("encoding", [GZIP, DEFLATE])
+def test_the_workers_one_inflation_knows_what_the_pool_read(encoding: int) -> None:
+    """The worker inflates a body once and learns from that whether the pool
+    read its JSON: the same answer as the pool's own read, at every bound."""
+    import zlib
+
+    from poolserve.service.contract.rest import scheduling_json
+    from poolserve.service.inference.rest import inflate
+
+    for plain, length in _peek_sizes():
+        body = _compressed(plain, encoding)
+        out, read = inflate(body, 1 << 24, length)
+        assert out == plain
+        pool = scheduling_json(RestHead(length, encoding, 0, 1 << 24), body)
+        assert read == (pool is not None), (len(plain), len(body), length)
+        with pytest.raises(InvalidInput, match="truncated"):
+            inflate(body[:-9], 1 << 24, length)
+        with pytest.raises(MessageTooLarge):
+            inflate(body, len(plain) - 1, length)
+    with pytest.raises(InvalidInput, match="cannot be inflated"):
+        inflate(b"\x1f\x8b not gzip at all", 1 << 20)
+    assert inflate(zlib.compress(b"{}") + b"trailing", 100) == (b"{}", True)
+
+
+@pytest.mark.parametrize(
+    ("folder", "parameters"),
+    [
+        ("rows", {"timeout": 30_000_000}),  # batching: the pool reads its batch key
+        ("simple_sequence", {"sequence_id": 5, "sequence_start": True}),  # its sequence
+    ],
+)
+def test_a_compressed_body_is_inflated_once_by_the_pool(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    folder: str,
+    parameters: dict[str, Any],
+) -> None:
+    """One gzip REST call through a pool, its model run inline (in this process):
+    the pool reads the body once for its routing, batching and sequences, and
+    the model's decode inflates the whole body once, learning from it whether
+    the pool read the scheduling parameters: two inflations, not four."""
+    import asyncio
+    import time
+    import zlib
+    from typing import cast
+
+    from poolserve.service.contract.repository import scan
+    from poolserve.service.poolcore.dispatcher import Dispatcher
+    from poolserve.service.poolserver.backend import PoolBackend
+    from poolserve.service.poolserver.catalog import Catalog
+    from poolserve.service.poolserver.inline import InlineRunner
+    from poolserve.service.poolserver.servicer import InferenceServicer
+
+    from batch_models import ROWS_MODEL
+    from support import copy_example, write_model
+
+    repo = tmp_path / "repo"
+    if folder == "rows":
+        settings = {"name": "rows", "implementation": "model.RowsModel", "max_batch_size": 4}
+        write_model(repo, "rows", {**settings, "max_batch_time": 0.001}, ROWS_MODEL)
+        tensor = {"name": "INPUT0", "shape": [1, 3], "datatype": "FP32", "data": [1.0] * 3}
+    else:
+        copy_example(repo, folder)
+        tensor = {"name": "INPUT", "shape": [1, 1], "datatype": "INT32", "data": [4]}
+    path = repo / folder / "model-settings.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "parallel_workers": 0}))
+    (model_settings,) = scan(repo).models
+    text = json.dumps({"parameters": parameters, "inputs": [tensor]}).encode()
+    body = _compressed(text, GZIP)
+    wrapped = wrap_head(folder, "", len(body), RestHead(None, GZIP, 0, 1 << 24)) + body
+
+    inflations = 0
+    decompressobj = zlib.decompressobj
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal inflations
+        inflations += 1
+        return decompressobj(*args, **kwargs)
+
+    async def main() -> bytes:
+        catalog = Catalog.from_settings([model_settings])
+        inline = InlineRunner(catalog)
+        assert await inline.load([model_settings]) == {}
+        backend = PoolBackend(cast(Dispatcher, None), inline, needs_workers=False)
+        servicer = InferenceServicer(catalog, backend)
+        monkeypatch.setattr(zlib, "decompressobj", counted)
+        try:
+            return bytes(await servicer.infer_bytes(wrapped, time.monotonic() + 30))
+        finally:
+            monkeypatch.undo()
+            inline.close()
+
+    reply = asyncio.run(main())
+    json_length, encoding, _ = REPLY_HEAD.unpack_from(reply)
+    assert encoding == IDENTITY
+    answer = json.loads(reply[REPLY_HEAD.size : REPLY_HEAD.size + json_length])
+    assert answer["model_name"] == folder and answer["outputs"], answer
+    assert inflations == 2

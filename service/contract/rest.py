@@ -162,14 +162,34 @@ def scheduling_json(rest: RestHead, body: Wire) -> Wire | None:
         return body[:size] if size <= min(MAX_PEEK, len(body)) else None
     if length is not None and length > MAX_PEEK:
         return None
-    inflater = zlib.decompressobj(wbits=47)  # 32 + 15: a gzip or a zlib header
+    inflater = inflater_of()
     try:
-        out = inflater.decompress(body[:MAX_PEEK_COMPRESSED], MAX_PEEK + 1)
+        out = peek_inflate(inflater, body)
     except zlib.error:
         return None  # the worker says what is wrong with it
+    return peeked_json(out, inflater.eof, length)
+
+
+def inflater_of() -> zlib._Decompress:
+    """An inflater for a gzip or deflate (zlib) body."""
+    return zlib.decompressobj(wbits=47)  # 32 + 15: a gzip or a zlib header
+
+
+def peek_inflate(inflater: zlib._Decompress, body: Wire) -> bytes:
+    """The first step of inflating a compressed body, the part the pool reads
+    for scheduling: at most :data:`MAX_PEEK_COMPRESSED` bytes in, at most
+    ``MAX_PEEK + 1`` out. The worker inflates on from there
+    (:func:`poolserve.service.inference.rest.inflate`)."""
+    return inflater.decompress(body[:MAX_PEEK_COMPRESSED], MAX_PEEK + 1)
+
+
+def peeked_json(out: bytes, eof: bool, length: int | None) -> bytes | None:
+    """The JSON the pool reads from :func:`peek_inflate`'s ``out`` (``eof``:
+    the body ended in it), or None: too large (``length``: the JSON's length
+    when binary tensors follow it)."""
     if length is not None:
-        return out[:length] if len(out) >= length else None
-    return out if inflater.eof and len(out) <= MAX_PEEK else None
+        return out[:length] if length <= MAX_PEEK and len(out) >= length else None
+    return out if eof and len(out) <= MAX_PEEK else None
 
 
 def unwrap(data: Wire) -> tuple[RestHead, Wire] | None:

@@ -9,6 +9,7 @@ protobuf), so the whole top level is walked, jumping over payloads.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from poolserve.service.contract.errors import InvalidInput
 
@@ -43,6 +44,13 @@ class Routing:
     priority: int | None = None
     idempotent: bool = True
     timeout_us: int | None = None  # the schedule_policy extension's ``timeout``
+    # A REST body, read once per request by the pool
+    # (:func:`poolserve.service.poolserver.rest_scheduling.scheduling_routing`):
+    # its scheduling parameters as wire fields (what the peeks read) and, when
+    # its JSON was small enough to read, what its batch key is made of (the
+    # JSON but the tensors' data); None: not a REST body.
+    rest_view: bytes | None = None
+    rest_json: dict[str, Any] | None = None
 
 
 SCHEDULING_KEYS = (b"priority", b"idempotent", b"timeout")

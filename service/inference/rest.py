@@ -36,10 +36,13 @@ from poolserve.service.contract.rest import (
     GZIP,
     IDENTITY,
     MAX_PEEK,
+    MAX_PEEK_COMPRESSED,
     REPLY_HEAD,
     SCHEDULING,
     V1,
-    RestHead,
+    inflater_of,
+    peek_inflate,
+    peeked_json,
     scheduling_json,
     unwrap,
 )
@@ -92,14 +95,17 @@ def decode(data: Buffer, model: Model) -> tuple[pb.ModelInferRequest, list[Buffe
     if unwrapped is None:
         raise InvalidInput("not a REST body")
     rest, body = unwrapped
+    read: bool | None = None  # whether the pool read the JSON (known once inflated)
     if rest.encoding != IDENTITY:
-        body = inflate(body, rest.limit)
+        body, read = inflate(body, rest.limit, rest.header_length)
     if rest.protocol == V1:
         request, raw, _ = decode_v1(memoryview(body), model)
         return request, raw, lambda response, views: encode_v1(response, views, rest.accept)
     request, raw, binary = decode_request(memoryview(body), rest.header_length)
     if request.parameters:
-        _scheduled(request, rest, unwrapped[1])
+        if read is None:
+            read = scheduling_json(rest, unwrapped[1]) is not None
+        _scheduled(request, read)
 
     def encode(response: pb.ModelInferResponse, views: list[Buffer]) -> list[Buffer]:
         return encode_response(request, response, views, binary, rest.accept)
@@ -107,11 +113,11 @@ def decode(data: Buffer, model: Model) -> tuple[pb.ModelInferRequest, list[Buffe
     return request, raw, encode
 
 
-def _scheduled(request: pb.ModelInferRequest, rest: RestHead, sent: Buffer) -> None:
+def _scheduled(request: pb.ModelInferRequest, read: bool) -> None:
     """InvalidInput when the request carries a parameter the pool schedules by
     in a JSON the pool did not read (over MAX_PEEK bytes): never ignored."""
     keys = [key for key in SCHEDULING if key in request.parameters]
-    if keys and scheduling_json(rest, sent) is None:
+    if keys and not read:
         raise InvalidInput(
             f"request parameter '{keys[0]}' is in a JSON of more than {MAX_PEEK} bytes "
             "(inflated): the server schedules by the parameters of a smaller JSON only; "
@@ -120,18 +126,42 @@ def _scheduled(request: pb.ModelInferRequest, rest: RestHead, sent: Buffer) -> N
         )
 
 
-def inflate(body: Buffer, limit: int) -> bytes:
-    """A gzip or deflate (zlib) body, inflated to at most ``limit`` bytes."""
-    inflater = zlib.decompressobj(wbits=47)  # 32 + 15: a gzip or a zlib header
+def inflate(body: Buffer, limit: int, header_length: int | None = None) -> tuple[bytes, bool]:
+    """A gzip or deflate (zlib) body, inflated once, to at most ``limit``
+    bytes, and whether the pool read its JSON for scheduling
+    (:func:`~poolserve.service.contract.rest.scheduling_json`'s answer, from
+    this same inflation, so the worker need not inflate its start again)."""
+    inflater = inflater_of()
+    view = memoryview(body)
     try:
-        out = inflater.decompress(body, limit + 1)
+        if header_length is not None and header_length <= MAX_PEEK:
+            # the pool's first step, then on from where it stopped
+            first = peek_inflate(inflater, view)
+            read = peeked_json(first, inflater.eof, header_length) is not None
+            parts = [first]
+            for more in (inflater.unconsumed_tail, view[MAX_PEEK_COMPRESSED:]):
+                size = sum(map(len, parts))
+                if more and size <= limit and not inflater.eof:
+                    parts.append(inflater.decompress(more, limit + 1 - size))
+            out = first if len(parts) == 1 else b"".join(parts)
+        else:
+            # in one go: the whole JSON was read when the body ended in its
+            # first MAX_PEEK_COMPRESSED bytes and inflated to at most MAX_PEEK
+            out = inflater.decompress(view, limit + 1)
+            consumed = len(view) - len(inflater.unused_data)
+            read = (
+                header_length is None
+                and inflater.eof
+                and consumed <= MAX_PEEK_COMPRESSED
+                and len(out) <= MAX_PEEK
+            )
     except zlib.error as exc:
         raise InvalidInput(f"the body cannot be inflated (Content-Encoding): {exc}") from None
     if len(out) > limit:
         raise MessageTooLarge(f"the inflated body is over max_message_size ({limit} bytes)")
     if not inflater.eof:
         raise InvalidInput("the compressed body is truncated (Content-Encoding)")
-    return out
+    return out, read
 
 
 def deflate(parts: list[Buffer], encoding: int) -> bytes:

@@ -75,9 +75,9 @@ class PoolBackend:
             self._reject_if_hopeless(entry, plan.deadline)
         sequential = entry.settings is not None and entry.settings.sequence is not None
         if sequential and entry.name not in self.inline:
-            return await self._infer_in_sequence(entry, request, plan, observe)
+            return await self._infer_in_sequence(entry, request, plan, routing, observe)
         if sequential:  # inline: one thread, every sequence
-            return await self._infer_inline_sequence(entry, request, plan, observe)
+            return await self._infer_inline_sequence(entry, request, plan, routing, observe)
         policy = entry.settings.batching if entry.settings is not None else None
         rows, key = 1, b""
         if policy is not None and is_wrapped(request):
@@ -88,7 +88,7 @@ class PoolBackend:
             except InvalidInput:
                 peeked = None  # malformed: it runs alone, and the worker says what is wrong
             if peeked is None:  # an HTTP/REST body: from its JSON, when small
-                peeked = rest_batch(request, policy.safe_parameters)
+                peeked = rest_batch(request, policy.safe_parameters, routing)
             if peeked is None:
                 policy = None
             else:
@@ -187,7 +187,12 @@ class PoolBackend:
         return result.body
 
     async def _infer_in_sequence(
-        self, entry: ModelEntry, request: Payload, plan: Schedule, observe: Observer | None
+        self,
+        entry: ModelEntry,
+        request: Payload,
+        plan: Schedule,
+        routing: Routing,
+        observe: Observer | None,
     ) -> Payload:
         """A sequence model's request, on the worker that holds its sequence."""
         settings = entry.settings
@@ -195,7 +200,7 @@ class PoolBackend:
         table = self._sequence_table(entry)
         began = time.monotonic_ns()
         try:
-            control = peek_sequence(scheduling_view(request))
+            control = peek_sequence(scheduling_view(request, routing))
             worker, name = table.route(control)
         except ServingError as exc:
             entry.stats.record_failure(0, error=exc)
@@ -230,7 +235,12 @@ class PoolBackend:
         return table
 
     async def _infer_inline_sequence(
-        self, entry: ModelEntry, request: Payload, plan: Schedule, observe: Observer | None
+        self,
+        entry: ModelEntry,
+        request: Payload,
+        plan: Schedule,
+        routing: Routing,
+        observe: Observer | None,
     ) -> Payload:
         """An inline sequence model's request, with the sequence rules of workers."""
         settings = entry.settings
@@ -244,7 +254,7 @@ class PoolBackend:
                 entry.name, settings.sequence, ended
             )
         try:
-            control = peek_sequence(scheduling_view(request))
+            control = peek_sequence(scheduling_view(request, routing))
             table.route(control)
         except ServingError as exc:
             entry.stats.record_failure(0, error=exc)
@@ -277,7 +287,7 @@ class PoolBackend:
         if settings.sequence is not None:  # a decoupled sequence model: on its worker
             table = self._sequence_table(entry)
             try:
-                control = peek_sequence(scheduling_view(request))
+                control = peek_sequence(scheduling_view(request, routing))
                 pinned, name = table.route(control)
             except ServingError as exc:
                 entry.stats.record_failure(0, error=exc)

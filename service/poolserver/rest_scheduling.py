@@ -14,6 +14,10 @@ the same checks and the same errors, apply
 A larger JSON is scheduled with the defaults and runs alone (no batch); the
 worker refuses it when it carries a scheduling parameter
 (:func:`poolserve.service.inference.rest.decode`), so that none is ignored.
+
+The body is read once per request (a compressed one inflated once), where
+the pool first routes it (:func:`scheduling_routing`): the routing keeps
+what was read, and batching and sequences take it from there.
 """
 
 from __future__ import annotations
@@ -32,19 +36,52 @@ from poolserve.service.contract.rest import (
 )
 from poolserve.service.contract.rest import unwrap as unwrap_rest
 from poolserve.service.contract.shm import unwrap
-from poolserve.service.contract.wire import Wire, peek_model
+from poolserve.service.contract.wire import Routing, Wire, peek_model, peek_routing
 
 
-def scheduling_view(request: Payload) -> Wire:
+def scheduling_routing(request: Payload) -> Routing:
+    """The request's routing (model, version, scheduling parameters), read
+    from :func:`scheduling_view`; for a REST body, with what was read of it
+    (:attr:`Routing.rest_view`, :attr:`Routing.rest_json`): the one read of
+    the body for this request."""
+    data = unwrap(request)[1]
+    rest = unwrap_rest(data)
+    if rest is None:
+        return peek_routing(data)
+    doc = _document(*rest)
+    name, version = peek_model(data)
+    view = routing_head(name, version) + encode_parameters(_parameters(doc))
+    routing = peek_routing(view)
+    routing.rest_view, routing.rest_json = view, _batch_fields(doc)
+    return routing
+
+
+def _batch_fields(doc: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What :func:`rest_batch` reads of a body's JSON, kept with its routing
+    while the call queues: its parameters, and its tensors but their data."""
+    if doc is None:
+        return None
+    inputs = doc.get("inputs")
+    if isinstance(inputs, list):
+        inputs = [
+            {k: v for k, v in tensor.items() if k != "data"} if isinstance(tensor, dict) else tensor
+            for tensor in inputs
+        ]
+    return {"parameters": doc.get("parameters"), "inputs": inputs}
+
+
+def scheduling_view(request: Payload, routing: Routing | None = None) -> Wire:
     """The bytes the pool's peeks read: the request itself, or for a REST
-    body its model, version and JSON scheduling parameters as wire fields."""
+    body its model, version and JSON scheduling parameters as wire fields
+    (kept by ``routing`` when it came from :func:`scheduling_routing`)."""
+    if routing is not None and routing.rest_view is not None:
+        return routing.rest_view
     data = unwrap(request)[1]
     rest = unwrap_rest(data)
     if rest is None:
         return data
-    head, body = rest
     name, version = peek_model(data)
-    return routing_head(name, version) + encode_parameters(_parameters(head, body))
+    return routing_head(name, version) + encode_parameters(_parameters(_document(*rest)))
 
 
 def _document(head: RestHead, body: Wire) -> dict[str, Any] | None:
@@ -59,8 +96,7 @@ def _document(head: RestHead, body: Wire) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else None
 
 
-def _parameters(head: RestHead, body: Wire) -> dict[str, object]:
-    doc = _document(head, body)
+def _parameters(doc: dict[str, Any] | None) -> dict[str, object]:
     params = doc.get("parameters") if doc is not None else None
     if not isinstance(params, dict):
         return {}
@@ -71,14 +107,20 @@ def _parameters(head: RestHead, body: Wire) -> dict[str, object]:
 _PER_REQUEST = frozenset(("binary_data_size", "binary_data_output"))
 
 
-def rest_batch(request: Payload, safe: frozenset[str]) -> tuple[int, bytes] | None:
+def rest_batch(
+    request: Payload, safe: frozenset[str], routing: Routing | None = None
+) -> tuple[int, bytes] | None:
     """(rows, batch key) of a REST body, as :func:`poolserve.service.contract.batching.peek_batch`
     gives them for a ModelInferRequest; None when it runs alone (too large to
-    read here, no inputs, inputs that disagree on dimension 0)."""
-    rest = unwrap_rest(unwrap(request)[1])
-    if rest is None:
-        return None
-    doc = _document(*rest)
+    read here, no inputs, inputs that disagree on dimension 0). The body's
+    JSON is ``routing``'s when it came from :func:`scheduling_routing`."""
+    if routing is not None and routing.rest_view is not None:
+        doc = routing.rest_json
+    else:
+        rest = unwrap_rest(unwrap(request)[1])
+        if rest is None:
+            return None
+        doc = _document(*rest)
     inputs = doc.get("inputs") if doc is not None else None
     if doc is None or not isinstance(inputs, list) or not inputs:
         return None

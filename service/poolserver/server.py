@@ -32,7 +32,6 @@ from poolserve.service.contract.repository import (
 )
 from poolserve.service.contract.rundir import claim_socket, remove_own
 from poolserve.service.contract.settings import ServerSettings
-from poolserve.service.contract.wire import peek_routing
 from poolserve.service.grpcserver.health import Health
 from poolserve.service.grpcserver.pacing import Fingerprint, Pacer, Rescanner, fingerprint
 from poolserve.service.grpcserver.shm import SharedMemory
@@ -49,7 +48,7 @@ from poolserve.service.poolserver.control import PoolControl
 from poolserve.service.poolserver.inline import InlineRunner, is_inline
 from poolserve.service.poolserver.lane_server import LaneServer
 from poolserve.service.poolserver.model_control import LiveModels, ModelReply
-from poolserve.service.poolserver.rest_scheduling import scheduling_view
+from poolserve.service.poolserver.rest_scheduling import scheduling_routing
 from poolserve.service.poolserver.servicer import InferenceServicer
 
 log = logging.getLogger(__name__)
@@ -154,7 +153,7 @@ class PoolServer(LiveModels):
         """A lane call answered without a task: an inline model declared fast, untraced."""
         if self.servicer.tracing is not None or not self.inline.has_fast():
             return None
-        routing = peek_routing(scheduling_view(request))
+        routing = scheduling_routing(request)
         entry = self.catalog.lookup_ready(routing.name, routing.version)
         deadline -= self.servicer.margin_s
         return self.backend.infer_now(entry, request, deadline, routing)
@@ -169,7 +168,7 @@ class PoolServer(LiveModels):
         """A lane call started without a task: untraced, on a forked worker, alone."""
         if self.servicer.tracing is not None:
             return None
-        routing = peek_routing(scheduling_view(request))
+        routing = scheduling_routing(request)
         entry = self.catalog.lookup_ready(routing.name, routing.version)
         deadline -= self.servicer.margin_s
         return self.backend.begin(entry, request, deadline, routing, reply)

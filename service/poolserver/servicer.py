@@ -25,7 +25,7 @@ from poolserve.service import __version__
 from poolserve.service.contract.errors import Failure, InvalidInput, ServingError, Unimplemented
 from poolserve.service.contract.framing import Payload
 from poolserve.service.contract.lane import Trace, refusal
-from poolserve.service.contract.wire import Routing, encode_len_field, peek_routing
+from poolserve.service.contract.wire import Routing, encode_len_field
 from poolserve.service.grpcserver.handlers import (
     EXTENSIONS,
     SERVICE,
@@ -38,7 +38,7 @@ from poolserve.service.grpcserver.status import grpc_status
 from poolserve.service.grpcserver.tracing import Tracing, deadline_event
 from poolserve.service.poolserver.catalog import Catalog, ModelEntry, wrong_version
 from poolserve.service.poolserver.metadata import model_config, model_metadata
-from poolserve.service.poolserver.rest_scheduling import scheduling_view
+from poolserve.service.poolserver.rest_scheduling import scheduling_routing
 from poolserve.service.poolserver.statistics import model_statistics
 
 if TYPE_CHECKING:
@@ -213,7 +213,7 @@ class InferenceServicer:
     async def infer_bytes(
         self, request: Payload, deadline: float, observe: Observer | None = None
     ) -> Payload:
-        routing = peek_routing(scheduling_view(request))
+        routing = scheduling_routing(request)
         entry = self.catalog.lookup_ready(routing.name, routing.version)
         return await self.backend.infer(entry, request, deadline, routing, observe)
 
@@ -307,7 +307,7 @@ class InferenceServicer:
             try:
                 if attach:
                     request = self.shared_memory.attach(as_bytes(request))
-                routing = peek_routing(scheduling_view(request))
+                routing = scheduling_routing(request)
                 entry = self.catalog.lookup_ready(routing.name, routing.version)
                 if entry.policy.decoupled:
                     async for part in self._stream(entry, request, deadline, routing):

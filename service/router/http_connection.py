@@ -1,7 +1,8 @@
 """One HTTP connection of the router's REST door: uvicorn's httptools
 protocol with the door's limits (request line and headers in size and time,
-body size, open connections), refusals that linger instead of resetting, and
-the hook that cancels a call whose client closed its connection."""
+body size, open connections), refusals that linger instead of resetting, the
+hook that cancels a call whose client closed its connection, and a client's
+half-close after a whole request answered before the connection closes."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ class HttpConnection(HttpToolsProtocol):
         self._body_bytes = 0
         self._head_timer: asyncio.TimerHandle | None = None
         self._in_head = False  # a request began and its headers are not all here
+        self._in_message = False  # a request began and its body is not all here
         self._linger: asyncio.TimerHandle | None = None
         self.writer: Corked | None = None  # the transport as response cycles see it
         self._body: Body | None = None  # the body of the call being parsed, when forwarded
@@ -77,6 +79,25 @@ class HttpConnection(HttpToolsProtocol):
         if self.forwarding is not None:
             self.forwarding.cancel()  # the client went: the pool drops its call
         super().connection_lost(exc)
+
+    def eof_received(self) -> bool | None:  # type: ignore[override]  # asyncio.Protocol's
+        """The client shut its write side. A request it sent whole is answered,
+        then the connection closes (as nginx does: ``nc -N``, ``curl`` and some
+        proxies half-close after a request); EOF before any request or in the
+        middle of one (its body cut short) closes it now, cancelling a call in
+        flight. A TLS connection has no half-close: asyncio closes it."""
+        self._unset_keepalive_if_required()
+        cycle = self.cycle
+        if (
+            self.refused
+            or self._in_message
+            or cycle is None
+            or cycle.response_complete
+            or self.transport.get_extra_info("sslcontext") is not None
+        ):
+            return None  # the transport closes: connection_lost
+        cycle.keep_alive = False  # the last request parsed: its answer closes the connection
+        return True
 
     def data_received(self, data: bytes) -> None:
         if self.refused:
@@ -165,6 +186,7 @@ class HttpConnection(HttpToolsProtocol):
         self.settle()
         super().on_message_begin()
         self._head_bytes = self._body_bytes = 0
+        self._in_message = True
         self.scope["poolserve.connection"] = self  # type: ignore[typeddict-unknown-key]
         self._in_head = True  # timed from the end of this read unless the head ends in it
 
@@ -216,6 +238,7 @@ class HttpConnection(HttpToolsProtocol):
         cycle.message_event.set()
 
     def on_message_complete(self) -> None:
+        self._in_message = False
         if self._body is not None:
             self._body.complete = True
         super().on_message_complete()
