@@ -14,6 +14,8 @@ from poolserve.service.contract.errors import DeadlineExceeded, Failure, QueueFu
 from poolserve.service.poolcore.admission import ServiceTime
 from poolserve.service.poolcore.dispatcher import Dispatcher
 from poolserve.service.poolcore.frames import (
+    AHEAD,
+    DEADLINE,
     HEADER,
     REQUEST,
     ReplyBuffer,
@@ -37,6 +39,8 @@ class FakeWorker:
         dispatcher.add_worker(pid, ours)
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
+        self.kinds: list[int] = []  # of the frames received
+        self.deadlines: list[float] = []  # the AHEAD frames'
         FAKES.append(self)
 
     async def connect(self, ready: bool = True) -> None:
@@ -48,7 +52,12 @@ class FakeWorker:
     async def receive(self) -> tuple[int, bytes]:
         assert self.reader is not None
         length, kind, seq = HEADER.unpack(await self.reader.readexactly(HEADER.size))
-        assert kind == REQUEST
+        assert kind in (REQUEST, AHEAD)
+        self.kinds.append(kind)
+        if kind == AHEAD:  # a job sent ahead: its deadline, then the request
+            (deadline,) = DEADLINE.unpack(await self.reader.readexactly(DEADLINE.size))
+            self.deadlines.append(deadline)
+            length -= DEADLINE.size
         return seq, await self.reader.readexactly(length)
 
     def reply(self, seq: int, body: bytes, compute_ns: int = 2) -> None:
@@ -454,5 +463,144 @@ def test_a_pool_that_was_itself_stalled_does_not_blame_its_workers() -> None:
         assert killed == []
         d.watch.check_heartbeats(now, late_by=0.01, period=0.5)  # on time: the silence counts
         assert len(killed) == 1 and killed[0].startswith("stopped heartbeating")
+
+    with_dispatcher(body)
+
+
+async def nothing_comes(worker: FakeWorker) -> bool:
+    """Whether no job reaches ``worker`` within a short while."""
+    try:
+        await asyncio.wait_for(worker.receive(), 0.3)
+    except TimeoutError:
+        return True
+    return False
+
+
+async def learn_light(d: Dispatcher, w: FakeWorker, tag: str) -> None:
+    """One job of model ``tag`` answered at once: the model is known to be light."""
+    now = asyncio.get_running_loop().time()
+    job = asyncio.ensure_future(d.submit(b"learn", now + 60, tag=tag))
+    seq, _ = await w.receive()
+    w.reply(seq, b"learnt")
+    await job
+    mean = d.admission.service_mean(tag)
+    assert mean is not None and mean < 0.005, mean
+
+
+def test_a_light_models_next_job_goes_to_its_busy_worker_ahead() -> None:
+    async def body(d: Dispatcher, _: list[WorkerGone]) -> None:
+        w = FakeWorker(d, 1)
+        await w.connect()
+        await until(lambda: d.live_workers() == 1)
+        await learn_light(d, w, "m")
+        now = asyncio.get_running_loop().time()
+        a = asyncio.ensure_future(d.submit(b"a", now + 60, tag="m"))
+        seq_a, got = await w.receive()
+        assert got == b"a" and w.kinds[-1] == REQUEST
+        b = asyncio.ensure_future(d.submit(b"b", now + 50, tag="m"))
+        # b reaches the worker before a is answered, with its deadline, and is not queued
+        seq_b, got = await w.receive()
+        assert got == b"b" and w.kinds[-1] == AHEAD
+        assert w.deadlines[-1] == pytest.approx(now + 50)
+        assert d.queue_depth() == 0
+        # one ahead at most: c waits in the queue
+        c = asyncio.ensure_future(d.submit(b"c", now + 60, tag="m"))
+        await until(lambda: d.queue_depth() == 1)  # (held by a slow answer, "m" would look slow)
+        # a's answer: b runs, and c (the queue's head) goes ahead in its place
+        w.reply(seq_a, b"A")
+        assert (await a).body == b"A"
+        seq_c, got = await w.receive()
+        assert got == b"c" and w.kinds[-1] == AHEAD
+        # answers go to their own callers, in the order sent
+        w.reply(seq_b, b"B")
+        w.reply(seq_c, b"C")
+        assert (await b).body == b"B"
+        assert (await c).body == b"C"
+        # a caller that leaves while its job is ahead: the reply is dropped
+        d_ = asyncio.ensure_future(d.submit(b"d", now + 60, tag="m"))
+        seq_d, _ = await w.receive()
+        e = asyncio.ensure_future(d.submit(b"e", now + 60, tag="m"))
+        seq_e, _ = await w.receive()
+        assert w.kinds[-1] == AHEAD
+        e.cancel()
+        w.reply(seq_d, b"D")
+        w.reply(seq_e, b"E")
+        assert (await d_).body == b"D"
+        await until(lambda: d.late_replies == 1)
+        with pytest.raises(asyncio.CancelledError):
+            await e
+        assert d.sent_ahead == 3
+
+    with_dispatcher(body)
+
+
+def test_jobs_of_an_unknown_or_slow_model_are_not_sent_ahead() -> None:
+    async def body(d: Dispatcher, _: list[WorkerGone]) -> None:
+        w = FakeWorker(d, 1)
+        await w.connect()
+        await until(lambda: d.live_workers() == 1)
+        now = asyncio.get_running_loop().time()
+        # no answer yet: its service time is unknown
+        a = asyncio.ensure_future(d.submit(b"a", now + 60, tag="slow"))
+        seq, _ = await w.receive()
+        b = asyncio.ensure_future(d.submit(b"b", now + 60, tag="slow"))
+        await until(lambda: d.queue_depth() == 1)
+        assert await nothing_comes(w)
+        await asyncio.sleep(0.05)  # the model's run: it takes 50 ms or more
+        w.reply(seq, b"A")
+        await a
+        seq, got = await w.receive()
+        assert got == b"b"
+        mean = d.admission.service_mean("slow")
+        assert mean is not None and mean >= 0.05
+        c = asyncio.ensure_future(d.submit(b"c", now + 60, tag="slow"))
+        await until(lambda: d.queue_depth() == 1)
+        assert await nothing_comes(w)
+        w.reply(seq, b"B")
+        seq, got = await w.receive()
+        assert got == b"c" and w.kinds == [REQUEST, REQUEST, REQUEST]
+        w.reply(seq, b"C")
+        assert [(await f).body for f in (b, c)] == [b"B", b"C"]
+        assert d.sent_ahead == 0
+
+    with_dispatcher(body)
+
+
+def test_a_job_ahead_on_a_worker_that_dies_runs_on_another_even_if_not_idempotent() -> None:
+    async def body(d: Dispatcher, gone: list[WorkerGone]) -> None:
+        a, b = FakeWorker(d, 21), FakeWorker(d, 22)
+        await a.connect()
+        await until(lambda: d.live_workers() == 1)
+        await learn_light(d, a, "m")
+        await b.connect()
+        await until(lambda: d.live_workers() == 2)
+        now = asyncio.get_running_loop().time()
+        first = asyncio.ensure_future(d.submit(b"1", now + 60, tag="m", idempotent=False))
+        got = {}
+        for fake in (a, b):  # one job on each worker
+            try:
+                got[fake] = await asyncio.wait_for(fake.receive(), 0.3)
+            except TimeoutError:
+                continue
+        (runs_first,) = got
+        other = b if runs_first is a else a
+        second = asyncio.ensure_future(d.submit(b"2", now + 60, tag="m"))
+        seq2, _ = await other.receive()
+        # the third goes ahead to the worker whose job started first
+        third = asyncio.ensure_future(d.submit(b"3", now + 60, tag="m", idempotent=False))
+        _, body3 = await runs_first.receive()
+        assert body3 == b"3" and runs_first.kinds[-1] == AHEAD
+        runs_first.die()
+        d.worker_exited(runs_first.pid, "killed by SIGKILL")
+        with pytest.raises(Unavailable, match="SIGKILL"):
+            await first  # it ran (it may have done its work): not run twice
+        # the one ahead never started: it runs on the other worker after its job
+        other.reply(seq2, b"two")
+        assert (await second).body == b"two"
+        seq3, body3 = await other.receive()
+        assert body3 == b"3"
+        other.reply(seq3, b"three")
+        assert (await third).body == b"three"
+        await until(lambda: len(gone) == 1)
 
     with_dispatcher(body)

@@ -14,6 +14,7 @@ import itertools
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from unittest import mock
 
@@ -21,6 +22,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from poolserve.service.contract.errors import Failure
 from poolserve.service.contract.framing import (
     CHUNK,
     HEADER,
@@ -28,7 +30,15 @@ from poolserve.service.contract.framing import (
     Batcher,
     FrameBuffer,
 )
-from poolserve.service.poolcore.frames import REPLY, TIMINGS, ReplyBuffer, reply_frame
+from poolserve.service.poolcore import worker
+from poolserve.service.poolcore.frames import (
+    REPLY,
+    TIMINGS,
+    Reply,
+    ReplyBuffer,
+    ahead_frame,
+    reply_frame,
+)
 from poolserve.service.poolcore.stats import Timings
 from poolserve.service.poolcore.worker import send_frame
 
@@ -321,3 +331,41 @@ def test_frames_of_bytes_a_short_write_cuts_go_out_whole_and_in_order() -> None:
             await asyncio.sleep(0)
 
     asyncio.run(main())
+
+
+def test_a_worker_does_not_start_a_job_sent_ahead_once_its_deadline_passed() -> None:
+    """A worker's own loop over a real socket: an AHEAD frame whose deadline
+    passed gets a DEADLINE error and never reaches the model; one still in time
+    runs as a REQUEST does."""
+    ran: list[bytes] = []
+
+    def handler(body: bytes, seq: int) -> worker.FrameOut:
+        ran.append(bytes(body))
+        return reply_frame(seq, Timings(), b"out:" + body)
+
+    pool, theirs = socket.socketpair()
+    serving = threading.Thread(
+        target=worker.serve, args=(theirs, handler, threading.Lock()), daemon=True
+    )
+    serving.start()
+    try:
+        now = time.monotonic()
+        pool.sendall(b"".join(ahead_frame(1, now - 0.001, b"late")))
+        pool.sendall(b"".join(ahead_frame(2, now + 60, b"on time")))
+        replies = ReplyBuffer()
+        got: list[Reply] = []
+        pool.settimeout(30)
+        while len(got) < 2:
+            chunk = pool.recv(65536)
+            assert chunk, "the worker closed its socket"
+            got.extend(replies.feed(chunk))
+        late, on_time = got
+        assert (late.seq, late.failure) == (1, Failure.DEADLINE)
+        assert "not started" in late.message
+        assert (on_time.seq, on_time.failure, bytes(on_time.body)) == (2, None, b"out:on time")
+        assert ran == [b"on time"]
+    finally:
+        pool.close()
+        serving.join(30)
+        theirs.close()
+    assert not serving.is_alive()

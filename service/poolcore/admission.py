@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Callable
 
 from poolserve.service.contract.errors import DeadlineExceeded, ServingError, Unavailable
 from poolserve.service.contract.framing import Payload
@@ -192,6 +193,22 @@ class Admission:
             return job
         return None
 
+    def next_job_if(self, wanted: Callable[[Job], bool]) -> Job | None:
+        """As :meth:`next_job`, while the queue's head is ``wanted``; None at the
+        first that is not (it stays queued)."""
+        now = self.running_loop().time()
+        while (job := self.queue.peek()) is not None and wanted(job):
+            self.queue.pop()
+            if self.hopeless(job, now, queued=False):
+                continue
+            return job
+        return None
+
+    def service_mean(self, tag: str) -> float | None:
+        """Model ``tag``'s mean service time; None before its first answer."""
+        service = self._service.get(tag)
+        return None if service is None else service.mean
+
     def hopeless(self, job: Job, now: float, queued: bool = True) -> bool:
         """Answers a job that cannot finish in time (``queued``: it leaves the queue)."""
         service = self._service.get(job.tag)
@@ -233,6 +250,17 @@ class Admission:
             self._service[lead.tag] = ServiceTime(took)
         else:
             service.add(took)
+
+    def requeue(self, job: Job) -> bool:
+        """Queues a job that never started (it was sent ahead to a worker that
+        died) at the front again, if it still has time; else it is lost with
+        the worker (answered with its exit status)."""
+        if job.deadline <= self.running_loop().time():
+            return False
+        job.state = JobState.QUEUED
+        job.priority = RETRY_PRIORITY
+        self.queue.push(job, 0.0, bounded=False)
+        return True
 
     def retry(self, job: Job) -> bool:
         """Requeues a dead worker's job once, if it may run twice and still has time."""

@@ -31,11 +31,15 @@ class DeathReports:
         self._dead: dict[int, Worker] = {}  # socket closed, exit status not yet known
         self._statuses: dict[int, str] = {}  # exit status known, socket not yet closed
 
-    def leaves(self, worker: Worker, retry: Callable[[Job], bool]) -> bool:
+    def leaves(
+        self, worker: Worker, retry: Callable[[Job], bool], requeue: Callable[[Job], bool]
+    ) -> bool:
         """Sorts the jobs of ``worker``, whose socket closed: a running job its
         own death did not doom is requeued once (``retry``), the others wait
-        for the exit status. True if a job was requeued."""
+        for the exit status; a job sent ahead, which never started, is queued
+        again (``requeue``). True if a job was requeued."""
         lead, worker.current = worker.current, None
+        ahead, worker.ahead = worker.ahead, None
         worker.lost_tag = lead.tag if lead is not None else worker.warming
         members = [] if lead is None else lead.members or [lead]
         pinned, worker.pinned = worker.pinned, deque()
@@ -43,7 +47,13 @@ class DeathReports:
             if job.state is JobState.QUEUED:
                 job.state = JobState.RUNNING  # answered with the lost jobs
                 worker.lost_jobs.append(job)
+        # A job sent ahead never started (it runs only after the reply to the
+        # worker's job, which did not come): it may run anywhere, even once more.
         retried = False
+        if ahead is not None and ahead.state is JobState.RUNNING:
+            retried = requeue(ahead)
+            if not retried:
+                worker.lost_jobs.append(ahead)
         for job in members:
             if job.state is not JobState.RUNNING:
                 continue

@@ -14,14 +14,16 @@ to its parts, each the one owner of its state:
   :class:`WorkerGone` once its socket closed and its exit status is known;
 - streams (``streams``): a decoupled model's parts, their window, the CANCEL;
 - a worker's socket (``link``): frames in, a job's frame out;
+- a light job sent to a busy worker before it answered (``ahead``);
 - the job and worker types, and a job's one state machine (``jobs``).
 
 The parts never import this module (import-linter's ``dispatcher-parts``).
 It knows nothing of gRPC or models: it moves opaque request bytes to idle
-workers and their replies back. Each worker holds at most one job, so there
-is no table of futures keyed by message id that two parties could disagree
-about. A job has one state machine (QUEUED -> RUNNING -> DONE, or ABANDONED
-when its caller gave up through a deadline or a cancel); a reply for an
+workers and their replies back. Each worker runs one job and holds at most
+one more sent ahead, answered in the order sent, so there is no table of
+futures keyed by message id that two parties could disagree about. A job
+has one state machine (QUEUED -> RUNNING -> DONE, or ABANDONED when its
+caller gave up through a deadline or a cancel); a reply for an
 abandoned job is counted and dropped. A fresh worker takes no job before its
 self-test is done (the READY frame).
 """
@@ -36,6 +38,7 @@ from poolserve.service.contract.batching import BatchPolicy
 from poolserve.service.contract.errors import ServingError
 from poolserve.service.contract.framing import Payload
 from poolserve.service.poolcore.admission import Admission
+from poolserve.service.poolcore.ahead import SendAhead
 from poolserve.service.poolcore.batches import BatchForming
 from poolserve.service.poolcore.deaths import DeathReports
 from poolserve.service.poolcore.frames import PART, Reply
@@ -94,6 +97,8 @@ class Dispatcher:
         self.deaths = DeathReports(name, on_worker_gone, self._closing)
         self.late_replies = 0
         self.batching = BatchForming(self.admission, self.roster, self._fill_idle)
+        self.ahead = SendAhead(self.admission.service_mean, self.roster.workers)
+        self.sent_ahead = 0  # jobs sent to a busy worker (for tests and the profile)
 
     # -- lifecycle -------------------------------------------------------
 
@@ -300,6 +305,8 @@ class Dispatcher:
             and (job.batch is None or not self.roster.runs(job.tag))
         ):
             self._start(self.roster.idle.pop(), [job])  # a lone caller starts at once
+        elif not self.admission.queue and (worker := self.ahead.worker_for(job)) is not None:
+            self._send_ahead(worker, job)
         else:
             self.admission.queue.push(job, precision)
 
@@ -352,6 +359,31 @@ class Dispatcher:
         if job.members is not None:
             self.batching.batches += 1
         send_job(worker, job)
+        if self.admission.queue and self.ahead.takes(worker):
+            ahead = self.admission.next_job_if(self.ahead.light)
+            if ahead is not None:
+                self._send_ahead(worker, ahead)
+
+    def _send_ahead(self, worker: Worker, job: Job) -> None:
+        """Sends ``job`` to busy ``worker``: it runs when the worker's job ends."""
+        job.state = JobState.RUNNING
+        job.worker = worker
+        worker.ahead = job
+        self.sent_ahead += 1
+        send_job(worker, job)
+
+    def _run_ahead(self, worker: Worker, now: float) -> None:
+        """``worker`` answered its job and goes on with the one sent ahead."""
+        job, worker.ahead = worker.ahead, None
+        assert job is not None
+        job.started = now
+        worker.current = job
+        worker.state = WorkerState.BUSY
+        self.watch.time_job(worker, job)
+        if self.admission.queue and self.ahead.takes(worker):
+            ahead = self.admission.next_job_if(self.ahead.light)
+            if ahead is not None:
+                self._send_ahead(worker, ahead)
 
     def _fill_idle(self) -> None:
         """Starts what is worth starting on idle workers (a batch may still wait)."""
@@ -422,7 +454,10 @@ class Dispatcher:
             job.overtime.cancel()
             job.overtime = None
         was_stuck = worker.state is WorkerState.STUCK
-        self._worker_free(worker)
+        if worker.ahead is not None:
+            self._run_ahead(worker, finished)
+        else:
+            self._worker_free(worker)
         if was_stuck:
             self._on_change()
 
@@ -455,7 +490,8 @@ class Dispatcher:
             worker.transport.close()
         else:
             worker.sock.close()
-        if self.deaths.leaves(worker, self.admission.retry) and self.roster.idle:
+        retry, requeue = self.admission.retry, self.admission.requeue
+        if self.deaths.leaves(worker, retry, requeue) and self.roster.idle:
             self._fill_idle()
         self.deaths.socket_closed(worker)
         self._on_change()

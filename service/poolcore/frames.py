@@ -73,6 +73,7 @@ PART = 11  # worker -> pool: one response of a stream
 ACK = 12  # pool -> worker: the caller took this many parts (u32)
 CANCEL = 13  # pool -> worker: the stream's caller is gone
 SEQUENCE_END = 14  # pool -> worker: a sequence ended (JSON: model, id, reason); answer: REPLY
+AHEAD = 15  # pool -> worker: a request sent before the one it runs ended (deadline f64, request)
 SELF_TEST = (WARMUP, READY, LOADING)
 COUNT = struct.Struct("<I")
 
@@ -92,6 +93,16 @@ def request_frame(seq: int, body: Payload) -> tuple[bytes, Payload]:
     """A REQUEST frame as parts (header, body): written as a scatter list, the
     body (a view of the lane's INFER frame) is not copied."""
     return HEADER.pack(len(body), REQUEST, seq), body
+
+
+DEADLINE = struct.Struct("<d")
+
+
+def ahead_frame(seq: int, deadline: float, body: Payload) -> tuple[bytes, Payload]:
+    """An AHEAD frame as parts: a REQUEST that waits on the worker behind the one it
+    runs, with its deadline (monotonic clock: the same in every process of a host)
+    so that the worker does not start it once the deadline passed."""
+    return HEADER.pack(DEADLINE.size + len(body), AHEAD, seq) + DEADLINE.pack(deadline), body
 
 
 def batch_frame(seq: int, bodies: Sequence[Payload]) -> list[Part]:

@@ -56,6 +56,14 @@ class JobQueue:
                 return job
         return None
 
+    def peek(self) -> Job | None:
+        """The first queued job, left in the queue."""
+        while self._heap:
+            if _live(self._heap[0]):
+                return self._heap[0][4]
+            heapq.heappop(self._heap)
+        return None
+
     def compatible(self, lead: Job) -> list[Job]:
         """The queued jobs that may join ``lead``'s batch, in queue order."""
         found = [

@@ -3,9 +3,10 @@ as the dispatcher sees it, and what a job ends with.
 
 A job has one state machine (QUEUED -> RUNNING -> DONE, or ABANDONED when
 its caller gave up through a deadline or a cancel); :func:`finish` answers
-its caller once. A worker holds at most one job (``current``, the lead of
-its batch), so there is no table of futures keyed by message id that two
-parties could disagree about.
+its caller once. A worker runs one job (``current``, the lead of its batch)
+and holds at most one more sent ahead (``ahead``, :mod:`.ahead`); it answers
+them in the order they were sent, so there is no table of futures keyed by
+message id that two parties could disagree about.
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ class Worker:
     transport: asyncio.Transport | None = None
     writer: Batcher | None = None  # scatter writes to the worker (never transport.write)
     current: Job | None = None
+    ahead: Job | None = None  # sent before ``current`` ended: it runs next (see ahead.py)
     served: int = 0
     state: WorkerState = WorkerState.STARTING
     started_at: float = field(default_factory=time.monotonic)

@@ -14,6 +14,7 @@ from poolserve.service.poolcore.frames import (
     SELF_TEST,
     Reply,
     ReplyBuffer,
+    ahead_frame,
     batch_frame,
     request_frame,
     sequence_end_frame,
@@ -97,13 +98,15 @@ def send_job(worker: Worker, job: Job) -> None:
     """Sends ``job`` (with its batch, if it leads one) to the worker it runs on.
 
     Frames go out as parts (header, body views: no join), at once: a worker's
-    socket carries one job at a time.
+    socket carries its job and at most one sent ahead (:mod:`.ahead`).
     """
     assert worker.writer is not None
     if job.stream is not None:
         worker.writer.write_now(*stream_frame(job.seq, job.stream.window, job.body))
     elif job.notice:
         worker.writer.write_now(*sequence_end_frame(job.seq, job.body))
+    elif job.members is None and worker.ahead is job:
+        worker.writer.write_now(*ahead_frame(job.seq, job.deadline, job.body))
     elif job.members is None:
         worker.writer.write_now(*request_frame(job.seq, job.body))
     else:

@@ -33,8 +33,10 @@ from poolserve.service.contract.framing import HEADER, IOV_MAX, Payload, flat
 from poolserve.service.contract.slab import Mapper
 from poolserve.service.poolcore.frames import (
     ACK,
+    AHEAD,
     BATCH,
     CANCEL,
+    DEADLINE,
     REQUEST,
     SEQUENCE_END,
     STREAM,
@@ -92,12 +94,21 @@ def serve(sock: socket.socket, handler: Handler, send_lock: threading.Lock) -> N
         if header is None:
             return
         length, kind, seq = HEADER.unpack(header)
+        deadline = None
+        if kind == AHEAD:  # a request sent while we ran the one before: its deadline first
+            head = _read_exact(stream, DEADLINE.size) if length >= DEADLINE.size else None
+            if head is None:
+                return
+            (deadline,) = DEADLINE.unpack(head)
+            length -= DEADLINE.size
         body = _read_exact(stream, length)
         if kind in (ACK, CANCEL):
             continue  # for a stream that already ended
-        if body is None or kind not in (REQUEST, BATCH, STREAM, SEQUENCE_END):
+        if body is None or kind not in (REQUEST, BATCH, STREAM, SEQUENCE_END, AHEAD):
             return
-        if kind == STREAM:
+        if deadline is not None and time.monotonic() >= deadline:
+            frame: FrameOut = error_frame(seq, Timings(), Failure.DEADLINE, LATE_AHEAD)
+        elif kind == STREAM:
             frame = run_stream(sock, stream, handler, seq, body, send_lock)
         elif kind == SEQUENCE_END:
             frame = end_sequence(handler, seq, body)
@@ -245,6 +256,7 @@ def run_prepared(sock: socket.socket, heartbeat_s: float, prepare: Prepare) -> N
 
 
 EXIT_OS_ERROR = 4  # (3 is a spawned worker's failed load)
+LATE_AHEAD = "deadline passed while the request waited on its worker; not started"
 _POOL_GONE = {errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.ESHUTDOWN, errno.EBADF}
 
 
