@@ -2,7 +2,10 @@
 
 It serves one request at a time from its socket: read a REQUEST frame, hand
 its opaque body to the pool's request handler, write the one REPLY or ERROR
-frame the handler returns. The handler is what the zygote was built with:
+frame the handler returns. An AHEAD frame is a request the pool sent while
+the one before ran (:mod:`poolserve.service.poolcore.ahead`): it runs the
+same way, unless its deadline passed while it waited (a DEADLINE error, the
+model never called). The handler is what the zygote was built with:
 :func:`poolserve.service.inference.cargo.inference_handler` (a serialized
 ModelInferRequest, for the pool server) or the WorkerPool's pickled ``score`` calls
 (:mod:`poolserve.service.workerpool.scoring`). A model exception becomes an error frame,
