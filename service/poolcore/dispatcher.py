@@ -359,6 +359,10 @@ class Dispatcher:
         if job.members is not None:
             self.batching.batches += 1
         send_job(worker, job)
+        self._fill_ahead(worker)
+
+    def _fill_ahead(self, worker: Worker) -> None:
+        """Sends busy ``worker`` the queue's head ahead, if both are light."""
         if self.admission.queue and self.ahead.takes(worker):
             ahead = self.admission.next_job_if(self.ahead.light)
             if ahead is not None:
@@ -380,10 +384,7 @@ class Dispatcher:
         worker.current = job
         worker.state = WorkerState.BUSY
         self.watch.time_job(worker, job)
-        if self.admission.queue and self.ahead.takes(worker):
-            ahead = self.admission.next_job_if(self.ahead.light)
-            if ahead is not None:
-                self._send_ahead(worker, ahead)
+        self._fill_ahead(worker)
 
     def _fill_idle(self) -> None:
         """Starts what is worth starting on idle workers (a batch may still wait)."""

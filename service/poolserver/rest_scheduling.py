@@ -73,15 +73,11 @@ def _batch_fields(doc: dict[str, Any] | None) -> dict[str, Any] | None:
 def scheduling_view(request: Payload, routing: Routing | None = None) -> Wire:
     """The bytes the pool's peeks read: the request itself, or for a REST
     body its model, version and JSON scheduling parameters as wire fields
-    (kept by ``routing`` when it came from :func:`scheduling_routing`)."""
-    if routing is not None and routing.rest_view is not None:
+    (``routing``'s, from :func:`scheduling_routing`; read here without one)."""
+    routing = routing if routing is not None else scheduling_routing(request)
+    if routing.rest_view is not None:
         return routing.rest_view
-    data = unwrap(request)[1]
-    rest = unwrap_rest(data)
-    if rest is None:
-        return data
-    name, version = peek_model(data)
-    return routing_head(name, version) + encode_parameters(_parameters(_document(*rest)))
+    return unwrap(request)[1]
 
 
 def _document(head: RestHead, body: Wire) -> dict[str, Any] | None:
@@ -113,14 +109,11 @@ def rest_batch(
     """(rows, batch key) of a REST body, as :func:`poolserve.service.contract.batching.peek_batch`
     gives them for a ModelInferRequest; None when it runs alone (too large to
     read here, no inputs, inputs that disagree on dimension 0). The body's
-    JSON is ``routing``'s when it came from :func:`scheduling_routing`."""
-    if routing is not None and routing.rest_view is not None:
-        doc = routing.rest_json
-    else:
-        rest = unwrap_rest(unwrap(request)[1])
-        if rest is None:
-            return None
-        doc = _document(*rest)
+    JSON is ``routing``'s (:func:`scheduling_routing`; read here without one)."""
+    routing = routing if routing is not None else scheduling_routing(request)
+    if routing.rest_view is None:  # not a REST body
+        return None
+    doc = routing.rest_json
     inputs = doc.get("inputs") if doc is not None else None
     if doc is None or not isinstance(inputs, list) or not inputs:
         return None
