@@ -75,6 +75,7 @@ POOL_SETTINGS = (
 ROUTER_SETTINGS = (
     "host",
     "stream_messages",
+    "grpc_engine",
     "grpc_port",
     "metrics_port",
     "http_port",

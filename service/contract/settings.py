@@ -108,6 +108,9 @@ class ServerSettings:
     # in error_message: Triton's and KServe's clients) or "mlserver" (bare
     # ModelInferResponses, an error ends the stream with its status: MLServer's stubs)
     stream_messages: str = "kserve"
+    # The router's gRPC port: "poolserve" (its own HTTP/2 on the event loop, the
+    # lighter path for light calls) or "grpcio" (grpcio's server, as before).
+    grpc_engine: str = "poolserve"
 
     # Shared memory and the workers' own memory (docs/protocol.md):
     shm_max_regions: int = 1024  # registered at once, per registry (RESOURCE_EXHAUSTED beyond)
@@ -202,8 +205,10 @@ _STR_FIELDS = {
     "tls_client_ca_file",
     "start_method",
     "stream_messages",
+    "grpc_engine",
 }
 STREAM_MESSAGES = ("kserve", "mlserver")
+GRPC_ENGINES = ("poolserve", "grpcio")
 ROUTERS_AUTO = "auto"
 MAX_ROUTERS = 64
 ROUTER_CORES = 4  # routers "auto": one router per this many usable cores
@@ -266,6 +271,8 @@ def _check_value(source: str, name: str, value: object) -> object:
             raise ConfigError(source, name, "expected 'fork' or 'spawn'")
         if name == "stream_messages" and value not in STREAM_MESSAGES:
             raise ConfigError(source, name, "expected 'kserve' or 'mlserver'")
+        if name == "grpc_engine" and value not in GRPC_ENGINES:
+            raise ConfigError(source, name, "expected 'poolserve' or 'grpcio'")
         return value
     if name in _BOOL_FIELDS:
         if not isinstance(value, bool):

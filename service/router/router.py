@@ -49,6 +49,8 @@ from poolserve.service.lifecycle.limits import (
 from poolserve.service.router.fleet import Fleet
 from poolserve.service.router.forwarding import Forwarder
 from poolserve.service.router.grpc_door import GrpcDoor
+from poolserve.service.router.http2.server import GrpcServer
+from poolserve.service.router.http_connection import tls_context
 from poolserve.service.router.http_door import HttpDoor
 from poolserve.service.router.metrics import MetricsSource, RouterCounts
 from poolserve.service.router.metrics_http import MetricsServer
@@ -206,7 +208,7 @@ class Router:
         self.health.shutdown()  # NOT_SERVING from the first moment of the stop
         self._stop.set()
 
-    async def serve(self, ready: Callable[[], None], bind: str | None = None) -> None:
+    async def serve(self, ready: Callable[[], None]) -> None:
         self.core.tracing = Tracing.from_env("router")
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -215,33 +217,18 @@ class Router:
         self.routes.sync_health()
         if return_large_frees():  # (tests/test_client_limits.py looks for this line)
             log.info("router: malloc maps buffers of 16 MiB and up on their own, reuses smaller")
-        server = grpc.aio.server(options=server_options(self.settings, self.fleet.shared))
         mlserver_repository = model_repository_handler(  # MLServer's, over the same calls
             self.grpc_door.repository_index,
             self.grpc_door.routed_by_field2("RepositoryModelLoad"),
             self.grpc_door.routed_by_field2("RepositoryModelUnload"),
         )
-        server.add_generic_rpc_handlers(
-            (
-                self.streams.bound(self.grpc_door.generic_handler()),
-                self.streams.bound(mlserver_repository),
-                self.streams.bound(self.health.generic_handler()),
-            )
+        handlers = (
+            self.streams.bound(self.grpc_door.generic_handler()),
+            self.streams.bound(mlserver_repository),
+            self.streams.bound(self.health.generic_handler()),
         )
-        address = bind or f"{self.settings.host}:{self.settings.grpc_port}"
-        credentials = server_credentials(self.settings)
-        try:
-            if credentials is None:
-                self.port = server.add_insecure_port(address)
-            else:
-                self.port = server.add_secure_port(address, credentials)
-        except RuntimeError as exc:
-            self.port = 0
-            reason = str(exc)
-        else:
-            reason = "the address is in use or not ours"
-        if self.port == 0:
-            raise ConfigError("router", "grpc_port", f"cannot listen on {address}: {reason}")
+        address = f"{self.settings.host}:{self.settings.grpc_port}"
+        server = await self._grpc_server(handlers, address)
         control = self._control_server()
         metrics = await self._start_metrics()
         http = await self._start_http()
@@ -279,6 +266,38 @@ class Router:
             await asyncio.to_thread(self.core.tracing.shutdown)  # flushes, off the loop
         await self.routes.close()
         self.arena.close()  # every slab closed
+
+    async def _grpc_server(
+        self, handlers: tuple[grpc.GenericRpcHandler, ...], address: str
+    ) -> grpc.aio.Server | GrpcServer:
+        """The gRPC port, bound (not yet serving): the router's own HTTP/2
+        (grpc_engine "poolserve") or grpcio's server ("grpcio")."""
+        settings = self.settings
+        if settings.grpc_engine == "poolserve":
+            own = GrpcServer(settings, handlers)
+            try:
+                self.port = await own.bind(
+                    settings.host, settings.grpc_port, self.fleet.shared, tls_context(settings)
+                )
+            except OSError as exc:
+                raise ConfigError("router", "grpc_port", f"cannot listen on {address}: {exc}") from None
+            return own
+        server = grpc.aio.server(options=server_options(settings, self.fleet.shared))
+        server.add_generic_rpc_handlers(handlers)
+        credentials = server_credentials(settings)
+        try:
+            if credentials is None:
+                self.port = server.add_insecure_port(address)
+            else:
+                self.port = server.add_secure_port(address, credentials)
+        except RuntimeError as exc:
+            self.port = 0
+            reason = str(exc)
+        else:
+            reason = "the address is in use or not ours"
+        if self.port == 0:
+            raise ConfigError("router", "grpc_port", f"cannot listen on {address}: {reason}")
+        return server
 
     def _publish_address(self) -> None:
         self._address_written = _publish(self.address_file, self.settings.host, self.port)

@@ -1,0 +1,534 @@
+"""One gRPC call on one HTTP/2 stream of the router's own gRPC door.
+
+The call reads its headers (path, deadline, encoding, metadata), assembles
+the length-prefixed messages of its DATA frames, runs the method's handler
+(the same ``grpc.RpcMethodHandler`` objects a grpcio server would run) and
+writes the response headers, messages and the status as trailers. It is
+also the handler's ``context``: the part of ``grpc.aio.ServicerContext`` the
+router's handlers use (peer, time remaining, metadata, abort, trailing
+metadata, done callbacks). The client's RST_STREAM, a closed connection and
+the call's deadline cancel the handler's task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import time
+import zlib
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from poolserve.service.router.http2.frames import END_HEADERS, END_STREAM, ErrorCode, Kind, frame
+from poolserve.service.router.http2.hpack import Encoder
+
+if TYPE_CHECKING:
+    from poolserve.service.router.http2.connection import Http2Connection
+
+log = logging.getLogger(__name__)
+
+_ENCODER = Encoder()
+RESPONSE_HEADERS = _ENCODER.encode(((b":status", b"200"), (b"content-type", b"application/grpc")))
+_OK_TRAILERS = _ENCODER.encode(((b"grpc-status", b"0"),))
+_TIMEOUT_UNITS = {
+    ord("H"): 3600.0,
+    ord("M"): 60.0,
+    ord("S"): 1.0,
+    ord("m"): 1e-3,
+    ord("u"): 1e-6,
+    ord("n"): 1e-9,
+}
+_DECOMPRESS = {b"gzip": 16 + zlib.MAX_WBITS, b"deflate": zlib.MAX_WBITS}
+_ACCEPT_ENCODING = b"identity,deflate,gzip"
+_MESSAGE_SAFE = frozenset(range(0x20, 0x7F)) - {ord("%")}
+Metadata = tuple[tuple[str, str | bytes], ...]
+
+
+class _Details:
+    """What grpc's generic handlers are given to find a method."""
+
+    __slots__ = ("invocation_metadata", "method")
+
+    def __init__(self, method: str, metadata: Metadata) -> None:
+        self.method = method
+        self.invocation_metadata = metadata
+
+
+class Call:
+    """One gRPC call, and the handler's context."""
+
+    __slots__ = (
+        "_callbacks",
+        "_code",
+        "_deadline_timer",
+        "_details",
+        "_metadata",
+        "_pending",
+        "_refusal",
+        "_requests",
+        "_trailing",
+        "conn",
+        "deadline",
+        "encoding",
+        "finished",
+        "handler",
+        "headers",
+        "headers_sent",
+        "path",
+        "remote_done",
+        "send_window",
+        "stream",
+        "task",
+        "was_cancelled",
+    )
+
+    def __init__(
+        self,
+        conn: Http2Connection,
+        stream: int,
+        headers: list[tuple[bytes, bytes]],
+        find: Callable[[str, Call], grpc.RpcMethodHandler[Any, Any] | None],
+    ) -> None:
+        self.conn = conn
+        self.stream = stream
+        self.headers = headers
+        self.send_window = conn.peer_stream_window
+        self.remote_done = False
+        self.finished = False
+        self.was_cancelled = False
+        self.headers_sent = False
+        self.deadline: float | None = None
+        self.encoding = b""
+        self.path = ""
+        self.task: asyncio.Task[Any] | None = None
+        self._pending = bytearray()
+        self._requests: _Requests | None = None
+        self._metadata: Metadata | None = None
+        self._code: grpc.StatusCode | None = None
+        self._details = ""
+        self._trailing: Metadata = ()
+        self._callbacks: list[Callable[[Any], None]] = []
+        self._deadline_timer: asyncio.TimerHandle | None = None
+        self.handler: grpc.RpcMethodHandler[Any, Any] | None = None
+        refusal = self._read_headers()
+        if refusal is None:
+            self.handler = find(self.path, self)
+            if self.handler is None:
+                refusal = (grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {self.path}")
+        self._refusal = refusal
+
+    def _read_headers(self) -> tuple[grpc.StatusCode, str] | None:
+        method = content_type = b""
+        for name, value in self.headers:
+            if name == b":path":
+                self.path = value.decode("latin-1")
+            elif name == b":method":
+                method = value
+            elif name == b"content-type":
+                content_type = value
+            elif name == b"grpc-timeout":
+                timeout = parse_timeout(value)
+                if timeout is None:
+                    return grpc.StatusCode.INTERNAL, f"malformed grpc-timeout {value!r}"
+                self.deadline = time.monotonic() + timeout
+            elif name == b"grpc-encoding":
+                self.encoding = value
+        if method != b"POST":
+            return grpc.StatusCode.UNIMPLEMENTED, f"HTTP method {method!r} is not POST"
+        if not content_type.startswith(b"application/grpc"):
+            return grpc.StatusCode.UNKNOWN, f"content-type {content_type!r} is not application/grpc"
+        if self.encoding not in (b"", b"identity") and self.encoding not in _DECOMPRESS:
+            return grpc.StatusCode.UNIMPLEMENTED, f"grpc-encoding {self.encoding!r} not supported"
+        return None
+
+    # -- from the connection -------------------------------------------------------
+
+    def start(self, end: bool) -> None:
+        """The headers are here (``end``: and no body will come)."""
+        if self._refusal is not None:
+            self.remote_done = end
+            self._status(*self._refusal)
+            return
+        loop = self.conn.loop
+        if self.deadline is not None:
+            self._deadline_timer = loop.call_at(self.deadline, self._deadline_passed)
+        handler = self.handler
+        assert handler is not None
+        if handler.request_streaming:
+            self._requests = _Requests(self)
+            self.task = self.conn.spawn(self._run(None))
+        if end:
+            self.received(b"", True, 0)
+
+    def received(self, data: bytes, end: bool, flow: int) -> None:
+        """DATA of this stream (``flow``: its size with padding, for the window)."""
+        if self.finished:
+            return
+        limit = self.conn.server.settings.max_message_size
+        requests = self._requests
+        if requests is None:  # one request: taken whole, the window given back at once
+            if data:
+                self._pending += data
+                if len(self._pending) >= 5:
+                    size = int.from_bytes(self._pending[1:5], "big")
+                    if size > limit:
+                        self._too_large(size, limit)
+                        return
+            if not end:
+                self.conn.grant(self, flow)
+                return
+            self.remote_done = True
+            messages = self._messages(limit)
+            if messages is None:
+                return
+            if len(messages) != 1:
+                self._status(
+                    grpc.StatusCode.INTERNAL,
+                    f"a unary call takes one request message, this one sent {len(messages)}",
+                )
+                return
+            self.task = self.conn.spawn(self._run(messages[0]))
+            return
+        self._pending += data
+        requests.unread += flow - len(data)  # padding is given back with the next message
+        messages = self._messages(limit)
+        if messages is None:
+            return
+        requests.add(messages)
+        if end:
+            self.remote_done = True
+            requests.end()
+
+    def _messages(self, limit: int) -> list[bytes] | None:
+        """The whole messages received so far; None once the call failed."""
+        pending = self._pending
+        messages = []
+        at = 0
+        while len(pending) - at >= 5:
+            flag = pending[at]
+            size = int.from_bytes(pending[at + 1 : at + 5], "big")
+            if size > limit:
+                self._too_large(size, limit)
+                return None
+            if len(pending) - at - 5 < size:
+                break
+            message = bytes(pending[at + 5 : at + 5 + size])
+            at += 5 + size
+            if flag:
+                message = self._inflate(message, limit)  # type: ignore[assignment]
+                if message is None:
+                    return None
+            messages.append(message)
+        if at:
+            del pending[:at]
+        if self.remote_done and pending:
+            self._status(grpc.StatusCode.INTERNAL, "the request ended inside a message")
+            return None
+        return messages
+
+    def _inflate(self, message: bytes, limit: int) -> bytes | None:
+        wbits = _DECOMPRESS.get(self.encoding)
+        if wbits is None:
+            self._status(
+                grpc.StatusCode.INTERNAL, "a compressed message without a grpc-encoding"
+            )
+            return None
+        inflater = zlib.decompressobj(wbits)
+        try:
+            plain = inflater.decompress(message, limit + 1)
+        except zlib.error as exc:
+            self._status(grpc.StatusCode.INTERNAL, f"cannot decompress the message: {exc}")
+            return None
+        if len(plain) > limit:
+            self._too_large(len(plain), limit)
+            return None
+        return plain
+
+    def _too_large(self, size: int, limit: int) -> None:
+        self._status(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"Received message larger than max ({size} vs. {limit})",
+        )
+
+    def reset_by_peer(self) -> None:
+        """The client reset the stream, or went away: the handler is cancelled."""
+        if self.finished:
+            return
+        self.finished = True
+        self.was_cancelled = True
+        self._cancel()
+
+    def _cancel(self) -> None:
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+        elif self.task is None:
+            self._ended()
+
+    def _deadline_passed(self) -> None:
+        self._deadline_timer = None
+        if not self.finished:
+            self._status(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+            self.was_cancelled = True
+            self._cancel()
+
+    # -- running the handler -----------------------------------------------------
+
+    async def _run(self, message: bytes | None) -> None:
+        handler = self.handler
+        assert handler is not None
+        try:
+            if self._requests is not None:
+                requests: Any = self._requests.iterate(handler.request_deserializer)
+            else:
+                assert message is not None
+                deserialize = handler.request_deserializer
+                try:
+                    request = deserialize(message) if deserialize is not None else message
+                except Exception as exc:
+                    self._status(grpc.StatusCode.INTERNAL, f"cannot parse the request: {exc}")
+                    return
+            serialize = handler.response_serializer
+            if handler.response_streaming:
+                if handler.request_streaming:
+                    replies = handler.stream_stream(requests, self)
+                else:
+                    replies = handler.unary_stream(request, self)
+                async for reply in replies:
+                    await self._send(serialize(reply) if serialize is not None else reply)
+                self._status(self._code or grpc.StatusCode.OK, self._details)
+                return
+            if handler.request_streaming:
+                reply = await handler.stream_unary(requests, self)
+            else:
+                reply = await handler.unary_unary(request, self)
+            body = serialize(reply) if serialize is not None else reply
+            if self._code is not None and self._code is not grpc.StatusCode.OK:
+                self._status(self._code, self._details)
+            else:
+                await self._send(body)
+                self._status(grpc.StatusCode.OK, self._details)
+        except grpc.aio.AbortError:
+            self._status(self._code or grpc.StatusCode.UNKNOWN, self._details)
+        except asyncio.CancelledError:
+            if not self.finished:  # the server stops: the call is cancelled
+                self._status(grpc.StatusCode.CANCELLED, "the server is stopping")
+        except Exception as exc:
+            log.exception("router: unexpected error in %s", self.path)
+            self._status(grpc.StatusCode.UNKNOWN, f"Unexpected {type(exc)}: {exc}")
+        finally:
+            self._ended()
+
+    async def _send(self, body: bytes) -> None:
+        """One response message (the response headers first)."""
+        conn = self.conn
+        if not self.headers_sent:
+            self.headers_sent = True
+            conn.write(frame(Kind.HEADERS, END_HEADERS, self.stream, RESPONSE_HEADERS))
+        data = len(body).to_bytes(5, "big") + body
+        if not conn.data_frames(self, data, False):
+            await conn.send_data(self, data)
+
+    def _status(self, code: grpc.StatusCode, details: str) -> None:
+        """The trailers (or, with nothing sent yet, the only headers), once."""
+        if self.finished:
+            return
+        self.finished = True
+        conn = self.conn
+        if code is grpc.StatusCode.OK and not details and not self._trailing:
+            block = _OK_TRAILERS
+        else:
+            fields = [(b"grpc-status", str(code.value[0]).encode())]
+            if details:
+                fields.append((b"grpc-message", percent_encoded(details)))
+            fields.extend(_encoded_metadata(self._trailing))
+            block = _ENCODER.encode(fields)
+        if not self.headers_sent:
+            self.headers_sent = True
+            extra = _ENCODER.encode(((b"grpc-accept-encoding", _ACCEPT_ENCODING),))
+            block = RESPONSE_HEADERS + extra + block
+        conn.write(frame(Kind.HEADERS, END_HEADERS | END_STREAM, self.stream, block))
+        if not self.remote_done:
+            conn.reset(self, ErrorCode.NO_ERROR)  # the client may stop sending
+        conn.ended(self)
+        if self._requests is not None:
+            self._requests.end()
+        if self.task is None:
+            self._ended()
+
+    def _ended(self) -> None:
+        """The call is over: the handler's done callbacks run once its bytes left."""
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+            self._deadline_timer = None
+        if not self.finished:
+            self.finished = True
+            self.conn.ended(self)
+        callbacks, self._callbacks = self._callbacks, []
+        if callbacks:
+            self.conn.when_sent(lambda: _run_callbacks(self, callbacks))
+
+    # -- grpc.aio.ServicerContext, the part the router uses -----------------------------
+
+    def peer(self) -> str:
+        return self.conn.peer
+
+    def time_remaining(self) -> float | None:
+        if self.deadline is None:
+            return None
+        return max(self.deadline - time.monotonic(), 0.0)
+
+    def invocation_metadata(self) -> Metadata:
+        if self._metadata is None:
+            self._metadata = _metadata_of(self.headers)
+        return self._metadata
+
+    async def abort(
+        self, code: grpc.StatusCode, details: str = "", trailing_metadata: Metadata = ()
+    ) -> None:
+        if code is grpc.StatusCode.OK:
+            raise ValueError("abort() with OK")
+        self._code = code
+        self._details = details
+        if trailing_metadata:
+            self._trailing = trailing_metadata
+        raise grpc.aio.AbortError(f"aborted with {code.name}")
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self._code = code
+
+    def code(self) -> grpc.StatusCode | None:
+        return self._code
+
+    def set_details(self, details: str) -> None:
+        self._details = details
+
+    def details(self) -> str:
+        return self._details
+
+    def set_trailing_metadata(self, trailing_metadata: Metadata) -> None:
+        self._trailing = tuple(trailing_metadata)
+
+    def trailing_metadata(self) -> Metadata:
+        return self._trailing
+
+    async def send_initial_metadata(self, initial_metadata: Metadata) -> None:
+        if self.headers_sent:
+            raise RuntimeError("the response headers are already sent")
+        self.headers_sent = True
+        block = RESPONSE_HEADERS + _ENCODER.encode(_encoded_metadata(initial_metadata))
+        self.conn.write(frame(Kind.HEADERS, END_HEADERS, self.stream, block))
+
+    def add_done_callback(self, callback: Callable[[Any], None]) -> None:
+        self._callbacks.append(callback)
+
+    def done(self) -> bool:
+        return self.finished
+
+    def cancelled(self) -> bool:
+        return self.was_cancelled
+
+    def auth_context(self) -> dict[str, list[bytes]]:
+        return {}
+
+
+class _Requests:
+    """A streaming call's requests, as the handler takes them; the client's
+    window is given back as it does, so an unread stream holds at most one window."""
+
+    __slots__ = ("_arrived", "_ended", "call", "messages", "unread")
+
+    def __init__(self, call: Call) -> None:
+        self.call = call
+        self.messages: deque[bytes] = deque()
+        self.unread = 0  # flow-control bytes to give back with the next message taken
+        self._ended = False
+        self._arrived: asyncio.Future[None] | None = None
+
+    def add(self, messages: Sequence[bytes]) -> None:
+        self.messages.extend(messages)
+        self._wake()
+
+    def end(self) -> None:
+        self._ended = True
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._arrived is not None and not self._arrived.done():
+            self._arrived.set_result(None)
+
+    async def iterate(self, deserialize: Callable[[bytes], Any] | None) -> AsyncIterator[Any]:
+        call = self.call
+        while True:
+            while not self.messages:
+                if self._ended:
+                    return
+                self._arrived = call.conn.loop.create_future()
+                try:
+                    await self._arrived
+                finally:
+                    self._arrived = None
+            message = self.messages.popleft()
+            call.conn.grant(call, len(message) + 5 + self.unread)
+            self.unread = 0
+            yield deserialize(message) if deserialize is not None else message
+
+
+def _run_callbacks(call: Call, callbacks: list[Callable[[Any], None]]) -> None:
+    for callback in callbacks:
+        try:
+            callback(call)
+        except Exception:
+            log.exception("router: a call's done callback failed")
+
+
+def parse_timeout(value: bytes) -> float | None:
+    """grpc-timeout: up to 8 digits and a unit (H M S m u n); None if malformed."""
+    if not 2 <= len(value) <= 9 or not value[:-1].isdigit():
+        return None
+    unit = _TIMEOUT_UNITS.get(value[-1])
+    if unit is None:
+        return None
+    return int(value[:-1]) * unit
+
+
+def percent_encoded(text: str) -> bytes:
+    """grpc-message's encoding: UTF-8, with bytes outside printable ASCII and '%' as %XX."""
+    raw = text.encode("utf-8", "replace")
+    if all(byte in _MESSAGE_SAFE for byte in raw):
+        return raw
+    return b"".join(bytes((b,)) if b in _MESSAGE_SAFE else b"%%%02X" % b for b in raw)
+
+
+def _metadata_of(headers: list[tuple[bytes, bytes]]) -> Metadata:
+    """The call's metadata as grpc gives it: no pseudo-headers; ``-bin`` values decoded."""
+    items: list[tuple[str, str | bytes]] = []
+    for name, value in headers:
+        if name[:1] == b":" or name in (b"te", b"content-type", b"grpc-timeout"):
+            continue
+        key = name.decode("latin-1")
+        if key.endswith("-bin"):
+            try:
+                items.append((key, base64.b64decode(value + b"==")))
+            except ValueError:
+                continue
+        else:
+            items.append((key, value.decode("latin-1")))
+    return tuple(items)
+
+
+def _encoded_metadata(metadata: Metadata) -> list[tuple[bytes, bytes]]:
+    fields = []
+    for key, value in metadata:
+        if key.endswith("-bin"):
+            raw = value if isinstance(value, bytes) else value.encode()
+            fields.append((key.encode(), base64.b64encode(raw).rstrip(b"=")))
+        else:
+            text = value if isinstance(value, str) else value.decode("latin-1")
+            fields.append((key.encode(), text.encode("latin-1", "replace")))
+    return fields

@@ -1,0 +1,562 @@
+"""One HTTP/2 connection of the router's gRPC door (RFC 9113), on the event loop.
+
+It reads frames, keeps both directions' flow-control windows, answers
+SETTINGS and PING, and hands each stream to a :class:`~.call.Call`. What it
+writes in one turn of the event loop goes out in one ``write``. Limits: the
+client's preface and SETTINGS must come within ``handshake_timeout_s``; a
+connection with no call for ``max_connection_idle_s`` is sent GOAWAY; one
+with calls and no traffic for ``keepalive_time_s`` is pinged and closed when
+the ping is not answered within ``keepalive_timeout_s``; one older than
+``max_connection_age_s`` is sent GOAWAY and closed after the grace.
+A client that goes away cancels its calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import struct
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from poolserve.service.router.http2.frames import (
+    ACK,
+    DEFAULT_FRAME_SIZE,
+    DEFAULT_WINDOW,
+    END_HEADERS,
+    END_STREAM,
+    HEADER,
+    HEADER_SIZE,
+    MAX_FRAME_SIZE_LIMIT,
+    MAX_WINDOW,
+    PREFACE,
+    PRIORITY_FLAG,
+    SETTINGS_ACK,
+    ConnectionError_,
+    ErrorCode,
+    Kind,
+    Setting,
+    StreamError,
+    frame,
+    frame_header,
+    goaway,
+    parse_settings,
+    ping,
+    rst_stream,
+    settings_frame,
+    unpadded,
+    window_update,
+)
+from poolserve.service.router.http2.hpack import Decoder, HpackError
+
+if TYPE_CHECKING:
+    from poolserve.service.router.http2.call import Call
+    from poolserve.service.router.http2.server import GrpcServer
+
+log = logging.getLogger(__name__)
+
+FRAME_SIZE = 1 << 20  # the largest frame we take (advertised)
+STREAM_WINDOW = 4 << 20  # each stream's receive window (advertised)
+CONNECTION_WINDOW = 16 << 20  # the connection's receive window
+WRITE_HIGH_WATER = 64 << 10  # unsent bytes past this: writers wait (and replies count unread)
+PING_DATA = b"poolserv"
+
+
+class Http2Connection(asyncio.Protocol):
+    """The frames of one client connection, and its streams' calls."""
+
+    def __init__(self, server: GrpcServer) -> None:
+        self.server = server
+        settings = server.settings
+        self.loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self.peer = ""
+        self.buffer = bytearray()
+        self.preface = False
+        self.handshaken = False
+        self.decoder = Decoder(max_header_list_size=settings.http_max_header_bytes)
+        self.calls: dict[int, Call] = {}
+        self.last_stream = 0  # the highest stream the client opened
+        self.send_window = DEFAULT_WINDOW  # the connection's, for what we send
+        self.peer_stream_window = DEFAULT_WINDOW  # each new stream's
+        self.peer_frame_size = DEFAULT_FRAME_SIZE
+        self.unacked = 0  # bytes received that the client's window has not got back
+        self.going_away = False
+        self.closed = False
+        self._continuation: tuple[int, int, bytearray] | None = None
+        self._out: list[bytes] = []
+        self._flush_pending = False
+        self._window_opened = asyncio.Event()  # set (and replaced) on WINDOW_UPDATE / SETTINGS
+        self._paused = False
+        self._drained: asyncio.Event | None = None
+        self._after_drain: list[Callable[[], None]] = []
+        self.tasks: set[asyncio.Task[Any]] = set()
+        now = time.monotonic()
+        self.last_read = now
+        self.idle_since: float | None = now
+        self._timers: list[asyncio.TimerHandle] = []
+        self._ping_sent: float | None = None
+
+    # -- the transport ---------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER, low=0)
+        self.peer = _peer_of(transport)
+        self.server.connections.add(self)
+        settings = self.server.settings
+        self._out.append(
+            settings_frame(
+                {
+                    Setting.ENABLE_PUSH: 0,
+                    Setting.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
+                    Setting.MAX_FRAME_SIZE: FRAME_SIZE,
+                    Setting.MAX_HEADER_LIST_SIZE: settings.http_max_header_bytes,
+                }
+            )
+        )
+        self._out.append(window_update(0, CONNECTION_WINDOW - DEFAULT_WINDOW))
+        self._flush()
+        self._timers.append(self.loop.call_later(settings.handshake_timeout_s, self._handshake_late))
+        if settings.max_connection_idle_s > 0:
+            self._timers.append(
+                self.loop.call_later(settings.max_connection_idle_s, self._check_idle)
+            )
+        if settings.max_connection_age_s > 0:  # jittered as grpc does, so they do not all go at once
+            age = settings.max_connection_age_s * random.uniform(0.9, 1.1)
+            self._timers.append(self.loop.call_later(age, self._too_old))
+        self._timers.append(self.loop.call_later(settings.keepalive_time_s, self._check_alive))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.server.connections.discard(self)
+        for timer in self._timers:
+            timer.cancel()
+        for call in list(self.calls.values()):
+            call.peer_gone()
+        self.calls.clear()
+        self._window_opened.set()
+        if self._drained is not None:
+            self._drained.set()
+        self._run_after_drain()
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        if self._drained is not None:
+            self._drained.set()
+            self._drained = None
+        self._run_after_drain()
+
+    def _run_after_drain(self) -> None:
+        actions, self._after_drain = self._after_drain, []
+        for action in actions:
+            action()
+
+    def when_sent(self, action: Callable[[], None]) -> None:
+        """Runs ``action`` once what was written so far has left the process
+        (at once when little waits; a client that does not read holds it)."""
+        if self._paused and not self.closed:
+            self._after_drain.append(action)
+        else:
+            action()
+
+    async def drained(self) -> None:
+        """Returns when the transport takes more (the client reads)."""
+        if self._flush_pending:
+            self._flush()
+        while self._paused and not self.closed:
+            if self._drained is None:
+                self._drained = asyncio.Event()
+            await self._drained.wait()
+
+    def write(self, data: bytes) -> None:
+        """Queued; out in one write at the end of this turn of the loop."""
+        self._out.append(data)
+        if not self._flush_pending:
+            self._flush_pending = True
+            self.loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_pending = False
+        if self._out and self.transport is not None and not self.closed:
+            data = b"".join(self._out) if len(self._out) > 1 else self._out[0]
+            self._out.clear()
+            self.transport.write(data)
+        else:
+            self._out.clear()
+
+    def close(self, code: ErrorCode = ErrorCode.NO_ERROR, why: str = "") -> None:
+        if self.closed or self.transport is None:
+            return
+        self.write(goaway(self.last_stream, code, why.encode()[:256]))
+        self._flush()
+        self.closed = True
+        self.transport.close()
+
+    # -- reading frames ----------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        self.last_read = time.monotonic()
+        if self.buffer:
+            self.buffer += data
+            if len(self.buffer) < self._wanted():
+                return
+            data = bytes(self.buffer)
+            self.buffer.clear()
+        at = 0
+        if not self.preface:
+            if len(data) < len(PREFACE):
+                if not PREFACE.startswith(data):
+                    self._refuse_not_h2()
+                    return
+                self.buffer += data
+                return
+            if not data.startswith(PREFACE):
+                self._refuse_not_h2()
+                return
+            self.preface = True
+            at = len(PREFACE)
+        try:
+            at = self._frames(data, at)
+        except ConnectionError_ as exc:
+            log.info("router: closing an HTTP/2 connection from %s: %s", self.peer, exc.message)
+            self.close(exc.code, exc.message)
+            return
+        if at < len(data) and not self.closed:
+            self.buffer += data[at:]
+
+    def _wanted(self) -> int:
+        """How many buffered bytes the next frame needs."""
+        if not self.preface:
+            return len(PREFACE)
+        if len(self.buffer) < HEADER_SIZE:
+            return HEADER_SIZE
+        return HEADER_SIZE + (self.buffer[0] << 16 | self.buffer[1] << 8 | self.buffer[2])
+
+    def _frames(self, data: bytes, at: int) -> int:
+        end = len(data)
+        unpack = HEADER.unpack_from
+        while end - at >= HEADER_SIZE and not self.closed:
+            high, low, kind, flags, stream = unpack(data, at)
+            size = high << 16 | low
+            if size > FRAME_SIZE:
+                raise ConnectionError_(ErrorCode.FRAME_SIZE_ERROR, f"a frame of {size} bytes")
+            if end - at < HEADER_SIZE + size:
+                break
+            payload = data[at + HEADER_SIZE : at + HEADER_SIZE + size]
+            at += HEADER_SIZE + size
+            stream &= 0x7FFFFFFF
+            if self._continuation is not None and kind != Kind.CONTINUATION:
+                raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "headers not continued")
+            if not self.handshaken and kind != Kind.SETTINGS:
+                raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "the first frame is not SETTINGS")
+            try:
+                self._frame(kind, flags, stream, payload)
+            except StreamError as exc:
+                self._reset(stream, exc.code)
+        return at
+
+    def _frame(self, kind: int, flags: int, stream: int, payload: bytes) -> None:
+        if kind == Kind.DATA:
+            self._data(flags, stream, payload)
+        elif kind == Kind.HEADERS:
+            self._headers(flags, stream, payload)
+        elif kind == Kind.CONTINUATION:
+            self._more_headers(flags, stream, payload)
+        elif kind == Kind.WINDOW_UPDATE:
+            self._window_update(stream, payload)
+        elif kind == Kind.RST_STREAM:
+            if stream == 0 or len(payload) != 4:
+                raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "a malformed RST_STREAM")
+            call = self.calls.pop(stream, None)
+            if call is not None:
+                call.reset_by_peer()
+                self._maybe_idle()
+        elif kind == Kind.SETTINGS:
+            self._settings(flags, stream, payload)
+        elif kind == Kind.PING:
+            if stream != 0 or len(payload) != 8:
+                raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "a malformed PING")
+            if flags & ACK:
+                self._ping_sent = None
+            else:
+                self.write(ping(payload, ack=True))
+        elif kind == Kind.GOAWAY:
+            if stream != 0:
+                raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "GOAWAY on a stream")
+            self.going_away = True  # the client opens no more; its calls go on
+        elif kind == Kind.PRIORITY:
+            if stream == 0 or len(payload) != 5:
+                raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "a malformed PRIORITY")
+        elif kind == Kind.PUSH_PROMISE:
+            raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "a client may not push")
+        # frames of unknown kinds are ignored (RFC 9113 5.5)
+
+    def _data(self, flags: int, stream: int, payload: bytes) -> None:
+        if stream == 0:
+            raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "DATA on stream 0")
+        self.unacked += len(payload)
+        if self.unacked >= CONNECTION_WINDOW // 2:
+            self.write(window_update(0, self.unacked))
+            self.unacked = 0
+        call = self.calls.get(stream)
+        if call is None:
+            if stream > self.last_stream:
+                raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "DATA on an idle stream")
+            return  # a stream we already ended: its data is dropped (counted above)
+        call.received(unpadded(flags, payload), bool(flags & END_STREAM), len(payload))
+
+    def _headers(self, flags: int, stream: int, payload: bytes) -> None:
+        if stream == 0:
+            raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "HEADERS on stream 0")
+        block = unpadded(flags, payload)
+        if flags & PRIORITY_FLAG:
+            block = block[5:]
+        if flags & END_HEADERS:
+            self._header_block(flags, stream, block)
+        else:
+            self._continuation = (stream, flags, bytearray(block))
+
+    def _more_headers(self, flags: int, stream: int, payload: bytes) -> None:
+        if self._continuation is None or self._continuation[0] != stream:
+            raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "CONTINUATION out of place")
+        _, first_flags, block = self._continuation
+        block += payload
+        if len(block) > self.server.settings.http_max_header_bytes:
+            raise ConnectionError_(ErrorCode.ENHANCE_YOUR_CALM, "a header block too large")
+        if flags & END_HEADERS:
+            self._continuation = None
+            self._header_block(first_flags, stream, bytes(block))
+
+    def _header_block(self, flags: int, stream: int, block: bytes) -> None:
+        try:
+            headers = self.decoder.decode(block)
+        except HpackError as exc:
+            raise ConnectionError_(ErrorCode.COMPRESSION_ERROR, str(exc)) from None
+        end = bool(flags & END_STREAM)
+        call = self.calls.get(stream)
+        if call is not None:  # trailers from the client: the end of its requests
+            if not end:
+                raise StreamError(ErrorCode.PROTOCOL_ERROR, "trailers without END_STREAM")
+            call.received(b"", True, 0)
+            return
+        if stream % 2 == 0 or stream <= self.last_stream:
+            raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, f"HEADERS opening stream {stream}")
+        self.last_stream = stream
+        if self.going_away:
+            self._reset(stream, ErrorCode.REFUSED_STREAM)
+            return
+        self.idle_since = None
+        call = self.server.open_call(self, stream, headers)
+        self.calls[stream] = call
+        call.start(end)
+
+    def _window_update(self, stream: int, payload: bytes) -> None:
+        if len(payload) != 4:
+            raise ConnectionError_(ErrorCode.FRAME_SIZE_ERROR, "a WINDOW_UPDATE not of 4 bytes")
+        increment = struct.unpack(">I", payload)[0] & 0x7FFFFFFF
+        if stream == 0:
+            if increment == 0:
+                raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "a window update of 0")
+            self.send_window += increment
+            if self.send_window > MAX_WINDOW:
+                raise ConnectionError_(ErrorCode.FLOW_CONTROL_ERROR, "window past 2^31-1")
+        else:
+            call = self.calls.get(stream)
+            if call is None:
+                return
+            if increment == 0:
+                raise StreamError(ErrorCode.PROTOCOL_ERROR, "a window update of 0")
+            call.send_window += increment
+            if call.send_window > MAX_WINDOW:
+                raise StreamError(ErrorCode.FLOW_CONTROL_ERROR, "window past 2^31-1")
+        self._open_window()
+
+    def _open_window(self) -> None:
+        self._window_opened.set()
+        self._window_opened = asyncio.Event()
+
+    def _settings(self, flags: int, stream: int, payload: bytes) -> None:
+        if stream != 0:
+            raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "SETTINGS on a stream")
+        if flags & ACK:
+            if payload:
+                raise ConnectionError_(ErrorCode.FRAME_SIZE_ERROR, "a SETTINGS ack with a payload")
+            return
+        for key, value in parse_settings(payload):
+            if key == Setting.INITIAL_WINDOW_SIZE:
+                if value > MAX_WINDOW:
+                    raise ConnectionError_(ErrorCode.FLOW_CONTROL_ERROR, "initial window too large")
+                delta = value - self.peer_stream_window
+                self.peer_stream_window = value
+                for call in self.calls.values():
+                    call.send_window += delta
+            elif key == Setting.MAX_FRAME_SIZE:
+                if not DEFAULT_FRAME_SIZE <= value <= MAX_FRAME_SIZE_LIMIT:
+                    raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "MAX_FRAME_SIZE out of range")
+                self.peer_frame_size = value
+            elif key == Setting.ENABLE_PUSH and value > 1:
+                raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "ENABLE_PUSH not 0 or 1")
+            # HEADER_TABLE_SIZE: our encoder uses no dynamic table; the rest do not bind us
+        self.write(SETTINGS_ACK)
+        if not self.handshaken:
+            self.handshaken = True
+        self._open_window()
+
+    def _refuse_not_h2(self) -> None:
+        """Not HTTP/2 (an HTTP/1.1 client at the gRPC port): said, and closed."""
+        if self.transport is not None:
+            self.transport.write(
+                b"HTTP/1.1 505 HTTP Version Not Supported\r\ncontent-length: 0\r\n"
+                b"connection: close\r\n\r\n"
+            )
+            self.closed = True
+            self.transport.close()
+
+    # -- what calls use ------------------------------------------------------
+
+    def _reset(self, stream: int, code: ErrorCode) -> None:
+        self.write(rst_stream(stream, code))
+        call = self.calls.pop(stream, None)
+        if call is not None:
+            call.reset_by_peer()
+            self._maybe_idle()
+
+    def reset(self, call: Call, code: ErrorCode) -> None:
+        """We end ``call``'s stream (it is finished on our side already)."""
+        self.write(rst_stream(call.stream, code))
+
+    def ended(self, call: Call) -> None:
+        """``call`` sent its status (or was reset): the stream is closed."""
+        if self.calls.get(call.stream) is call:
+            del self.calls[call.stream]
+            self._maybe_idle()
+
+    def _maybe_idle(self) -> None:
+        if not self.calls:
+            self.idle_since = time.monotonic()
+            if self.going_away and self.server.stopping:
+                self.close()
+
+    def grant(self, call: Call, size: int) -> None:
+        """The stream's ``size`` received bytes are taken: the client may send more."""
+        if size > 0 and not call.remote_done:
+            self.write(window_update(call.stream, size))
+
+    def data_frames(self, call: Call, data: bytes, end: bool) -> bool:
+        """Writes ``data`` when the windows have room for all of it at once."""
+        size = len(data)
+        if size > call.send_window or size > self.send_window or size > self.peer_frame_size:
+            return False
+        call.send_window -= size
+        self.send_window -= size
+        self.write(frame_header(Kind.DATA, END_STREAM if end else 0, call.stream, size) + data)
+        return True
+
+    async def send_data(self, call: Call, data: bytes) -> None:
+        """Writes ``data`` in DATA frames as the client's windows allow."""
+        view = memoryview(data)
+        while view:
+            if self.closed or call.finished:
+                raise asyncio.CancelledError
+            room = min(call.send_window, self.send_window, self.peer_frame_size, len(view))
+            if room <= 0:
+                opened = self._window_opened
+                await opened.wait()
+                continue
+            call.send_window -= room
+            self.send_window -= room
+            self.write(frame_header(Kind.DATA, 0, call.stream, room) + bytes(view[:room]))
+            view = view[room:]
+            if self._paused:
+                await self.drained()
+
+    def spawn(self, coro: Any) -> asyncio.Task[Any]:
+        """A call's task, owned by this connection (and the server, at stop)."""
+        task = self.loop.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
+    def go_away(self) -> None:
+        """No new streams; the open ones finish. Closed when the last ends."""
+        if self.closed:
+            return
+        if not self.going_away:
+            self.going_away = True
+            self.write(goaway(self.last_stream, ErrorCode.NO_ERROR))
+        if not self.calls:
+            self.close()
+
+    # -- timers ----------------------------------------------------------------
+
+    def _handshake_late(self) -> None:
+        if not self.handshaken and not self.closed:
+            self.close(ErrorCode.SETTINGS_TIMEOUT, "no SETTINGS within handshake_timeout_s")
+
+    def _check_idle(self) -> None:
+        if self.closed:
+            return
+        idle_s = self.server.settings.max_connection_idle_s
+        since = self.idle_since
+        now = time.monotonic()
+        if since is not None and now - since >= idle_s and not self.calls:
+            self.go_away()
+            return
+        wait = idle_s if since is None else idle_s - (now - since)
+        self._timers.append(self.loop.call_later(max(wait, 0.01), self._check_idle))
+        self._forget_fired()
+
+    def _too_old(self) -> None:
+        if self.closed:
+            return
+        self.go_away()
+        grace = self.server.settings.max_connection_age_grace_s
+        self._timers.append(self.loop.call_later(grace, self._abort_calls))
+
+    def _abort_calls(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.closed = True
+            self.transport.abort()
+
+    def _check_alive(self) -> None:
+        if self.closed:
+            return
+        settings = self.server.settings
+        now = time.monotonic()
+        if self._ping_sent is not None:
+            if now - self._ping_sent >= settings.keepalive_timeout_s:
+                log.info("router: %s did not answer a ping: closing its connection", self.peer)
+                self._abort_calls()
+                return
+            wait = settings.keepalive_timeout_s - (now - self._ping_sent)
+        elif self.calls and now - self.last_read >= settings.keepalive_time_s:
+            self._ping_sent = now
+            self.write(frame(Kind.PING, 0, 0, PING_DATA))
+            wait = settings.keepalive_timeout_s
+        else:
+            wait = settings.keepalive_time_s - (now - self.last_read) if self.calls else (
+                settings.keepalive_time_s
+            )
+        self._timers.append(self.loop.call_later(max(wait, 0.01), self._check_alive))
+        self._forget_fired()
+
+    def _forget_fired(self) -> None:
+        self._timers = [timer for timer in self._timers if not timer.cancelled()][-8:]
+
+
+def _peer_of(transport: asyncio.Transport) -> str:
+    """grpc's form of the client's address: ``ipv4:1.2.3.4:5``, ``ipv6:[::1]:5``."""
+    address = transport.get_extra_info("peername")
+    if isinstance(address, tuple) and len(address) >= 2:
+        host, port = address[0], address[1]
+        if ":" in str(host):
+            return f"ipv6:[{host}]:{port}"
+        return f"ipv4:{host}:{port}"
+    return f"unix:{address}"
