@@ -1,0 +1,213 @@
+"""HPACK (RFC 7541): the decoder of a connection's request header blocks and
+a stateless encoder for the replies.
+
+Names and values are raw bytes, in block order. Every malformed block raises
+``HpackError`` (HTTP/2's COMPRESSION_ERROR, which ends the connection): a
+truncated integer or string, an integer over 2**31 - 1, index 0, an index
+past the tables, a table size update over our advertised limit or after a
+field, bad Huffman padding or EOS.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from .huffman import HpackError, huffman_decode
+from .static_table import FIELD_INDEX, NAME_INDEX, STATIC_LENGTH, STATIC_TABLE
+
+__all__ = ["Decoder", "Encoder", "HpackError"]
+
+ENTRY_OVERHEAD = 32  # RFC 7541 4.1, and RFC 7540 6.5.2 per header field
+_MAX_INTEGER = 2**31 - 1
+_CACHE_ENTRIES = 256  # Huffman strings remembered per decoder
+_CACHE_MAX_STRING = 256  # encoded length past which a string is not remembered
+
+
+def decode_integer(block: bytes, pos: int, prefix_bits: int) -> tuple[int, int]:
+    """The integer whose ``prefix_bits``-bit prefix is in ``block[pos]``
+    (RFC 7541 5.1), and the position after it."""
+    mask = (1 << prefix_bits) - 1
+    value = block[pos] & mask
+    pos += 1
+    if value < mask:
+        return value, pos
+    shift = 0
+    end = len(block)
+    while True:
+        if pos >= end:
+            raise HpackError("truncated integer")
+        byte = block[pos]
+        pos += 1
+        value += (byte & 0x7F) << shift
+        if value > _MAX_INTEGER:
+            raise HpackError("integer over 2**31 - 1")
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+        if shift > 28:  # more continuation bytes than 2**31 needs (zero-padded)
+            raise HpackError("integer encoding too long")
+
+
+def encode_integer(value: int, prefix_bits: int, first: int) -> bytearray:
+    """``value`` with a ``prefix_bits``-bit prefix, ``first`` holding the
+    first byte's other (high) bits."""
+    mask = (1 << prefix_bits) - 1
+    if value < mask:
+        return bytearray((first | value,))
+    out = bytearray((first | mask,))
+    value -= mask
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return out
+
+
+class Decoder:
+    """One connection's HPACK decoder: its dynamic table lives across blocks,
+    so every block of the connection goes through ``decode`` in order.
+
+    ``max_table_size`` is the SETTINGS_HEADER_TABLE_SIZE we advertise: the
+    peer's size updates may not exceed it. ``max_header_list_size`` bounds a
+    decoded block (RFC 7540 6.5.2: name + value + 32 per field); a block over
+    it raises HpackError only after the whole block was decoded, so that its
+    insertions still reach the dynamic table and the connection's later
+    blocks decode right (a caller may answer that stream alone, e.g. with
+    RST_STREAM or a 431, instead of ending the connection).
+    """
+
+    def __init__(self, max_table_size: int = 4096, max_header_list_size: int = 65536) -> None:
+        self.max_table_size = max_table_size
+        self.max_header_list_size = max_header_list_size
+        self._table_limit = max_table_size  # the peer's latest size update
+        self._table: deque[tuple[bytes, bytes]] = deque()  # newest first
+        self._table_size = 0
+        self._huffman_cache: dict[bytes, bytes] = {}
+
+    @property
+    def table_size(self) -> int:
+        """The dynamic table's size (RFC 7541 4.1)."""
+        return self._table_size
+
+    @property
+    def table(self) -> list[tuple[bytes, bytes]]:
+        """The dynamic table's entries, newest first (index 62 onwards)."""
+        return list(self._table)
+
+    def decode(self, block: bytes) -> list[tuple[bytes, bytes]]:
+        """The header fields of one complete header block (HEADERS plus its
+        CONTINUATIONs), in order."""
+        fields: list[tuple[bytes, bytes]] = []
+        list_size = 0
+        over_limit = False
+        pos = 0
+        end = len(block)
+        size_update_allowed = True
+        while pos < end:
+            byte = block[pos]
+            if byte & 0x80:  # indexed field (6.1)
+                index, pos = decode_integer(block, pos, 7)
+                field = self._field(index)
+            elif byte & 0xE0 == 0x20:  # dynamic table size update (6.3)
+                if not size_update_allowed:
+                    raise HpackError("dynamic table size update after a header field")
+                size, pos = decode_integer(block, pos, 5)
+                if size > self.max_table_size:
+                    raise HpackError(f"table size update {size} over {self.max_table_size}")
+                self._table_limit = size
+                self._evict(size)
+                continue
+            else:  # literal (6.2): incremental indexing, without, never indexed
+                indexing = byte & 0xC0 == 0x40
+                index, pos = decode_integer(block, pos, 6 if indexing else 4)
+                if index:
+                    name = self._field(index)[0]
+                else:
+                    name, pos = self._string(block, pos)
+                value, pos = self._string(block, pos)
+                field = (name, value)
+                if indexing:
+                    self._insert(field)
+            size_update_allowed = False
+            list_size += len(field[0]) + len(field[1]) + ENTRY_OVERHEAD
+            if list_size > self.max_header_list_size:
+                over_limit = True  # decode on: the table must see the block
+            else:
+                fields.append(field)
+        if over_limit:
+            raise HpackError(f"header list size {list_size} over {self.max_header_list_size}")
+        return fields
+
+    def _field(self, index: int) -> tuple[bytes, bytes]:
+        if index == 0:
+            raise HpackError("index 0")
+        if index <= STATIC_LENGTH:
+            return STATIC_TABLE[index - 1]
+        try:
+            return self._table[index - STATIC_LENGTH - 1]
+        except IndexError:
+            raise HpackError(f"index {index} past the tables") from None
+
+    def _string(self, block: bytes, pos: int) -> tuple[bytes, int]:
+        if pos >= len(block):
+            raise HpackError("truncated block: a string is missing")
+        huffman = block[pos] & 0x80
+        length, pos = decode_integer(block, pos, 7)
+        stop = pos + length
+        if stop > len(block):
+            raise HpackError("truncated string")
+        raw = block[pos:stop]
+        if not huffman:
+            return raw, stop
+        cache = self._huffman_cache
+        decoded = cache.get(raw)
+        if decoded is None:
+            decoded = huffman_decode(raw)
+            if length <= _CACHE_MAX_STRING:
+                if len(cache) >= _CACHE_ENTRIES:
+                    del cache[next(iter(cache))]  # the oldest
+                cache[raw] = decoded
+        return decoded, stop
+
+    def _insert(self, field: tuple[bytes, bytes]) -> None:
+        """Add ``field`` per 4.4: evict to make room; one larger than the
+        whole table empties it and is not added."""
+        size = len(field[0]) + len(field[1]) + ENTRY_OVERHEAD
+        self._evict(self._table_limit - size)
+        if size <= self._table_limit:
+            self._table.appendleft(field)
+            self._table_size += size
+
+    def _evict(self, limit: int) -> None:
+        """Drop the oldest entries until the table's size is at most ``limit``."""
+        table = self._table
+        while self._table_size > limit and table:
+            name, value = table.pop()
+            self._table_size -= len(name) + len(value) + ENTRY_OVERHEAD
+        if not table:
+            self._table_size = 0
+
+
+class Encoder:
+    """A stateless HPACK encoder: a field of the static table is one index;
+    any other is a literal without indexing (the static table's name index
+    when it has the name), raw strings (no Huffman), no dynamic table. So
+    any decoder decodes our blocks whatever its table, and a block of
+    constant headers can be encoded once and its bytes reused."""
+
+    def encode(self, headers: Iterable[tuple[bytes, bytes]]) -> bytes:
+        out = bytearray()
+        for name, value in headers:
+            index = FIELD_INDEX.get((name, value))
+            if index is not None:
+                out += encode_integer(index, 7, 0x80)
+                continue
+            name_index = NAME_INDEX.get(name, 0)
+            out += encode_integer(name_index, 4, 0x00)
+            if not name_index:
+                out += encode_integer(len(name), 7, 0x00)
+                out += name
+            out += encode_integer(len(value), 7, 0x00)
+            out += value
+        return bytes(out)
