@@ -104,11 +104,21 @@ class Decoder:
         pos = 0
         end = len(block)
         size_update_allowed = True
+        table = self._table
         while pos < end:
             byte = block[pos]
             if byte & 0x80:  # indexed field (6.1)
-                index, pos = decode_integer(block, pos, 7)
-                field = self._field(index)
+                if byte != 0xFF:  # a one-byte index, the common case: inline
+                    index = byte - 0x80
+                    pos += 1
+                else:
+                    index, pos = decode_integer(block, pos, 7)
+                if 0 < index <= STATIC_LENGTH:
+                    field = STATIC_TABLE[index - 1]
+                elif STATIC_LENGTH < index <= STATIC_LENGTH + len(table):
+                    field = table[index - STATIC_LENGTH - 1]
+                else:
+                    field = self._field(index)  # raises
             elif byte & 0xE0 == 0x20:  # dynamic table size update (6.3)
                 if not size_update_allowed:
                     raise HpackError("dynamic table size update after a header field")
@@ -157,7 +167,7 @@ class Decoder:
         stop = pos + length
         if stop > len(block):
             raise HpackError("truncated string")
-        raw = block[pos:stop]
+        raw = bytes(block[pos:stop])  # bytes even from a bytearray (the cache's key)
         if not huffman:
             return raw, stop
         cache = self._huffman_cache
