@@ -280,7 +280,9 @@ class Router:
                     settings.host, settings.grpc_port, self.fleet.shared, tls_context(settings)
                 )
             except OSError as exc:
-                raise ConfigError("router", "grpc_port", f"cannot listen on {address}: {exc}") from None
+                raise ConfigError(
+                    "router", "grpc_port", f"cannot listen on {address}: {exc}"
+                ) from None
             return own
         server = grpc.aio.server(options=server_options(settings, self.fleet.shared))
         server.add_generic_rpc_handlers(handlers)

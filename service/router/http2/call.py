@@ -216,12 +216,12 @@ class Call:
                 return None
             if len(pending) - at - 5 < size:
                 break
-            message = bytes(pending[at + 5 : at + 5 + size])
+            message: bytes | None = bytes(pending[at + 5 : at + 5 + size])
             at += 5 + size
             if flag:
-                message = self._inflate(message, limit)  # type: ignore[assignment]
-                if message is None:
-                    return None
+                message = self._inflate(message, limit)  # type: ignore[arg-type]
+            if message is None:
+                return None
             messages.append(message)
         if at:
             del pending[:at]
@@ -233,9 +233,7 @@ class Call:
     def _inflate(self, message: bytes, limit: int) -> bytes | None:
         wbits = _DECOMPRESS.get(self.encoding)
         if wbits is None:
-            self._status(
-                grpc.StatusCode.INTERNAL, "a compressed message without a grpc-encoding"
-            )
+            self._status(grpc.StatusCode.INTERNAL, "a compressed message without a grpc-encoding")
             return None
         inflater = zlib.decompressobj(wbits)
         try:
@@ -280,7 +278,7 @@ class Call:
     # -- running the handler -----------------------------------------------------
 
     async def _run(self, message: bytes | None) -> None:
-        handler = self.handler
+        handler: Any = self.handler  # (grpc's stubs type its fields loosely)
         assert handler is not None
         try:
             if self._requests is not None:

@@ -96,7 +96,7 @@ class Http2Connection(asyncio.Protocol):
         now = time.monotonic()
         self.last_read = now
         self.idle_since: float | None = now
-        self._timers: list[asyncio.TimerHandle] = []
+        self._timers: dict[str, asyncio.TimerHandle] = {}
         self._ping_sent: float | None = None
 
     # -- the transport ---------------------------------------------------------
@@ -120,23 +120,29 @@ class Http2Connection(asyncio.Protocol):
         )
         self._out.append(window_update(0, CONNECTION_WINDOW - DEFAULT_WINDOW))
         self._flush()
-        self._timers.append(self.loop.call_later(settings.handshake_timeout_s, self._handshake_late))
+        self._arm("handshake", settings.handshake_timeout_s, self._handshake_late)
         if settings.max_connection_idle_s > 0:
-            self._timers.append(
-                self.loop.call_later(settings.max_connection_idle_s, self._check_idle)
+            self._arm("idle", settings.max_connection_idle_s, self._check_idle)
+        if settings.max_connection_age_s > 0:  # jittered as grpc does: not all at once
+            self._arm(
+                "age", settings.max_connection_age_s * random.uniform(0.9, 1.1), self._too_old
             )
-        if settings.max_connection_age_s > 0:  # jittered as grpc does, so they do not all go at once
-            age = settings.max_connection_age_s * random.uniform(0.9, 1.1)
-            self._timers.append(self.loop.call_later(age, self._too_old))
-        self._timers.append(self.loop.call_later(settings.keepalive_time_s, self._check_alive))
+        self._arm("alive", settings.keepalive_time_s, self._check_alive)
+
+    def _arm(self, name: str, delay: float, action: Callable[[], None]) -> None:
+        """One timer of each name: a new one replaces the old."""
+        old = self._timers.pop(name, None)
+        if old is not None:
+            old.cancel()
+        self._timers[name] = self.loop.call_later(max(delay, 0.01), action)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.server.connections.discard(self)
-        for timer in self._timers:
+        for timer in self._timers.values():
             timer.cancel()
         for call in list(self.calls.values()):
-            call.peer_gone()
+            call.reset_by_peer()
         self.calls.clear()
         self._window_opened.set()
         if self._drained is not None:
@@ -509,16 +515,14 @@ class Http2Connection(asyncio.Protocol):
         if since is not None and now - since >= idle_s and not self.calls:
             self.go_away()
             return
-        wait = idle_s if since is None else idle_s - (now - since)
-        self._timers.append(self.loop.call_later(max(wait, 0.01), self._check_idle))
-        self._forget_fired()
+        self._arm("idle", idle_s if since is None else idle_s - (now - since), self._check_idle)
 
     def _too_old(self) -> None:
         if self.closed:
             return
         self.go_away()
         grace = self.server.settings.max_connection_age_grace_s
-        self._timers.append(self.loop.call_later(grace, self._abort_calls))
+        self._arm("grace", grace, self._abort_calls)
 
     def _abort_calls(self) -> None:
         if self.transport is not None and not self.closed:
@@ -540,15 +544,11 @@ class Http2Connection(asyncio.Protocol):
             self._ping_sent = now
             self.write(frame(Kind.PING, 0, 0, PING_DATA))
             wait = settings.keepalive_timeout_s
+        elif self.calls:
+            wait = settings.keepalive_time_s - (now - self.last_read)
         else:
-            wait = settings.keepalive_time_s - (now - self.last_read) if self.calls else (
-                settings.keepalive_time_s
-            )
-        self._timers.append(self.loop.call_later(max(wait, 0.01), self._check_alive))
-        self._forget_fired()
-
-    def _forget_fired(self) -> None:
-        self._timers = [timer for timer in self._timers if not timer.cancelled()][-8:]
+            wait = settings.keepalive_time_s
+        self._arm("alive", wait, self._check_alive)
 
 
 def _peer_of(transport: asyncio.Transport) -> str:

@@ -28,7 +28,9 @@ BACKLOG = 2048
 class GrpcServer:
     """A gRPC server for generic handlers, over :class:`Http2Connection`."""
 
-    def __init__(self, settings: ServerSettings, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
+    def __init__(
+        self, settings: ServerSettings, handlers: Sequence[grpc.GenericRpcHandler]
+    ) -> None:
         self.settings = settings
         self.handlers = tuple(handlers)
         self.connections: set[Http2Connection] = set()
@@ -49,7 +51,9 @@ class GrpcServer:
                 return handler
         return None
 
-    def open_call(self, conn: Http2Connection, stream: int, headers: list[tuple[bytes, bytes]]) -> Call:
+    def open_call(
+        self, conn: Http2Connection, stream: int, headers: list[tuple[bytes, bytes]]
+    ) -> Call:
         return Call(conn, stream, headers, self.find)
 
     async def bind(
