@@ -78,6 +78,7 @@ class Call:
         "handler",
         "headers",
         "headers_sent",
+        "held",
         "path",
         "remote_done",
         "send_window",
@@ -106,6 +107,7 @@ class Call:
         self.path = ""
         self.task: asyncio.Task[Any] | None = None
         self._pending = bytearray()
+        self.held = 0  # request bytes held here (the connection's budget)
         self._requests: _Requests | None = None
         self._metadata: Metadata | None = None
         self._code: grpc.StatusCode | None = None
@@ -170,6 +172,7 @@ class Call:
             return
         limit = self.conn.server.settings.max_message_size
         requests = self._requests
+        self._hold(len(data))
         if requests is None:  # one request: taken whole, the window given back at once
             if data:
                 self._pending += data
@@ -191,6 +194,7 @@ class Call:
                     f"a unary call takes one request message, this one sent {len(messages)}",
                 )
                 return
+            self._hold(-self.held)
             self.task = self.conn.spawn(self._run(messages[0]))
             return
         self._pending += data
@@ -202,6 +206,14 @@ class Call:
         if end:
             self.remote_done = True
             requests.end()
+
+    def _hold(self, size: int) -> None:
+        """``size`` more request bytes held (less, when negative)."""
+        if size:
+            self.held += size
+            self.conn.buffered += size
+            if size < 0:
+                self.conn.give_back()
 
     def _messages(self, limit: int) -> list[bytes] | None:
         """The whole messages received so far; None once the call failed."""
@@ -361,6 +373,7 @@ class Call:
 
     def _ended(self) -> None:
         """The call is over: the handler's done callbacks run once its bytes left."""
+        self._hold(-self.held)
         if self._deadline_timer is not None:
             self._deadline_timer.cancel()
             self._deadline_timer = None
@@ -472,6 +485,7 @@ class _Requests:
                 finally:
                     self._arrived = None
             message = self.messages.popleft()
+            call._hold(-min(len(message) + 5, call.held))
             call.conn.grant(call, len(message) + 5 + self.unread)
             self.unread = 0
             yield deserialize(message) if deserialize is not None else message

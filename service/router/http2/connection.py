@@ -83,6 +83,11 @@ class Http2Connection(asyncio.Protocol):
         self.peer_stream_window = DEFAULT_WINDOW  # each new stream's
         self.peer_frame_size = DEFAULT_FRAME_SIZE
         self.unacked = 0  # bytes received that the client's window has not got back
+        # bytes of requests held here, not yet taken by a handler: past the budget,
+        # the connection's window is not given back (the client waits, not the router)
+        self.buffered = 0
+        self.budget = settings.max_message_size + CONNECTION_WINDOW
+        self.max_streams = 2 * settings.max_concurrent_streams + 64
         self.going_away = False
         self.closed = False
         self._continuation: tuple[int, int, bytearray] | None = None
@@ -108,18 +113,6 @@ class Http2Connection(asyncio.Protocol):
         self.peer = _peer_of(transport)
         self.server.connections.add(self)
         settings = self.server.settings
-        self._out.append(
-            settings_frame(
-                {
-                    Setting.ENABLE_PUSH: 0,
-                    Setting.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
-                    Setting.MAX_FRAME_SIZE: FRAME_SIZE,
-                    Setting.MAX_HEADER_LIST_SIZE: settings.http_max_header_bytes,
-                }
-            )
-        )
-        self._out.append(window_update(0, CONNECTION_WINDOW - DEFAULT_WINDOW))
-        self._flush()
         self._arm("handshake", settings.handshake_timeout_s, self._handshake_late)
         if settings.max_connection_idle_s > 0:
             self._arm("idle", settings.max_connection_idle_s, self._check_idle)
@@ -135,6 +128,20 @@ class Http2Connection(asyncio.Protocol):
         if old is not None:
             old.cancel()
         self._timers[name] = self.loop.call_later(max(delay, 0.01), action)
+
+    def _greet(self) -> None:
+        """Our SETTINGS and the connection's window, once the client spoke HTTP/2."""
+        self.write(
+            settings_frame(
+                {
+                    Setting.ENABLE_PUSH: 0,
+                    Setting.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
+                    Setting.MAX_FRAME_SIZE: FRAME_SIZE,
+                    Setting.MAX_HEADER_LIST_SIZE: self.server.settings.http_max_header_bytes,
+                }
+            )
+        )
+        self.write(window_update(0, CONNECTION_WINDOW - DEFAULT_WINDOW))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -228,6 +235,7 @@ class Http2Connection(asyncio.Protocol):
                 return
             self.preface = True
             at = len(PREFACE)
+            self._greet()
         try:
             at = self._frames(data, at)
         except ConnectionError_ as exc:
@@ -308,15 +316,20 @@ class Http2Connection(asyncio.Protocol):
         if stream == 0:
             raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "DATA on stream 0")
         self.unacked += len(payload)
-        if self.unacked >= CONNECTION_WINDOW // 2:
-            self.write(window_update(0, self.unacked))
-            self.unacked = 0
+        self.give_back()
         call = self.calls.get(stream)
         if call is None:
             if stream > self.last_stream:
                 raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "DATA on an idle stream")
             return  # a stream we already ended: its data is dropped (counted above)
         call.received(unpadded(flags, payload), bool(flags & END_STREAM), len(payload))
+
+    def give_back(self) -> None:
+        """The connection's window, given back in large steps while the
+        requests held here are within the budget."""
+        if self.unacked >= CONNECTION_WINDOW // 2 and self.buffered <= self.budget:
+            self.write(window_update(0, self.unacked))
+            self.unacked = 0
 
     def _headers(self, flags: int, stream: int, payload: bytes) -> None:
         if stream == 0:
@@ -355,7 +368,9 @@ class Http2Connection(asyncio.Protocol):
         if stream % 2 == 0 or stream <= self.last_stream:
             raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, f"HEADERS opening stream {stream}")
         self.last_stream = stream
-        if self.going_away:
+        if self.going_away or len(self.calls) >= self.max_streams:
+            # (max_concurrent_streams bounds the calls: each handler counts its
+            # connection's; this bounds the streams that have not begun one)
             self._reset(stream, ErrorCode.REFUSED_STREAM)
             return
         self.idle_since = None
@@ -447,8 +462,13 @@ class Http2Connection(asyncio.Protocol):
     def _maybe_idle(self) -> None:
         if not self.calls:
             self.idle_since = time.monotonic()
-            if self.going_away and self.server.stopping:
-                self.close()
+            if self.going_away and self.transport is not None and not self.closed:
+                self.loop.call_soon(self._close_if_idle)
+
+    def _close_if_idle(self) -> None:
+        if not self.calls and not self.closed:
+            self._flush()
+            self.close()
 
     def grant(self, call: Call, size: int) -> None:
         """The stream's ``size`` received bytes are taken: the client may send more."""
@@ -490,13 +510,13 @@ class Http2Connection(asyncio.Protocol):
         task.add_done_callback(self.tasks.discard)
         return task
 
-    def go_away(self) -> None:
+    def go_away(self, why: str) -> None:
         """No new streams; the open ones finish. Closed when the last ends."""
         if self.closed:
             return
         if not self.going_away:
             self.going_away = True
-            self.write(goaway(self.last_stream, ErrorCode.NO_ERROR))
+            self.write(goaway(self.last_stream, ErrorCode.NO_ERROR, why.encode()))
         if not self.calls:
             self.close()
 
@@ -504,7 +524,8 @@ class Http2Connection(asyncio.Protocol):
 
     def _handshake_late(self) -> None:
         if not self.handshaken and not self.closed:
-            self.close(ErrorCode.SETTINGS_TIMEOUT, "no SETTINGS within handshake_timeout_s")
+            why = "did not receive HTTP/2 settings within handshake_timeout_s"
+            self.close(ErrorCode.SETTINGS_TIMEOUT, why)
 
     def _check_idle(self) -> None:
         if self.closed:
@@ -513,14 +534,14 @@ class Http2Connection(asyncio.Protocol):
         since = self.idle_since
         now = time.monotonic()
         if since is not None and now - since >= idle_s and not self.calls:
-            self.go_away()
+            self.go_away("idle: no call for max_connection_idle_s")
             return
         self._arm("idle", idle_s if since is None else idle_s - (now - since), self._check_idle)
 
     def _too_old(self) -> None:
         if self.closed:
             return
-        self.go_away()
+        self.go_away("max_connection_age_s")
         grace = self.server.settings.max_connection_age_grace_s
         self._arm("grace", grace, self._abort_calls)
 

@@ -88,7 +88,7 @@ class GrpcServer:
             return
         self._server.close()
         for conn in list(self.connections):
-            conn.go_away()
+            conn.go_away("the server is stopping")
         tasks = [task for conn in self.connections for task in conn.tasks]
         if tasks:
             await asyncio.wait(tasks, timeout=grace_s)

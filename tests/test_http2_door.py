@@ -1,0 +1,398 @@
+"""The router's own HTTP/2 gRPC server (service/router/http2), in this process
+on a loopback port: grpc's own client (C-core, as tritonclient's and
+perf_analyzer's) for the four kinds of call, metadata, statuses, deadlines,
+cancellation, compression, size limits and flow control; and raw frames for
+what a well-behaved client never sends (no preface, no SETTINGS, a broken
+header block, pings, a client that reads nothing)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import socket
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, ClassVar
+
+import grpc
+import pytest
+
+from poolserve.service.contract.settings import ServerSettings
+from poolserve.service.router.http2.frames import (
+    ACK,
+    END_HEADERS,
+    END_STREAM,
+    HEADER,
+    PREFACE,
+    ErrorCode,
+    Kind,
+    Setting,
+    frame,
+    settings_frame,
+    window_update,
+)
+from poolserve.service.router.http2.hpack import Decoder, Encoder
+from poolserve.service.router.http2.server import GrpcServer
+
+SERVICE = "test.Echo"
+WAIT = 30.0
+
+
+class Echo:
+    """Handlers that say what they saw; ``cancelled`` counts handlers cancelled."""
+
+    def __init__(self) -> None:
+        self.cancelled = 0
+        self.started = asyncio.Event()
+        self.done_callbacks = 0
+
+    async def unary(self, request: bytes, context: Any) -> bytes:
+        metadata = dict(context.invocation_metadata())
+        if request == b"metadata":
+            return repr(sorted(metadata.items())).encode()
+        if request == b"abort":
+            context.set_trailing_metadata((("where", "here"), ("blob-bin", b"\x00\xff")))
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no: é 100%")
+        if request == b"raise":
+            raise RuntimeError("boom")
+        if request == b"remaining":
+            return repr(context.time_remaining()).encode()
+        if request.startswith(b"big:"):
+            context.add_done_callback(lambda _: self._done())
+            return b"x" * int(request[4:])
+        if request == b"wait":
+            self.started.set()
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+        return request
+
+    def _done(self) -> None:
+        self.done_callbacks += 1
+
+    async def server_stream(self, request: bytes, context: Any) -> AsyncIterator[bytes]:
+        for i in range(int(request)):
+            yield b"%d" % i
+
+    async def bidi(self, requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
+        async for request in requests:
+            yield request.upper()
+
+    async def client_stream(self, requests: AsyncIterator[bytes], context: Any) -> bytes:
+        return b",".join([r async for r in requests])
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(
+            SERVICE,
+            {
+                "Unary": grpc.unary_unary_rpc_method_handler(self.unary),
+                "ServerStream": grpc.unary_stream_rpc_method_handler(self.server_stream),
+                "Bidi": grpc.stream_stream_rpc_method_handler(self.bidi),
+                "ClientStream": grpc.stream_unary_rpc_method_handler(self.client_stream),
+            },
+        )
+
+
+def settings(**changes: Any) -> ServerSettings:
+    return dataclasses.replace(ServerSettings(), **changes)
+
+
+async def serving(
+    echo: Echo, test: Callable[[str, GrpcServer], Awaitable[None]], **changes: Any
+) -> None:
+    server = GrpcServer(settings(**changes), [echo.handler()])
+    port = await server.bind("127.0.0.1", 0)
+    await server.start()
+    try:
+        await asyncio.wait_for(test(f"127.0.0.1:{port}", server), 120)
+    finally:
+        for raw in Raw.opened:
+            raw.writer.close()
+        Raw.opened.clear()
+        await server.stop(1.0)
+
+
+def path(method: str) -> str:
+    return f"/{SERVICE}/{method}"
+
+
+def test_grpc_clients_four_kinds_of_call_metadata_and_statuses() -> None:
+    echo = Echo()
+
+    async def test(address: str, _: GrpcServer) -> None:
+        async with grpc.aio.insecure_channel(address) as channel:
+            unary = channel.unary_unary(path("Unary"))
+            assert await unary(b"hello", timeout=WAIT) == b"hello"
+            assert await unary(b"", timeout=WAIT) == b""
+            seen = await unary(
+                b"metadata", metadata=(("k", "v"), ("b-bin", b"\x01\x02")), timeout=WAIT
+            )
+            assert "('k', 'v')" in seen.decode() and "('b-bin', b'\\x01\\x02')" in seen.decode()
+            assert "grpc-timeout" not in seen.decode()
+            left = float(await unary(b"remaining", timeout=20))
+            assert 0 < left <= 21  # (grpc rounds the timeout it sends up)
+            assert await unary(b"remaining") == b"None"
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await unary(b"abort", timeout=WAIT)
+            assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+            assert refused.value.details() == "no: é 100%"
+            trailing = dict(refused.value.trailing_metadata() or ())
+            assert trailing["where"] == "here" and trailing["blob-bin"] == b"\x00\xff"
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await unary(b"raise", timeout=WAIT)
+            assert failed.value.code() is grpc.StatusCode.UNKNOWN
+            assert "boom" in (failed.value.details() or "")
+            with pytest.raises(grpc.aio.AioRpcError) as unknown:
+                await channel.unary_unary(path("Nope"))(b"", timeout=WAIT)
+            assert unknown.value.code() is grpc.StatusCode.UNIMPLEMENTED
+            streamed = channel.unary_stream(path("ServerStream"))(b"5", timeout=WAIT)
+            assert [m async for m in streamed] == [b"0", b"1", b"2", b"3", b"4"]
+            bidi = channel.stream_stream(path("Bidi"))(timeout=WAIT)
+            for word in (b"a", b"bc", b"def"):
+                await bidi.write(word)
+                assert await bidi.read() == word.upper()
+            await bidi.done_writing()
+            assert await bidi.read() is grpc.aio.EOF
+            assert await bidi.code() is grpc.StatusCode.OK
+
+            async def three() -> AsyncIterator[bytes]:
+                for word in (b"x", b"y", b"z"):
+                    yield word
+
+            joined = await channel.stream_unary(path("ClientStream"))(three(), timeout=WAIT)
+            assert joined == b"x,y,z"
+            # many at once on one connection, each reply to its own call
+            calls = [unary(b"%d" % i, timeout=WAIT) for i in range(200)]
+            assert await asyncio.gather(*calls) == [b"%d" % i for i in range(200)]
+
+    asyncio.run(serving(echo, test))
+
+
+def test_large_messages_both_ways_compression_and_the_size_limit() -> None:
+    echo = Echo()
+    limit = 9 << 20
+
+    async def test(address: str, _: GrpcServer) -> None:
+        options = [("grpc.max_receive_message_length", 64 << 20)]
+        async with grpc.aio.insecure_channel(address, options=options) as channel:
+            unary = channel.unary_unary(path("Unary"))
+            body = bytes(range(256)) * (8 << 12)  # 8 MiB: many windows, many frames
+            assert await unary(body, timeout=WAIT) == body
+            assert len(await unary(b"big:%d" % (8 << 20), timeout=WAIT)) == 8 << 20
+            squeezed = await unary(b"z" * 100_000, timeout=WAIT, compression=grpc.Compression.Gzip)
+            assert squeezed == b"z" * 100_000
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await unary(b"q" * (limit + 1), timeout=WAIT)
+            assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "Received message larger than max" in (refused.value.details() or "")
+            # a compressed message that inflates past the limit is refused too
+            with pytest.raises(grpc.aio.AioRpcError) as inflated:
+                await unary(b"\0" * (limit + 1), timeout=WAIT, compression=grpc.Compression.Gzip)
+            assert inflated.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert await unary(b"still here", timeout=WAIT) == b"still here"
+
+    asyncio.run(serving(echo, test, max_message_size=limit))
+
+
+def test_deadline_and_cancel_end_the_handler() -> None:
+    echo = Echo()
+
+    async def test(address: str, _: GrpcServer) -> None:
+        async with grpc.aio.insecure_channel(address) as channel:
+            unary = channel.unary_unary(path("Unary"))
+            with pytest.raises(grpc.aio.AioRpcError) as late:
+                await unary(b"wait", timeout=0.5)
+            assert late.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            await until(lambda: echo.cancelled == 1)
+            echo.started.clear()
+            call = unary(b"wait", timeout=WAIT)
+            await asyncio.wait_for(echo.started.wait(), WAIT)
+            call.cancel()
+            await until(lambda: echo.cancelled == 2)
+            assert await unary(b"after", timeout=WAIT) == b"after"
+
+    asyncio.run(serving(echo, test))
+
+
+async def until(predicate: Callable[[], bool]) -> None:
+    """Polls ``predicate`` (state of the server in this process) for up to WAIT."""
+    for _ in range(int(WAIT / 0.01)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition never held")
+
+
+# -- raw frames ------------------------------------------------------------------
+
+
+class Raw:
+    """A client of bare frames over a socket (closed when its test ends)."""
+
+    opened: ClassVar[list[Raw]] = []
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.decoder = Decoder()
+
+    @classmethod
+    async def open(cls, address: str, preface: bool = True, window: int = 65_535) -> Raw:
+        host, port = address.rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        raw = cls(reader, writer)
+        cls.opened.append(raw)
+        if preface:
+            writer.write(PREFACE + settings_frame({Setting.INITIAL_WINDOW_SIZE: window}))
+        return raw
+
+    async def frame(self) -> tuple[int, int, int, bytes]:
+        """The next frame: kind, flags, stream, payload."""
+        head = await self.reader.readexactly(9)
+        high, low, kind, flags, stream = HEADER.unpack(head)
+        return kind, flags, stream, await self.reader.readexactly(high << 16 | low)
+
+    async def until_kind(self, kind: int) -> tuple[int, int, bytes]:
+        while True:
+            got, flags, stream, payload = await asyncio.wait_for(self.frame(), WAIT)
+            if got == kind:
+                return flags, stream, payload
+
+    def call(self, stream: int, method: str, message: bytes, end: bool = True) -> None:
+        block = Encoder().encode(
+            (
+                (b":method", b"POST"),
+                (b":scheme", b"http"),
+                (b":path", path(method).encode()),
+                (b":authority", b"x"),
+                (b"content-type", b"application/grpc"),
+                (b"te", b"trailers"),
+            )
+        )
+        data = b"\0" + struct.pack(">I", len(message)) + message
+        self.writer.write(
+            frame(Kind.HEADERS, END_HEADERS, stream, block)
+            + frame(Kind.DATA, END_STREAM if end else 0, stream, data)
+        )
+
+
+def test_what_a_client_must_not_send_ends_its_connection_not_the_server() -> None:
+    echo = Echo()
+
+    async def test(address: str, _: GrpcServer) -> None:
+        # HTTP/1.1 at the gRPC port: said so, and closed
+        raw = await Raw.open(address, preface=False)
+        raw.writer.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+        answer = await asyncio.wait_for(raw.reader.read(), WAIT)
+        assert answer.startswith(b"HTTP/1.1 505")
+        # a header block HPACK cannot read: GOAWAY COMPRESSION_ERROR
+        raw = await Raw.open(address)
+        raw.writer.write(frame(Kind.HEADERS, END_HEADERS | END_STREAM, 1, b"\x80"))  # index 0
+        _, _, payload = await raw.until_kind(Kind.GOAWAY)
+        assert struct.unpack(">I", payload[4:8])[0] == ErrorCode.COMPRESSION_ERROR
+        assert await asyncio.wait_for(raw.reader.read(), WAIT) == b""
+        # a ping is answered with its own bytes
+        raw = await Raw.open(address)
+        raw.writer.write(frame(Kind.PING, 0, 0, b"12345678"))
+        flags, _, payload = await raw.until_kind(Kind.PING)
+        assert flags & ACK and payload == b"12345678"
+        # and grpc's clients are still served
+        async with grpc.aio.insecure_channel(address) as channel:
+            assert await channel.unary_unary(path("Unary"))(b"ok", timeout=WAIT) == b"ok"
+
+    asyncio.run(serving(echo, test))
+
+
+def test_a_connection_without_settings_is_closed_after_the_handshake_timeout() -> None:
+    echo = Echo()
+
+    async def test(address: str, _: GrpcServer) -> None:
+        raw = await Raw.open(address, preface=False)
+        raw.writer.write(PREFACE)  # and no SETTINGS
+        _, _, payload = await raw.until_kind(Kind.GOAWAY)
+        assert struct.unpack(">I", payload[4:8])[0] == ErrorCode.SETTINGS_TIMEOUT
+
+    asyncio.run(serving(echo, test, handshake_timeout_s=0.5))
+
+
+def test_a_reply_the_client_has_no_window_for_waits_and_its_call_stays_open() -> None:
+    """A client that grants no window gets the reply only as it opens one:
+    the call's done callbacks (the router's count of unread reply bytes) run
+    only once the last byte left, and other connections are served meanwhile."""
+    echo = Echo()
+
+    async def test(address: str, _: GrpcServer) -> None:
+        raw = await Raw.open(address, window=1000)
+        raw.call(1, "Unary", b"big:300000")
+        got = 0
+        while got < 1000:  # the stream's first window, and no more
+            kind, _, _, payload = await asyncio.wait_for(raw.frame(), WAIT)
+            if kind == Kind.DATA:
+                got += len(payload)
+        async with grpc.aio.insecure_channel(address) as channel:
+            assert await channel.unary_unary(path("Unary"))(b"ok", timeout=WAIT) == b"ok"
+        assert echo.done_callbacks == 0  # held: the client has not taken it
+        raw.writer.write(window_update(0, 1 << 20) + window_update(1, 1 << 20))
+        while True:
+            kind, flags, _, payload = await asyncio.wait_for(raw.frame(), WAIT)
+            if kind == Kind.DATA:
+                got += len(payload)
+            if kind == Kind.HEADERS and flags & END_STREAM:
+                break
+        assert got == 300_005
+        await until(lambda: echo.done_callbacks == 1)
+
+    asyncio.run(serving(echo, test))
+
+
+def test_stop_lets_calls_in_flight_finish_and_refuses_new_ones() -> None:
+    echo = Echo()
+
+    async def test(address: str, server: GrpcServer) -> None:
+        raw = await Raw.open(address)
+        raw.call(1, "Unary", b"wait")
+        await asyncio.wait_for(echo.started.wait(), WAIT)
+        stopping = asyncio.ensure_future(server.stop(0.5))
+        _, _, payload = await raw.until_kind(Kind.GOAWAY)
+        last, code = struct.unpack(">II", payload[:8])
+        assert (last, code) == (1, ErrorCode.NO_ERROR)
+        raw.call(3, "Unary", b"late")
+        _, stream, _ = await raw.until_kind(Kind.RST_STREAM)
+        assert stream == 3
+        await stopping
+        assert echo.cancelled == 1  # past the grace: cancelled
+        host, port = address.rsplit(":", 1)
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((host, int(port)), timeout=5).close()
+
+    asyncio.run(serving(echo, test))
+
+
+def test_keepalive_closes_a_connection_that_stops_answering_pings() -> None:
+    echo = Echo()
+
+    async def test(address: str, _: GrpcServer) -> None:
+        raw = await Raw.open(address)
+        raw.call(1, "Unary", b"wait")
+        await asyncio.wait_for(echo.started.wait(), WAIT)
+        flags, _, _ = await raw.until_kind(Kind.PING)  # a call in flight, silence
+        assert not flags & ACK
+        # no ack: the connection is closed and its call cancelled
+        assert await asyncio.wait_for(raw.reader.read(), WAIT) is not None
+        await until(lambda: echo.cancelled == 1)
+
+    asyncio.run(serving(echo, test, keepalive_time_s=0.3, keepalive_timeout_s=0.3))
+
+
+def test_an_idle_connection_is_sent_goaway() -> None:
+    echo = Echo()
+
+    async def test(address: str, _: GrpcServer) -> None:
+        raw = await Raw.open(address)
+        raw.call(1, "Unary", b"hi")
+        _, _, payload = await raw.until_kind(Kind.GOAWAY)
+        assert struct.unpack(">II", payload[:8]) == (1, ErrorCode.NO_ERROR)
+
+    asyncio.run(serving(echo, test, max_connection_idle_s=0.3))
