@@ -157,9 +157,13 @@ def test_health_follows_start_pool_kill_restart_and_stop(tmp_path: Path) -> None
         assert serving.proc is not None and serving.proc.wait(timeout=60) == 0
 
 
-def test_size_limit_streaming_and_garbage(tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine", ["poolserve", "grpcio"])
+def test_size_limit_streaming_and_garbage(tmp_path: Path, engine: str) -> None:
+    """Through either engine of the gRPC port (grpc_engine): the same statuses."""
     repo = two_pools(tmp_path)
-    (repo / "settings.json").write_text('{"max_message_size": 100000}')
+    (repo / "settings.json").write_text(
+        f'{{"max_message_size": 100000, "grpc_engine": "{engine}"}}'
+    )
 
     async def main(serving: Serving) -> None:
         async with grpc.aio.insecure_channel(
@@ -190,6 +194,7 @@ def test_size_limit_streaming_and_garbage(tmp_path: Path) -> None:
     with Serving(repo, tmp_path / "run") as serving:
         asyncio.run(main(serving))
         assert len(children_of(serving.pid)) == 3  # two pools and the router, still
+        assert f"(grpc_engine {engine})" in serving.log()
 
 
 def test_queue_bound_is_resource_exhausted_naming_the_pool(tmp_path: Path) -> None:

@@ -240,7 +240,7 @@ class Router:
             await server.start()
             await control.start()
             self._publish_address()
-            log.info("router: listening on %s", address)
+            log.info("router: listening on %s (grpc_engine %s)", address, self.settings.grpc_engine)
             ready()
             await self._stop.wait()
             began = time.monotonic()
