@@ -172,6 +172,10 @@ class Call:
             return
         limit = self.conn.server.settings.max_message_size
         requests = self._requests
+        if requests is None and end and not self._pending and _whole(data, limit):
+            self.remote_done = True  # one frame, one whole uncompressed message: no copies
+            self.task = self.conn.spawn(self._run(data[5:]))
+            return
         self._hold(len(data))
         if requests is None:  # one request: taken whole, the window given back at once
             if data:
@@ -228,7 +232,8 @@ class Call:
                 return None
             if len(pending) - at - 5 < size:
                 break
-            message: bytes | None = bytes(pending[at + 5 : at + 5 + size])
+            with memoryview(pending) as view:
+                message: bytes | None = bytes(view[at + 5 : at + 5 + size])
             at += 5 + size
             if flag:
                 message = self._inflate(message, limit)  # type: ignore[arg-type]
@@ -489,6 +494,12 @@ class _Requests:
             call.conn.grant(call, len(message) + 5 + self.unread)
             self.unread = 0
             yield deserialize(message) if deserialize is not None else message
+
+
+def _whole(data: bytes, limit: int) -> bool:
+    """``data`` is exactly one uncompressed message within ``limit``."""
+    size = len(data) - 5
+    return 0 <= size <= limit and data[0] == 0 and int.from_bytes(data[1:5], "big") == size
 
 
 def _run_callbacks(call: Call, callbacks: list[Callable[[Any], None]]) -> None:
