@@ -93,7 +93,8 @@ class Http2Connection(asyncio.Protocol):
         self._continuation: tuple[int, int, bytearray] | None = None
         self._out: list[bytes] = []
         self._flush_pending = False
-        self._window_opened = asyncio.Event()  # set (and replaced) on WINDOW_UPDATE / SETTINGS
+        # made by a writer waiting for the client's window; set on WINDOW_UPDATE / SETTINGS
+        self._window_opened: asyncio.Event | None = None
         self._paused = False
         self._drained: asyncio.Event | None = None
         self._after_drain: list[Callable[[], None]] = []
@@ -151,7 +152,7 @@ class Http2Connection(asyncio.Protocol):
         for call in list(self.calls.values()):
             call.reset_by_peer()
         self.calls.clear()
-        self._window_opened.set()
+        self._open_window()
         if self._drained is not None:
             self._drained.set()
         self._run_after_drain()
@@ -400,8 +401,10 @@ class Http2Connection(asyncio.Protocol):
         self._open_window()
 
     def _open_window(self) -> None:
-        self._window_opened.set()
-        self._window_opened = asyncio.Event()
+        opened = self._window_opened
+        if opened is not None:
+            self._window_opened = None
+            opened.set()
 
     def _settings(self, flags: int, stream: int, payload: bytes) -> None:
         if stream != 0:
@@ -493,6 +496,8 @@ class Http2Connection(asyncio.Protocol):
                 raise asyncio.CancelledError
             room = min(call.send_window, self.send_window, self.peer_frame_size, len(view))
             if room <= 0:
+                if self._window_opened is None:
+                    self._window_opened = asyncio.Event()
                 opened = self._window_opened
                 await opened.wait()
                 continue
