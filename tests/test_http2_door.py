@@ -260,17 +260,20 @@ class Raw:
             if got == kind:
                 return flags, stream, payload
 
-    def call(self, stream: int, method: str, message: bytes, end: bool = True) -> None:
-        block = Encoder().encode(
-            (
-                (b":method", b"POST"),
-                (b":scheme", b"http"),
-                (b":path", path(method).encode()),
-                (b":authority", b"x"),
-                (b"content-type", b"application/grpc"),
-                (b"te", b"trailers"),
-            )
-        )
+    def call(
+        self, stream: int, method: str, message: bytes, end: bool = True, extra: bytes = b""
+    ) -> None:
+        headers = [
+            (b":method", b"POST"),
+            (b":scheme", b"http"),
+            (b":path", path(method).encode()),
+            (b":authority", b"x"),
+            (b"content-type", b"application/grpc"),
+            (b"te", b"trailers"),
+        ]
+        if extra:
+            headers.append((b"x-extra", extra))
+        block = Encoder().encode(headers)
         data = b"\0" + struct.pack(">I", len(message)) + message
         self.writer.write(
             frame(Kind.HEADERS, END_HEADERS, stream, block)
@@ -303,6 +306,33 @@ def test_what_a_client_must_not_send_ends_its_connection_not_the_server() -> Non
             assert await channel.unary_unary(path("Unary"))(b"ok", timeout=WAIT) == b"ok"
 
     asyncio.run(serving(echo, test))
+
+
+def test_headers_over_the_limit_refuse_their_call_not_the_connection() -> None:
+    echo = Echo()
+
+    async def test(address: str, _: GrpcServer) -> None:
+        raw = await Raw.open(address)
+        raw.call(1, "Unary", b"x", extra=b"v" * 20_000)
+        raw.call(3, "Unary", b"fine")
+        statuses: dict[int, bytes] = {}
+        replies: dict[int, bytes] = {}
+        while len(statuses) < 2:
+            kind, flags, stream, payload = await asyncio.wait_for(raw.frame(), WAIT)
+            assert kind != Kind.GOAWAY
+            if kind == Kind.DATA:
+                replies[stream] = payload[5:]
+            if kind == Kind.HEADERS and flags & END_STREAM:
+                fields = dict(raw.decoder.decode(payload))
+                statuses[stream] = fields[b"grpc-status"]
+                if stream == 1:
+                    assert b"http_max_header_bytes" in fields[b"grpc-message"]
+            elif kind == Kind.HEADERS:
+                raw.decoder.decode(payload)
+        assert statuses == {1: b"8", 3: b"0"}  # RESOURCE_EXHAUSTED, and OK
+        assert replies == {3: b"fine"}
+
+    asyncio.run(serving(echo, test, http_max_header_bytes=16_384))
 
 
 def test_a_connection_without_settings_is_closed_after_the_handshake_timeout() -> None:

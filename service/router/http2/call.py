@@ -44,6 +44,7 @@ _TIMEOUT_UNITS = {
 }
 _DECOMPRESS = {b"gzip": 16 + zlib.MAX_WBITS, b"deflate": zlib.MAX_WBITS}
 _ACCEPT_ENCODING = b"identity,deflate,gzip"
+_TRAILERS_ONLY = RESPONSE_HEADERS + _ENCODER.encode(((b"grpc-accept-encoding", _ACCEPT_ENCODING),))
 _MESSAGE_SAFE = frozenset(range(0x20, 0x7F)) - {ord("%")}
 Metadata = tuple[tuple[str, str | bytes], ...]
 
@@ -365,8 +366,7 @@ class Call:
             block = _ENCODER.encode(fields)
         if not self.headers_sent:
             self.headers_sent = True
-            extra = _ENCODER.encode(((b"grpc-accept-encoding", _ACCEPT_ENCODING),))
-            block = RESPONSE_HEADERS + extra + block
+            block = _TRAILERS_ONLY + block
         conn.write(frame(Kind.HEADERS, END_HEADERS | END_STREAM, self.stream, block))
         if not self.remote_done:
             conn.reset(self, ErrorCode.NO_ERROR)  # the client may stop sending
@@ -494,6 +494,16 @@ class _Requests:
             call.conn.grant(call, len(message) + 5 + self.unread)
             self.unread = 0
             yield deserialize(message) if deserialize is not None else message
+
+
+def trailers_only(stream: int, code: grpc.StatusCode, details: str) -> bytes:
+    """The one HEADERS frame of a call refused before it began."""
+    fields = (
+        (b"grpc-status", str(code.value[0]).encode()),
+        (b"grpc-message", percent_encoded(details)),
+    )
+    block = _TRAILERS_ONLY + _ENCODER.encode(fields)
+    return frame(Kind.HEADERS, END_HEADERS | END_STREAM, stream, block)
 
 
 def _whole(data: bytes, limit: int) -> bool:

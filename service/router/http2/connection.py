@@ -21,6 +21,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import grpc
+
+from poolserve.service.router.http2.call import trailers_only
 from poolserve.service.router.http2.frames import (
     ACK,
     DEFAULT_FRAME_SIZE,
@@ -49,7 +52,7 @@ from poolserve.service.router.http2.frames import (
     unpadded,
     window_update,
 )
-from poolserve.service.router.http2.hpack import Decoder, HpackError
+from poolserve.service.router.http2.hpack import Decoder, HeaderListTooLarge, HpackError
 
 if TYPE_CHECKING:
     from poolserve.service.router.http2.call import Call
@@ -216,6 +219,8 @@ class Http2Connection(asyncio.Protocol):
     # -- reading frames ----------------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
+        if self.closed:
+            return
         self.last_read = time.monotonic()
         if self.buffer:
             self.buffer += data
@@ -355,19 +360,24 @@ class Http2Connection(asyncio.Protocol):
             self._header_block(first_flags, stream, bytes(block))
 
     def _header_block(self, flags: int, stream: int, block: bytes) -> None:
+        end = bool(flags & END_STREAM)
         try:
             headers = self.decoder.decode(block)
+        except HeaderListTooLarge as exc:
+            self._too_many_headers(stream, end, exc)
+            return
         except HpackError as exc:
             raise ConnectionError_(ErrorCode.COMPRESSION_ERROR, str(exc)) from None
-        end = bool(flags & END_STREAM)
         call = self.calls.get(stream)
         if call is not None:  # trailers from the client: the end of its requests
             if not end:
                 raise StreamError(ErrorCode.PROTOCOL_ERROR, "trailers without END_STREAM")
             call.received(b"", True, 0)
             return
-        if stream % 2 == 0 or stream <= self.last_stream:
+        if stream % 2 == 0:
             raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, f"HEADERS opening stream {stream}")
+        if stream <= self.last_stream:
+            return  # a stream we already ended (RST_STREAM crossed it): ignored
         self.last_stream = stream
         if self.going_away or len(self.calls) >= self.max_streams:
             # (max_concurrent_streams bounds the calls: each handler counts its
@@ -378,6 +388,23 @@ class Http2Connection(asyncio.Protocol):
         call = self.server.open_call(self, stream, headers)
         self.calls[stream] = call
         call.start(end)
+
+    def _too_many_headers(self, stream: int, end: bool, exc: HeaderListTooLarge) -> None:
+        """A stream whose headers are over http_max_header_bytes: answered
+        RESOURCE_EXHAUSTED; the connection and its other calls go on."""
+        call = self.calls.pop(stream, None)
+        if call is not None:  # its trailers: the call ends here
+            self.write(rst_stream(stream, ErrorCode.CANCEL))
+            call.reset_by_peer()
+            self._maybe_idle()
+            return
+        if stream % 2 == 0 or stream <= self.last_stream:
+            raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, f"HEADERS opening stream {stream}")
+        self.last_stream = stream
+        why = f"{exc.size} bytes of headers, over http_max_header_bytes ({exc.limit})"
+        self.write(trailers_only(stream, grpc.StatusCode.RESOURCE_EXHAUSTED, why))
+        if not end:
+            self.write(rst_stream(stream, ErrorCode.NO_ERROR))
 
     def _window_update(self, stream: int, payload: bytes) -> None:
         if len(payload) != 4:

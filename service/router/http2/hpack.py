@@ -16,7 +16,18 @@ from collections.abc import Iterable
 from .huffman import HpackError, huffman_decode
 from .static_table import FIELD_INDEX, NAME_INDEX, STATIC_LENGTH, STATIC_TABLE
 
-__all__ = ["Decoder", "Encoder", "HpackError"]
+__all__ = ["Decoder", "Encoder", "HeaderListTooLarge", "HpackError"]
+
+
+class HeaderListTooLarge(HpackError):
+    """A header list over the limit: the block was decoded whole (the table
+    is in sync), so only its stream is refused, not the connection."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"header list size {size} over {limit}")
+        self.size = size
+        self.limit = limit
+
 
 ENTRY_OVERHEAD = 32  # RFC 7541 4.1, and RFC 7540 6.5.2 per header field
 _MAX_INTEGER = 2**31 - 1
@@ -146,7 +157,7 @@ class Decoder:
             else:
                 fields.append(field)
         if over_limit:
-            raise HpackError(f"header list size {list_size} over {self.max_header_list_size}")
+            raise HeaderListTooLarge(list_size, self.max_header_list_size)
         return fields
 
     def _field(self, index: int) -> tuple[bytes, bytes]:
