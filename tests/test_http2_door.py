@@ -396,3 +396,46 @@ def test_an_idle_connection_is_sent_goaway() -> None:
         assert struct.unpack(">II", payload[:8]) == (1, ErrorCode.NO_ERROR)
 
     asyncio.run(serving(echo, test, max_connection_idle_s=0.3))
+
+
+async def frames_until_reset(raw: Raw, stream: int) -> list[tuple[int, int]]:
+    """The (kind, flags) of ``stream``'s frames up to its RST_STREAM (whose code is last)."""
+    seen: list[tuple[int, int]] = []
+    while True:
+        kind, flags, got, payload = await asyncio.wait_for(raw.frame(), WAIT)
+        if got != stream:
+            continue
+        if kind == Kind.RST_STREAM:
+            seen.append((kind, struct.unpack(">I", payload)[0]))
+            return seen
+        seen.append((kind, flags))
+
+
+def test_data_or_headers_after_end_stream_reset_the_stream_not_a_second_call() -> None:
+    """Found by reliability/http2_fuzzing.py: DATA after the request's END_STREAM
+    began a second handler on the same stream (two replies, DATA after the
+    trailers); HEADERS after it sent a status while the handler ran on. The
+    stream is half-closed: STREAM_CLOSED (RFC 9113 5.1), the handler cancelled."""
+    echo = Echo()
+
+    async def test(address: str, _: GrpcServer) -> None:
+        raw = await Raw.open(address)
+        raw.call(1, "Unary", b"wait")
+        await asyncio.wait_for(echo.started.wait(), WAIT)
+        echo.started.clear()
+        raw.writer.write(frame(Kind.DATA, END_STREAM, 1, b"\0\0\0\0\5hello"))
+        seen = await frames_until_reset(raw, 1)
+        assert seen == [(Kind.RST_STREAM, ErrorCode.STREAM_CLOSED)], seen
+        await until(lambda: echo.cancelled == 1)
+        trailers = Encoder().encode(((b"x-t", b"1"),))
+        raw.call(3, "Unary", b"wait")
+        await asyncio.wait_for(echo.started.wait(), WAIT)
+        raw.writer.write(frame(Kind.HEADERS, END_HEADERS | END_STREAM, 3, trailers))
+        seen = await frames_until_reset(raw, 3)
+        assert seen == [(Kind.RST_STREAM, ErrorCode.STREAM_CLOSED)], seen
+        await until(lambda: echo.cancelled == 2)
+        raw.call(5, "Unary", b"still served")  # the connection goes on
+        flags, stream, _ = await raw.until_kind(Kind.DATA)
+        assert stream == 5
+
+    asyncio.run(serving(echo, test))

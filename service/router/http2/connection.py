@@ -322,6 +322,8 @@ class Http2Connection(asyncio.Protocol):
             if stream > self.last_stream:
                 raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "DATA on an idle stream")
             return  # a stream we already ended: its data is dropped (counted above)
+        if call.remote_done:  # half-closed (remote): its request already ended
+            raise StreamError(ErrorCode.STREAM_CLOSED, "DATA after END_STREAM")
         call.received(unpadded(flags, payload), bool(flags & END_STREAM), len(payload))
 
     def give_back(self) -> None:
@@ -361,6 +363,8 @@ class Http2Connection(asyncio.Protocol):
         end = bool(flags & END_STREAM)
         call = self.calls.get(stream)
         if call is not None:  # trailers from the client: the end of its requests
+            if call.remote_done:
+                raise StreamError(ErrorCode.STREAM_CLOSED, "HEADERS after END_STREAM")
             if not end:
                 raise StreamError(ErrorCode.PROTOCOL_ERROR, "trailers without END_STREAM")
             call.received(b"", True, 0)
