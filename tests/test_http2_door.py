@@ -439,3 +439,34 @@ def test_data_or_headers_after_end_stream_reset_the_stream_not_a_second_call() -
         assert stream == 5
 
     asyncio.run(serving(echo, test))
+
+
+def test_frames_on_streams_never_opened_end_the_connection() -> None:
+    """Found by reliability/http2_fuzzing.py: RST_STREAM and WINDOW_UPDATE on a
+    stream never opened (idle) were ignored; RFC 9113 5.1 makes them a
+    connection error PROTOCOL_ERROR. So is a HEADERS frame whose PRIORITY
+    flag claims five bytes it does not have (FRAME_SIZE_ERROR, 4.2)."""
+    echo = Echo()
+
+    async def test(address: str, _: GrpcServer) -> None:
+        bad = [
+            (frame(Kind.RST_STREAM, 0, 5, b"\0\0\0\x08"), ErrorCode.PROTOCOL_ERROR),
+            (frame(Kind.RST_STREAM, 0, 2, b"\0\0\0\x08"), ErrorCode.PROTOCOL_ERROR),
+            (window_update(3, 100), ErrorCode.PROTOCOL_ERROR),
+            (frame(Kind.HEADERS, 0x20 | END_HEADERS, 1, b"\0\0"), ErrorCode.FRAME_SIZE_ERROR),
+        ]
+        for data, code in bad:
+            raw = await Raw.open(address)
+            raw.writer.write(data)
+            _, _, payload = await raw.until_kind(Kind.GOAWAY)
+            assert struct.unpack(">I", payload[4:8])[0] == code, data
+        # a stream that was opened and ended: its RST_STREAM and WINDOW_UPDATE are lawful
+        raw = await Raw.open(address)
+        raw.call(1, "Unary", b"one")
+        await raw.until_kind(Kind.DATA)
+        raw.writer.write(frame(Kind.RST_STREAM, 0, 1, b"\0\0\0\x08") + window_update(1, 10))
+        raw.call(3, "Unary", b"two")
+        _, stream, _ = await raw.until_kind(Kind.DATA)
+        assert stream == 3
+
+    asyncio.run(serving(echo, test))

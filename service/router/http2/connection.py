@@ -288,6 +288,8 @@ class Http2Connection(asyncio.Protocol):
         elif kind == Kind.RST_STREAM:
             if stream == 0 or len(payload) != 4:
                 raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "a malformed RST_STREAM")
+            if self._idle(stream):
+                raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "RST_STREAM on an idle stream")
             call = self.calls.pop(stream, None)
             if call is not None:
                 call.reset_by_peer()
@@ -311,6 +313,10 @@ class Http2Connection(asyncio.Protocol):
         elif kind == Kind.PUSH_PROMISE:
             raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "a client may not push")
         # frames of unknown kinds are ignored (RFC 9113 5.5)
+
+    def _idle(self, stream: int) -> bool:
+        """Never opened (RFC 9113 5.1): only HEADERS and PRIORITY may name it."""
+        return stream > self.last_stream or stream % 2 == 0
 
     def _data(self, flags: int, stream: int, payload: bytes) -> None:
         if stream == 0:
@@ -338,6 +344,8 @@ class Http2Connection(asyncio.Protocol):
             raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "HEADERS on stream 0")
         block = unpadded(flags, payload)
         if flags & PRIORITY_FLAG:
+            if len(block) < 5:
+                raise ConnectionError_(ErrorCode.FRAME_SIZE_ERROR, "HEADERS too short for PRIORITY")
             block = block[5:]
         if flags & END_HEADERS:
             self._header_block(flags, stream, block)
@@ -395,6 +403,10 @@ class Http2Connection(asyncio.Protocol):
         else:
             call = self.calls.get(stream)
             if call is None:
+                if self._idle(stream):
+                    raise ConnectionError_(
+                        ErrorCode.PROTOCOL_ERROR, "WINDOW_UPDATE on an idle stream"
+                    )
                 return
             if increment == 0:
                 raise StreamError(ErrorCode.PROTOCOL_ERROR, "a window update of 0")
