@@ -435,7 +435,7 @@ def test_data_or_headers_after_end_stream_reset_the_stream_not_a_second_call() -
         assert seen == [(Kind.RST_STREAM, ErrorCode.STREAM_CLOSED)], seen
         await until(lambda: echo.cancelled == 2)
         raw.call(5, "Unary", b"still served")  # the connection goes on
-        flags, stream, _ = await raw.until_kind(Kind.DATA)
+        _, stream, _ = await raw.until_kind(Kind.DATA)
         assert stream == 5
 
     asyncio.run(serving(echo, test))
