@@ -470,3 +470,24 @@ def test_frames_on_streams_never_opened_end_the_connection() -> None:
         assert stream == 3
 
     asyncio.run(serving(echo, test))
+
+
+def test_data_past_the_connections_window_ends_the_connection() -> None:
+    """Found reading the fuzzer's DATA cases: a client that ignores flow control
+    could make the router hold any amount (past the budget the window is not
+    given back, but nothing checked the client kept to it). Past the window:
+    GOAWAY FLOW_CONTROL_ERROR (RFC 9113 6.9.1), the bytes held are bounded."""
+    echo = Echo()
+
+    async def test(address: str, server: GrpcServer) -> None:
+        raw = await Raw.open(address)
+        raw.call(1, "Unary", b"", end=False)
+        chunk = b"\0\0\0\0\x0a" + b"x" * ((1 << 20) - 5)  # a 10-byte message, then more
+        budget = server.settings.max_message_size + (16 << 20)
+        for _ in range((budget + (16 << 20)) // len(chunk) + 2):
+            raw.writer.write(frame(Kind.DATA, 0, 1, chunk))
+            chunk = b"x" * (1 << 20)
+        _, _, payload = await raw.until_kind(Kind.GOAWAY)
+        assert struct.unpack(">I", payload[4:8])[0] == ErrorCode.FLOW_CONTROL_ERROR
+
+    asyncio.run(serving(echo, test))

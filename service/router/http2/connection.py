@@ -322,6 +322,8 @@ class Http2Connection(asyncio.Protocol):
         if stream == 0:
             raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "DATA on stream 0")
         self.unacked += len(payload)
+        if self.unacked > CONNECTION_WINDOW:  # past what we gave: memory it may not take
+            raise ConnectionError_(ErrorCode.FLOW_CONTROL_ERROR, "DATA past the window")
         self.give_back()
         call = self.calls.get(stream)
         if call is None:
