@@ -306,6 +306,11 @@ def frame_sizes(rng: random.Random) -> Case:
 
 def bad_settings(rng: random.Random) -> Case:
     choice = rng.randrange(7)
+    if choice == 0 and rng.random() < 0.3:  # a stream's window pushed past 2^31-1 (6.9.2)
+        body, _, _ = infer_body(rng)
+        grown = window_update(1, 2**31 - 1 - 65_535)
+        bigger = settings_frame({Setting.INITIAL_WINDOW_SIZE: 2**31 - 1})
+        return Case("bad SETTINGS", handshake() + call_frames(1, body, end=False) + grown + bigger)
     if choice == 0:
         payload = struct.pack(">HI", Setting.INITIAL_WINDOW_SIZE, rng.randint(2**31, 2**32 - 1))
     elif choice == 1:

@@ -491,3 +491,22 @@ def test_data_past_the_connections_window_ends_the_connection() -> None:
         assert struct.unpack(">I", payload[4:8])[0] == ErrorCode.FLOW_CONTROL_ERROR
 
     asyncio.run(serving(echo, test))
+
+
+def test_initial_window_size_that_pushes_a_stream_past_the_limit_ends_the_connection() -> None:
+    """Found writing reliability/http2_fuzzing.py's SETTINGS cases: an INITIAL_WINDOW_SIZE that
+    takes an open stream's window past 2^31-1 was taken; it is a connection
+    error FLOW_CONTROL_ERROR (RFC 9113 6.9.2)."""
+    echo = Echo()
+
+    async def test(address: str, _: GrpcServer) -> None:
+        raw = await Raw.open(address)
+        raw.call(1, "Unary", b"x", end=False)
+        raw.writer.write(
+            window_update(1, 2**31 - 1 - 65_535)
+            + settings_frame({Setting.INITIAL_WINDOW_SIZE: 2**31 - 1})
+        )
+        _, _, payload = await raw.until_kind(Kind.GOAWAY)
+        assert struct.unpack(">I", payload[4:8])[0] == ErrorCode.FLOW_CONTROL_ERROR
+
+    asyncio.run(serving(echo, test))

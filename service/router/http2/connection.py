@@ -436,6 +436,8 @@ class Http2Connection(asyncio.Protocol):
                 self.peer_stream_window = value
                 for call in self.calls.values():
                     call.send_window += delta
+                    if call.send_window > MAX_WINDOW:  # RFC 9113 6.9.2
+                        raise ConnectionError_(ErrorCode.FLOW_CONTROL_ERROR, "a window past 2^31-1")
             elif key == Setting.MAX_FRAME_SIZE:
                 if not DEFAULT_FRAME_SIZE <= value <= MAX_FRAME_SIZE_LIMIT:
                     raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "MAX_FRAME_SIZE out of range")
