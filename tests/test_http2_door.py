@@ -510,3 +510,23 @@ def test_initial_window_size_that_pushes_a_stream_past_the_limit_ends_the_connec
         assert struct.unpack(">I", payload[4:8])[0] == ErrorCode.FLOW_CONTROL_ERROR
 
     asyncio.run(serving(echo, test))
+
+
+def test_a_frame_past_the_size_limit_is_refused_even_when_its_header_comes_in_pieces() -> None:
+    """Found by reliability/http2_fuzzing.py writing cases in pieces: a frame
+    header cut across two reads, announcing more than the 1 MiB we advertise,
+    was waited for (up to 16 MiB held) instead of refused: FRAME_SIZE_ERROR."""
+    echo = Echo()
+
+    async def test(address: str, _: GrpcServer) -> None:
+        raw = await Raw.open(address)
+        await raw.until_kind(Kind.SETTINGS)  # the preface and SETTINGS are read
+        head = HEADER.pack(0xFF, 0xFFFF, Kind.DATA, 0, 1)
+        raw.writer.write(head[:4])
+        await raw.writer.drain()
+        await asyncio.sleep(0.05)  # (a second read: the header cut, as a slow client does)
+        raw.writer.write(head[4:] + b"x" * 100)
+        _, _, payload = await raw.until_kind(Kind.GOAWAY)
+        assert struct.unpack(">I", payload[4:8])[0] == ErrorCode.FRAME_SIZE_ERROR
+
+    asyncio.run(serving(echo, test))

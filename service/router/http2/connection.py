@@ -251,7 +251,10 @@ class Http2Connection(asyncio.Protocol):
             return len(PREFACE)
         if len(self.buffer) < HEADER_SIZE:
             return HEADER_SIZE
-        return HEADER_SIZE + (self.buffer[0] << 16 | self.buffer[1] << 8 | self.buffer[2])
+        size = self.buffer[0] << 16 | self.buffer[1] << 8 | self.buffer[2]
+        if size > FRAME_SIZE:  # refused at once (in _frames), not waited for
+            return HEADER_SIZE
+        return HEADER_SIZE + size
 
     def _frames(self, data: bytes, at: int) -> int:
         end = len(data)
