@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gzip
 import random
 import struct
@@ -69,6 +70,8 @@ MAX_STREAMS = 2 * 1024 + 64  # 2 * max_concurrent_streams + 64 (the default)
 SERVER_FRAME_SIZE = 1 << 20  # the largest frame the router takes
 ANSWER_TIMEOUT = 10.0  # a case the server must answer: no answer by then is wrong
 WAIT_TIMEOUT = 0.5  # a case the server may lawfully leave waiting: read this long
+SPLIT_SHARE = 0.2  # of the cases, written in pieces
+SPLIT_MAX = 100_000  # bytes: larger cases are written whole
 _ENCODER = Encoder()
 
 
@@ -82,6 +85,7 @@ class Case:
     refused: tuple[int, ...] = ()  # streams that must get RST_STREAM REFUSED_STREAM
     waits: bool = False  # the protocol lets the server wait: no answer is fine
     any_status: bool = False  # a mutant: grpc-status 0 may be right
+    cuts: tuple[int, ...] = ()  # written in pieces cut here, a moment apart (partial frames)
 
 
 # -- building frames ------------------------------------------------------------
@@ -391,10 +395,13 @@ def headers_frames(rng: random.Random) -> Case:
     body, _, _ = infer_body(rng)
     if choice == 0:
         return Case("HEADERS", handshake() + call_frames(rng.choice([0, 2, 4, 100]), body))
-    if choice == 1:  # decreasing stream ids
-        return Case("HEADERS", handshake() + call_frames(5, body) + call_frames(3, body))
-    if choice == 2:  # a stream reopened
-        return Case("HEADERS", handshake() + call_frames(1, body) + call_frames(1, body))
+    if choice == 1:  # decreasing stream ids (the first call is valid)
+        body, ident, tensor = infer_body(rng)
+        data = handshake() + call_frames(5, body) + call_frames(3, body)
+        return Case("HEADERS", data, valid=(5,), expect={5: (ident, tensor)})
+    if choice == 2:  # a stream reopened: its call is answered (0) or reset, then GOAWAY
+        data = handshake() + call_frames(1, body) + call_frames(1, body)
+        return Case("HEADERS", data, any_status=True)
     if choice == 3:  # trailers without END_STREAM: a stream error, the connection goes on
         trailers = frame(Kind.HEADERS, END_HEADERS, 1, block([(b"x-t", b"1")]))
         return with_valid("HEADERS", rng, call_frames(1, body, end=False) + trailers, 3)
@@ -422,10 +429,11 @@ def continuations(rng: random.Random) -> Case:
     if choice == 2:  # on another stream than its HEADERS
         bad = frame(Kind.HEADERS, 0, 1, head[:3]) + frame(Kind.CONTINUATION, END_HEADERS, 3, head)
         return Case("CONTINUATION", handshake() + bad)
-    if choice == 3:  # after END_HEADERS
-        body, _, _ = infer_body(rng)
+    if choice == 3:  # after END_HEADERS (of a valid call)
+        body, ident, tensor = infer_body(rng)
         more = frame(Kind.CONTINUATION, END_HEADERS, 1, b"\x82")
-        return Case("CONTINUATION", handshake() + call_frames(1, body) + more)
+        data = handshake() + call_frames(1, body) + more
+        return Case("CONTINUATION", data, valid=(1,), expect={1: (ident, tensor)})
     # empty CONTINUATIONs that never end the block: the server may wait
     flood = frame(Kind.CONTINUATION, 0, 1) * rng.randint(100, 3000)
     return Case("CONTINUATION", handshake() + frame(Kind.HEADERS, 0, 1, head) + flood, waits=True)
@@ -634,7 +642,12 @@ def cases(seed: int) -> Iterator[Case]:
     makers = [maker for maker, _ in FAMILIES]
     weights = [weight for _, weight in FAMILIES]
     while True:
-        yield rng.choices(makers, weights)[0](rng)
+        case = rng.choices(makers, weights)[0](rng)
+        size = len(case.data)
+        if 1 < size < SPLIT_MAX and rng.random() < SPLIT_SHARE:
+            cuts = sorted(set(rng.sample(range(1, size), min(size - 1, rng.randint(1, 8)))))
+            case = dataclasses.replace(case, cuts=tuple(cuts))
+        yield case
 
 
 # -- what the server answered ------------------------------------------------------
@@ -819,8 +832,13 @@ async def send(
 
     async def write() -> None:
         with contextlib.suppress(ConnectionError):
-            writer.write(case.data)
-            await writer.drain()
+            at = 0
+            for cut in (*case.cuts, len(case.data)):
+                writer.write(case.data[at:cut])
+                await writer.drain()
+                if cut < len(case.data):
+                    await asyncio.sleep(0.001)  # (TCP_NODELAY: the piece goes out alone)
+                at = cut
 
     writing = asyncio.get_running_loop().create_task(write())
     # a case the server may leave waiting is read for wait_timeout, unless it
