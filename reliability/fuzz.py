@@ -9,6 +9,11 @@ without an answer (never a 5xx), the valid ones among them echoed exactly;
 the first half before the memory is first measured (it warms the heaps),
 the second half after the gRPC run.
 
+And the gRPC port's own HTTP/2 (:mod:`http2_fuzzing`): 3,000 connections of
+hostile frames (500 with --quick; ``--h2-count``), after a warm-up of a
+tenth and each family's largest: answers by kind, none wrong, the router's
+RSS over the measured part, and a grpc.aio call served afterwards.
+
 Raw bytes go through ``channel.unary_unary(...)`` with no stubs: crafted
 attacks, mutants of valid requests and noise. Every answer must be the
 in-process oracle's (:mod:`fuzzing`) and, where it judges, the oracle written
