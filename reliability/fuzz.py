@@ -9,6 +9,11 @@ without an answer (never a 5xx), the valid ones among them echoed exactly;
 the first half before the memory is first measured (it warms the heaps),
 the second half after the gRPC run.
 
+And the gRPC port's own HTTP/2 (:mod:`http2_fuzzing`): 3,000 connections of
+hostile frames (500 with --quick; ``--h2-count``), after a warm-up of a
+tenth and each family's largest: answers by kind, none wrong, the router's
+RSS over the measured part, and a grpc.aio call served afterwards.
+
 Raw bytes go through ``channel.unary_unary(...)`` with no stubs: crafted
 attacks, mutants of valid requests and noise. Every answer must be the
 in-process oracle's (:mod:`fuzzing`) and, where it judges, the oracle written
@@ -26,6 +31,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import random
 import shutil
 import sys
 import tempfile
@@ -38,6 +44,7 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import http2_fuzzing
 import http_fuzzing
 
 import spec_oracle
@@ -55,6 +62,7 @@ from harness import (
 SERVICE = "inference.GRPCInferenceService"
 LIMIT = 1 << 20  # max_message_size of the fuzzed tree
 HTTP_CONCURRENCY = 8  # connections at once in the HTTP run
+H2_CONCURRENCY = 8  # connections at once in the hostile HTTP/2 run
 OTHER_METHODS = (
     "ModelReady",
     "ModelMetadata",
@@ -97,10 +105,22 @@ class Report:
     http_families: dict[str, int] = field(default_factory=dict)
     http_mismatches: list[str] = field(default_factory=list)
     http_wall_s: float = 0.0
+    h2_inputs: int = 0
+    h2_answers: dict[str, int] = field(default_factory=dict)  # the kind of answer
+    h2_families: dict[str, int] = field(default_factory=dict)
+    h2_mismatches: list[str] = field(default_factory=list)
+    h2_wall_s: float = 0.0
+    rss_h2_before: dict[str, int] = field(default_factory=dict)
+    rss_h2_after: dict[str, int] = field(default_factory=dict)
+    h2_grpc_after: str = ""  # a grpc.aio call after the hostile run: "OK" or what failed
 
     def rss_growth(self) -> dict[str, int]:
         """Over the gRPC run."""
         return {k: self.rss_grpc_after.get(k, 0) - v for k, v in self.rss_before.items()}
+
+    def h2_rss_growth(self) -> dict[str, int]:
+        """Over the hostile HTTP/2 run's measured part."""
+        return {k: self.rss_h2_after.get(k, 0) - v for k, v in self.rss_h2_before.items()}
 
     def http_rss_growth(self) -> dict[str, int]:
         """Over the second half of the HTTP run."""
@@ -195,12 +215,50 @@ async def fuzz_http(
     await asyncio.gather(*(lane() for _ in range(concurrency)))
 
 
+async def fuzz_h2(
+    address: str,
+    cases: list[http2_fuzzing.Case],
+    report: Report,
+    concurrency: int = H2_CONCURRENCY,
+) -> None:
+    """Each case on its own connection to the gRPC port; the answers judged
+    (:func:`http2_fuzzing.judge`)."""
+    host, port = address.rsplit(":", 1)
+    queue = iter(cases)
+
+    async def lane() -> None:
+        for case in queue:
+            answer, _ = await http2_fuzzing.send(host, int(port), case)
+            key = http2_fuzzing.kind_of(case, answer)
+            report.h2_answers[key] = report.h2_answers.get(key, 0) + 1
+            report.h2_families[case.family] = report.h2_families.get(case.family, 0) + 1
+            report.h2_inputs += 1
+            wrong = http2_fuzzing.judge(case, answer)
+            if wrong is not None:
+                report.h2_mismatches.append(f"{case.family}: {wrong}; {case.data[24:88].hex()}")
+
+    await asyncio.gather(*(lane() for _ in range(concurrency)))
+
+
+async def grpc_still_served(address: str) -> str:
+    """A grpc.aio client's ModelInfer for echo: "OK", or what went wrong."""
+    body, ident, tensor = http2_fuzzing.infer_body(random.Random(0))
+    async with grpc.aio.insecure_channel(address, options=channel_options(local=False)) as channel:
+        code, reply, details = await send(channel.unary_unary(INFER), body)
+    if code != "OK":
+        return f"{code} {details[:80]}"
+    wrong = http2_fuzzing.echo_differs(len(reply).to_bytes(5, "big") + reply, ident, tensor)
+    return wrong or "OK"
+
+
 def oversized() -> list[tuple[str, bytes]]:
     big = wire_field(1, 2, b"echo") + wire_field(7, 2, b"\0" * (LIMIT + 16))
     return [("message over max_message_size", big)]
 
 
-def run(count: int, seed: int, workdir: Path, http_count: int = 5000) -> Report:
+def run(
+    count: int, seed: int, workdir: Path, http_count: int = 5000, h2_count: int = 3000
+) -> Report:
     repo = make_repo(workdir / "repo", {"echo": None, "sleep": "slow"}, {"max_message_size": LIMIT})
     undeclare(repo)  # every datatype and shape reaches the decoder (fuzzing.Oracle)
     expected = {"default": 2, "slow": 2}
@@ -241,6 +299,18 @@ def run(count: int, seed: int, workdir: Path, http_count: int = 5000) -> Report:
                 await fuzz_http(http, second, report)
                 report.http_wall_s += time.monotonic() - began_http
                 report.rss_after = rss_by_role(tree, expected)
+                # hostile HTTP/2 at the gRPC port: a tenth (and each family's largest
+                # allocations) warms the router's heap, the rest is measured
+                hostile_h2 = http2_fuzzing.cases(seed)
+                warm = http2_fuzzing.largest() + list(itertools.islice(hostile_h2, h2_count // 10))
+                began_h2 = time.monotonic()
+                await fuzz_h2(tree.address, warm, report)
+                report.rss_h2_before = rss_by_role(tree, expected)
+                rest = list(itertools.islice(hostile_h2, h2_count - h2_count // 10))
+                await fuzz_h2(tree.address, rest, report)
+                report.h2_wall_s = time.monotonic() - began_h2
+                report.rss_h2_after = rss_by_role(tree, expected)
+                report.h2_grpc_after = await grpc_still_served(tree.address)
                 after = tree.census(expected)
                 report.pids_after = sorted(p.pid for p in after.procs)
                 report.pids_same = report.pids_before == report.pids_after and after.ok
@@ -277,6 +347,18 @@ def problems(report: Report, rss_tolerance: int) -> list[str]:
     grown = {k: v for k, v in report.http_rss_growth().items() if v > bound}
     if grown:
         out.append(f"RSS grew more than {bound >> 20} MiB over the HTTP run: {grown}")
+    grown = {
+        k: v for k, v in report.h2_rss_growth().items() if k.startswith("router") and v > bound
+    }
+    if grown:
+        out.append(f"RSS grew more than {bound >> 20} MiB over the HTTP/2 run: {grown}")
+    if report.h2_mismatches:
+        out.append(
+            f"{len(report.h2_mismatches)} wrong answers at the gRPC port's HTTP/2: "
+            + "\n  ".join(report.h2_mismatches[:10])
+        )
+    if report.h2_inputs and report.h2_grpc_after != "OK":
+        out.append(f"a grpc client after the HTTP/2 run: {report.h2_grpc_after}")
     if report.http_mismatches:
         out.append(
             f"{len(report.http_mismatches)} wrong answers at the HTTP door: "
@@ -310,6 +392,14 @@ def print_report(report: Report) -> None:
     )
     growth = ", ".join(f"{k} {v / 1024:+.0f} KiB" for k, v in sorted(r.http_rss_growth().items()))
     print(f"  RSS growth over the HTTP run's second half: {growth}")
+    print(
+        f"fuzz: {r.h2_inputs} hostile HTTP/2 connections to the gRPC port in {r.h2_wall_s:.1f} s "
+        f"({json.dumps(r.h2_families, sort_keys=True)}): answers "
+        f"{json.dumps(r.h2_answers, sort_keys=True)}; wrong: {len(r.h2_mismatches)}"
+    )
+    growth = ", ".join(f"{k} {v / 1024:+.0f} KiB" for k, v in sorted(r.h2_rss_growth().items()))
+    print(f"  RSS growth over the HTTP/2 run (after its warm-up): {growth}")
+    print(f"  a grpc.aio call after it: {r.h2_grpc_after}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -317,6 +407,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="2,000 random inputs")
     parser.add_argument("--count", type=int, help="random inputs (default 20,000)")
     parser.add_argument("--http-count", type=int, help="hostile HTTP requests (default 5,000)")
+    parser.add_argument(
+        "--h2-count", type=int, help="hostile HTTP/2 connections to the gRPC port (default 3,000)"
+    )
     parser.add_argument("--seed", type=int, default=9)
     parser.add_argument("--rss-tolerance-mib", type=int, default=8)
     parser.add_argument("--json", type=Path)
@@ -324,13 +417,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     count = args.count or (2000 if args.quick else 20_000)
     http_count = args.http_count or (500 if args.quick else 5000)
+    h2_count = args.h2_count or (500 if args.quick else 3000)
     if args.keep:
         shutil.rmtree(args.keep, ignore_errors=True)
         args.keep.mkdir(parents=True)
-        report = run(count, args.seed, args.keep, http_count)
+        report = run(count, args.seed, args.keep, http_count, h2_count)
     else:
         with tempfile.TemporaryDirectory(prefix="poolserve-fuzz-") as tmp:
-            report = run(count, args.seed, Path(tmp), http_count)
+            report = run(count, args.seed, Path(tmp), http_count, h2_count)
     print_report(report)
     if args.json:
         args.json.write_text(json.dumps(asdict(report), indent=2, default=str))

@@ -22,6 +22,7 @@ import tracemalloc
 from collections.abc import Iterator
 
 import grpc
+import http2_fuzzing
 import numpy as np
 import pytest
 from google.protobuf.message import DecodeError
@@ -455,6 +456,30 @@ def test_reply_over_the_size_limit_is_a_clear_resource_exhausted(
     assert code == "RESOURCE_EXHAUSTED", (code, details)
     assert "max_message_size" in details or "reply" in details, details
     assert len(tree.tracebacks()) == before, tree.tracebacks()[-1]
+
+
+def test_hostile_http2_at_the_grpc_port(tree: Tree) -> None:
+    """300 connections of hostile HTTP/2 frames (reliability/http2_fuzzing.py, a
+    fixed seed) to the gRPC port: no wrong answer (the valid calls among them
+    echoed exactly, the bad ones refused: GOAWAY, RST_STREAM, a status not 0 or
+    closed), no process changed, no traceback, and grpc's client served after."""
+
+    async def main() -> tuple[fuzz.Report, str]:
+        report = fuzz.Report()
+        hostile = list(itertools.islice(http2_fuzzing.cases(11), 300))
+        await fuzz.fuzz_h2(tree.address, hostile, report)
+        return report, await fuzz.grpc_still_served(tree.address)
+
+    report, after = asyncio.run(main())
+    assert report.h2_inputs == 300
+    assert report.h2_mismatches == [], "\n".join(report.h2_mismatches[:10])
+    assert report.h2_answers.get("served", 0) >= 30, report.h2_answers
+    assert sum(v for k, v in report.h2_answers.items() if k.startswith("GOAWAY")) >= 30
+    assert after == "OK"
+    census = tree.census(EXPECTED)
+    assert census.ok, census.summary()
+    assert sorted(p.pid for p in census.procs) == START["pids"]
+    assert tree.tracebacks() == []
 
 
 def test_valid_requests_still_served_exactly(channel: grpc.Channel) -> None:

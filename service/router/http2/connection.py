@@ -257,7 +257,10 @@ class Http2Connection(asyncio.Protocol):
             return len(PREFACE)
         if len(self.buffer) < HEADER_SIZE:
             return HEADER_SIZE
-        return HEADER_SIZE + (self.buffer[0] << 16 | self.buffer[1] << 8 | self.buffer[2])
+        size = self.buffer[0] << 16 | self.buffer[1] << 8 | self.buffer[2]
+        if size > FRAME_SIZE:  # refused at once (in _frames), not waited for
+            return HEADER_SIZE
+        return HEADER_SIZE + size
 
     def _frames(self, data: bytes, at: int) -> int:
         end = len(data)
@@ -294,6 +297,8 @@ class Http2Connection(asyncio.Protocol):
         elif kind == Kind.RST_STREAM:
             if stream == 0 or len(payload) != 4:
                 raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "a malformed RST_STREAM")
+            if self._idle(stream):
+                raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "RST_STREAM on an idle stream")
             call = self.calls.pop(stream, None)
             if call is not None:
                 call.reset_by_peer()
@@ -318,16 +323,24 @@ class Http2Connection(asyncio.Protocol):
             raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "a client may not push")
         # frames of unknown kinds are ignored (RFC 9113 5.5)
 
+    def _idle(self, stream: int) -> bool:
+        """Never opened (RFC 9113 5.1): only HEADERS and PRIORITY may name it."""
+        return stream > self.last_stream or stream % 2 == 0
+
     def _data(self, flags: int, stream: int, payload: bytes) -> None:
         if stream == 0:
             raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "DATA on stream 0")
         self.unacked += len(payload)
+        if self.unacked > CONNECTION_WINDOW:  # past what we gave: memory it may not take
+            raise ConnectionError_(ErrorCode.FLOW_CONTROL_ERROR, "DATA past the window")
         self.give_back()
         call = self.calls.get(stream)
         if call is None:
             if stream > self.last_stream:
                 raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "DATA on an idle stream")
             return  # a stream we already ended: its data is dropped (counted above)
+        if call.remote_done:  # half-closed (remote): its request already ended
+            raise StreamError(ErrorCode.STREAM_CLOSED, "DATA after END_STREAM")
         call.received(unpadded(flags, payload), bool(flags & END_STREAM), len(payload))
 
     def give_back(self) -> None:
@@ -342,6 +355,8 @@ class Http2Connection(asyncio.Protocol):
             raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "HEADERS on stream 0")
         block = unpadded(flags, payload)
         if flags & PRIORITY_FLAG:
+            if len(block) < 5:
+                raise ConnectionError_(ErrorCode.FRAME_SIZE_ERROR, "HEADERS too short for PRIORITY")
             block = block[5:]
         if flags & END_HEADERS:
             self._header_block(flags, stream, block)
@@ -370,6 +385,8 @@ class Http2Connection(asyncio.Protocol):
             raise ConnectionError_(ErrorCode.COMPRESSION_ERROR, str(exc)) from None
         call = self.calls.get(stream)
         if call is not None:  # trailers from the client: the end of its requests
+            if call.remote_done:
+                raise StreamError(ErrorCode.STREAM_CLOSED, "HEADERS after END_STREAM")
             if not end:
                 raise StreamError(ErrorCode.PROTOCOL_ERROR, "trailers without END_STREAM")
             call.received(b"", True, 0)
@@ -419,6 +436,10 @@ class Http2Connection(asyncio.Protocol):
         else:
             call = self.calls.get(stream)
             if call is None:
+                if self._idle(stream):
+                    raise ConnectionError_(
+                        ErrorCode.PROTOCOL_ERROR, "WINDOW_UPDATE on an idle stream"
+                    )
                 return
             if increment == 0:
                 raise StreamError(ErrorCode.PROTOCOL_ERROR, "a window update of 0")
@@ -448,6 +469,8 @@ class Http2Connection(asyncio.Protocol):
                 self.peer_stream_window = value
                 for call in self.calls.values():
                     call.send_window += delta
+                    if call.send_window > MAX_WINDOW:  # RFC 9113 6.9.2
+                        raise ConnectionError_(ErrorCode.FLOW_CONTROL_ERROR, "a window past 2^31-1")
             elif key == Setting.MAX_FRAME_SIZE:
                 if not DEFAULT_FRAME_SIZE <= value <= MAX_FRAME_SIZE_LIMIT:
                     raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "MAX_FRAME_SIZE out of range")
