@@ -335,6 +335,31 @@ def test_headers_over_the_limit_refuse_their_call_not_the_connection() -> None:
     asyncio.run(serving(echo, test, http_max_header_bytes=16_384))
 
 
+def test_frames_crossing_our_rst_stream_are_ignored() -> None:
+    """A call refused before its body ended is reset (NO_ERROR); the client's
+    trailers for it, sent before it saw the reset, do not end the connection."""
+    echo = Echo()
+
+    async def test(address: str, _: GrpcServer) -> None:
+        raw = await Raw.open(address)
+        raw.call(1, "Nope", b"x", end=False)  # UNIMPLEMENTED at once, then RST_STREAM
+        _, stream, _ = await raw.until_kind(Kind.RST_STREAM)
+        assert stream == 1
+        trailers = Encoder().encode(((b"x-late", b"1"),))
+        raw.writer.write(frame(Kind.HEADERS, END_HEADERS | END_STREAM, 1, trailers))
+        raw.call(3, "Unary", b"after")
+        while True:
+            kind, flags, stream, payload = await asyncio.wait_for(raw.frame(), WAIT)
+            assert kind != Kind.GOAWAY
+            if kind == Kind.HEADERS:
+                fields = dict(raw.decoder.decode(payload))
+                if stream == 3 and flags & END_STREAM:
+                    assert fields[b"grpc-status"] == b"0"
+                    break
+
+    asyncio.run(serving(echo, test))
+
+
 def test_a_connection_without_settings_is_closed_after_the_handshake_timeout() -> None:
     echo = Echo()
 

@@ -65,6 +65,7 @@ STREAM_WINDOW = 4 << 20  # each stream's receive window (advertised)
 CONNECTION_WINDOW = 16 << 20  # the connection's receive window
 WRITE_HIGH_WATER = 64 << 10  # unsent bytes past this: writers wait (and replies count unread)
 PING_DATA = b"poolserv"
+RESET_REMEMBERED = 256  # streams we reset whose late frames are ignored
 
 
 class Http2Connection(asyncio.Protocol):
@@ -94,6 +95,7 @@ class Http2Connection(asyncio.Protocol):
         self.going_away = False
         self.closed = False
         self._continuation: tuple[int, int, bytearray] | None = None
+        self._reset_streams: dict[int, None] = {}  # the last ones we reset, in order
         self._out: list[bytes] = []
         self._flush_pending = False
         # made by a writer waiting for the client's window; set on WINDOW_UPDATE / SETTINGS
@@ -394,7 +396,9 @@ class Http2Connection(asyncio.Protocol):
         if stream % 2 == 0:
             raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, f"HEADERS opening stream {stream}")
         if stream <= self.last_stream:
-            return  # a stream we already ended (RST_STREAM crossed it): ignored
+            if stream in self._reset_streams:
+                return  # a stream we reset: what crossed our RST_STREAM is ignored
+            raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, f"HEADERS on closed stream {stream}")
         self.last_stream = stream
         if self.going_away or len(self.calls) >= self.max_streams:
             # (max_concurrent_streams bounds the calls: each handler counts its
@@ -411,7 +415,7 @@ class Http2Connection(asyncio.Protocol):
         RESOURCE_EXHAUSTED; the connection and its other calls go on."""
         call = self.calls.pop(stream, None)
         if call is not None:  # its trailers: the call ends here
-            self.write(rst_stream(stream, ErrorCode.CANCEL))
+            self._send_reset(stream, ErrorCode.CANCEL)
             call.reset_by_peer()
             self._maybe_idle()
             return
@@ -421,7 +425,7 @@ class Http2Connection(asyncio.Protocol):
         why = f"{exc.size} bytes of headers, over http_max_header_bytes ({exc.limit})"
         self.write(trailers_only(stream, grpc.StatusCode.RESOURCE_EXHAUSTED, why))
         if not end:
-            self.write(rst_stream(stream, ErrorCode.NO_ERROR))
+            self._send_reset(stream, ErrorCode.NO_ERROR)
 
     def _window_update(self, stream: int, payload: bytes) -> None:
         if len(payload) != 4:
@@ -495,8 +499,15 @@ class Http2Connection(asyncio.Protocol):
 
     # -- what calls use ------------------------------------------------------
 
-    def _reset(self, stream: int, code: ErrorCode) -> None:
+    def _send_reset(self, stream: int, code: ErrorCode) -> None:
+        """RST_STREAM; what the client already sent on that stream is ignored."""
         self.write(rst_stream(stream, code))
+        self._reset_streams[stream] = None
+        if len(self._reset_streams) > RESET_REMEMBERED:
+            del self._reset_streams[next(iter(self._reset_streams))]
+
+    def _reset(self, stream: int, code: ErrorCode) -> None:
+        self._send_reset(stream, code)
         call = self.calls.pop(stream, None)
         if call is not None:
             call.reset_by_peer()
@@ -504,7 +515,7 @@ class Http2Connection(asyncio.Protocol):
 
     def reset(self, call: Call, code: ErrorCode) -> None:
         """We end ``call``'s stream (it is finished on our side already)."""
-        self.write(rst_stream(call.stream, code))
+        self._send_reset(call.stream, code)
 
     def ended(self, call: Call) -> None:
         """``call`` sent its status (or was reset): the stream is closed."""
