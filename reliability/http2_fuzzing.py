@@ -61,7 +61,7 @@ from poolserve.service.router.http2.frames import (
     settings_frame,
     window_update,
 )
-from poolserve.service.router.http2.hpack import Decoder, Encoder, HpackError
+from poolserve.service.router.http2.hpack import Decoder, Encoder, HpackError, encode_integer
 from poolserve.service.router.http2.huffman import huffman_encode
 
 INFER = b"/inference.GRPCInferenceService/ModelInfer"
@@ -248,16 +248,7 @@ def _string(value: bytes, huffman: bool) -> bytes:
 
 
 def _integer(value: int, prefix: int, first: int) -> bytes:
-    mask = (1 << prefix) - 1
-    if value < mask:
-        return bytes((first | value,))
-    out = bytearray((first | mask,))
-    value -= mask
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
+    return bytes(encode_integer(value, prefix, first))
 
 
 def preface(rng: random.Random) -> Case:
