@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from poolserve.service.contract.errors import DeadlineExceeded, Failure, QueueFull, Unavailable
 from poolserve.service.poolcore.admission import ServiceTime
+from poolserve.service.poolcore.ahead import AHEAD_JOBS
 from poolserve.service.poolcore.dispatcher import Dispatcher
 from poolserve.service.poolcore.frames import (
     AHEAD,
@@ -487,7 +488,7 @@ async def learn_light(d: Dispatcher, w: FakeWorker, tag: str) -> None:
     assert mean is not None and mean < 0.005, mean
 
 
-def test_a_light_models_next_job_goes_to_its_busy_worker_ahead() -> None:
+def test_a_light_models_next_jobs_go_to_its_busy_worker_ahead() -> None:
     async def body(d: Dispatcher, _: list[WorkerGone]) -> None:
         w = FakeWorker(d, 1)
         await w.connect()
@@ -497,24 +498,34 @@ def test_a_light_models_next_job_goes_to_its_busy_worker_ahead() -> None:
         a = asyncio.ensure_future(d.submit(b"a", now + 60, tag="m"))
         seq_a, got = await w.receive()
         assert got == b"a" and w.kinds[-1] == REQUEST
-        b = asyncio.ensure_future(d.submit(b"b", now + 50, tag="m"))
-        # b reaches the worker before a is answered, with its deadline, and is not queued
-        seq_b, got = await w.receive()
-        assert got == b"b" and w.kinds[-1] == AHEAD
-        assert w.deadlines[-1] == pytest.approx(now + 50)
+        # the next ones reach the worker before a is answered, each with its
+        # deadline, and are not queued: AHEAD_JOBS of them at most
+        ahead = []
+        for i in range(AHEAD_JOBS):
+            name = f"b{i}".encode()
+            call = asyncio.ensure_future(d.submit(name, now + 50 - i, tag="m"))
+            seq, got = await w.receive()
+            assert got == name and w.kinds[-1] == AHEAD
+            assert w.deadlines[-1] == pytest.approx(now + 50 - i)
+            ahead.append((seq, call))
         assert d.queue_depth() == 0
-        # one ahead at most: c waits in the queue
         c = asyncio.ensure_future(d.submit(b"c", now + 60, tag="m"))
-        await until(lambda: d.queue_depth() == 1)  # (held by a slow answer, "m" would look slow)
-        # a's answer: b runs, and c (the queue's head) goes ahead in its place
+        # c waits in the queue (no waiting to see that nothing comes: held by a slow
+        # answer, "m" would look slow)
+        await until(lambda: d.queue_depth() == 1)
+        # a's answer: the first ahead runs, and c (the queue's head) goes ahead in its place
         w.reply(seq_a, b"A")
         assert (await a).body == b"A"
         seq_c, got = await w.receive()
         assert got == b"c" and w.kinds[-1] == AHEAD
+        assert d.queue_depth() == 0
         # answers go to their own callers, in the order sent
-        w.reply(seq_b, b"B")
+        for i, (seq, _) in enumerate(ahead):
+            w.reply(seq, f"B{i}".encode())
         w.reply(seq_c, b"C")
-        assert (await b).body == b"B"
+        assert [(await call).body for _, call in ahead] == [
+            f"B{i}".encode() for i in range(AHEAD_JOBS)
+        ]
         assert (await c).body == b"C"
         # a caller that leaves while its job is ahead: the reply is dropped
         d_ = asyncio.ensure_future(d.submit(b"d", now + 60, tag="m"))
@@ -529,7 +540,43 @@ def test_a_light_models_next_job_goes_to_its_busy_worker_ahead() -> None:
         await until(lambda: d.late_replies == 1)
         with pytest.raises(asyncio.CancelledError):
             await e
-        assert d.sent_ahead == 3
+        assert d.sent_ahead == AHEAD_JOBS + 2
+
+    with_dispatcher(body)
+
+
+def test_jobs_ahead_of_a_worker_that_dies_run_elsewhere_in_their_order() -> None:
+    async def body(d: Dispatcher, gone: list[WorkerGone]) -> None:
+        a = FakeWorker(d, 31)
+        await a.connect()
+        await until(lambda: d.live_workers() == 1)
+        await learn_light(d, a, "m")
+        now = asyncio.get_running_loop().time()
+        first = asyncio.ensure_future(d.submit(b"first", now + 60, tag="m", idempotent=False))
+        await a.receive()
+        names = [f"n{i}".encode() for i in range(AHEAD_JOBS)]
+        calls = [asyncio.ensure_future(d.submit(n, now + 60, tag="m")) for n in names]
+        for name in names:
+            assert (await a.receive())[1] == name and a.kinds[-1] == AHEAD
+        later = asyncio.ensure_future(d.submit(b"later", now + 60, tag="m"))
+        await until(lambda: d.queue_depth() == 1)
+        a.die()
+        d.worker_exited(a.pid, "killed by SIGKILL")
+        with pytest.raises(Unavailable, match="SIGKILL"):
+            await first  # it ran (it may have done its work): not run twice
+        # none of those ahead started: they run on a new worker, before the one
+        # queued behind them, in the order they came
+        b = FakeWorker(d, 32)
+        await b.connect()
+        order = []
+        for _ in range(AHEAD_JOBS + 1):
+            seq, got = await b.receive()
+            order.append(got)
+            b.reply(seq, got.upper())
+        assert order == [*names, b"later"]
+        assert [(await call).body for call in calls] == [n.upper() for n in names]
+        assert (await later).body == b"LATER"
+        await until(lambda: len(gone) == 1)
 
     with_dispatcher(body)
 

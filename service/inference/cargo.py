@@ -19,7 +19,7 @@ import os
 import socket
 import sys
 import traceback
-from collections.abc import Collection, Generator, Mapping, Sequence
+from collections.abc import Callable, Collection, Generator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,30 +34,30 @@ from poolserve.service.poolcore.zygote_control import ForkedZygote
 
 if TYPE_CHECKING:
     from poolserve.service.inference.model import Array, Model
+    from poolserve.service.inference.rawwire import Buffer
 
 log = logging.getLogger(__name__)
 
 
 def handle(models: Mapping[str, Model], body: bytes, seq: int) -> worker.FrameOut:
     """The inference handler: one serialized ModelInferRequest, one frame."""
-    # Imported here, in the worker: the pool server imports this module for
-    # InferenceZygote and must not load protobuf, the codec or numpy itself.
-    from poolserve.service.contract.shm import unwrap
-    from poolserve.service.contract.wire import peek_model
-    from poolserve.service.inference.infer import infer_parts
-
     try:
-        regions, request = unwrap(body)  # the shared-memory registrations it uses, if any
-        name, version = peek_model(request)
-        model = models.get(name)
-        if model is None or (version and version != model.settings.version):
-            raise ModelNotFound(f"model '{clip(name)}' is not loaded in this worker")
-        response, timings = infer_parts(model, request, regions)
+        response, timings = _infer_named()(models, body)
         return reply_frame(seq, timings, response)  # parts: the tensors are not joined
     except ServingError as exc:
         return error_frame(seq, Timings(), exc.failure, exc.message)
     except Exception as exc:  # a bug in our own path: report it, keep serving
         return error_frame(seq, Timings(), Failure.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
+@functools.cache
+def _infer_named() -> Callable[[Mapping[str, Model], bytes], tuple[list[Buffer], Timings]]:
+    # Imported in the worker, on its first request (then kept): the pool server
+    # imports this module for InferenceZygote and must not load protobuf, the
+    # codec or numpy itself.
+    from poolserve.service.inference.infer import infer_named
+
+    return infer_named
 
 
 def handle_batch(models: Mapping[str, Model], bodies: list[bytes]) -> list[worker.FrameOut]:

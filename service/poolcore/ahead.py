@@ -37,6 +37,7 @@ from collections.abc import Callable
 from poolserve.service.poolcore.jobs import Job, Worker, WorkerState
 
 AHEAD_MAX_S = 0.005  # a model this fast (mean service time) has its jobs sent ahead
+AHEAD_JOBS = 3  # jobs a worker holds ahead at most
 
 
 def runs_alone(job: Job) -> bool:
@@ -70,7 +71,7 @@ class SendAhead:
         """Whether ``worker`` takes a job ahead now."""
         current = worker.current
         return (
-            worker.ahead is None
+            len(worker.ahead) < AHEAD_JOBS
             and current is not None
             and worker.state is WorkerState.BUSY
             and not worker.retiring
@@ -79,14 +80,16 @@ class SendAhead:
         )
 
     def worker_for(self, job: Job) -> Worker | None:
-        """The busy worker ``job`` goes ahead to (the one whose job started
-        first); None: it does not go ahead."""
+        """The busy worker ``job`` goes ahead to (of those with the fewest jobs
+        ahead, the one whose job started first); None: it does not go ahead."""
         if not self.light(job):
             return None
         found: Worker | None = None
         for worker in self._workers.values():
             if self.takes(worker) and (
-                found is None or worker.current.started < found.current.started  # type: ignore[union-attr]
+                found is None
+                or (len(worker.ahead), worker.current.started)  # type: ignore[union-attr]
+                < (len(found.ahead), found.current.started)  # type: ignore[union-attr]
             ):
                 found = worker
         return found

@@ -39,7 +39,7 @@ class DeathReports:
         for the exit status; a job sent ahead, which never started, is queued
         again (``requeue``). True if a job was requeued."""
         lead, worker.current = worker.current, None
-        ahead, worker.ahead = worker.ahead, None
+        ahead, worker.ahead = worker.ahead, deque()
         worker.lost_tag = lead.tag if lead is not None else worker.warming
         members = [] if lead is None else lead.members or [lead]
         pinned, worker.pinned = worker.pinned, deque()
@@ -50,10 +50,12 @@ class DeathReports:
         # A job sent ahead never started (it runs only after the reply to the
         # worker's job, which did not come): it may run anywhere, even once more.
         retried = False
-        if ahead is not None and ahead.state is JobState.RUNNING:
-            retried = requeue(ahead)
-            if not retried:
-                worker.lost_jobs.append(ahead)
+        for job in ahead:  # back to the front of the queue (retry priority), in order
+            if job.state is JobState.RUNNING:
+                if requeue(job):
+                    retried = True
+                else:
+                    worker.lost_jobs.append(job)
         for job in members:
             if job.state is not JobState.RUNNING:
                 continue

@@ -362,24 +362,24 @@ class Dispatcher:
         self._fill_ahead(worker)
 
     def _fill_ahead(self, worker: Worker) -> None:
-        """Sends busy ``worker`` the queue's head ahead, if both are light."""
-        if self.admission.queue and self.ahead.takes(worker):
+        """Sends busy ``worker`` the queue's head ahead while both are light."""
+        while self.admission.queue and self.ahead.takes(worker):
             ahead = self.admission.next_job_if(self.ahead.light)
-            if ahead is not None:
-                self._send_ahead(worker, ahead)
+            if ahead is None:
+                return
+            self._send_ahead(worker, ahead)
 
     def _send_ahead(self, worker: Worker, job: Job) -> None:
         """Sends ``job`` to busy ``worker``: it runs when the worker's job ends."""
         job.state = JobState.RUNNING
         job.worker = worker
-        worker.ahead = job
+        worker.ahead.append(job)
         self.sent_ahead += 1
-        send_job(worker, job)
+        send_job(worker, job, ahead=True)
 
     def _run_ahead(self, worker: Worker, now: float) -> None:
         """``worker`` answered its job and goes on with the one sent ahead."""
-        job, worker.ahead = worker.ahead, None
-        assert job is not None
+        job = worker.ahead.popleft()
         job.started = now
         worker.current = job
         worker.state = WorkerState.BUSY
@@ -455,7 +455,7 @@ class Dispatcher:
             job.overtime.cancel()
             job.overtime = None
         was_stuck = worker.state is WorkerState.STUCK
-        if worker.ahead is not None:
+        if worker.ahead:
             self._run_ahead(worker, finished)
         else:
             self._worker_free(worker)

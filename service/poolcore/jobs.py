@@ -97,7 +97,7 @@ class Worker:
     transport: asyncio.Transport | None = None
     writer: Batcher | None = None  # scatter writes to the worker (never transport.write)
     current: Job | None = None
-    ahead: Job | None = None  # sent before ``current`` ended: it runs next (see ahead.py)
+    ahead: deque[Job] = field(default_factory=deque)  # sent before ``current`` ended (ahead.py)
     served: int = 0
     state: WorkerState = WorkerState.STARTING
     started_at: float = field(default_factory=time.monotonic)

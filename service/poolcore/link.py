@@ -94,7 +94,7 @@ async def serve_link(
     await closed  # the worker died or closed, or we closed it
 
 
-def send_job(worker: Worker, job: Job) -> None:
+def send_job(worker: Worker, job: Job, ahead: bool = False) -> None:
     """Sends ``job`` (with its batch, if it leads one) to the worker it runs on.
 
     Frames go out as parts (header, body views: no join), at once: a worker's
@@ -105,7 +105,7 @@ def send_job(worker: Worker, job: Job) -> None:
         worker.writer.write_now(*stream_frame(job.seq, job.stream.window, job.body))
     elif job.notice:
         worker.writer.write_now(*sequence_end_frame(job.seq, job.body))
-    elif job.members is None and worker.ahead is job:
+    elif job.members is None and ahead:
         worker.writer.write_now(*ahead_frame(job.seq, job.deadline, job.body))
     elif job.members is None:
         worker.writer.write_now(*request_frame(job.seq, job.body))
