@@ -97,3 +97,33 @@ def test_scheduling_parameters(
     assert routing.name == "m"
     assert routing.priority == priority
     assert routing.idempotent is (True if idempotent is None else idempotent)
+
+
+_FIELD_NUMBERS = st.sampled_from([1, 2, 3, 5, 7, 4088, 4089, 4092, 4095, 4096, 9000])
+
+
+@given(
+    st.lists(st.tuples(_FIELD_NUMBERS, st.sampled_from([0, 2]), st.binary(max_size=6)), max_size=6)
+)
+def test_the_wrapper_field_peek_routing_finds_is_the_one_the_gRPC_door_refuses(
+    fields: list[tuple[int, int, bytes]],
+) -> None:
+    """The router's one walk of a ModelInfer (peek_routing) finds the first of the
+    REST wrapper's fields (4089-4095) as the separate walk that refuses them does."""
+    from poolserve.service.contract.rest import RESERVED, reserved_field
+    from poolserve.service.contract.wire import WRAPPER_FIELDS, encode_varint
+
+    assert RESERVED == WRAPPER_FIELDS
+    data = b""
+    for number, wire_type, value in fields:
+        data += encode_varint(number << 3 | wire_type)
+        if wire_type == 0:
+            data += encode_varint(len(value))
+        else:
+            data += encode_varint(len(value)) + value
+    if any(number in (1, 2) and wire_type == 2 for number, wire_type, _ in fields):
+        with contextlib.suppress(InvalidInput):  # a name that is not UTF-8
+            routing = peek_routing(data, with_parameters=False)
+            assert routing.wrapper_field == (reserved_field(data) or 0)
+        return
+    assert peek_routing(data, with_parameters=False).wrapper_field == (reserved_field(data) or 0)

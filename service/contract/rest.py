@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from poolserve.service.contract.errors import InvalidInput
-from poolserve.service.contract.wire import Wire, encode_varint, read_varint
+from poolserve.service.contract.wire import WRAPPER_FIELDS, Wire, encode_varint, read_varint
 
 HEADER_FIELD = 4094
 BODY_FIELD = 4095
@@ -226,7 +226,7 @@ def is_rest(data: Wire) -> bool:
     return unwrap(data) is not None
 
 
-RESERVED = range(PROTOCOL_FIELD, BODY_FIELD + 1)  # 4089-4095: the wrapper's own fields
+RESERVED = WRAPPER_FIELDS  # 4089-4095, PROTOCOL_FIELD to BODY_FIELD: the wrapper's own fields
 
 
 def reserved_field(data: Wire) -> int | None:
@@ -257,10 +257,13 @@ def reserved_field(data: Wire) -> int | None:
     return None
 
 
-def refuse_reserved(data: Wire) -> None:
-    """InvalidInput when a gRPC client's ModelInferRequest carries a reserved field."""
-    number = reserved_field(data)
-    if number is not None:
+def refuse_reserved(data: Wire, number: int | None = None) -> None:
+    """InvalidInput when a gRPC client's ModelInferRequest carries a reserved field
+    (``number``: the one it carries, 0 for none, when its fields were walked
+    already: :attr:`poolserve.service.contract.wire.Routing.wrapper_field`)."""
+    if number is None:
+        number = reserved_field(data)
+    if number:
         raise InvalidInput(
             f"ModelInferRequest field {number} is reserved: fields {RESERVED.start}-"
             f"{RESERVED.stop - 1} carry the HTTP door's REST bodies inside the server "

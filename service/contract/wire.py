@@ -51,6 +51,12 @@ class Routing:
     # JSON but the tensors' data); None: not a REST body.
     rest_view: bytes | None = None
     rest_json: dict[str, Any] | None = None
+    # The first field of :data:`WRAPPER_FIELDS` the bytes carry at top level, 0: none.
+    wrapper_field: int = 0
+
+
+WRAPPER_FIELDS = range(4089, 4096)
+"""The field numbers of the HTTP door's REST wrapper (:mod:`poolserve.service.contract.rest`)."""
 
 
 SCHEDULING_KEYS = (b"priority", b"idempotent", b"timeout")
@@ -77,6 +83,7 @@ def peek_routing(data: Wire, with_parameters: bool = True) -> Routing:
     name = b""
     version = b""
     params: dict[bytes, tuple[int, int]] = {}
+    wrapper = 0
     pos = 0
     end = len(data)
     while pos < end:
@@ -88,6 +95,8 @@ def peek_routing(data: Wire, with_parameters: bool = True) -> Routing:
         number, wire_type = key >> 3, key & 7
         if number == 0:
             raise InvalidInput("request bytes hold a field number 0")
+        if number > 4088 and not wrapper and number in WRAPPER_FIELDS:
+            wrapper = number
         if wire_type == _VARINT:
             _, pos = _varint(data, pos)
         elif wire_type == _I64:
@@ -117,6 +126,7 @@ def peek_routing(data: Wire, with_parameters: bool = True) -> Routing:
         routing = Routing(name.decode("utf-8"), version.decode("utf-8"))
     except UnicodeDecodeError:
         raise InvalidInput("model_name or model_version is not valid UTF-8") from None
+    routing.wrapper_field = wrapper
     for param, (kind, value) in params.items():
         kinds, wanted = _ACCEPTED[param]
         if kind not in kinds:

@@ -1,4 +1,4 @@
-"""A worker's next job, sent before it answered the one it runs.
+"""A worker's next jobs, sent before it answered the one it runs.
 
 Measured on a 2-core VM (bench/profile_path.py): a process that sleeps on a
 socket and is woken from another CPU spends 20-60 microseconds of CPU on it,
@@ -8,26 +8,35 @@ written the next job: a sleep and a wake per request. With its next job
 already in its socket, a busy worker goes from one reply to the next request
 without sleeping, and the pool's write does not have to wake it.
 
+One job ahead was not enough on a loaded 2-core host: a light job (an echo,
+about 30 microseconds of Python) ends before the pool server, which shares
+the cores with the router and the other worker, has read the reply and sent
+the next one, and the worker still slept on most requests (0.9 context
+switches per request). With up to :data:`AHEAD_JOBS` ahead it sleeps on
+0.6, and the tree spends about a tenth less CPU per light request
+(bench/profile_path.py, docs/request-path.md).
+
 What goes ahead, and where:
 
 - a job that runs alone (not batched, not a stream, not a sequence's, not a
   notice) of a model whose mean service time, as the dispatcher measures it,
   is at most :data:`AHEAD_MAX_S`: a job sent ahead waits behind its worker's
-  job, about that long at most, where another worker might have taken it a
-  little sooner;
+  job and those ahead of it, about that long each, where another worker
+  might have taken it a little sooner;
 - to a worker that runs such a job, is not retiring, has no sequence job
-  waiting and holds nothing ahead yet (one job ahead at most), the one whose
-  job started first;
+  waiting and holds fewer than :data:`AHEAD_JOBS` ahead: of those, the one
+  with the fewest ahead, then the one whose job started first;
 - a new arrival only when the queue is empty, else the queue's head when a
-  worker starts a job: the queue's order (priority, deadline) decides what
-  goes ahead, as it decides what starts.
+  worker starts a job (as many as it takes): the queue's order (priority,
+  deadline) decides what goes ahead, as it decides what starts.
 
 What stays as for any job on a worker: the queue bound (a job ahead is not
 queued, as a running one), the deadline (the pool answers the caller at it;
 the AHEAD frame carries it and the worker does not start the job once it
 passed), a cancel (the reply is dropped; a light job already on the worker
-may still run, as a started one does), a death (a job ahead never started: it
-goes back to the front of the queue, even one that may not run twice).
+may still run, as a started one does), a death (the jobs ahead never
+started: they go back to the front of the queue in their order, even those
+that may not run twice).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ as the dispatcher sees it, and what a job ends with.
 A job has one state machine (QUEUED -> RUNNING -> DONE, or ABANDONED when
 its caller gave up through a deadline or a cancel); :func:`finish` answers
 its caller once. A worker runs one job (``current``, the lead of its batch)
-and holds at most one more sent ahead (``ahead``, :mod:`.ahead`); it answers
+and holds at most a few more sent ahead (``ahead``, :mod:`.ahead`); it answers
 them in the order they were sent, so there is no table of futures keyed by
 message id that two parties could disagree about.
 """

@@ -98,7 +98,7 @@ def send_job(worker: Worker, job: Job, ahead: bool = False) -> None:
     """Sends ``job`` (with its batch, if it leads one) to the worker it runs on.
 
     Frames go out as parts (header, body views: no join), at once: a worker's
-    socket carries its job and at most one sent ahead (:mod:`.ahead`).
+    socket carries its job and the few sent ahead (:mod:`.ahead`).
     """
     assert worker.writer is not None
     if job.stream is not None:

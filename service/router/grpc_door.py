@@ -35,7 +35,7 @@ from poolserve.service.contract.lane import refused_request
 from poolserve.service.contract.rest import refuse_reserved
 from poolserve.service.contract.settings import ServerSettings
 from poolserve.service.contract.shm import forged
-from poolserve.service.contract.wire import peek_model
+from poolserve.service.contract.wire import peek_model, peek_routing
 from poolserve.service.grpcserver.handlers import (
     EXTENSIONS,
     NO_DEADLINE_S,
@@ -117,7 +117,8 @@ class GrpcDoor:
 
     def _routed(self, method: str) -> Handler:
         async def handler(body: bytes, context: Context) -> bytes:
-            name, version = peek_model(body)
+            routing = peek_routing(body, with_parameters=False)
+            name, version = routing.name, routing.version
             span = SPAN.get()
             if span is not None:
                 span.set_attribute("poolserve.model.name", name)
@@ -130,7 +131,8 @@ class GrpcDoor:
                 # As Triton: a model that does not exist is not ready; no NOT_FOUND.
                 return pb.ModelReadyResponse(ready=False).SerializeToString()
             if method == "ModelInfer":
-                refuse_reserved(body)  # only the HTTP door makes REST wrappers
+                # only the HTTP door makes REST wrappers
+                refuse_reserved(body, routing.wrapper_field)
                 if self.replies.total:  # someone is not reading: is it this connection?
                     self.replies.check(context)
                 reply = await self.core.infer(
