@@ -18,9 +18,10 @@ them without copies in user space (issue 20; README "Large tensors"):
   timings head from the buffer instead.
 - :class:`Batcher` sends frames given as parts (a header, a body view) with
   scatter lists (``writev``, a socket's ``sendmsg`` without flags): the
-  frames written during one event-loop turn leave in one system call,
-  without being joined, and a short write keeps views of what is left,
-  never a copy.
+  frames written during one event-loop turn leave in one system call
+  (right after that turn's callbacks when the reader that woke them armed
+  :mod:`~poolserve.service.contract.turns`), without being joined, and a
+  short write keeps views of what is left, never a copy.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import struct
 from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Generic, TypeVar
+
+from poolserve.service.contract.turns import turn_end
 
 HEADER = struct.Struct("<IBQ")
 MAX_FRAME = (1 << 32) - 1
@@ -196,11 +199,12 @@ class Batcher:
     peer is gone or broken; its calls learn it from ``connection_lost``).
     """
 
-    __slots__ = ("_fd", "_pending", "_waiting", "frames", "loop", "transport")
+    __slots__ = ("_fd", "_pending", "_waiting", "frames", "loop", "transport", "turn")
 
     def __init__(self, transport: asyncio.Transport) -> None:
         self.transport = transport
         self.loop = asyncio.get_running_loop()
+        self.turn = turn_end(self.loop)  # armed by the reader that woke the writers
         self.frames: list[Part] = []  # parts written during this turn
         self._pending: deque[memoryview] = deque()  # left by a short write
         self._waiting = False
@@ -209,7 +213,7 @@ class Batcher:
 
     def write(self, *parts: Part) -> None:
         """Queues one frame, given as one or more parts; they are not copied."""
-        if not self.frames:
+        if not self.frames and not self.turn.take(self._flush):
             self.loop.call_soon(self._flush)
         self.frames.extend(parts)
 

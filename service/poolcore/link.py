@@ -59,13 +59,17 @@ class WorkerLink(asyncio.BufferedProtocol):
         worker = self.worker
         worker.last_seen = time.monotonic()
         try:
-            for reply in self.replies.buffer_updated(nbytes):
+            replies = self.replies.buffer_updated(nbytes)
+            for reply in replies:
                 if reply.kind in SELF_TEST:
                     self.self_test(worker, reply)
                 else:
                     self.reply(worker, reply)
         except ValueError as exc:
             self.broken(worker, exc)
+            return
+        if replies and worker.writer is not None:  # what the answered calls write, this turn
+            worker.writer.turn.arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.worker.writer is not None:

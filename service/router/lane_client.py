@@ -45,6 +45,7 @@ class _ClientProtocol(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         pending, streams = self.lane.pending, self.lane.streams
+        woke = False
         for kind, seq, payload in self.frames.buffer_updated(nbytes):
             if streams:
                 stream = streams.get(seq)
@@ -54,11 +55,14 @@ class _ClientProtocol(asyncio.BufferedProtocol):
             future = pending.pop(seq, None)
             if future is None or future.done():
                 continue  # its caller gave up: nobody to tell
+            woke = True
             if kind == REPLY:
                 # gRPC sends bytes only: the one copy of the reply in the router
                 future.set_result(payload if isinstance(payload, bytes) else bytes(payload))
             else:  # the pool's answer (a result: the call did not lose its lane)
                 future.set_result(parse_error(payload))
+        if woke and self.batcher is not None:  # the woken calls' responses leave in their turn
+            self.batcher.turn.arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.batcher is not None:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from poolserve.service.contract.turns import turn_end
 from poolserve.service.router.http2.call import trailers_only
 from poolserve.service.router.http2.frames import (
     ACK,
@@ -75,6 +76,8 @@ class Http2Connection(asyncio.Protocol):
         self.server = server
         settings = server.settings
         self.loop = asyncio.get_running_loop()
+        self._turn = turn_end(self.loop)
+        self._spawned = 0  # calls' tasks started (data_received arms the turn's end after them)
         self.transport: asyncio.Transport | None = None
         self.peer = ""
         self.buffer = bytearray()
@@ -199,7 +202,8 @@ class Http2Connection(asyncio.Protocol):
         self._out.append(data)
         if not self._flush_pending:
             self._flush_pending = True
-            self.loop.call_soon(self._flush)
+            if not self._turn.take(self._flush):
+                self.loop.call_soon(self._flush)
 
     def _flush(self) -> None:
         self._flush_pending = False
@@ -221,6 +225,12 @@ class Http2Connection(asyncio.Protocol):
     # -- reading frames ----------------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
+        spawned = self._spawned
+        self._received(data)
+        if self._spawned != spawned:  # their first writes leave with this turn's
+            self._turn.arm()
+
+    def _received(self, data: bytes) -> None:
         if self.closed:
             return
         self.last_read = time.monotonic()
@@ -572,6 +582,7 @@ class Http2Connection(asyncio.Protocol):
     def spawn(self, coro: Any) -> asyncio.Task[Any]:
         """A call's task, owned by this connection (and the server, at stop)."""
         task = self.loop.create_task(coro)
+        self._spawned += 1
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
         return task
