@@ -5,6 +5,7 @@
                                                      # two poolserve sources side by side
   python bench/profile_path.py --profile py-spy      # also a py-spy profile of every process
   python bench/profile_path.py --inline              # also the inline echo (no worker)
+  python bench/profile_path.py --routers2            # also each tree with routers: 2
 
 A ``--tree LABEL=DIR`` is a source folder holding service/, protos/ and supervisor/ (a
 checkout of this repository, or ``git archive <commit> service protos supervisor``
@@ -27,12 +28,14 @@ import argparse
 import collections
 import os
 import pstats
+import re
 import resource
 import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -199,6 +202,9 @@ def cell(
     before, began = cpu_by_role(server), time.monotonic()
     woken = switches_by_role(server)
     busy, ours = servers.machine_busy_seconds(), _ours()
+    split: list[int] = []  # the client's connections per router, read 2 s into the cell
+    peek = threading.Timer(2.0, lambda: split.extend(connections_by_router(server)))
+    peek.start()
     result = perf.run(pa.binary, {**os.environ, **pa.env}, server.address, "echo", concurrency,
                       window_ms, out / f"{subject.label}.csv", 300)  # fmt: skip
     wall = time.monotonic() - began
@@ -211,8 +217,24 @@ def cell(
     per["total"] = sum(per.values())
     switches = {k: (switched[k] - woken.get(k, 0)) / requests for k in switched}
     switches["total"] = sum(switches.values())
+    peek.join()
     return {"throughput": result.throughput, "p99_ms": result.p99_us / 1000, "cpu_ms": per,
-            "foreign_cores": foreign, "requests": requests, "switches": switches}  # fmt: skip
+            "foreign_cores": foreign, "requests": requests, "switches": switches,
+            "split": split}  # fmt: skip
+
+
+def connections_by_router(server: servers.Running) -> list[int]:
+    """How many of the client's connections each router holds (most first): the
+    kernel spreads them over a fleet's routers (SO_REUSEPORT) by a hash."""
+    port = server.address.rsplit(":", 1)[1]
+    routers = {pid for pid, role in roles(server).items() if role == "router"}
+    listing = subprocess.run(["ss", "-Htnp", "state", "established", f"( sport = :{port} )"],
+                             capture_output=True, text=True, check=False).stdout  # fmt: skip
+    counts: collections.Counter[int] = collections.Counter()
+    for pid in re.findall(r"pid=(\d+)", listing):
+        if int(pid) in routers:
+            counts[int(pid)] += 1
+    return sorted(counts.values(), reverse=True)
 
 
 def _ours() -> float:
@@ -411,10 +433,18 @@ def main() -> None:
     parser.add_argument("--profile", choices=["py-spy", "cprofile", "strace"], default=None)
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--native", action="store_true", help="py-spy --native (C frames too)")
+    parser.add_argument(
+        "--routers2",
+        action="store_true",
+        help="also each tree with routers: 2 (the fleet's echo tree)",
+    )
     args = parser.parse_args()
 
     trees = [t.split("=", 1) for t in args.tree] or [["this", str(ROOT)]]
     subjects = [Subject(label, servers.spec("poolserve"), Path(src)) for label, src in trees]
+    if args.routers2:
+        subjects += [Subject(f"{label}-r2", servers.spec("poolserve-routers2"), Path(src))
+                     for label, src in trees]  # fmt: skip
     if args.inline:
         subjects += [Subject(f"{label}-inline", servers.spec("poolserve-inline"), Path(src))
                      for label, src in trees]  # fmt: skip
@@ -439,7 +469,9 @@ def main() -> None:
                       f"p99 {got['p99_ms']:6.1f} ms  other load {got['foreign_cores']:.2f} cores  "
                       f"cpu ms/req: {cpu}", flush=True)  # fmt: skip
                 woke = " ".join(f"{k} {v:.1f}" for k, v in sorted(got["switches"].items()))
-                print(f"{'':>24}context switches/req: {woke}", flush=True)
+                split = "/".join(str(n) for n in got["split"]) or "?"
+                print(f"{'':>24}context switches/req: {woke}  client connections per router: "
+                      f"{split}", flush=True)  # fmt: skip
         report(results, args.rounds)
         for subject in subjects:
             if subject.source is None:
