@@ -213,8 +213,37 @@ def section(results: Mapping[str, Any]) -> str:
     )
 
 
+# routers: 2 may not be slower than routers: 1 beyond the noise: on this shared host two
+# cells of one server a minute apart differ by 5 % and more (bench/profile_path.py).
+NOT_SLOWER = 0.95
+
+
 def targets(results: Mapping[str, Any]) -> list[dict[str, Any]]:
-    return []  # figures for the issue, no pass/fail target yet
+    """Issue 31's fleet row: routers: 2 over routers: 1 in each round (the
+    same minute), the median of those ratios."""
+    fleet = results.get("fleet")
+    if not fleet:
+        return []
+    rounds: dict[int, dict[str, float]] = {}
+    for run in fleet.get("runs", []):
+        if run.get("result"):
+            rounds.setdefault(int(run["round"]), {})[run["server"]] = float(
+                run["result"]["throughput"]
+            )
+    ratios = [r[TWO] / r[ONE] for _, r in sorted(rounds.items()) if r.get(ONE) and r.get(TWO)]
+    if not ratios:
+        return []
+    value = statistics.median(ratios)
+    ones = [r[ONE] for r in rounds.values() if r.get(ONE)]
+    spread = (max(ones) - min(ones)) / statistics.median(ones)
+    detail = (
+        "rounds " + ", ".join(f"{x:.2f}" for x in ratios)
+        + f"; routers: 1's own rounds spread {100 * spread:.0f} %"
+    )  # fmt: skip
+    return [{"key": "fleet_routers2_vs_1",
+             "label": "routers: 2 vs routers: 1, echo c16 throughput (median of rounds' ratios)",
+             "value": value, "op": ">=", "threshold": NOT_SLOWER, "detail": detail,
+             "issue": "31", "passed": value >= NOT_SLOWER}]  # fmt: skip
 
 
 def console(found: Mapping[str, Any]) -> str:

@@ -219,6 +219,34 @@ def targets(
                 ">=", 1.0, "infer/s", "22"),
         _versus("memory_xgb", "memory (x) the XGBoost model, 2 workers: PSS vs MLServer",
                 mib("x", subject), mib("x", peer), "<=", 0.5, "MiB", "22"),
+        *light_targets(results, subject, kserve, inline),
+    ]  # fmt: skip
+
+
+def light_targets(results: Results, subject: str, kserve: str, inline: str) -> list[Target]:
+    """Issue 31 (light models at the limit): echo, inline echo and XGBoost against
+    KServe's one process, and the whole tree's CPU per echo request, absolute and
+    against KServe's, from the same rounds."""
+
+    def c16(server: str, model: str) -> float | None:
+        return cell(results, server, model, 16, "throughput")
+
+    cpu = cpu_per_request(results.get("runs", []))
+    ours = cpu.get(subject, {}).get("echo", {}).get("total")
+    theirs = cpu.get(kserve, {}).get("echo", {}).get("total")
+    label = "KServe (1 process)"
+    whole = "whole-tree CPU per echo c16 request"
+    return [
+        _versus("light_echo_vs_kserve", f"echo c16 throughput vs {label}",
+                c16(subject, "echo"), c16(kserve, "echo"), ">=", 0.85, "infer/s", "31"),
+        _versus("light_inline_vs_kserve", f"echo inline (fast) c16 throughput vs {label}",
+                c16(inline, "echo"), c16(kserve, "echo"), ">=", 1.0, "infer/s", "31"),
+        _versus("light_xgb_vs_kserve", f"XGBoost c16 throughput vs {label}",
+                c16(subject, XGB), c16(kserve, XGB), ">=", 1.5, "infer/s", "31"),
+        Target("light_cpu_ms", f"{whole} (ms)", ours, "<=", 0.24,
+               f"{fmt(ours, 3)} ms", "31"),
+        Target("light_cpu_vs_kserve", f"{whole} vs {label}", ratio(ours, theirs), "<=", 1.3,
+               f"{fmt(ours, 3)} vs {fmt(theirs, 3)} ms", "31"),
     ]  # fmt: skip
 
 

@@ -757,3 +757,37 @@ def test_the_fleet_part_sums_cpu_by_role_and_names_the_bound() -> None:
     text = fleet_part.section({"fleet": found})
     assert "routers (1)" in text and "pool (1 per gid)" in text
     assert "1,000" in text  # KServe: 1 / 1 ms a request at one core
+
+
+def test_issue_31_rows_judge_the_light_path_in_the_same_run() -> None:
+    """echo, inline echo and XGBoost against KServe, and the whole tree's CPU per
+    echo request (1 ms in the sample): absolute and against KServe's (1 ms too)."""
+    results = report.summarize(sample_results())
+    found = {t["key"]: t for t in results["targets"] if t["issue"] == "31"}
+    assert found["light_echo_vs_kserve"]["value"] == pytest.approx(1600 / 3300)
+    assert not found["light_echo_vs_kserve"]["passed"]  # 0.48 < 0.85
+    assert found["light_inline_vs_kserve"]["value"] == pytest.approx(3200 / 3300)
+    assert not found["light_inline_vs_kserve"]["passed"]  # 0.97 < 1.0
+    assert found["light_xgb_vs_kserve"]["value"] is None  # no XGBoost cells: a miss
+    assert found["light_cpu_ms"]["value"] == pytest.approx(1.0)
+    assert not found["light_cpu_ms"]["passed"]  # 1 ms > 0.24 ms
+    assert found["light_cpu_vs_kserve"]["value"] == pytest.approx(1.0)
+    assert found["light_cpu_vs_kserve"]["passed"]  # 1.0 <= 1.3
+
+
+def test_the_fleet_row_is_the_median_of_each_rounds_ratio() -> None:
+    def run(r: int, server: str, throughput: float) -> dict[str, Any]:
+        return {"round": r, "server": server, "result": {"throughput": throughput}}
+
+    runs = [run(0, "poolserve", 1000.0), run(0, "poolserve-routers2", 990.0),
+            run(1, "poolserve", 800.0), run(1, "poolserve-routers2", 720.0),
+            run(2, "poolserve", 900.0), run(2, "poolserve-routers2", 1000.0),
+            run(2, "kserve", 700.0)]  # fmt: skip
+    (row,) = fleet_part.targets({"fleet": {"runs": runs}})
+    # per round 0.99, 0.90, 1.11: the median, not the ratio of the medians (990 / 900)
+    assert row["value"] == pytest.approx(0.99) and row["passed"]
+    assert row["detail"] == "rounds 0.99, 0.90, 1.11; routers: 1's own rounds spread 22 %"
+    runs[1] = run(0, "poolserve-routers2", 900.0)  # now 0.90, 0.90, 1.11
+    (row,) = fleet_part.targets({"fleet": {"runs": runs}})
+    assert row["value"] == pytest.approx(0.9) and not row["passed"]
+    assert fleet_part.targets({}) == []
