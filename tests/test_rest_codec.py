@@ -204,6 +204,14 @@ def test_the_wrapper_round_trips() -> None:
     assert unwrap(wrap_head("m", "2", len(body), head) + body) == (head, body)
     assert unwrap(wrap_head("m", "", len(body), RestHead()) + body) == (RestHead(), body)
     assert unwrap(pb.ModelInferRequest(model_name="m").SerializeToString()) is None
+    # names and versions short and long (a length of two bytes), with fields after them
+    for name in ("m", "m" * 200):
+        for version in ("", "2", "v" * 150):
+            assert unwrap(wrap_head(name, version, len(body), head) + body) == (head, body)
+            request = pb.ModelInferRequest(model_name=name, model_version=version, id="x")
+            request.inputs.add(name="INPUT0", datatype="FP32", shape=[1])
+            assert unwrap(request.SerializeToString()) is None
+            assert unwrap(request.SerializeToString()[: len(name) + 2]) is None
 
 
 def test_scheduling_parameters_reach_the_pools_peeks() -> None:

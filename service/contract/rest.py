@@ -60,6 +60,7 @@ _CALL_TAG = (CALL_FIELD << 3) | 2
 MAX_PEEK = 64 * 1024  # the most JSON the pool reads on its event loop for scheduling
 MAX_PEEK_COMPRESSED = MAX_PEEK + 1024  # the most of a compressed body it inflates for that
 _BODY_TAG_BYTES = encode_varint(_BODY_TAG)
+_NAME_OR_VERSION = (0x0A, 0x12)  # the tags of fields 1 and 2 (bytes)
 _VARINT_FIELDS = {
     (HEADER_FIELD << 3): "header_length",
     (ENCODING_FIELD << 3): "encoding",
@@ -195,8 +196,15 @@ def peeked_json(out: bytes, eof: bool, length: int | None) -> bytes | None:
 def unwrap(data: Wire) -> tuple[RestHead, Wire] | None:
     """(what the router read from the headers, the body as a slice of ``data``)
     when ``data`` is a REST wrapper, else None (a ModelInferRequest)."""
-    values: dict[str, Any] = {}
     pos, end = 0, len(data)
+    # A ModelInferRequest's first field after its name and version (short, as
+    # nearly all are) has a one-byte tag; every wrapper field's takes three.
+    while pos + 1 < end and data[pos] in _NAME_OR_VERSION and data[pos + 1] < 0x80:
+        pos += 2 + data[pos + 1]
+    if pos >= end or (data[pos] < 0x80 and data[pos] not in _NAME_OR_VERSION):
+        return None
+    values: dict[str, Any] = {}
+    pos = 0
     try:
         while pos < end:
             tag, pos = read_varint(data, pos)

@@ -197,6 +197,8 @@ def _requested(request: inference_pb2.ModelInferRequest, name: str) -> bool:
 def _placed_outputs(
     request: inference_pb2.ModelInferRequest,
 ) -> dict[str, inference_pb2.ModelInferRequest.InferRequestedOutputTensor]:
+    if not request.outputs:
+        return {}
     return {o.name: o for o in request.outputs if SHARED_MEMORY_REGION in o.parameters}
 
 
@@ -230,6 +232,8 @@ def parameters_to_dict(
     params: Mapping[str, inference_pb2.InferParameter],
 ) -> dict[str, object]:
     """Parameters as Python values; a parameter with no value set is None."""
+    if not params:
+        return {}
     return {key: _parameter_value(param) for key, param in params.items()}
 
 
