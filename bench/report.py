@@ -223,6 +223,12 @@ def targets(
     ]  # fmt: skip
 
 
+BARE_ECHO_WHEN_SET = 0.13
+"""CPU ms per echo call of the bare grpc.aio server (bench/peers/bare_server.py) in
+the run the whole tree's 0.24 ms was set against: the host's speed then. Published
+runs on this host have measured it from 0.13 to 0.36 ms (bench/results history)."""
+
+
 def light_targets(results: Results, subject: str, kserve: str, inline: str) -> list[Target]:
     """Issue 31 (light models at the limit): echo, inline echo and XGBoost against
     KServe's one process, and the whole tree's CPU per echo request, absolute and
@@ -234,8 +240,15 @@ def light_targets(results: Results, subject: str, kserve: str, inline: str) -> l
     cpu = cpu_per_request(results.get("runs", []))
     ours = cpu.get(subject, {}).get("echo", {}).get("total")
     theirs = cpu.get(kserve, {}).get("echo", {}).get("total")
+    bare = cpu.get("bare", {}).get("echo", {}).get("total")
     label = "KServe (1 process)"
     whole = "whole-tree CPU per echo c16 request"
+    host = (  # the absolute row depends on the host's speed: this says how fast it was
+        f"; a bare grpc.aio echo server, same run: {fmt(bare, 3)} ms"
+        f" ({BARE_ECHO_WHEN_SET} ms when the target was set)"
+        if bare
+        else ""
+    )
     return [
         _versus("light_echo_vs_kserve", f"echo c16 throughput vs {label}",
                 c16(subject, "echo"), c16(kserve, "echo"), ">=", 0.85, "infer/s", "31"),
@@ -244,7 +257,7 @@ def light_targets(results: Results, subject: str, kserve: str, inline: str) -> l
         _versus("light_xgb_vs_kserve", f"XGBoost c16 throughput vs {label}",
                 c16(subject, XGB), c16(kserve, XGB), ">=", 1.5, "infer/s", "31"),
         Target("light_cpu_ms", f"{whole} (ms)", ours, "<=", 0.24,
-               f"{fmt(ours, 3)} ms", "31"),
+               f"{fmt(ours, 3)} ms{host}", "31"),
         Target("light_cpu_vs_kserve", f"{whole} vs {label}", ratio(ours, theirs), "<=", 1.3,
                f"{fmt(ours, 3)} vs {fmt(theirs, 3)} ms", "31"),
     ]  # fmt: skip

@@ -773,6 +773,24 @@ def test_issue_31_rows_judge_the_light_path_in_the_same_run() -> None:
     assert not found["light_cpu_ms"]["passed"]  # 1 ms > 0.24 ms
     assert found["light_cpu_vs_kserve"]["value"] == pytest.approx(1.0)
     assert found["light_cpu_vs_kserve"]["passed"]  # 1.0 <= 1.3
+    assert found["light_cpu_ms"]["detail"] == "1.000 ms"  # no bare server ran
+
+
+def test_the_absolute_cpu_row_names_the_hosts_speed_in_the_same_run() -> None:
+    """The whole tree's 0.24 ms depends on the host: the row's detail gives the
+    bare grpc.aio echo server's CPU per call from the same run beside the one the
+    target was set against; the verdict stays the absolute one."""
+    results = sample_results()
+    bare = run("bare", "echo", 16, 2000.0, 5.0)
+    bare["cpu"]["cpu_s"] = 2000.0 * 10.0 * 0.00036  # 0.36 ms per call
+    results["runs"].append(bare)
+    found = {t["key"]: t for t in report.summarize(results)["targets"]}
+    row = found["light_cpu_ms"]
+    assert row["detail"] == (
+        "1.000 ms; a bare grpc.aio echo server, same run: 0.360 ms"
+        f" ({report.BARE_ECHO_WHEN_SET} ms when the target was set)"
+    )
+    assert row["value"] == pytest.approx(1.0) and not row["passed"]
 
 
 def test_the_fleet_row_is_the_median_of_each_rounds_ratio() -> None:
