@@ -18,6 +18,7 @@ import grpc
 import pytest
 
 from poolserve.service.contract.settings import ServerSettings
+from poolserve.service.router.http2.connection import MAX_CONTINUATIONS, UNREAD_FRAMES
 from poolserve.service.router.http2.frames import (
     ACK,
     END_HEADERS,
@@ -585,3 +586,88 @@ def test_a_frame_past_the_size_limit_is_refused_even_when_its_header_comes_in_pi
         assert struct.unpack(">I", payload[4:8])[0] == ErrorCode.FRAME_SIZE_ERROR
 
     asyncio.run(serving(echo, test))
+
+
+def test_a_header_block_in_too_many_continuation_frames_ends_the_connection() -> None:
+    """Empty CONTINUATION frames never reach the header-size limit: a block may
+    take MAX_CONTINUATIONS of them, one more is ENHANCE_YOUR_CALM."""
+    echo = Echo()
+
+    def headers(stream: int, continuations: int) -> bytes:
+        block = Encoder().encode(
+            [(b":method", b"POST"), (b":scheme", b"http"), (b":path", path("Unary").encode()),
+             (b":authority", b"x"), (b"content-type", b"application/grpc")]
+        )  # fmt: skip
+        out = frame(Kind.HEADERS, 0, stream, block[:3])
+        out += frame(Kind.CONTINUATION, 0, stream, b"") * (continuations - 1)
+        out += frame(Kind.CONTINUATION, END_HEADERS, stream, block[3:])
+        return out + frame(Kind.DATA, END_STREAM, stream, b"\0\0\0\0\x02ok")
+
+    async def test(address: str, _: GrpcServer) -> None:
+        raw = await Raw.open(address)
+        raw.writer.write(headers(1, MAX_CONTINUATIONS))  # at the bound: served
+        _, stream, payload = await raw.until_kind(Kind.DATA)
+        assert stream == 1 and payload == b"\0\0\0\0\x02ok"
+        raw.writer.write(headers(3, MAX_CONTINUATIONS + 1))
+        _, _, payload = await raw.until_kind(Kind.GOAWAY)
+        assert struct.unpack(">I", payload[4:8])[0] == ErrorCode.ENHANCE_YOUR_CALM
+        assert b"CONTINUATION" in payload[8:]
+
+    asyncio.run(serving(echo, test))
+
+
+async def _flood(address: str, chunk: Callable[[], bytes], most: int) -> int:
+    """Writes ``chunk()`` until the server drops the connection (and returns how
+    many were written), reading nothing, from a socket with a small receive
+    buffer; ``most`` chunks at most."""
+    host, port = address.rsplit(":", 1)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+    _, writer = await asyncio.open_connection(sock=sock)
+    writer.write(PREFACE + settings_frame({}))
+    sent = 0
+    try:
+        while sent < most:
+            writer.write(chunk())
+            await asyncio.wait_for(writer.drain(), WAIT)
+            sent += 1
+    except (ConnectionError, OSError):
+        pass
+    finally:
+        writer.close()
+    return sent
+
+
+@pytest.mark.parametrize("kind", ["ping", "refused call"])
+def test_a_client_that_makes_the_router_answer_and_reads_nothing_is_dropped(kind: str) -> None:
+    """A PING flood (each answered), or calls refused at once (each a Trailers-Only
+    HEADERS), from a client that reads none of the answers: they would wait in
+    the router's memory behind a full socket. Past UNREAD_FRAMES (plus four per
+    stream it may open) the connection is dropped; other clients are served."""
+    echo = Echo()
+    block = Encoder().encode(
+        [(b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/no.Such/Method"),
+         (b":authority", b"x"), (b"content-type", b"application/grpc")]
+    )  # fmt: skip
+    streams = iter(range(1, 2**31, 2))
+    pings = frame(Kind.PING, 0, 0, b"12345678") * 1000
+
+    def chunk() -> bytes:
+        if kind == "ping":
+            return pings
+        return b"".join(  # UNIMPLEMENTED at once, stream after stream
+            frame(Kind.HEADERS, END_HEADERS | END_STREAM, next(streams), block) for _ in range(1000)
+        )
+
+    async def test(address: str, server: GrpcServer) -> None:
+        most = 3000  # chunks of 1,000 frames: far past the socket buffers and the bound
+        sent = await _flood(address, chunk, most)
+        assert sent < most, "the connection was never dropped"
+        assert sent * 1000 > UNREAD_FRAMES + 4 * (2 * 8 + 64)  # not before the bound
+        await until(lambda: not server.connections)
+        async with grpc.aio.insecure_channel(address) as channel:
+            assert await channel.unary_unary(path("Unary"))(b"ok", timeout=WAIT) == b"ok"
+
+    asyncio.run(serving(echo, test, max_concurrent_streams=8))

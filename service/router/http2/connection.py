@@ -9,6 +9,15 @@ with calls and no traffic for ``keepalive_time_s`` is pinged and closed when
 the ping is not answered within ``keepalive_timeout_s``; one older than
 ``max_connection_age_s`` is sent GOAWAY and closed after the grace.
 A client that goes away cancels its calls.
+
+Floods (RFC 9113 10.5): a client that makes the router answer (PING,
+SETTINGS, streams refused or reset, calls refused at once) and reads none of
+the answers is dropped (no GOAWAY: it would wait behind the rest) once
+:data:`UNREAD_FRAMES` answers, beyond four per stream it may have open, wait
+behind a full socket: its answers are the router's memory. DATA, held to the
+client's own windows, does not count. A header block may take at most
+:data:`MAX_CONTINUATIONS` CONTINUATION frames (empty ones never reach the
+header-size limit).
 """
 
 from __future__ import annotations
@@ -67,6 +76,8 @@ CONNECTION_WINDOW = 16 << 20  # the connection's receive window
 WRITE_HIGH_WATER = 64 << 10  # unsent bytes past this: writers wait (and replies count unread)
 PING_DATA = b"poolserv"
 RESET_REMEMBERED = 256  # streams we reset whose late frames are ignored
+UNREAD_FRAMES = 10_000  # answers (not DATA) a client may leave unread (+4 per open stream)
+MAX_CONTINUATIONS = 32  # CONTINUATION frames in one header block
 
 
 class Http2Connection(asyncio.Protocol):
@@ -95,9 +106,13 @@ class Http2Connection(asyncio.Protocol):
         self.buffered = 0
         self.budget = settings.max_message_size + CONNECTION_WINDOW
         self.max_streams = 2 * settings.max_concurrent_streams + 64
+        # non-DATA frames written since the client last read: past the bound, a flood
+        self.unread_frames = 0
+        self.max_unread_frames = UNREAD_FRAMES + 4 * self.max_streams
         self.going_away = False
         self.closed = False
         self._continuation: tuple[int, int, bytearray] | None = None
+        self._continuations = 0  # CONTINUATION frames of the block in _continuation
         self._reset_streams: dict[int, None] = {}  # the last ones we reset, in order
         self._out: list[bytes] = []
         self._flush_pending = False
@@ -170,6 +185,7 @@ class Http2Connection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self._paused = False
+        self.unread_frames = 0
         if self._drained is not None:
             self._drained.set()
             self._drained = None
@@ -198,7 +214,16 @@ class Http2Connection(asyncio.Protocol):
             await self._drained.wait()
 
     def write(self, data: bytes) -> None:
-        """Queued; out in one write at the end of this turn of the loop."""
+        """Queued; out in one write at the end of this turn of the loop. A frame
+        written while the client reads nothing counts towards the flood bound."""
+        if self._paused:
+            self.unread_frames += 1
+            if self.unread_frames > self.max_unread_frames:
+                self._flooded()
+                return
+        self._queue(data)
+
+    def _queue(self, data: bytes) -> None:
         self._out.append(data)
         if not self._flush_pending:
             self._flush_pending = True
@@ -214,10 +239,26 @@ class Http2Connection(asyncio.Protocol):
         else:
             self._out.clear()
 
+    def _flooded(self) -> None:
+        """The client keeps sending what needs answers and reads none of them:
+        the connection is dropped with what it did not read (a GOAWAY would wait
+        behind the rest: it is not sent). Its calls are cancelled."""
+        if self.closed or self.transport is None:
+            return
+        log.warning(
+            "router: dropping an HTTP/2 connection from %s: %d answers unread, the client "
+            "sends but does not read",
+            self.peer,
+            self.unread_frames - 1,
+        )
+        self._out.clear()
+        self.closed = True
+        self.transport.abort()
+
     def close(self, code: ErrorCode = ErrorCode.NO_ERROR, why: str = "") -> None:
         if self.closed or self.transport is None:
             return
-        self.write(goaway(self.last_stream, code, why.encode()[:256]))
+        self._queue(goaway(self.last_stream, code, why.encode()[:256]))
         self._flush()
         self.closed = True
         self.transport.close()
@@ -374,6 +415,7 @@ class Http2Connection(asyncio.Protocol):
             self._header_block(flags, stream, block)
         else:
             self._continuation = (stream, flags, bytearray(block))
+            self._continuations = 0
 
     def _more_headers(self, flags: int, stream: int, payload: bytes) -> None:
         if self._continuation is None or self._continuation[0] != stream:
@@ -382,6 +424,10 @@ class Http2Connection(asyncio.Protocol):
         block += payload
         if len(block) > self.server.settings.http_max_header_bytes:
             raise ConnectionError_(ErrorCode.ENHANCE_YOUR_CALM, "a header block too large")
+        self._continuations += 1
+        if self._continuations > MAX_CONTINUATIONS:
+            why = f"a header block in more than {MAX_CONTINUATIONS} CONTINUATION frames"
+            raise ConnectionError_(ErrorCode.ENHANCE_YOUR_CALM, why)
         if flags & END_HEADERS:
             self._continuation = None
             self._header_block(first_flags, stream, bytes(block))
@@ -556,7 +602,7 @@ class Http2Connection(asyncio.Protocol):
             return False
         call.send_window -= size
         self.send_window -= size
-        self.write(frame_header(Kind.DATA, END_STREAM if end else 0, call.stream, size) + data)
+        self._queue(frame_header(Kind.DATA, END_STREAM if end else 0, call.stream, size) + data)
         return True
 
     async def send_data(self, call: Call, data: bytes) -> None:
@@ -574,7 +620,7 @@ class Http2Connection(asyncio.Protocol):
                 continue
             call.send_window -= room
             self.send_window -= room
-            self.write(frame_header(Kind.DATA, 0, call.stream, room) + bytes(view[:room]))
+            self._queue(frame_header(Kind.DATA, 0, call.stream, room) + bytes(view[:room]))
             view = view[room:]
             if self._paused:
                 await self.drained()
