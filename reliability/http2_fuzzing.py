@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from poolserve.protos import inference_pb2 as pb
+from poolserve.service.router.http2.connection import EARLY_RESETS
 from poolserve.service.router.http2.frames import (
     ACK,
     END_HEADERS,
@@ -546,15 +547,17 @@ def unfinished_streams(rng: random.Random) -> Case:
     return Case("unfinished streams", handshake() + data, refused=refused, waits=True)
 
 
-def rapid_reset(rng: random.Random) -> Case:
+def rapid_reset(rng: random.Random, count: int | None = None) -> Case:
     """A flood of calls reset right after their HEADERS (CVE-2023-44487), then a
-    valid call that must still be served."""
+    valid call: served under EARLY_RESETS resets; from there the server's
+    GOAWAY ENHANCE_YOUR_CALM may come first (refusing it)."""
     body, _, _ = infer_body(rng)
-    count = rng.randint(100, 1500)
+    if count is None:
+        count = rng.randint(100, 2 * EARLY_RESETS)
     whole = rng.random() < 0.5  # the call complete (a task started) or headers only
     one = (lambda s: call_frames(s, body)) if whole else (lambda s: call_frames(s, body, end=False))
     flood = b"".join(one(2 * i + 1) + rst_stream(2 * i + 1, ErrorCode.CANCEL) for i in range(count))
-    return with_valid("rapid reset", rng, flood, 2 * count + 1, bad=False)
+    return with_valid("rapid reset", rng, flood, 2 * count + 1, bad=count >= EARLY_RESETS)
 
 
 def client_goaway(rng: random.Random) -> Case:
@@ -613,7 +616,6 @@ def largest() -> list[Case]:
     size before the measured run (so that growth means a leak)."""
     rng = random.Random(0)
     out = [unfinished_streams(rng), big_headers(rng)]
-    body, _, _ = infer_body(rng)
     one = frame(
         Kind.HEADERS, END_HEADERS, 1, block(request_headers(INFER, (b"grpc-encoding", b"gzip")))
     )
@@ -621,10 +623,7 @@ def largest() -> list[Case]:
         Kind.DATA, END_STREAM, 1, message(gzip.compress(b"\0" * (4 << 20)), compressed=True)
     )
     out.append(Case("gRPC message", handshake() + one))
-    flood = b"".join(
-        call_frames(2 * i + 1, body) + rst_stream(2 * i + 1, ErrorCode.CANCEL) for i in range(1500)
-    )
-    out.append(with_valid("rapid reset", rng, flood, 3001, bad=False))
+    out.append(rapid_reset(rng, EARLY_RESETS - 1))  # the most streams served after resets
     return out * 2
 
 

@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import socket
 import struct
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, ClassVar
 
@@ -18,7 +19,12 @@ import grpc
 import pytest
 
 from poolserve.service.contract.settings import ServerSettings
-from poolserve.service.router.http2.connection import MAX_CONTINUATIONS, UNREAD_FRAMES
+from poolserve.service.router.http2.call import EARLY_RESET_SHARE
+from poolserve.service.router.http2.connection import (
+    EARLY_RESETS,
+    MAX_CONTINUATIONS,
+    UNREAD_FRAMES,
+)
 from poolserve.service.router.http2.frames import (
     ACK,
     END_HEADERS,
@@ -671,3 +677,100 @@ def test_a_client_that_makes_the_router_answer_and_reads_nothing_is_dropped(kind
             assert await channel.unary_unary(path("Unary"))(b"ok", timeout=WAIT) == b"ok"
 
     asyncio.run(serving(echo, test, max_concurrent_streams=8))
+
+
+def _unary_frames(stream: int, message: bytes, timeout: bytes = b"") -> bytes:
+    headers = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", path("Unary").encode()),
+               (b":authority", b"x"), (b"content-type", b"application/grpc")]  # fmt: skip
+    if timeout:
+        headers.append((b"grpc-timeout", timeout))
+    data = b"\0" + struct.pack(">I", len(message)) + message
+    return frame(Kind.HEADERS, END_HEADERS, stream, Encoder().encode(headers)) + frame(
+        Kind.DATA, END_STREAM, stream, data
+    )
+
+
+def _reset(stream: int) -> bytes:
+    return frame(Kind.RST_STREAM, 0, stream, struct.pack(">I", ErrorCode.CANCEL))
+
+
+def test_rapid_reset_past_the_bound_is_sent_goaway_and_its_call_in_flight_finishes() -> None:
+    """CVE-2023-44487: EARLY_RESETS streams reset right after they opened a call,
+    more than half of those opened: GOAWAY ENHANCE_YOUR_CALM. The call the client
+    had in flight is still answered; new connections are served."""
+    echo = Echo()
+
+    async def test(address: str, server: GrpcServer) -> None:
+        raw = await Raw.open(address)
+        raw.call(1, "Unary", b"in flight", end=False)  # its body comes after the flood
+        flood = b"".join(
+            _unary_frames(s, b"x") + _reset(s) for s in range(3, 3 + 2 * EARLY_RESETS, 2)
+        )
+        raw.writer.write(flood)
+        _, _, payload = await raw.until_kind(Kind.GOAWAY)
+        assert struct.unpack(">I", payload[4:8])[0] == ErrorCode.ENHANCE_YOUR_CALM
+        assert struct.unpack(">I", payload[:4])[0] == 1 + 2 * EARLY_RESETS  # the last stream
+        raw.writer.write(frame(Kind.DATA, END_STREAM, 1, b""))
+        _, stream, message = await raw.until_kind(Kind.DATA)
+        assert stream == 1 and message[5:] == b"in flight"
+        async with grpc.aio.insecure_channel(address) as channel:
+            assert await channel.unary_unary(path("Unary"))(b"ok", timeout=WAIT) == b"ok"
+
+    asyncio.run(serving(echo, test))
+
+
+def test_resets_of_at_most_half_the_streams_are_no_flood() -> None:
+    """A client that cancels as many calls as it lets finish (EARLY_RESETS each)
+    is served to the end; one more early reset is over half: GOAWAY."""
+    echo = Echo()
+
+    async def test(address: str, server: GrpcServer) -> None:
+        raw = await Raw.open(address)
+        streams = iter(range(1, 2**31, 2))
+        served = []
+        for _ in range(EARLY_RESETS):
+            kept, dropped = next(streams), next(streams)
+            served.append(kept)
+            raw.writer.write(
+                _unary_frames(kept, b"%d" % kept) + _unary_frames(dropped, b"x") + _reset(dropped)
+            )
+        answered = set()
+        while len(answered) < len(served):
+            kind, _, stream, payload = await asyncio.wait_for(raw.frame(), WAIT)
+            assert kind != Kind.GOAWAY, payload
+            if kind == Kind.DATA:
+                assert payload[5:] == b"%d" % stream
+                answered.add(stream)
+        assert answered == set(served)
+        (conn,) = server.connections
+        assert (conn.opened, conn.early_resets) == (2 * EARLY_RESETS, EARLY_RESETS)
+        one = next(streams)
+        raw.writer.write(_unary_frames(one, b"x") + _reset(one))
+        _, _, payload = await raw.until_kind(Kind.GOAWAY)
+        assert struct.unpack(">I", payload[4:8])[0] == ErrorCode.ENHANCE_YOUR_CALM
+
+    asyncio.run(serving(echo, test))
+
+
+def test_a_reset_at_the_calls_deadline_is_not_early() -> None:
+    """A client that gives up at its deadline resets its stream about when the
+    router's own timer fires: not counted towards the flood. With more than
+    EARLY_RESET_SHARE of the timeout left, or no deadline, it is."""
+    echo = Echo()
+
+    async def test(address: str, server: GrpcServer) -> None:
+        raw = await Raw.open(address)
+        raw.writer.write(_unary_frames(1, b"wait", timeout=b"100S"))
+        raw.writer.write(_unary_frames(3, b"wait"))
+        await until(lambda: any(len(c.calls) == 2 for c in server.connections))
+        (conn,) = server.connections
+        timed, untimed = conn.calls[1], conn.calls[3]
+        assert timed.timeout == 100.0 and untimed.deadline is None
+        assert timed.reset_early() and untimed.reset_early()
+        now = time.monotonic()
+        timed.deadline = now + (EARLY_RESET_SHARE / 2) * timed.timeout  # near its end
+        assert not timed.reset_early()
+        timed.deadline = now + 2 * EARLY_RESET_SHARE * timed.timeout
+        assert timed.reset_early()
+
+    asyncio.run(serving(echo, test))

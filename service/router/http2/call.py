@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _ENCODER = Encoder()
+EARLY_RESET_SHARE = 0.1  # a reset with more of its timeout left than this is early
 RESPONSE_HEADERS = _ENCODER.encode(((b":status", b"200"), (b"content-type", b"application/grpc")))
 _OK_TRAILERS = _ENCODER.encode(((b"grpc-status", b"0"),))
 _TIMEOUT_UNITS = {
@@ -74,6 +75,7 @@ class Call:
         "_trailing",
         "conn",
         "deadline",
+        "timeout",
         "encoding",
         "finished",
         "handler",
@@ -104,6 +106,7 @@ class Call:
         self.was_cancelled = False
         self.headers_sent = False
         self.deadline: float | None = None
+        self.timeout = 0.0  # the grpc-timeout it came with (seconds), if any
         self.encoding = b""
         self.path = ""
         self.task: asyncio.Task[Any] | None = None
@@ -138,6 +141,7 @@ class Call:
                 if timeout is None:
                     return grpc.StatusCode.INTERNAL, f"malformed grpc-timeout {value!r}"
                 self.deadline = time.monotonic() + timeout
+                self.timeout = timeout
             elif name == b"grpc-encoding":
                 self.encoding = value
         if method != b"POST":
@@ -269,6 +273,18 @@ class Call:
             grpc.StatusCode.RESOURCE_EXHAUSTED,
             f"Received message larger than max ({size} vs. {limit})",
         )
+
+    def reset_early(self) -> bool:
+        """Whether a reset now comes before the call's answer and well before its
+        deadline: not a client giving up at its deadline (which reaches the
+        router about when the router's own timer fires), a client that takes
+        back what it asked (:data:`EARLY_RESET_SHARE` of the timeout left, or
+        no deadline)."""
+        if self.finished:
+            return False
+        if self.deadline is None:
+            return True
+        return self.deadline - time.monotonic() > EARLY_RESET_SHARE * self.timeout
 
     def reset_by_peer(self) -> None:
         """The client reset the stream, or went away: the handler is cancelled."""

@@ -17,7 +17,12 @@ the answers is dropped (no GOAWAY: it would wait behind the rest) once
 behind a full socket: its answers are the router's memory. DATA, held to the
 client's own windows, does not count. A header block may take at most
 :data:`MAX_CONTINUATIONS` CONTINUATION frames (empty ones never reach the
-header-size limit).
+header-size limit). A client that resets most of its streams before their
+answer (rapid reset, CVE-2023-44487: each reset frees its stream's place for
+another call, so the bound on streams no longer bounds the work) is sent
+GOAWAY ENHANCE_YOUR_CALM once :data:`EARLY_RESETS` of its streams were reset
+early and they are more than half of those it opened; its calls in flight
+finish, its new streams are refused, and it may reconnect.
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ PING_DATA = b"poolserv"
 RESET_REMEMBERED = 256  # streams we reset whose late frames are ignored
 UNREAD_FRAMES = 10_000  # answers (not DATA) a client may leave unread (+4 per open stream)
 MAX_CONTINUATIONS = 32  # CONTINUATION frames in one header block
+EARLY_RESETS = 500  # streams reset before their answer, past which (over half) is a flood
 
 
 class Http2Connection(asyncio.Protocol):
@@ -109,6 +115,8 @@ class Http2Connection(asyncio.Protocol):
         # non-DATA frames written since the client last read: past the bound, a flood
         self.unread_frames = 0
         self.max_unread_frames = UNREAD_FRAMES + 4 * self.max_streams
+        self.opened = 0  # streams that began a call
+        self.early_resets = 0  # of those, reset by the client before their answer
         self.going_away = False
         self.closed = False
         self._continuation: tuple[int, int, bytearray] | None = None
@@ -354,8 +362,11 @@ class Http2Connection(asyncio.Protocol):
                 raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "RST_STREAM on an idle stream")
             call = self.calls.pop(stream, None)
             if call is not None:
+                early = call.reset_early()
                 call.reset_by_peer()
                 self._maybe_idle()
+                if early:
+                    self._reset_early()
         elif kind == Kind.SETTINGS:
             self._settings(flags, stream, payload)
         elif kind == Kind.PING:
@@ -462,6 +473,7 @@ class Http2Connection(asyncio.Protocol):
             self._reset(stream, ErrorCode.REFUSED_STREAM)
             return
         self.idle_since = None
+        self.opened += 1
         call = self.server.open_call(self, stream, headers)
         self.calls[stream] = call
         call.start(end)
@@ -633,13 +645,27 @@ class Http2Connection(asyncio.Protocol):
         task.add_done_callback(self.tasks.discard)
         return task
 
-    def go_away(self, why: str) -> None:
+    def _reset_early(self) -> None:
+        """One more stream reset before its answer: past the bound, a flood."""
+        self.early_resets += 1
+        if self.early_resets >= EARLY_RESETS and 2 * self.early_resets > self.opened:
+            if not self.going_away:
+                log.warning(
+                    "router: sending GOAWAY to %s: %d of its %d streams reset before their "
+                    "answer (rapid reset)",
+                    self.peer,
+                    self.early_resets,
+                    self.opened,
+                )
+            self.go_away("streams reset before their answer", ErrorCode.ENHANCE_YOUR_CALM)
+
+    def go_away(self, why: str, code: ErrorCode = ErrorCode.NO_ERROR) -> None:
         """No new streams; the open ones finish. Closed when the last ends."""
         if self.closed:
             return
         if not self.going_away:
             self.going_away = True
-            self.write(goaway(self.last_stream, ErrorCode.NO_ERROR, why.encode()))
+            self.write(goaway(self.last_stream, code, why.encode()))
         if not self.calls:
             self.close()
 
