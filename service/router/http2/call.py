@@ -75,7 +75,6 @@ class Call:
         "_trailing",
         "conn",
         "deadline",
-        "timeout",
         "encoding",
         "finished",
         "handler",
@@ -87,6 +86,7 @@ class Call:
         "send_window",
         "stream",
         "task",
+        "timeout",
         "was_cancelled",
     )
 
