@@ -226,7 +226,7 @@ def targets(
 BARE_ECHO_WHEN_SET = 0.13
 """CPU ms per echo call of the bare grpc.aio server (bench/peers/bare_server.py) in
 the run the whole tree's 0.24 ms was set against: the host's speed then. Published
-runs on this host have measured it from 0.13 to 0.36 ms (bench/results history)."""
+runs on this host have measured it from 0.13 to 0.39 ms (bench/results history)."""
 
 
 def light_targets(results: Results, subject: str, kserve: str, inline: str) -> list[Target]:

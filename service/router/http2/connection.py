@@ -259,9 +259,7 @@ class Http2Connection(asyncio.Protocol):
             self.peer,
             self.unread_frames - 1,
         )
-        self._out.clear()
-        self.closed = True
-        self.transport.abort()
+        self._abort_calls()
 
     def close(self, code: ErrorCode = ErrorCode.NO_ERROR, why: str = "") -> None:
         if self.closed or self.transport is None:
@@ -648,16 +646,17 @@ class Http2Connection(asyncio.Protocol):
     def _reset_early(self) -> None:
         """One more stream reset before its answer: past the bound, a flood."""
         self.early_resets += 1
-        if self.early_resets >= EARLY_RESETS and 2 * self.early_resets > self.opened:
-            if not self.going_away:
-                log.warning(
-                    "router: sending GOAWAY to %s: %d of its %d streams reset before their "
-                    "answer (rapid reset)",
-                    self.peer,
-                    self.early_resets,
-                    self.opened,
-                )
-            self.go_away("streams reset before their answer", ErrorCode.ENHANCE_YOUR_CALM)
+        flood = self.early_resets >= EARLY_RESETS and 2 * self.early_resets > self.opened
+        if not flood or self.going_away:
+            return
+        log.warning(
+            "router: sending GOAWAY to %s: %d of its %d streams reset before their answer "
+            "(rapid reset)",
+            self.peer,
+            self.early_resets,
+            self.opened,
+        )
+        self.go_away("streams reset before their answer", ErrorCode.ENHANCE_YOUR_CALM)
 
     def go_away(self, why: str, code: ErrorCode = ErrorCode.NO_ERROR) -> None:
         """No new streams; the open ones finish. Closed when the last ends."""
