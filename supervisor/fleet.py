@@ -1,9 +1,10 @@
 """The router fleet as the supervisor sees it: the ports its routers share.
 
-With ``routers`` above one, every router listens on the same gRPC port and
-the same REST port with SO_REUSEPORT, and the kernel spreads the connections
-over them. SO_REUSEPORT lets any socket of the same user that asks for it
-share the port, so before any process starts the supervisor:
+With ``routers`` above one, every router listens on the same gRPC port, the
+same REST port and the same metrics port with SO_REUSEPORT, and the kernel
+spreads the connections over them. SO_REUSEPORT lets any socket of the same
+user that asks for it share the port, so before any process starts the
+supervisor:
 
 - probes each shared port with a plain bind (no SO_REUSEPORT): anything
   already listening there, ours or another program's, is a configuration
@@ -29,6 +30,7 @@ from poolserve.service.contract.settings import ConfigError, ServerSettings
 SHARED_PORTS = (
     ("grpc_port", "--grpc-port", "the routers' gRPC door"),
     ("http_port", "--http-port", "the routers' REST door"),
+    ("metrics_port", "--metrics-port", "the routers' /metrics"),
 )
 
 
@@ -52,7 +54,7 @@ class PortHold:
 
 
 def hold_shared_ports(settings: ServerSettings, given: Iterable[str]) -> PortHold:
-    """Checks and holds each shared port (an HTTP port of -1 is off)."""
+    """Checks and holds each shared port (a REST or metrics port of -1 is off)."""
     hold = PortHold()
     named = set(given)
     try:

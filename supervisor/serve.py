@@ -36,6 +36,7 @@ from poolserve.service.contract.repository import scan
 from poolserve.service.contract.rundir import (
     ADDRESS_FILE,
     HTTP_ADDRESS_FILE,
+    METRICS_ADDRESS_FILE,
     SHM_REGISTRY_FILE,
     RunDirLock,
     check_socket_paths,
@@ -494,7 +495,7 @@ async def _serve(repo: Path, desired: Desired, flags: Mapping[str, object], run_
     finally:
         loop.remove_signal_handler(signal.SIGHUP)
         if tree.routers > 1:  # a fleet's routers share these files: the last one out removes
-            for name in (ADDRESS_FILE, HTTP_ADDRESS_FILE):
+            for name in (ADDRESS_FILE, HTTP_ADDRESS_FILE, METRICS_ADDRESS_FILE):
                 (run_dir / name).unlink(missing_ok=True)
             remove_shm_registry(run_dir)
     log.info("stopped with exit code %d", code)

@@ -75,10 +75,11 @@ def test_routers_setting_parses_counts_and_auto(tmp_path: Path) -> None:
 
 
 def test_the_supervisor_holds_a_fleets_ports_against_other_programs() -> None:
-    settings = ServerSettings(grpc_port=0, http_port=-1)
+    settings = ServerSettings(grpc_port=0, http_port=-1, metrics_port=0)
     with hold_shared_ports(settings, ()) as hold:
         port = hold.ports["grpc_port"]
         assert port > 0 and "http_port" not in hold.ports
+        assert hold.ports["metrics_port"] not in (0, port)  # resolved once, for every router
         with socket.socket() as plain, pytest.raises(OSError, match="in use"):
             plain.bind(("127.0.0.1", port))  # another program: refused while held
         with socket.socket() as router:  # a router of the fleet: shares it
@@ -87,7 +88,7 @@ def test_the_supervisor_holds_a_fleets_ports_against_other_programs() -> None:
     with socket.socket() as foreign:  # something already listens: a configuration error
         foreign.bind(("127.0.0.1", 0))
         foreign.listen()
-        taken = ServerSettings(grpc_port=foreign.getsockname()[1], http_port=-1)
+        taken = ServerSettings(grpc_port=foreign.getsockname()[1], http_port=-1, metrics_port=-1)
         with pytest.raises(ConfigError, match=r"grpc_port.*in use"):
             hold_shared_ports(taken, ("grpc_port",))
 
@@ -502,3 +503,75 @@ def test_a_killed_router_restarts_while_the_other_serves(fleet: Tree) -> None:
     again = located(fleet)  # the new router takes connections again
     for c in again:
         c.close()
+
+
+def _router_index(tree: Tree) -> dict[int, str]:
+    """pid -> index of every router, from the tree's status."""
+    status = asyncio.run(fetch_tree_status(tree.run_dir, 30, skip_pools=True))
+    index = {n.pid: n.id.removeprefix("router-") for n in walk(status.root)}
+    return {pid: i for pid, i in index.items() if i.isdigit()}
+
+
+def _scrape_located(tree: Tree, routers: list[int]) -> tuple[int | None, str]:
+    """One scrape over a connection of its own: the router that took it, and its answer."""
+    host, port = (tree.run_dir / "metrics.addr").read_text().strip().rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.connect()
+        assert conn.sock is not None
+        client_port = conn.sock.getsockname()[1]
+        found: list[int | None] = [None]
+
+        def accepted() -> bool:
+            found[0] = server_of(client_port, int(port), routers)
+            return found[0] is not None
+
+        wait_until(accepted, timeout=30)
+        conn.request("GET", "/metrics")
+        reply = conn.getresponse()
+        assert reply.status == 200, reply.status
+        return found[0], reply.read().decode()
+    finally:
+        conn.close()
+
+
+def test_every_router_answers_scrapes_with_the_fleets_counts(fleet: Tree) -> None:
+    """The metrics port is shared like the others: whichever router the kernel
+    picks for a scrape answers it, summed over the fleet (router-0 alone did)."""
+    routers = router_pids(fleet)
+    answered: dict[int, str] = {}
+    for _ in range(64):  # 2^-63 that the kernel's hash put every one on one router
+        router, text = _scrape_located(fleet, routers)
+        assert router is not None
+        answered[router] = text
+        if len(answered) == ROUTERS:
+            break
+    assert set(answered) == set(routers)
+    for text in answered.values():
+        assert _sample(text, "poolserve_processes", kind="router") == ROUTERS
+        assert {line.split("{")[0] for line in text.splitlines()} >= {
+            "nv_inference_request_success",
+            "poolserve_router_requests_total",
+        }
+
+
+def test_metrics_answer_while_router_0_is_down(fleet: Tree) -> None:
+    index = _router_index(fleet)
+    (first,) = [pid for pid, i in index.items() if i == "0"]
+    before = _sample(_scrape(fleet), "nv_inference_request_success", model="echo")
+    os.kill(first, signal.SIGKILL)
+    # Its sockets close as it exits: from then on the kernel gives every scrape to the other.
+    assert wait_until(lambda: _gone_or_zombie(first), timeout=30)
+    text = _scrape(fleet)  # router-0's restart takes longer than this (a fresh interpreter)
+    assert _sample(text, "nv_inference_request_success", model="echo") == before
+    assert _sample(text, "poolserve_processes", kind="router") >= 1
+    assert wait_until(lambda: restarted(fleet, first), timeout=60)
+    assert _sample(_scrape(fleet), "poolserve_processes", kind="router") == ROUTERS
+
+
+def _gone_or_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True

@@ -10,7 +10,7 @@ travels between them over their private control sockets
   itself, :meth:`Routes.learn_route`);
 - ``FleetCounts``: what a router counts itself (deadlines spent before it
   could forward, the inference calls it took, streams it ended for stalling)
-  and its own process, for the one /metrics router 0 serves.
+  and its own process, for the /metrics every router serves (each sums the fleet).
 
 Shared-memory registrations do not travel here: they live in a run-dir store
 every router reads (:mod:`poolserve.service.grpcserver.shm_store`). Neither

@@ -456,7 +456,7 @@ class MetricsSource:
     ) -> None:
         self._pools = pools
         self._own = own
-        self._peers = peers  # a fleet's other routers (router 0 serves the fleet's /metrics)
+        self._peers = peers  # a fleet's other routers (each router serves the fleet's /metrics)
         self.timeout_s = timeout_s
         self.continuity: dict[str, Continuity] = {}
         self._lock = asyncio.Lock()  # scrapes only, never the request path

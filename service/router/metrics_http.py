@@ -28,9 +28,11 @@ class MetricsServer:
         self.port = 0
         self._server: asyncio.Server | None = None
 
-    async def start(self, host: str, port: int) -> int:
+    async def start(self, host: str, port: int, reuse_port: bool = False) -> int:
+        """Listens on ``host:port`` (0: any free port); ``reuse_port``: SO_REUSEPORT,
+        a fleet's routers share the port."""
         self._server = await asyncio.start_server(
-            self._handle, host, port, limit=MAX_HEAD, reuse_address=True
+            self._handle, host, port, limit=MAX_HEAD, reuse_address=True, reuse_port=reuse_port
         )
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port

@@ -258,10 +258,10 @@ class Router:
             fds.cancel()
             heap.cancel()
         remove_own(self.control_path, self._control_bound)
-        remove_own(self.metrics_address_file, self._metrics_written)
         if not self.fleet.shared:  # a fleet's: the others still serve there (serve.py removes)
             remove_own(self.address_file, self._address_written)
             remove_own(self.http_address_file, self._http_written)
+            remove_own(self.metrics_address_file, self._metrics_written)
         if self.core.tracing is not None:
             await asyncio.to_thread(self.core.tracing.shutdown)  # flushes, off the loop
         await self.routes.close()
@@ -327,13 +327,16 @@ class Router:
 
     async def _start_metrics(self) -> MetricsServer | None:
         """The HTTP /metrics port (metrics_port; -1: none), on this event loop.
-        In a fleet, router 0 serves it, with the others' counts (fleet.py)."""
-        if self.settings.metrics_port < 0 or self.fleet.index != 0:
+        In a fleet, every router serves it (SO_REUSEPORT), each with the others'
+        counts (fleet.py): a scrape is answered while any router is up."""
+        if self.settings.metrics_port < 0:
             return None
         metrics = MetricsServer(self.metrics)
         host = self.settings.host
         try:
-            self.metrics_port = await metrics.start(host, self.settings.metrics_port)
+            self.metrics_port = await metrics.start(
+                host, self.settings.metrics_port, reuse_port=self.fleet.shared
+            )
         except OSError as exc:
             raise ConfigError(
                 "router",
