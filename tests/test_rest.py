@@ -32,6 +32,8 @@ import tritonclient.http as httpclient
 from test_mlserver import CUSTOM
 from tritonclient.utils import InferenceServerException
 
+from poolserve.service.router.http_connection import INTERIM
+
 from batch_models import ROWS_MODEL
 from harness import rss_bytes
 from serving import Serving, pool_status, wait_serving
@@ -493,10 +495,35 @@ def test_full_queue_is_429_and_a_closed_connection_leaves_the_queue(small: Servi
     refused = _post(small, "/v2/models/sleep/infer", json=_infer_body([1.0], sleep_ms=0))
     assert refused.status_code == 429, refused.text
     assert "queue" in refused.json()["error"]
+    before = _successes(small, "sleep")
     queued.close()  # the client goes away: its job leaves the queue at once
     _until(lambda: _queue_depth(small) == 0, "the closed connection's job is still queued")
     running.join(WAIT)
     assert answers == [200]
+    assert _successes(small, "sleep") == before + 1  # the running call's; the closed one never ran
+
+
+def _successes(tree: Serving, model: str) -> int:
+    reply = requests.get(f"http://{_http(tree)}/v2/models/{model}/stats", timeout=WAIT)
+    assert reply.status_code == 200, reply.text
+    (stats,) = reply.json()["model_stats"]
+    return int(stats["inference_stats"]["success"].get("count", 0))  # 0 is left out
+
+
+def test_a_call_whose_client_closed_while_it_ran_is_cancelled(small: Serving) -> None:
+    """A FIN after a whole request, from a client that closed its socket (curl -m):
+    the door's interim 100 Continue is reset, and the call is cancelled; the pool
+    kills its worker at abandon_grace (the gRPC door's cancel), and serves on."""
+    host, port = _http(small).rsplit(":", 1)
+    body = json.dumps(_infer_body([1.0], sleep_ms=120_000)).encode()
+    gone = socket.create_connection((host, int(port)), timeout=WAIT)
+    gone.sendall(_infer_request("sleep", body))
+    _until(lambda: _worker_busy(small), "no busy worker")
+    before = _successes(small, "sleep")
+    gone.close()
+    _until(lambda: not _worker_busy(small), "the closed call's worker still runs it")
+    assert _post(small, "/v2/models/sleep/infer", json=_infer_body([2.0])).status_code == 200
+    assert _successes(small, "sleep") == before + 1
 
 
 def test_connection_limit_and_silent_connections(small: Serving) -> None:
@@ -620,6 +647,12 @@ def _half_closed(tree: Serving, request: bytes) -> bytes:
     return b"".join(chunks)
 
 
+def _final(answer: bytes) -> bytes:
+    """An answer without the interim 100 Continue the door sends when the EOF
+    came before it (an HTTP/1.1 client reads past any 1xx)."""
+    return answer.removeprefix(INTERIM)
+
+
 def _infer_request(model: str, body: bytes, length: int | None = None) -> bytes:
     return (
         b"POST /v2/models/%s/infer HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
@@ -637,9 +670,11 @@ def test_a_whole_request_then_a_half_close_is_answered(
     values = [1.0, 2.0, 3.0]
     body = json.dumps(_infer_body(values, **parameters)).encode()
     answer = _half_closed(tree, _infer_request(model, body))
-    head, _, rest = answer.partition(b"\r\n\r\n")
+    if parameters:  # the EOF came while the call ran: an interim answer went first
+        assert answer.startswith(INTERIM), answer[:300]
+    head, _, rest = _final(answer).partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200 "), answer[:300]
-    if parameters:  # the EOF came while the call ran: the answer says it closes
+    if parameters:  # the answer says it closes
         assert b"connection: close" in head.lower(), head
     assert json.loads(rest)["outputs"][0]["data"] == values
 
@@ -647,7 +682,9 @@ def test_a_whole_request_then_a_half_close_is_answered(
 def test_pipelined_requests_then_a_half_close_are_all_answered(tree: Serving) -> None:
     slow = json.dumps(_infer_body([1.0], sleep_ms=200)).encode()
     fast = json.dumps(_infer_body([2.0])).encode()
-    answer = _half_closed(tree, _infer_request("sleep", slow) + _infer_request("echo", fast))
+    answer = _final(
+        _half_closed(tree, _infer_request("sleep", slow) + _infer_request("echo", fast))
+    )
     assert answer.count(b"HTTP/1.1 200 ") == 2, answer[:600]
     assert b'"data":[1.0]' in answer and b'"data":[2.0]' in answer
 

@@ -2,12 +2,20 @@
 protocol with the door's limits (request line and headers in size and time,
 body size, open connections), refusals that linger instead of resetting, the
 hook that cancels a call whose client closed its connection, and a client's
-half-close after a whole request answered before the connection closes."""
+half-close after a whole request answered before the connection closes.
+
+A FIN after a whole request may be a half-close (the client still reads) or
+a close (it left): TCP does not tell them apart until the server writes. So
+the door writes an interim ``100 Continue`` at once (an HTTP/1.1 client must
+read any 1xx before the final answer, RFC 9110 15.2) and then looks at the
+socket: a client that closed answers the write with a reset, and its call is
+cancelled as if it had reset first (:meth:`HttpConnection.eof_received`)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import ssl
 from collections.abc import Iterator
 from typing import Any
@@ -22,6 +30,9 @@ from poolserve.service.router.http_wire import error_body
 from poolserve.service.router.replybudget import ReplyBudget
 
 LINGER_S = 1.0
+INTERIM = b"HTTP/1.1 100 Continue\r\n\r\n"
+PEER_CHECKS_S = (0.01, 0.05, 0.25, 1.0)  # after a FIN: is the client still there? then each 1 s
+TCP_CLOSE = 7  # tcp_info's tcpi_state once a reset came (linux/tcp_states.h)
 
 
 class HttpConnection(HttpToolsProtocol):
@@ -43,6 +54,7 @@ class HttpConnection(HttpToolsProtocol):
         self._in_head = False  # a request began and its headers are not all here
         self._in_message = False  # a request began and its body is not all here
         self._linger: asyncio.TimerHandle | None = None
+        self._peer_check: asyncio.TimerHandle | None = None
         self.writer: Corked | None = None  # the transport as response cycles see it
         self._body: Body | None = None  # the body of the call being parsed, when forwarded
 
@@ -73,6 +85,8 @@ class HttpConnection(HttpToolsProtocol):
         self._disarm_head_timer()
         if self._linger is not None:
             self._linger.cancel()
+        if self._peer_check is not None:
+            self._peer_check.cancel()
         self.settle(gone=True)
         if self.refused and self not in self.connections:
             return  # refused in connection_made: uvicorn never saw it
@@ -85,7 +99,13 @@ class HttpConnection(HttpToolsProtocol):
         then the connection closes (as nginx does: ``nc -N``, ``curl`` and some
         proxies half-close after a request); EOF before any request or in the
         middle of one (its body cut short) closes it now, cancelling a call in
-        flight. A TLS connection has no half-close: asyncio closes it."""
+        flight. A TLS connection has no half-close: asyncio closes it.
+
+        A client that closed (rather than shut its write side) must not keep
+        its call running: unless its answer already began, an HTTP/1.1 one is
+        sent ``100 Continue`` and the socket is looked at (:meth:`_check_peer`);
+        a reset there cancels the call. An HTTP/1.0 client may not be sent a
+        1xx: its call runs to its answer, as before."""
         self._unset_keepalive_if_required()
         cycle = self.cycle
         if (
@@ -97,7 +117,25 @@ class HttpConnection(HttpToolsProtocol):
         ):
             return None  # the transport closes: connection_lost
         cycle.keep_alive = False  # the last request parsed: its answer closes the connection
+        if not cycle.response_started and cycle.scope["http_version"] == "1.1":
+            assert self.writer is not None
+            self.writer.write(INTERIM)
+            self._peer_check = self.loop.call_later(PEER_CHECKS_S[0], self._check_peer, 1)
         return True
+
+    def _check_peer(self, step: int) -> None:
+        """After a FIN: the client that reset our interim answer is gone (its
+        call is cancelled, :meth:`connection_lost`); one that still reads is
+        looked at again, less and less often, until its answer is written."""
+        self._peer_check = None
+        transport = self.transport
+        if self.lost or transport is None or transport.is_closing():
+            return
+        if peer_reset(transport):
+            transport.abort()
+            return
+        delay = PEER_CHECKS_S[min(step, len(PEER_CHECKS_S) - 1)]
+        self._peer_check = self.loop.call_later(delay, self._check_peer, step + 1)
 
     def data_received(self, data: bytes) -> None:
         if self.refused:
@@ -261,6 +299,21 @@ _REASONS = {
     503: b"Service Unavailable",
     504: b"Gateway Timeout",
 }
+
+
+def peer_reset(transport: asyncio.BaseTransport) -> bool:
+    """Whether the connection was reset by its peer (a pending error, or TCP's
+    state CLOSE), read without reading the socket: its reader is off after EOF."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return False
+    try:
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+            return True
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)
+    except OSError:
+        return True  # the socket is gone
+    return bool(info) and info[0] == TCP_CLOSE
 
 
 def raw_response(status: int, body: bytes) -> bytes:
