@@ -203,7 +203,7 @@ async def fuzz_http(
         for case in queue:
             valid = case.kind == http_fuzzing.VALID
             answer = await http_fuzzing.send(host, int(port), case.request, half_open=valid)
-            status = http_fuzzing.status_of(answer)
+            status = http_fuzzing.status_of(http_fuzzing.final(answer))  # past a 100
             key = "no answer" if status is None else str(status)
             report.http_statuses[key] = report.http_statuses.get(key, 0) + 1
             report.http_families[case.family] = report.http_families.get(case.family, 0) + 1

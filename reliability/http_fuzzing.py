@@ -308,8 +308,20 @@ def status_of(answer: bytes) -> int | None:
     return int(answer[9:12])
 
 
+def final(answer: bytes) -> bytes:
+    """The answer without the interim (1xx) responses in front, which a client
+    reads past: the door sends ``100 Continue`` when a FIN comes before its answer."""
+    while (status := status_of(answer)) is not None and 100 <= status < 200:
+        _, sep, rest = answer.partition(b"\r\n\r\n")
+        if not sep:
+            return answer
+        answer = rest
+    return answer
+
+
 def judge(case: Case, answer: bytes) -> str | None:
     """What is wrong with the answer to a case, or None."""
+    answer = final(answer)
     status = status_of(answer)
     if not answer:
         return None if case.kind != VALID else "a valid call got no answer"
