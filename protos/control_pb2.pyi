@@ -206,10 +206,12 @@ class TreeStatusRequest(_message.Message):
     def __init__(self, skip_pools: _Optional[bool] = ...) -> None: ...
 
 class TreeStatus(_message.Message):
-    __slots__ = ("root",)
+    __slots__ = ("root", "invalid")
     ROOT_FIELD_NUMBER: _ClassVar[int]
+    INVALID_FIELD_NUMBER: _ClassVar[int]
     root: TreeNode
-    def __init__(self, root: _Optional[_Union[TreeNode, _Mapping]] = ...) -> None: ...
+    invalid: _containers.RepeatedCompositeFieldContainer[InvalidModelRoute]
+    def __init__(self, root: _Optional[_Union[TreeNode, _Mapping]] = ..., invalid: _Optional[_Iterable[_Union[InvalidModelRoute, _Mapping]]] = ...) -> None: ...
 
 class ReloadRequest(_message.Message):
     __slots__ = ()

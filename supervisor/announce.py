@@ -4,7 +4,10 @@ Two lines on stdout, in this order:
 
 - ``poolserve: listening on ADDR (N models loading)`` once the router
   listens: calls are accepted from then on, and answered UNAVAILABLE for a
-  model that is not loaded yet; systemd's ``READY=1`` goes with this line;
+  model that is not loaded yet; systemd's ``READY=1`` goes with this line.
+  With ``; M not served, see the log``: the repository has M models that
+  cannot be served (an invalid model-settings.json), each logged as an
+  error, and the ready line will not come until they are fixed and reloaded;
 - ``poolserve: ready, N models serving on ADDR`` the first time the router's
   health ``""`` turns SERVING (every configured model loaded, every pool up),
   followed on the router's control socket, where health is served as on its
@@ -37,8 +40,10 @@ def models(count: int) -> str:
     return f"{count} model" + ("" if count == 1 else "s")
 
 
-def listening_line(address: str, count: int) -> str:
-    return f"{LISTENING_PREFIX}{address} ({models(count)} loading)"
+def listening_line(address: str, count: int, invalid: int = 0) -> str:
+    """``invalid``: the repository's models that cannot be served (the log says why)."""
+    unserved = f"; {invalid} not served, see the log" if invalid else ""
+    return f"{LISTENING_PREFIX}{address} ({models(count)} loading{unserved})"
 
 
 def ready_line(address: str, count: int) -> str:

@@ -165,7 +165,11 @@ class ControlService:
         node = root_node(self._root(), self._started_at, time.monotonic())
         if not request.skip_pools:
             await fill_pool_status(node, self._run_dir)
-        return cpb.TreeStatus(root=node)
+        invalid = [
+            cpb.InvalidModelRoute(name=bad.name, reason=bad.reason)
+            for bad in self._reconciler.current.invalid
+        ]
+        return cpb.TreeStatus(root=node, invalid=invalid)
 
     async def reload(
         self, _: cpb.ReloadRequest, __: grpc.aio.ServicerContext[Any, Any]

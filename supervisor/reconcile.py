@@ -550,7 +550,7 @@ class Reconciler:
                 await self._reload(report)
             finally:
                 summary = report.summary()
-                log.info("reload: %s", summary)
+                log.log(logging.INFO if report.ok else logging.WARNING, "reload: %s", summary)
                 if self._tree_ready():
                     self._notifier.ready(f"reloaded: {summary}")
                 else:
@@ -563,6 +563,8 @@ class Reconciler:
         except Exception as error:  # ConfigError, or an unreadable repository
             report.failures.append(f"configuration not reloaded: {error}")
             return
+        # Not served until fixed, and the server not ready meanwhile: a problem to say.
+        report.failures.extend(f"model {bad.name}: {bad.reason}" for bad in wanted.invalid)
         plan = plan_reload(self.current, wanted)
         if wanted.settings.routers != self.routers:
             # Against the value the tree started with: self.current takes the

@@ -420,6 +420,8 @@ def run_serve(repo: Path, flags: Mapping[str, object]) -> int:
         setup_logging("supervisor", settings.log_format, relay="thread")
         for notice in mlserver_notices(repo):
             log.warning("MLServer setting: %s", notice)
+        for bad in repository.invalid:  # served by nobody, and the server never ready
+            log.error("model %s is not served: %s", bad.name, bad.reason)
         before, after = raise_open_file_limit()  # the children inherit it
         if after != before:
             log.info("open file limit raised from %d to %d (the hard limit)", before, after)
@@ -476,7 +478,8 @@ async def _serve(repo: Path, desired: Desired, flags: Mapping[str, object], run_
         nonlocal ready_seen, address
         ready_seen = True
         address = (run_dir / ADDRESS_FILE).read_text().strip()
-        print(listening_line(address, model_count()), flush=True)
+        invalid = len(reconciler.current.invalid)
+        print(listening_line(address, model_count(), invalid), flush=True)
         listening.set()
 
     loop = asyncio.get_running_loop()

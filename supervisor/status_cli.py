@@ -10,7 +10,9 @@ Exit codes, LSB status style like supervisorctl's:
 
 - status: 0 every node runs and every model is READY; 1 every node runs
   but some model is not READY (LOADING, UNAVAILABLE: a failed load; one
-  unloaded on request does not count), or a pool did not answer; 3 some
+  unloaded on request does not count), a pool did not answer, or the
+  repository has a model that cannot be served (an invalid
+  model-settings.json, a name taken twice: listed after the tree); 3 some
   node does not run (starting, backoff, stopped, failed); 4 no supervisor
   answers on the socket (no tree runs with that run directory, or it runs
   under supervisord's flat layout, which has no supervisor: the one line on
@@ -27,7 +29,7 @@ import contextlib
 import json
 import os
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -86,14 +88,31 @@ def status_main(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     except grpc.RpcError as error:
         return _unreachable(run_dir, error)
     if args.json:
-        json.dump(tree_json(status.root), out, indent=2)
+        document = tree_json(status.root)
+        document["invalid_models"] = [
+            {"name": bad.name, "reason": bad.reason} for bad in status.invalid
+        ]
+        json.dump(document, out, indent=2)
         out.write("\n")
     else:
         out.write(render_tree(status.root))
+        out.write(invalid_text(status.invalid))
         out.write(ports_text(run_dir))
     if not all(node.state == "running" for node in walk(status.root)):
         return EXIT_NOT_RUNNING
-    return EXIT_OK if models_ready(status.root) else EXIT_MODELS_NOT_READY
+    if status.invalid or not models_ready(status.root):
+        return EXIT_MODELS_NOT_READY
+    return EXIT_OK
+
+
+def invalid_text(invalid: Iterable[cpb.InvalidModelRoute]) -> str:
+    """The repository's models that cannot be served, each with its reason."""
+    lines = [f"model {bad.name}  UNAVAILABLE  {bad.reason}\n" for bad in invalid]
+    if not lines:
+        return ""
+    return "not served (fix the repository, then `poolserve reload`):\n" + "".join(
+        "  " + line for line in lines
+    )
 
 
 def models_ready(root: cpb.TreeNode) -> bool:

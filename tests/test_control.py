@@ -63,6 +63,7 @@ from poolserve.supervisor.reconcile import (
 )
 from poolserve.supervisor.spec import ChildSpec, ChildState, Restart, Service, SupervisorSpec
 from poolserve.supervisor.status_cli import (
+    EXIT_MODELS_NOT_READY,
     EXIT_NOT_RUNNING,
     EXIT_OK,
     EXIT_UNREACHABLE,
@@ -836,6 +837,71 @@ def test_status_exit_codes(repo: Path, tmp_path: Path) -> None:
             assert {n["id"]: n["state"] for n in nodes}["pool:g5"] == "failed"
             task.cancel()
             await asyncio.wait({task})
+
+    run(main)
+
+
+def test_status_lists_a_model_the_repository_cannot_serve_and_exits_1(
+    repo: Path, tmp_path: Path
+) -> None:
+    """An invalid model-settings.json is in no pool, so no pool lists it: the tree's
+    status names it with its reason (text and JSON), and exits 1 as for a failed load."""
+    bad = repo / "bad"
+    bad.mkdir()
+    (bad / "model-settings.json").write_text(
+        '{"name": "bad", "implementation": "model.Fake", "max_batch_size": "lots"}'
+    )
+    args = argparse.Namespace(run_dir=str(tmp_path), grpc_port=None, timeout=WAIT, json=False)
+
+    async def main() -> None:
+        async with Harness(repo, tmp_path, "") as harness:
+            control = ControlService(
+                tmp_path, harness.tree.root, harness.reconciler, started_at=0.0
+            )
+            ready = asyncio.Event()
+            task = asyncio.create_task(control.serve(ready.set))
+            await asyncio.wait_for(ready.wait(), WAIT)
+            out = io.StringIO()
+            assert await asyncio.to_thread(status_main, args, out) == EXIT_MODELS_NOT_READY
+            (line,) = [x for x in out.getvalue().splitlines() if "model bad " in x]
+            assert "UNAVAILABLE" in line and "max_batch_size" in line, out.getvalue()
+            out = io.StringIO()
+            json_args = argparse.Namespace(**{**vars(args), "json": True})
+            assert await asyncio.to_thread(status_main, json_args, out) == EXIT_MODELS_NOT_READY
+            (entry,) = json.loads(out.getvalue())["invalid_models"]
+            assert entry["name"] == "bad" and "max_batch_size" in entry["reason"]
+            # fixed: a reload takes it, and status is clean again
+            (bad / "model-settings.json").write_text(
+                json.dumps({"name": "bad", "implementation": "model.Fake"})
+            )
+            assert (await harness.reconciler.reload()).ok
+            out = io.StringIO()
+            assert await asyncio.to_thread(status_main, args, out) == EXIT_OK, out.getvalue()
+            assert "not served" not in out.getvalue()
+            task.cancel()
+            await asyncio.wait({task})
+
+    run(main)
+
+
+def test_a_reload_that_finds_an_invalid_model_reports_it(repo: Path, tmp_path: Path) -> None:
+    """`poolserve reload` exits 1 on problems: a folder it cannot serve is one, with
+    its reason, every time until it is fixed; the rest of the reload still happens."""
+
+    async def main() -> None:
+        async with Harness(repo, tmp_path, "") as harness:
+            model(repo, "d", "g3")
+            bad = repo / "bad"
+            bad.mkdir()
+            (bad / "model-settings.json").write_text("{not json")
+            report = await harness.reconciler.reload()
+            assert report.started == ["g3"]
+            assert not report.ok
+            (failure,) = report.failures
+            assert failure.startswith("model bad: "), failure
+            assert failure in report.summary()
+            again = await harness.reconciler.reload()
+            assert again.failures == report.failures
 
     run(main)
 

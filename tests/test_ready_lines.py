@@ -115,3 +115,24 @@ def test_listening_comes_first_and_ready_only_once_every_model_is_loaded(
         status = f"STATUS=ready, 2 models serving on {serving.address}"
         assert wait_until(lambda: status in notify.text(), timeout=WAIT), notify.received
         assert serving.terminate() == 0
+
+
+def test_a_folder_that_cannot_be_served_is_said_at_start(tmp_path: Path) -> None:
+    """An invalid model-settings.json keeps the server from ever being ready (every
+    model of the repository must be): the listening line counts it, the log says
+    which and why, and health names it."""
+    repo = tmp_path / "repo"
+    copy_example(repo, "echo")
+    (repo / "bad").mkdir()
+    (repo / "bad" / "model-settings.json").write_text(
+        json.dumps({"name": "bad", "implementation": "model.X", "max_batch_size": "lots"})
+    )
+    with Serving(repo, tmp_path / "run", workers=1) as serving:
+        assert serving.listening_line == (
+            f"{LISTENING_PREFIX}{serving.address} (1 model loading; 1 not served, see the log)"
+        )
+        log = serving.log()
+        (line,) = [x for x in log.splitlines() if "model bad is not served" in x]
+        assert " ERROR " in line and "max_batch_size" in line, line
+        assert asyncio.run(health_status(serving.address)) == NOT_SERVING
+        assert serving.terminate() == 0
