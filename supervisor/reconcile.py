@@ -34,7 +34,14 @@ from typing import Protocol
 import grpc
 
 from poolserve.protos import inference_pb2 as pb
-from poolserve.service.contract.repository import InvalidModel, ModelSettings, Repository, scan
+from poolserve.service.contract.repository import (
+    Fingerprint,
+    InvalidModel,
+    ModelSettings,
+    Repository,
+    fingerprint,
+    scan,
+)
 from poolserve.service.contract.rundir import pool_socket_path
 from poolserve.service.contract.settings import SAFE_ID, ServerSettings, load_server_settings
 from poolserve.service.grpcserver.handlers import SERVICE
@@ -135,11 +142,15 @@ class Desired:
     settings: ServerSettings
     pools: Mapping[str, tuple[ModelSettings, ...]]
     invalid: tuple[InvalidModel, ...] = ()
+    # what each model's folder holds (by ModelSettings.key): a reload loads a
+    # model again when its files changed, its code say, not only its settings
+    files: Mapping[str, Fingerprint | None] = field(default_factory=dict)
 
     @classmethod
     def from_repository(cls, settings: ServerSettings, repository: Repository) -> Desired:
         pools = {gid: tuple(models) for gid, models in repository.pools().items()}
-        return cls(settings, pools, repository.invalid)
+        files = {model.key: fingerprint(model) for model in repository.models}
+        return cls(settings, pools, repository.invalid, files)
 
     @classmethod
     def load(cls, repo: Path, flags: Mapping[str, object]) -> Desired:
@@ -214,7 +225,9 @@ def plan_reload(current: Desired, wanted: Desired) -> ReloadPlan:
         change
         for gid in kept
         if gid not in restart
-        for change in [_model_change(gid, current.pools[gid], wanted.pools[gid])]
+        for change in [
+            _model_change(gid, current.pools[gid], wanted.pools[gid], current.files, wanted.files)
+        ]
         if change.load or change.unload
     )
     return ReloadPlan(
@@ -238,11 +251,27 @@ def _pool_view(settings: ServerSettings, gid: str) -> tuple[object, ...]:
 
 
 def _model_change(
-    gid: str, before: Sequence[ModelSettings], after: Sequence[ModelSettings]
+    gid: str,
+    before: Sequence[ModelSettings],
+    after: Sequence[ModelSettings],
+    files_before: Mapping[str, Fingerprint | None],
+    files_after: Mapping[str, Fingerprint | None],
 ) -> PoolModelChange:
     old = _by_name(before)
     new = _by_name(after)
-    load = tuple(name for name, versions in new.items() if old.get(name) != versions)
+
+    def changed(name: str, versions: tuple[ModelSettings, ...]) -> bool:
+        if old.get(name) != versions:
+            return True
+        # the same settings: loaded again when a file of its folder changed (a folder
+        # too large to fingerprint, None, goes by its settings alone)
+        for model in versions:
+            was, now = files_before.get(model.key), files_after.get(model.key)
+            if was is not None and now is not None and was != now:
+                return True
+        return False
+
+    load = tuple(name for name, versions in new.items() if changed(name, versions))
     unload = tuple(name for name in old if name not in new)
     return PoolModelChange(gid, load, unload, tuple(after))
 

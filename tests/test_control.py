@@ -427,6 +427,33 @@ def test_model_changes_go_live_or_restart_the_pool(repo: Path, tmp_path: Path) -
     run(main)
 
 
+def test_a_reload_loads_a_model_again_when_a_file_of_its_folder_changed(
+    repo: Path, tmp_path: Path
+) -> None:
+    """The fix for a model's code is in its folder, not its settings: a reload that
+    finds a changed file loads that model again (live, in its pool), and the others
+    are left alone; nothing changed, nothing is loaded."""
+
+    async def main() -> None:
+        (repo / "a" / "model.py").write_text("FACTOR = 2\n")
+        async with Harness(repo, tmp_path, "") as harness:
+            report = await harness.reconciler.reload()
+            assert report.summary() == "nothing to change" and not harness.model_changes
+            code = repo / "a" / "model.py"
+            code.write_text("FACTOR = 3\n")
+            os.utime(code, ns=(code.stat().st_atime_ns, code.stat().st_mtime_ns + 10**9))
+            report = await harness.reconciler.reload()
+            assert report.ok and report.updated == ["g1"], report.summary()
+            [change] = harness.model_changes
+            assert change.gid == "g1" and change.load == ("a",) and not change.unload
+            (repo / "a" / "__pycache__").mkdir()  # what an import writes is no change
+            (repo / "a" / "__pycache__" / "model.cpython-311.pyc").write_bytes(b"\0")
+            report = await harness.reconciler.reload()
+            assert report.summary() == "nothing to change"
+
+    run(main)
+
+
 def test_without_live_routes_the_router_restarts(repo: Path, tmp_path: Path) -> None:
     async def main() -> None:
         async with Harness(repo, tmp_path, "") as harness:

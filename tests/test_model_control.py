@@ -25,8 +25,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from poolserve.protos import inference_pb2 as pb
 from poolserve.protos import inference_pb2_grpc as pbg
-from poolserve.service.contract.repository import scan
-from poolserve.service.grpcserver.pacing import Pacer, Rescanner, fingerprint
+from poolserve.service.contract.repository import fingerprint, scan
+from poolserve.service.grpcserver.pacing import Pacer, Rescanner
 
 from serving import Serving, pool_status, wait_serving
 from support import CLIENTS, copy_example, infer_request

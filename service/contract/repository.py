@@ -9,6 +9,7 @@ one pool (:meth:`Repository.pools` is the only place that groups them).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -328,3 +329,42 @@ def scan(root: Path) -> Repository:
         seen[(model.name, model.version)] = path
         models.append(model)
     return Repository(root=root, models=tuple(models), invalid=tuple(invalid))
+
+
+# A folder with more files than this is not fingerprinted: its loads always
+# reload, and a repository reload goes by its settings alone.
+MAX_FINGERPRINT_FILES = 10_000
+Fingerprint = tuple[tuple[str, int, int, int], ...]
+
+
+def fingerprint(settings: ModelSettings) -> Fingerprint | None:
+    """What a model was loaded from: size, mtime and inode of every file of its
+    folder (and of ``parameters.uri`` when that lies outside it).
+
+    None when the folder holds more than MAX_FINGERPRINT_FILES files: such a
+    model is always reloaded rather than walked. Runs on a thread.
+    """
+    roots = [settings.folder]
+    if settings.uri is not None and not Path(settings.uri).is_relative_to(settings.folder):
+        roots.append(Path(settings.uri))
+    seen: list[tuple[str, int, int, int]] = []
+    for root in roots:
+        if root.is_file():
+            seen.append(_stat(root, str(root)))
+            continue
+        for folder, dirs, files in os.walk(root):
+            dirs[:] = sorted(d for d in dirs if d != "__pycache__")  # written by imports
+            for name in sorted(files):
+                path = Path(folder, name)
+                seen.append(_stat(path, str(path)))
+            if len(seen) > MAX_FINGERPRINT_FILES:
+                return None
+    return tuple(seen)
+
+
+def _stat(path: Path, key: str) -> tuple[str, int, int, int]:
+    try:
+        info = path.stat()
+    except OSError:
+        return (key, -1, -1, -1)
+    return (key, info.st_size, info.st_mtime_ns, info.st_ino)

@@ -7,9 +7,9 @@ Anyone who reaches the port may send loads. Two things keep them cheap:
   starts at most once per interval. Every caller waiting for a fresh answer
   shares the next scan, so a flood of loads for unknown names costs one scan
   per interval, whatever its size.
-- :class:`Pacer` and :func:`fingerprint`: a load of a model that is already
-  loaded from the same settings and files does nothing; a real reload of one
-  model starts at most once per interval.
+- :class:`Pacer` (with :func:`~poolserve.service.contract.repository.fingerprint`):
+  a load of a model that is already loaded from the same settings and files
+  does nothing; a real reload of one model starts at most once per interval.
 
 Both take a clock and a sleep, so tests drive them without waiting.
 """
@@ -18,22 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Generic, TypeVar
-
-from poolserve.service.contract.repository import ModelSettings
 
 T = TypeVar("T")
 Clock = Callable[[], float]
 Sleep = Callable[[float], Awaitable[None]]
 RunInThread = Callable[[Callable[[], T]], Awaitable[T]]
-
-# A folder with more files than this is not fingerprinted: its loads always reload.
-MAX_FINGERPRINT_FILES = 10_000
-Fingerprint = tuple[tuple[str, int, int, int], ...]
 
 
 class Rescanner(Generic[T]):
@@ -125,36 +117,3 @@ class Pacer:
             waited = True
         self._started[key] = self._clock()
         return waited
-
-
-def fingerprint(settings: ModelSettings) -> Fingerprint | None:
-    """What a model was loaded from: size, mtime and inode of every file of its
-    folder (and of ``parameters.uri`` when that lies outside it).
-
-    None when the folder holds more than MAX_FINGERPRINT_FILES files: such a
-    model is always reloaded rather than walked. Runs on a thread.
-    """
-    roots = [settings.folder]
-    if settings.uri is not None and not Path(settings.uri).is_relative_to(settings.folder):
-        roots.append(Path(settings.uri))
-    seen: list[tuple[str, int, int, int]] = []
-    for root in roots:
-        if root.is_file():
-            seen.append(_stat(root, str(root)))
-            continue
-        for folder, dirs, files in os.walk(root):
-            dirs[:] = sorted(d for d in dirs if d != "__pycache__")  # written by imports
-            for name in sorted(files):
-                path = Path(folder, name)
-                seen.append(_stat(path, str(path)))
-            if len(seen) > MAX_FINGERPRINT_FILES:
-                return None
-    return tuple(seen)
-
-
-def _stat(path: Path, key: str) -> tuple[str, int, int, int]:
-    try:
-        info = path.stat()
-    except OSError:
-        return (key, -1, -1, -1)
-    return (key, info.st_size, info.st_mtime_ns, info.st_ino)

@@ -27,14 +27,16 @@ from poolserve.service.contract.errors import (
     load_failed,
 )
 from poolserve.service.contract.repository import (
+    Fingerprint,
     ModelSettings,
     Repository,
     TensorSpec,
     TransactionPolicy,
+    fingerprint,
     parse_model_settings,
 )
 from poolserve.service.contract.settings import ConfigError
-from poolserve.service.grpcserver.pacing import Fingerprint, Pacer, Rescanner, fingerprint
+from poolserve.service.grpcserver.pacing import Pacer, Rescanner
 from poolserve.service.inference.cargo import InferenceZygote
 from poolserve.service.poolcore.fleet import Fleet
 from poolserve.service.poolserver.catalog import Catalog, ModelState

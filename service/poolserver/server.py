@@ -24,16 +24,18 @@ from poolserve.service.contract.errors import ServingError, Unavailable
 from poolserve.service.contract.framing import Payload
 from poolserve.service.contract.lane import LANE_OVERHEAD, Trace, lane_path
 from poolserve.service.contract.repository import (
+    Fingerprint,
     ModelSettings,
     Repository,
     TensorSpec,
     TransactionPolicy,
+    fingerprint,
     scan,
 )
 from poolserve.service.contract.rundir import claim_socket, remove_own
 from poolserve.service.contract.settings import ServerSettings
 from poolserve.service.grpcserver.health import Health
-from poolserve.service.grpcserver.pacing import Fingerprint, Pacer, Rescanner, fingerprint
+from poolserve.service.grpcserver.pacing import Pacer, Rescanner
 from poolserve.service.grpcserver.shm import SharedMemory
 from poolserve.service.grpcserver.sockets import bind_private_unix
 from poolserve.service.grpcserver.tracing import Tracing
