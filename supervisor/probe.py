@@ -22,7 +22,11 @@ not ready, with its state and reason, as ``poolserve status`` shows them
 Without ``--addr``, the probe asks the router of the local tree: the
 address it wrote in its run directory (``--run-dir``, ``POOLSERVE_RUN_DIR``,
 or the default of ``--grpc-port`` or ``POOLSERVE_GRPC_PORT``, as ``poolserve
-status`` finds it), else ``localhost:PORT``.
+status`` finds it). Without that file: ``localhost:PORT`` when the run
+directory is the port's default (a tree may run as another user, with
+another default), and a connection failure when it was named (``--run-dir``,
+``POOLSERVE_RUN_DIR``): no tree runs there, and whatever answers on the port
+is another one.
 
 The connection is made first (bounded by ``--connect-timeout``), then the
 one RPC (bounded by ``--rpc-timeout``), so the exit code says which failed.
@@ -64,6 +68,10 @@ _UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0,
 
 class BadArguments(Exception):
     """Arguments that cannot work together; the probe exits with 1."""
+
+
+class NoTree(Exception):
+    """The named run directory has no router address: the probe exits with 2."""
 
 
 class Check(enum.Enum):
@@ -221,17 +229,26 @@ def default_address(
 ) -> str:
     """The router address of the local tree, as ``poolserve status`` finds its run
     directory (``--run-dir``, ``POOLSERVE_RUN_DIR``, the default of ``--grpc-port``
-    or ``POOLSERVE_GRPC_PORT``); ``localhost:PORT`` when the tree wrote none."""
+    or ``POOLSERVE_GRPC_PORT``). When the tree wrote none: ``localhost:PORT`` for
+    the port's default run directory, NoTree for a named one."""
     from poolserve.service.contract.rundir import ADDRESS_FILE
     from poolserve.supervisor.status_cli import default_grpc_port, resolve_run_dir
 
     env = os.environ if environ is None else environ
+    folder = resolve_run_dir(run_dir, grpc_port, env)
     try:
-        written = (resolve_run_dir(run_dir, grpc_port, env) / ADDRESS_FILE).read_text().strip()
+        written = (folder / ADDRESS_FILE).read_text().strip()
     except OSError:
         written = ""
+    if written:
+        return written
+    if run_dir or env.get("POOLSERVE_RUN_DIR"):
+        raise NoTree(
+            f"error: no tree runs with run directory {folder} (no {ADDRESS_FILE} there); "
+            "name the server with --addr, or start the tree"
+        )
     port = default_grpc_port(env) if grpc_port is None else grpc_port
-    return written or f"localhost:{port}"
+    return f"localhost:{port}"
 
 
 class ProbeArgumentParser(argparse.ArgumentParser):
@@ -260,6 +277,11 @@ def main(argv: Sequence[str]) -> int:
     except BadArguments as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_ARGUMENTS
+    except NoTree as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_CONNECTION_FAILURE
+    if options.verbose:
+        print(f"address: {options.addr}", file=sys.stderr)
     result = probe(options)
     print(result.message, file=sys.stderr)
     return result.code

@@ -256,10 +256,18 @@ def test_without_addr_probes_the_local_tree(unready_server: Serving) -> None:
 
 
 def test_default_address_without_a_tree(tmp_path: Path) -> None:
+    """A named run directory without an address is no tree: the probe says so (exit
+    2) instead of asking whatever answers on the port, which is another tree."""
     env = {"POOLSERVE_RUN_DIR": str(tmp_path / "none"), "POOLSERVE_GRPC_PORT": "9123"}
-    assert probe_module.default_address(None, env) == "localhost:9123"
+    with pytest.raises(probe_module.NoTree, match="no tree runs with run directory"):
+        probe_module.default_address(None, env)
+    with pytest.raises(probe_module.NoTree):
+        probe_module.default_address(str(tmp_path), {"POOLSERVE_GRPC_PORT": "9123"})
     (tmp_path / "router.addr").write_text("127.0.0.1:4567\n")
     assert probe_module.default_address(str(tmp_path), env) == "127.0.0.1:4567"
+    proc = run_probe("--run-dir", str(tmp_path / "none"), "-v")
+    assert_code(proc, EXIT_CONNECTION_FAILURE)
+    assert "no tree runs with run directory" in proc.stderr, proc.stderr
 
 
 def test_grpc_port_finds_that_trees_run_dir(
