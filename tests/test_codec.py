@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from poolserve.protos import inference_pb2 as pb
-from poolserve.service.contract.errors import InvalidInput
+from poolserve.service.contract.errors import InvalidInput, ModelError
 from poolserve.service.inference import codec
 
 M = TypeVar("M", bound=Message)
@@ -263,11 +263,18 @@ def test_output_requested_twice() -> None:
 
 
 @pytest.mark.parametrize("raw", [True, False])
-def test_unencodable_outputs_are_named(raw: bool) -> None:
-    with pytest.raises(InvalidInput, match=r"'z'.*complex128"):
+def test_unencodable_outputs_are_named_and_are_the_models_fault(raw: bool) -> None:
+    """An output with no wire form is the model's doing: INTERNAL (ModelError), as
+    for any other bad return value, not INVALID_ARGUMENT; the same arrays as a
+    client's inputs are the client's (InvalidInput)."""
+    with pytest.raises(ModelError, match=r"'z'.*complex128.*the model returned it"):
         _respond({"z": np.zeros(1, dtype=np.complex128)}, raw=raw)
-    with pytest.raises(InvalidInput, match=r"'o'.*int"):
+    with pytest.raises(ModelError, match=r"'o'.*int"):
         _respond({"o": np.array([b"a", 3], dtype=object)}, raw=raw)
+    for inputs in ({"z": np.zeros(1, np.complex128)}, {"o": np.array([b"a", 3], object)}):
+        with pytest.raises(InvalidInput, match=r"input '[zo]'") as refused:
+            codec.encode_inputs(inputs, pb.ModelInferRequest(), raw=raw)
+        assert not isinstance(refused.value, ModelError)
 
 
 # --- malformed tensors ----------------------------------------------------------

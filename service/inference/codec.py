@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from poolserve.protos import inference_pb2
-from poolserve.service.contract.errors import InvalidInput, clip
+from poolserve.service.contract.errors import InvalidInput, ModelError, ServingError, clip
 from poolserve.service.inference.declared import DeclaredInputs
 
 _Tensor: TypeAlias = (
@@ -475,7 +475,15 @@ def _datatype(name: str, arr: npt.NDArray[Any], role: str) -> str:
     try:
         return datatype_for(arr)
     except InvalidInput as exc:
-        raise InvalidInput(f"{role} '{clip(name)}': {exc.message}") from None
+        raise _unsendable(role, f"{role} '{clip(name)}': {exc.message}") from None
+
+
+def _unsendable(role: str, message: str) -> ServingError:
+    """An array that has no wire form: the client's fault for an input it encodes,
+    the model's (INTERNAL, as for any other bad return value) for an output."""
+    if role == "output":
+        return ModelError(f"{message} (the model returned it; it cannot be sent)")
+    return InvalidInput(message)
 
 
 def _put(
@@ -526,7 +534,7 @@ def _bytes_items(arr: npt.NDArray[Any], where: str) -> list[bytes]:
         elif isinstance(item, str):
             items.append(item.encode())
         else:
-            raise InvalidInput(
-                f"{where}: BYTES element of type {type(item).__name__} is neither bytes nor str"
-            )
+            message = f"{where}: BYTES element of type {type(item).__name__} is not bytes or str"
+            role = "output" if where.startswith("output ") else "input"  # _where's words
+            raise _unsendable(role, message)
     return items
