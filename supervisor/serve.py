@@ -145,14 +145,41 @@ HTTP_PORTS = (
 
 
 def check_http_ports(settings: ServerSettings, given: Collection[str]) -> None:
-    """:func:`check_port` for each of the router's HTTP ports, and for its gRPC
-    port when one router runs (a fleet holds its ports: fleet.py)."""
+    """:func:`check_host`, then :func:`check_port` for each of the router's HTTP
+    ports, and for its gRPC port when one router runs (a fleet holds its ports: fleet.py)."""
+    check_host(settings, "--host" if "host" in given else "settings")
     ports = list(HTTP_PORTS)
     if router_count(settings, usable_cores()) == 1:
         ports.insert(0, ("grpc_port", "--grpc-port", "the router's gRPC port", ""))
     for field, flag, what, off in ports:
         source = flag if field in given else "settings"
         check_port(settings, field, flag, what, off, source)
+
+
+def check_host(settings: ServerSettings, source: str) -> None:
+    """``host`` resolves to addresses of this machine, or it is a configuration
+    error (exit 2) naming ``host``, before any process starts (the router named
+    the port it could not bind, after the pools had loaded)."""
+    try:
+        addresses = socket.getaddrinfo(
+            settings.host or None, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise ConfigError(source, "host", f"cannot resolve {settings.host!r}: {reason}") from None
+    refused: list[str] = []
+    for family, kind, proto, _, address in addresses:
+        try:
+            _probe_bind(family, kind, proto, address)
+            return  # the router listens on the addresses it can bind, at least this one
+        except OSError as exc:
+            refused.append(f"{address[0]}: {exc.strerror}")
+    raise ConfigError(
+        source,
+        "host",
+        f"{settings.host!r} is no address of this machine ({'; '.join(refused)}); "
+        "127.0.0.1 for this machine only, 0.0.0.0 for every interface",
+    )
 
 
 def check_port(
@@ -171,7 +198,7 @@ def check_port(
             settings.host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )
     except OSError:
-        return  # the router names the host it cannot resolve
+        return  # check_host said so already
     for family, kind, proto, _, address in addresses:
         try:
             _probe_bind(family, kind, proto, address)

@@ -239,6 +239,22 @@ def test_second_tree_on_the_same_port_exits_2_before_any_pool(
     assert not run_dir.exists() or not any(run_dir.iterdir()), list(run_dir.iterdir())
 
 
+def test_a_host_that_is_not_this_machines_exits_2_before_any_pool(tmp_path: Path) -> None:
+    """192.0.2.1 (TEST-NET-1: numeric, no lookup) is no address here: the error names
+    `host`, not the gRPC port the router could not bind after the pools loaded."""
+    repo = tmp_path / "repo"
+    write(repo / "marker" / "model-settings.json",
+          json.dumps({"name": "marker", "implementation": "model.M"}))  # fmt: skip
+    write(repo / "marker" / "model.py", MARKS_ITS_LOAD)
+    done = serve(repo, tmp_path / "run", "--host", "192.0.2.1", "--http-port", "0",
+                 "--metrics-port", "0")  # fmt: skip
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "--host: field 'host'" in done.stderr, done.stderr
+    assert "192.0.2.1" in done.stderr and "no address of this machine" in done.stderr
+    assert "grpc_port" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert not (repo / "marker" / "loaded").exists(), "a pool loaded a model first"
+
+
 # --- model-level problems: one tree holding every kind of broken model -------
 
 MODEL = """

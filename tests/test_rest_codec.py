@@ -161,6 +161,10 @@ def test_outputs_as_json_and_as_binary_per_output() -> None:
         ({"inputs": [{"name": "x", "shape": [1], "datatype": "NOPE", "data": [1]}]}, "datatype"),
         ({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32"}]}, "neither"),
         ({"inputs": [{"name": "x", "shape": "1", "datatype": "FP32", "data": [1]}]}, "shape"),
+        (
+            {"inputs": [{"name": "x", "shape": [-1, 2], "datatype": "FP32", "data": [1, 2]}]},
+            r"negative dimension in shape \[-1, 2\]",
+        ),
         ({"inputs": [{"name": "x", "shape": [1], "datatype": "BYTES", "data": [1]}]}, "strings"),
         (
             {

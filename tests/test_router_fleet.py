@@ -68,7 +68,7 @@ def test_routers_setting_parses_counts_and_auto(tmp_path: Path) -> None:
     for bad in ("0", "-1", "many", "65", "2.5"):
         with pytest.raises(ConfigError, match="routers") as caught:
             load_server_settings(tmp_path, environ={"POOLSERVE_ROUTERS": bad})
-        assert str(caught.value).startswith("environment: field 'routers'")
+        assert str(caught.value).startswith("POOLSERVE_ROUTERS: field 'routers'")
     (tmp_path / "settings.json").write_text(json.dumps({"routers": True}))
     with pytest.raises(ConfigError, match="'auto'"):
         load_server_settings(tmp_path, environ={})

@@ -79,6 +79,7 @@ def test_a_default_timeout_that_fails_every_call_is_refused_from_the_environment
     with pytest.raises(ConfigError) as info:
         load_server_settings(tmp_path, environ={"POOLSERVE_DEFAULT_TIMEOUT_S": raw})
     assert info.value.field_name == "default_timeout_s"
+    assert info.value.source == "POOLSERVE_DEFAULT_TIMEOUT_S"  # the variable, not "environment"
 
 
 def test_a_heartbeat_pair_names_the_layer_that_broke_it(tmp_path: Path) -> None:

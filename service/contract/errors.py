@@ -189,5 +189,6 @@ def decoupled_refusal(model: str) -> Unimplemented:
     """What unary ModelInfer answers for a decoupled model (Triton: UNSUPPORTED)."""
     return Unimplemented(
         f"ModelInfer RPC doesn't support models with decoupled transaction policy: "
-        f"model '{model}' is decoupled (any number of responses); use ModelStreamInfer"
+        f"model '{model}' is decoupled (any number of responses); use ModelStreamInfer "
+        f"(gRPC) or POST /v2/models/{model}/generate_stream (REST)"
     )

@@ -389,7 +389,8 @@ def load_server_settings(
     settings, sources, _ = _file_layers(repository, env)
     path = repository / "settings.json"
     env_values = _env_values(env)
-    settings = apply_overrides(settings, env_values, "environment")
+    for name, value in env_values.items():  # an error names the variable, as a parse error does
+        settings = apply_overrides(settings, {name: value}, "POOLSERVE_" + name.upper())
     sources |= {name: "POOLSERVE_" + name.upper() for name in env_values}
     cli = {k: v for k, v in (flags or {}).items() if v is not None}
     settings = apply_overrides(settings, cli, "command line")

@@ -282,6 +282,8 @@ def _input(
         isinstance(d, int) and not isinstance(d, bool) and -_INT64 <= d < _INT64 for d in shape
     ):
         raise InvalidInput(f"{where}: 'shape' must be a list of integers")
+    if any(d < 0 for d in shape):  # -1 is for declarations, not for a request's tensor
+        raise InvalidInput(f"{where}: negative dimension in shape {shape}")
     params = _object(tensor.get("parameters"), f"{where}: 'parameters'")
     size = params.pop(BINARY_DATA_SIZE, None)
     entry = request.inputs.add(name=name, datatype=datatype, shape=shape)
