@@ -524,9 +524,14 @@ async def _serve(repo: Path, desired: Desired, flags: Mapping[str, object], run_
             announcer.cancel()
     finally:
         loop.remove_signal_handler(signal.SIGHUP)
-        if tree.routers > 1:  # a fleet's routers share these files: the last one out removes
-            for name in (ADDRESS_FILE, HTTP_ADDRESS_FILE, METRICS_ADDRESS_FILE):
-                (run_dir / name).unlink(missing_ok=True)
+        # Every child has exited: what they did not remove (a fleet's shared files, or
+        # a forced stop's leftovers) is stale now. The run dir's lock is still ours.
+        for name in (ADDRESS_FILE, HTTP_ADDRESS_FILE, METRICS_ADDRESS_FILE):
+            (run_dir / name).unlink(missing_ok=True)
+        removed = sweep_stale_sockets(run_dir)
+        if removed:
+            log.info("removed the sockets a forced stop left: %s", ", ".join(removed))
+        if tree.routers > 1:
             remove_shm_registry(run_dir)
     log.info("stopped with exit code %d", code)
     return code

@@ -22,6 +22,7 @@ import enum
 import logging
 import random
 import signal
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -59,6 +60,8 @@ log = logging.getLogger(__name__)
 # After the "kill now" request, how long to wait before abandoning a child
 # task. A process child has been SIGKILLed by then and only needs reaping.
 KILL_GRACE = 5.0
+# A stop signal this soon after the first is the same request sent twice, not "force it".
+SAME_STOP_S = 1.0
 
 
 class _Kind(enum.Enum):
@@ -677,28 +680,40 @@ async def run_root(
 
     Returns the process exit code: 0 after a stop signal, the code of a
     ``TerminateTree``, 1 if the root failed. The first stop signal starts a
-    graceful stop; a second one cancels again, which means "kill now".
+    graceful stop; a second one cancels again, which means "kill now",
+    unless it came within :data:`SAME_STOP_S` of the first: that is the same
+    request sent twice (``timeout`` signals the process and its group, a
+    terminal's Ctrl-C reaches the whole group), not an impatient person.
     Cancelling ``run_root`` itself stops the tree and re-raises.
     """
     loop = asyncio.get_running_loop()
     task = asyncio.create_task(root.serve(ready or _nothing), name="root")
     signals = tuple(stop_signals)
-    stop_requested = False
+    first_stop: float | None = None
 
-    def request_stop() -> None:
-        nonlocal stop_requested
-        stop_requested = True
+    def request_stop(number: int) -> None:
+        nonlocal first_stop
+        name = signal.Signals(number).name
+        now = time.monotonic()
+        if first_stop is None:
+            first_stop = now
+            log.info("%s: stopping the tree (another stop signal forces it)", name)
+        elif now - first_stop < SAME_STOP_S:
+            log.info("%s %.3f s after the first: the same stop request", name, now - first_stop)
+            return
+        else:
+            log.warning("%s again: forcing the stop (no more waiting for drains)", name)
         task.cancel()
 
     for number in signals:
-        loop.add_signal_handler(number, request_stop)
+        loop.add_signal_handler(number, request_stop, number)
     try:
         await task
     except TerminateTree as error:
         return error.exit_code
     except asyncio.CancelledError:
         current = asyncio.current_task()
-        if stop_requested and (current is None or current.cancelling() == 0):
+        if first_stop is not None and (current is None or current.cancelling() == 0):
             return 0
         raise
     except Exception:

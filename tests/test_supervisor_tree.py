@@ -7,7 +7,11 @@ sleeping; time only moves when a test advances the FakeClock.
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import random
+import signal
+import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
@@ -36,7 +40,7 @@ from poolserve.supervisor.spec import (
     TerminateTree,
     Unrecoverable,
 )
-from poolserve.supervisor.tree import KILL_GRACE, Supervisor, run_root
+from poolserve.supervisor.tree import KILL_GRACE, SAME_STOP_S, Supervisor, run_root
 
 E = TypeVar("E", bound=Event)
 
@@ -445,6 +449,85 @@ def test_run_root_cancelled_stops_the_tree_and_reraises() -> None:
         with pytest.raises(asyncio.CancelledError):
             await root_task
         assert world.live == {}
+
+    run(main)
+
+
+WAIT = 30.0
+
+
+class _Said(logging.Handler):
+    """Sets ``said`` when a record with ``words`` is logged (on the loop's thread)."""
+
+    def __init__(self, words: str) -> None:
+        super().__init__()
+        self.words = words
+        self.said = asyncio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.words in record.getMessage():
+            self.said.set()
+
+
+class _Draining:
+    """A root whose stop drains until released; a second cancel is "force it"."""
+
+    def __init__(self) -> None:
+        self.draining = asyncio.Event()
+        self.release = asyncio.Event()
+        self.forced = False
+
+    async def serve(self, ready: Callable[[], None]) -> None:
+        ready()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.draining.set()
+            try:
+                await self.release.wait()
+            except asyncio.CancelledError:
+                self.forced = True
+            raise
+
+
+@pytest.mark.parametrize("apart", ["at_once", "later"])
+def test_a_second_stop_signal_forces_the_stop_unless_it_is_the_same_request(apart: str) -> None:
+    """`timeout` and a terminal send a stop signal to the process and to its group:
+    a second one within SAME_STOP_S of the first is the same request (the drain
+    goes on); one after that is someone who wants it to stop now."""
+
+    async def main() -> None:
+        same = _Said("the same stop request")
+        tree_log = logging.getLogger("poolserve.supervisor.tree")
+        tree_log.addHandler(same)
+        level, tree_log.level = tree_log.level, logging.INFO
+        try:
+            await stops(same)
+        finally:
+            tree_log.removeHandler(same)
+            tree_log.setLevel(level)
+
+    async def stops(same: _Said) -> None:
+        root = _Draining()
+        task = asyncio.create_task(run_root(root, stop_signals=(signal.SIGUSR2,)))
+        await asyncio.sleep(0)  # run_root installs its handler
+        first = time.monotonic()
+        os.kill(os.getpid(), signal.SIGUSR2)
+        await asyncio.wait_for(root.draining.wait(), WAIT)
+        if apart == "later":
+            await asyncio.sleep(max(0.0, first + SAME_STOP_S + 0.05 - time.monotonic()))
+            os.kill(os.getpid(), signal.SIGUSR2)
+            assert await asyncio.wait_for(task, WAIT) == 0
+            assert root.forced
+            return
+        os.kill(os.getpid(), signal.SIGUSR2)
+        await asyncio.wait_for(same.said.wait(), WAIT)
+        if time.monotonic() - first >= SAME_STOP_S:
+            pytest.skip("the host stalled past SAME_STOP_S between the two signals")
+        assert not root.forced and not task.done()
+        root.release.set()  # the drain ends by itself
+        assert await asyncio.wait_for(task, WAIT) == 0
+        assert not root.forced
 
     run(main)
 
