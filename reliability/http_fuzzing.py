@@ -180,7 +180,8 @@ def wrong_types(rng: random.Random) -> Case:
             b"null",
             b"",
             b"{",
-            b'{"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1], "data": [NaN]}]}',
+            b'{"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [1], "data": [NaN]}]}',
+            b'{"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1], "data": [nan]}]}',
             b"\xff\xfe" + rng.randbytes(20),
         ]
     )  # fmt: skip

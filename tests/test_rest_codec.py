@@ -5,6 +5,7 @@ errors a malformed body gets."""
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 from typing import Any
@@ -146,6 +147,37 @@ def test_outputs_as_json_and_as_binary_per_output() -> None:
     assert f_out["data"] == [0.5, 1.5]  # FP16 as JSON numbers
 
 
+@pytest.mark.parametrize("datatype", ["FP16", "FP32", "FP64"])
+def test_nan_and_infinities_go_both_ways_as_triton_writes_them(datatype: str) -> None:
+    """orjson writes NaN and infinities as null (an echo of inf came back NaN in
+    tritonclient, silently); they are NaN, Infinity and -Infinity, as Triton's REST
+    writes and reads them, and as Python's json (tritonclient.http) reads them."""
+    values = [float("nan"), float("inf"), float("-inf"), 1.5]
+    text = json.dumps(
+        {"inputs": [{"name": "x", "shape": [4], "datatype": datatype, "data": values}]}
+    ).encode()
+    assert b"NaN" in text and b"-Infinity" in text
+    request, raw, binary = decode_request(memoryview(text), None)
+    arr = decode_inputs(request, raw=raw)["x"]
+    assert np.isnan(arr[0]) and arr[1] == np.inf and arr[2] == -np.inf and arr[3] == 1.5
+    response, views = _response(
+        ("y", datatype, [4], arr.tobytes()), ("z", datatype, [1], arr[3:].tobytes())
+    )
+    parts = encode_response(request, response, views, binary)
+    whole = b"".join(bytes(p) for p in parts)
+    assert b'"data":[NaN,Infinity,-Infinity,1.5]' in whole, whole
+    assert b'"data":[1.5]' in whole  # a finite tensor as before
+    head, _ = _reply(parts)
+    y = head["outputs"][0]["data"]
+    assert math.isnan(y[0]) and y[1:] == [math.inf, -math.inf, 1.5]
+
+
+def test_a_body_that_is_not_json_is_refused_with_or_without_nan() -> None:
+    for text in (b'{"inputs": [NaN', b"{NaN: 1}", b"[" * 100_000 + b"NaN" + b"]" * 100_000):
+        with pytest.raises(InvalidInput, match="not valid JSON"):
+            decode_request(memoryview(text), None)
+
+
 @pytest.mark.parametrize(
     ("doc", "words"),
     [
@@ -241,6 +273,13 @@ def test_scheduling_parameters_reach_the_pools_peeks() -> None:
     assert routing.priority is None  # too large to read on the pool's loop: the defaults
     grpc_body = pb.ModelInferRequest(model_name="m").SerializeToString()
     assert scheduling_view(grpc_body) == grpc_body
+    # a body with NaN in its tensors is read by the pool as by the worker: its
+    # parameters are not dropped (orjson alone refuses NaN)
+    tensor = {"name": "x", "shape": [1], "datatype": "FP32", "data": [float("nan")]}
+    nan = json.dumps({"parameters": {"priority": 2}, "inputs": [tensor]}).encode()
+    assert b"NaN" in nan
+    routing = peek_routing(scheduling_view(wrap_head("m", "", len(nan), RestHead()) + nan))
+    assert routing.priority == 2
 
 
 def test_rest_batch_keys_match_for_json_and_binary_tensors() -> None:

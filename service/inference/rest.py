@@ -47,6 +47,7 @@ from poolserve.service.contract.rest import (
     unwrap,
 )
 from poolserve.service.contract.shm import Region
+from poolserve.service.inference import json_body
 from poolserve.service.inference.codec import dtype_for
 from poolserve.service.inference.infer import run_request
 from poolserve.service.inference.model import Model, WireModel, tensor_specs
@@ -198,10 +199,7 @@ def decode_request(
                 f"the {len(body)}-byte body"
             )
         text, binary = body[:header_length], body[header_length:]
-    try:
-        doc = orjson.loads(text)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidInput(f"the request body is not valid JSON: {exc}") from None
+    doc = _loads(text)
     if not isinstance(doc, dict):
         raise InvalidInput("the request body must be a JSON object")
     request = pb.ModelInferRequest()
@@ -426,10 +424,7 @@ def _run_wire(
 def decode_v1(body: memoryview, model: Model) -> tuple[pb.ModelInferRequest, list[Buffer], Binary]:
     """``{"instances": [...]}`` (or ``"inputs"``) as the model's first input:
     its declared name and datatype, the instances' shape (one row each)."""
-    try:
-        doc = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidInput(f"the request body is not valid JSON: {exc}") from None
+    doc = _loads(body)
     instances = doc.get("instances", doc.get("inputs")) if isinstance(doc, dict) else None
     if not isinstance(instances, list) or not instances:
         raise InvalidInput('the request body must be {"instances": [...]} with one or more rows')
@@ -463,7 +458,7 @@ def encode_v1(response: pb.ModelInferResponse, views: list[Buffer], encoding: in
         items = [_v1_bytes(item) for item in _bytes_items(views[0])]
         data = np.asarray(items, dtype=object).reshape(tuple(tensor.shape)).tolist()
     else:
-        data = _numbers(tensor.datatype, views[0]).reshape(tuple(tensor.shape))
+        data = _json_numbers(_numbers(tensor.datatype, views[0]).reshape(tuple(tensor.shape)))
     text = orjson.dumps({"predictions": data}, option=orjson.OPT_SERIALIZE_NUMPY)
     head = REPLY_HEAD.pack(len(text), encoding, 0)
     if encoding != IDENTITY:
@@ -514,7 +509,7 @@ def encode_response(
         elif tensor.datatype == "BYTES":
             out["data"] = _json_bytes(_bytes_items(view), params)
         else:
-            out["data"] = _numbers(tensor.datatype, view)
+            out["data"] = _json_numbers(_numbers(tensor.datatype, view))
         if params:
             out["parameters"] = params
         outputs.append(out)
@@ -533,6 +528,41 @@ def _value(param: pb.InferParameter) -> object:
 
 def _numbers(datatype: str, view: Buffer) -> npt.NDArray[Any]:
     return np.frombuffer(view, dtype_for(datatype))
+
+
+def _json_numbers(arr: npt.NDArray[Any]) -> npt.NDArray[Any] | orjson.Fragment:
+    """An array as JSON numbers: as it is (orjson's fast path) unless it holds NaN or
+    an infinity, which orjson would write as null; those are written NaN, Infinity
+    and -Infinity, as Triton's REST does (rapidjson's kWriteNanAndInfFlag) and as
+    Python's json and tritonclient read them back."""
+    if arr.dtype.kind != "f" or np.isfinite(arr).all():
+        return arr
+    flat = arr.ravel()
+    # orjson's own numbers (float32's shortest form), then the non-finite ones' words
+    tokens = orjson.dumps(flat, option=orjson.OPT_SERIALIZE_NUMPY)[1:-1].split(b",")
+    for index in np.flatnonzero(~np.isfinite(flat)):
+        value = flat[index]
+        tokens[index] = b"NaN" if np.isnan(value) else b"Infinity" if value > 0 else b"-Infinity"
+    return orjson.Fragment(_nested(tokens, arr.shape))
+
+
+def _nested(tokens: list[bytes], shape: tuple[int, ...]) -> bytes:
+    """JSON numbers (``tokens``, row-major) nested as ``shape``."""
+    if not shape:
+        return tokens[0]
+    if len(shape) == 1:
+        return b"[" + b",".join(tokens) + b"]"
+    step = len(tokens) // shape[0]
+    rows = (_nested(tokens[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0]))
+    return b"[" + b",".join(rows) + b"]"
+
+
+def _loads(text: Buffer) -> Any:
+    """A JSON body (NaN and the infinities read as Triton reads them), or InvalidInput."""
+    try:
+        return json_body.loads(text)
+    except json_body.NotJson as exc:
+        raise InvalidInput(f"the request body is not valid JSON: {exc}") from None
 
 
 def _v1_bytes(item: bytes) -> object:

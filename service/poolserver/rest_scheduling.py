@@ -5,8 +5,9 @@ A gRPC request carries them in its wire bytes, where the pool peeks at them
 without parsing (:mod:`poolserve.service.contract.wire`,
 :mod:`poolserve.service.contract.sequence`). A REST body arrives as the
 router forwarded it (:mod:`poolserve.service.contract.rest`); here its JSON
-is read with orjson when it is small enough to read on the pool's event loop
-(:data:`MAX_PEEK` bytes, inflated first when compressed: Triton's binary
+is read as the worker reads it (:mod:`poolserve.service.inference.json_body`)
+when it is small enough to read on the pool's event loop (:data:`MAX_PEEK`
+bytes, inflated first when compressed: Triton's binary
 extension keeps the JSON small whatever the tensors' size), and the
 parameters are turned into the same wire bytes, so that the same peeks, with
 the same checks and the same errors, apply
@@ -37,6 +38,7 @@ from poolserve.service.contract.rest import (
 from poolserve.service.contract.rest import unwrap as unwrap_rest
 from poolserve.service.contract.shm import unwrap
 from poolserve.service.contract.wire import Routing, Wire, peek_model, peek_routing
+from poolserve.service.inference import json_body
 
 
 def scheduling_routing(request: Payload) -> Routing:
@@ -86,8 +88,8 @@ def _document(head: RestHead, body: Wire) -> dict[str, Any] | None:
     if text is None:
         return None
     try:
-        doc = orjson.loads(text)
-    except orjson.JSONDecodeError:
+        doc = json_body.loads(text)  # NaN and the infinities as the worker reads them
+    except json_body.NotJson:
         return None  # the worker says what is wrong with it
     return doc if isinstance(doc, dict) else None
 
