@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import os
 import shlex
 import sys
@@ -168,6 +169,16 @@ def _main(argv: Sequence[str] | None) -> int:
     return run_serve(args.repo, _flags(args))
 
 
+# What only `serve`'s tree has (its router's REST and metrics ports, its routers
+# and workers): (setting, flag).
+_ROUTER_ONLY = (
+    ("http_port", "--http-port"),
+    ("metrics_port", "--metrics-port"),
+    ("routers", "--routers"),
+    ("parallel_workers", "--workers"),
+)
+
+
 def _serve_inprocess(args: argparse.Namespace) -> int:
     from poolserve.service.contract.repository import scan
     from poolserve.service.contract.settings import ConfigError, load_server_settings
@@ -182,6 +193,12 @@ def _serve_inprocess(args: argparse.Namespace) -> int:
         print(f"poolserve: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     setup_logging("inprocess", settings.log_format, relay="process")
+    flags = _flags(args)
+    ignored = [flag for key, flag in _ROUTER_ONLY if flags.get(key) is not None]
+    if ignored:  # asked for on the command line: say it is not there
+        logging.getLogger("poolserve.inprocess").warning(
+            "serve-inprocess is one process serving gRPC only: %s ignored", ", ".join(ignored)
+        )
 
     async def run() -> None:
         server = InProcessServer(repository, settings)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from poolserve.service.contract.settings import ServerSettings
 from poolserve.service.inference.codec import decode_outputs, encode_inputs
 from poolserve.service.poolserver.inprocess import InProcessServer
 
-from support import copy_echo_any, copy_example, run_client, write_model
+from support import BIN, copy_echo_any, copy_example, run_client, write_model
 
 FAULTY = """
 from poolserve.service import InvalidInput, Model
@@ -180,3 +181,19 @@ def test_tritonclient_raw_typed_every_datatype(repo: Path) -> None:
         assert report["model_ready"] == {"echo": True, "no-such-model": False}
 
     serve(repo, body)
+
+
+def test_the_command_says_which_flags_it_has_no_use_for(repo: Path) -> None:
+    """`serve-inprocess` is one process serving gRPC: a REST or metrics port (or
+    routers, workers) asked for on its command line is said to be ignored."""
+    argv = [str(BIN / "poolserve"), "serve-inprocess", str(repo), "--grpc-port", "0"]
+    argv += ["--http-port", "0", "--metrics-port", "0"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        line = proc.stdout.readline()  # printed once it serves: the warning came before
+        assert line.startswith("poolserve: serving in-process on "), line
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+    assert "serving gRPC only: --http-port, --metrics-port ignored" in err, err
