@@ -214,6 +214,11 @@ def test_wrap_line_keeps_records_and_wraps_everything_else() -> None:
         assert (wrapped["role"], wrapped["pid"], wrapped["level"]) == ("pool:a", 9, "WARNING")
     glog = "E1201 14:20:02.510713   17173 chttp2_transport.cc:1376] bind failed"
     assert json.loads(wrap_line(glog, "router", 1))["level"] == "ERROR"
+    # a record after output with no newline of its own: two lines, the record kept
+    for before in ("loading... no newline", 'half {"a": 1} and {"ts"'):
+        first, second = wrap_line(before + record, "zygote:a", 9).split("\n")
+        assert json.loads(first)["msg"] == before and json.loads(first)["raw"] is True
+        assert second == record
 
 
 def test_pipe_relay_splits_lines_across_reads_and_flushes_at_eof() -> None:

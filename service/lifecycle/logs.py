@@ -112,14 +112,34 @@ def setup_logging(
 def wrap_line(text: str, role: str, pid: int) -> str:
     """A line written outside any log handler, as one JSON object; a line
     that is a log record already (an object with ``ts``, ``level``, ``role``
-    and ``pid``: what a handler of the tree writes) is returned as it is."""
-    if text.startswith("{"):
-        try:
-            value = json.loads(text)
-        except ValueError:
-            value = None
-        if isinstance(value, dict) and value.keys() >= RECORD_KEYS:
-            return text
+    and ``pid``: what a handler of the tree writes) is returned as it is.
+
+    A record that follows output with no newline of its own (a model's
+    ``sys.stderr.write("...")``) shares its line: that line becomes two, the
+    output wrapped, then the record as it is, so that no record is lost in
+    another's ``msg``."""
+    if _is_record(text):
+        return text
+    if text.endswith("}"):
+        start = text.find('{"', 1)
+        while start != -1:
+            if _is_record(text[start:]):
+                return _wrapped(text[:start], role, pid) + "\n" + text[start:]
+            start = text.find('{"', start + 1)
+    return _wrapped(text, role, pid)
+
+
+def _is_record(text: str) -> bool:
+    if not text.startswith("{"):
+        return False
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(value, dict) and value.keys() >= RECORD_KEYS
+
+
+def _wrapped(text: str, role: str, pid: int) -> str:
     glog = _GLOG.match(text)  # grpc's C core: "E1201 14:20:02.510713 17173 file.cc:1] ..."
     record = {
         "ts": datetime.datetime.now(datetime.UTC).isoformat(),
