@@ -458,11 +458,33 @@ def test_sighup_after_adding_a_model_with_a_new_gid(tmp_path: Path, systemd: Sys
             reply = await Stub(channel).ModelInfer(infer_request("echo5"), timeout=WAIT)
             assert reply.model_name == "echo5"
 
+    async def reload_unloads_a_removed_model(serving: Serving) -> None:
+        """A model whose folder left is unloaded and no longer listed; one unloaded
+        through the API is still in the repository, listed UNLOADED."""
+        shutil.rmtree(repo / "echo5")
+        shown = await asyncio.to_thread(
+            poolserve, "reload", "--run-dir", str(serving.run_dir), "--json"
+        )
+        assert shown.returncode == 0, shown.stdout + shown.stderr
+        assert json.loads(shown.stdout)["updated"] == ["default"]
+        async with grpc.aio.insecure_channel(router_address(serving)) as channel:
+            stub = Stub(channel)
+            await stub.RepositoryModelUnload(
+                pb.RepositoryModelUnloadRequest(model_name="echo"), timeout=WAIT
+            )
+            index = await stub.RepositoryIndex(pb.RepositoryIndexRequest(), timeout=WAIT)
+            states = {m.name: m.state for m in index.models}
+            assert "echo5" not in states and states["echo"] == "UNLOADED", states
+            await stub.RepositoryModelLoad(
+                pb.RepositoryModelLoadRequest(model_name="echo"), timeout=WAIT
+            )
+
     with Serving(repo, tmp_path / "run", env=env) as serving:
         systemd.until("READY=1")
         asyncio.run(sighup_starts_one_pool(serving))
         asyncio.run(reload_stops_a_pool(serving))
         asyncio.run(reload_loads_a_model_live(serving))
+        asyncio.run(reload_unloads_a_removed_model(serving))
         asyncio.run(ensure_pool_starts_one_pool(serving))
         assert serving.terminate() == 0, serving.log()
         assert "Traceback" not in serving.log(), serving.log()

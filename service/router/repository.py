@@ -62,8 +62,10 @@ class RepositoryCalls:
                         state="UNAVAILABLE",
                         reason=f"{route.where} is not answering: {answer.message}",
                     )
-            else:
-                merged.models.extend(pb.RepositoryIndexResponse.FromString(answer).models)
+            else:  # a model its folder left (a reload unloaded it) is no longer listed
+                listed = set(route.models)
+                models = pb.RepositoryIndexResponse.FromString(answer).models
+                merged.models.extend(m for m in models if m.name in listed)
         for name, reason in self.routes.invalid.items():
             merged.models.add(name=name, state="UNAVAILABLE", reason=reason)
         if request.ready:
