@@ -570,8 +570,13 @@ def test_metrics_answer_while_router_0_is_down(fleet: Tree) -> None:
 
 
 def _gone_or_zombie(pid: int) -> bool:
+    """Every thread of ``pid`` has exited, so its sockets are closed. A killed
+    process's main thread turns zombie while its other threads still exit, and the
+    sockets they share close with the last one (a connection queued on the
+    listening socket meanwhile is reset)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+            zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        return zombie and os.listdir(f"/proc/{pid}/task") == [str(pid)]
     except FileNotFoundError:
         return True
