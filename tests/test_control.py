@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import io
 import json
 import os
@@ -20,7 +21,7 @@ import stat
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
@@ -837,13 +838,7 @@ def test_status_exit_codes(repo: Path, tmp_path: Path) -> None:
     args = argparse.Namespace(**{**vars(nobody), "run_dir": str(tmp_path)})
 
     async def main() -> None:
-        async with Harness(repo, tmp_path, "") as harness:
-            control = ControlService(
-                tmp_path, harness.tree.root, harness.reconciler, started_at=0.0
-            )
-            ready = asyncio.Event()
-            task = asyncio.create_task(control.serve(ready.set))
-            await asyncio.wait_for(ready.wait(), WAIT)
+        async with Harness(repo, tmp_path, "") as harness, control_served(harness, tmp_path):
             out = io.StringIO()
             code = await asyncio.to_thread(status_main, args, out)
             assert code == EXIT_OK, out.getvalue()
@@ -862,8 +857,6 @@ def test_status_exit_codes(repo: Path, tmp_path: Path) -> None:
             assert await asyncio.to_thread(status_main, json_args, out) == EXIT_NOT_RUNNING
             nodes = json.loads(out.getvalue())["children"][0]["children"]
             assert {n["id"]: n["state"] for n in nodes}["pool:g5"] == "failed"
-            task.cancel()
-            await asyncio.wait({task})
 
     run(main)
 
@@ -881,13 +874,7 @@ def test_status_lists_a_model_the_repository_cannot_serve_and_exits_1(
     args = argparse.Namespace(run_dir=str(tmp_path), grpc_port=None, timeout=WAIT, json=False)
 
     async def main() -> None:
-        async with Harness(repo, tmp_path, "") as harness:
-            control = ControlService(
-                tmp_path, harness.tree.root, harness.reconciler, started_at=0.0
-            )
-            ready = asyncio.Event()
-            task = asyncio.create_task(control.serve(ready.set))
-            await asyncio.wait_for(ready.wait(), WAIT)
+        async with Harness(repo, tmp_path, "") as harness, control_served(harness, tmp_path):
             out = io.StringIO()
             assert await asyncio.to_thread(status_main, args, out) == EXIT_MODELS_NOT_READY
             (line,) = [x for x in out.getvalue().splitlines() if "model bad " in x]
@@ -905,8 +892,6 @@ def test_status_lists_a_model_the_repository_cannot_serve_and_exits_1(
             out = io.StringIO()
             assert await asyncio.to_thread(status_main, args, out) == EXIT_OK, out.getvalue()
             assert "not served" not in out.getvalue()
-            task.cancel()
-            await asyncio.wait({task})
 
     run(main)
 
@@ -931,6 +916,20 @@ def test_a_reload_that_finds_an_invalid_model_reports_it(repo: Path, tmp_path: P
             assert again.failures == report.failures
 
     run(main)
+
+
+@contextlib.asynccontextmanager
+async def control_served(harness: Harness, run_dir: Path) -> AsyncIterator[None]:
+    """The tree's control socket served in ``run_dir`` (what status and reload ask)."""
+    control = ControlService(run_dir, harness.tree.root, harness.reconciler, started_at=0.0)
+    ready = asyncio.Event()
+    task = asyncio.create_task(control.serve(ready.set))
+    try:
+        await asyncio.wait_for(ready.wait(), WAIT)
+        yield
+    finally:
+        task.cancel()
+        await asyncio.wait({task})
 
 
 class _Fails:
