@@ -143,7 +143,7 @@ class Desired:
     pools: Mapping[str, tuple[ModelSettings, ...]]
     invalid: tuple[InvalidModel, ...] = ()
     # what each model's folder holds (by ModelSettings.key): a reload loads a
-    # model again when its files changed, its code say, not only its settings
+    # model again when its files changed, its code, say, not only its settings
     files: Mapping[str, Fingerprint | None] = field(default_factory=dict)
 
     @classmethod

@@ -1149,6 +1149,10 @@ def test_same_custom_endpoints_as_mlserver(served: Serving, mlserver: str) -> No
         peer = requests.request(method, f"{theirs}{path}", timeout=WAIT)
         assert mine.status_code == peer.status_code == status, (path, mine.text, peer.text)
         assert "error" in mine.json()
+        allowed = (answer.headers.get("allow") for answer in (mine, peer))
+        assert len({frozenset((a or "").replace(" ", "").split(",")) for a in allowed}) == 1
+    head = requests.head(f"{ours}/hooks/ab?n=3", timeout=WAIT)
+    assert (head.status_code, head.content) == (200, b"")
 
 
 def test_custom_endpoint_of_an_inline_model(served: Serving) -> None:

@@ -399,6 +399,41 @@ def test_error_statuses(tree: Serving) -> None:
     assert _post(tree, "/v2/nothing/here").status_code == 404
 
 
+def test_a_path_called_with_another_method_is_405_naming_the_methods_it_takes(
+    tree: Serving,
+) -> None:
+    """RFC 9110: 405 with an Allow header for a path the door serves with
+    other methods, 404 for a path it does not serve, HEAD wherever GET goes."""
+    base = f"http://{_http(tree)}"
+    cases = [
+        ("GET", "/v2/models/echo/infer", "POST"),
+        ("PUT", "/v2/models/echo/infer", "POST"),
+        ("POST", "/v2/models/echo", "GET, HEAD"),
+        ("DELETE", "/v2/health/ready", "GET, HEAD"),
+        ("GET", "/v2/repository/index", "POST"),
+        ("GET", "/v2/systemsharedmemory/region/r/register", "POST"),
+        ("POST", "/v2/systemsharedmemory/status", "GET, HEAD"),
+        ("GET", "/v1/models/echo:predict", "POST"),
+    ]
+    for method, path, allow in cases:
+        answer = requests.request(method, base + path, timeout=WAIT)
+        assert (answer.status_code, answer.headers.get("allow")) == (405, allow), (method, path)
+        assert path in answer.json()["error"]
+    for method in ("GET", "PUT", "POST"):
+        unknown = requests.request(method, base + "/v2/nothing/here", timeout=WAIT)
+        assert (unknown.status_code, unknown.headers.get("allow")) == (404, None)
+    got = requests.get(base + "/v2/models/echo", timeout=WAIT)
+    head = requests.head(base + "/v2/models/echo", timeout=WAIT)
+    assert (head.status_code, head.content) == (200, b"")
+    assert head.headers["content-length"] == got.headers["content-length"] != "0"
+    assert requests.head(base + "/v2/health/live", timeout=WAIT).status_code == 200
+    assert requests.head(base + "/v2/models/nope", timeout=WAIT).status_code == 404
+    # the connection stays usable after a HEAD: the next answer is whole
+    with requests.Session() as session:
+        assert session.head(base + "/v2/models/echo", timeout=WAIT).status_code == 200
+        assert session.get(base + "/v2/models/echo", timeout=WAIT).json()["name"] == "echo"
+
+
 def _raw(tree: Serving, request: bytes) -> bytes:
     """One request on a raw connection; everything the server sends until it closes."""
     host, port = _http(tree).rsplit(":", 1)

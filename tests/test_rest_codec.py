@@ -185,6 +185,14 @@ def test_a_body_that_is_not_json_is_refused_with_or_without_nan() -> None:
         ({"inputs": [{"name": "x", "shape": [2], "datatype": "FP32", "data": [1]}]}, "elements"),
         ({"inputs": [{"name": "x", "shape": [1], "datatype": "INT8", "data": [300]}]}, "range"),
         ({"inputs": [{"name": "x", "shape": [1], "datatype": "INT32", "data": [1.5]}]}, "INT32"),
+        (
+            {"inputs": [{"name": "x", "shape": [2], "datatype": "INT64", "data": [1, math.nan]}]},
+            "not integers .*NaN.*, not INT64",
+        ),
+        (
+            {"inputs": [{"name": "x", "shape": [1], "datatype": "UINT8", "data": [math.inf]}]},
+            "not integers .*infinities.*, not UINT8",
+        ),
         ({"inputs": [{"name": "x", "shape": [1], "datatype": "BOOL", "data": [1]}]}, "BOOL"),
         (
             {"inputs": [{"name": "x", "shape": [2], "datatype": "FP32", "data": [[1], [2, 3]]}]},

@@ -332,11 +332,14 @@ def _json_data(data: object, datatype: str, shape: list[int], where: str) -> byt
     return _cast(arr, dtype, datatype, where).tobytes()
 
 
+_NOT_INTEGERS = "numbers that are not integers (fractions, NaN or infinities)"
+
+
 def _integers(data: object, dtype: np.dtype[Any], datatype: str, where: str) -> npt.NDArray[Any]:
     """Integers numpy read as floats (beyond int64, or int64 and uint64 mixed)."""
     values = np.asarray(data, dtype=object)
     if not all(type(v) is int for v in values.flat):
-        raise InvalidInput(f"{where}: 'data' holds fractional numbers, not {datatype} values")
+        raise InvalidInput(f"{where}: 'data' holds {_NOT_INTEGERS}, not {datatype} values")
     try:
         return np.array(values.tolist(), dtype=dtype)
     except OverflowError:
@@ -379,7 +382,7 @@ def _cast(
 
 
 def _json_kind(kind: str) -> str:
-    return {"b": "booleans", "f": "fractional numbers", "U": "strings", "O": "mixed values"}.get(
+    return {"b": "booleans", "f": _NOT_INTEGERS, "U": "strings", "O": "mixed values"}.get(
         kind, "integers" if kind in _INT_KINDS else "other values"
     )
 

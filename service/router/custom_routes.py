@@ -68,8 +68,9 @@ class CustomRoutes:
         self._asked = -FRESH_S  # monotonic time of the last answer
         self._asking: asyncio.Future[None] | None = None
 
-    async def find(self, method: str, path: str) -> tuple[CustomRoute | None, bool]:
-        """(the route of ``method path``, whether the path has a route for another method)."""
+    async def find(self, method: str, path: str) -> tuple[CustomRoute | None, tuple[str, ...]]:
+        """(the route of ``method path``, the methods the path has routes for
+        when it has none for ``method``)."""
         age = time.monotonic() - self._asked
         if age > FRESH_S:
             await self._refresh()
@@ -79,14 +80,16 @@ class CustomRoutes:
             found, other = self._match(method, path)
         return found, other
 
-    def _match(self, method: str, path: str) -> tuple[CustomRoute | None, bool]:
-        other = False
+    def _match(self, method: str, path: str) -> tuple[CustomRoute | None, tuple[str, ...]]:
+        others: set[str] = set()
         for route in self.routes:
             if route.pattern.match(path):
-                if route.method == method:
-                    return route, False
-                other = True
-        return None, other
+                if route.method == method or (method == "HEAD" and route.method == "GET"):
+                    return route, ()  # HEAD: the model's app answers it as GET without the body
+                others.add(route.method)
+        if "GET" in others:
+            others.add("HEAD")
+        return None, tuple(sorted(others))
 
     async def _refresh(self) -> None:
         """Asks every pool; concurrent callers share one round of questions."""

@@ -27,6 +27,7 @@ from poolserve.service.contract.settings import ServerSettings
 from poolserve.service.grpcserver.handlers import EXTENSIONS
 from poolserve.service.grpcserver.shm import SharedMemory
 from poolserve.service.router.forwarding import Forwarder
+from poolserve.service.router.http_methods import methods_for
 from poolserve.service.router.http_wire import (
     MODEL_PATH,
     HttpError,
@@ -66,10 +67,12 @@ class HttpControl:
     async def answer(
         self, method: str, path: str, scope: Scope, receive: Receive
     ) -> tuple[int, bytes]:
-        if method not in ("GET", "POST"):
-            raise HttpError(
-                405 if path.startswith("/v2") else 404, f"{method} {path} is not served"
-            )
+        allowed = methods_for(path)
+        if not allowed:
+            raise HttpError(404, f"{method} {clip(path)} is not an endpoint of this server")
+        if method not in allowed:
+            takes = " or ".join(m for m in allowed if m != "HEAD")
+            raise HttpError(405, f"{method} {clip(path)}: this endpoint takes {takes}", allowed)
         if path == "/v2/health/live":
             return 200, orjson.dumps({"live": True})
         if path == "/v2/health/ready":

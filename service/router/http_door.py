@@ -64,6 +64,7 @@ from poolserve.service.router.http_connection import HttpConnection, tls_context
 from poolserve.service.router.http_control import HttpControl
 from poolserve.service.router.http_custom import run_custom
 from poolserve.service.router.http_io import Body, forwarded
+from poolserve.service.router.http_methods import allow_header
 from poolserve.service.router.http_wire import (
     MODEL_PATH,
     SSE_START,
@@ -189,6 +190,7 @@ class HttpDoor:
         connection: HttpConnection = scope["poolserve.connection"]
         method: str = scope["method"]
         path: str = scope["path"]
+        extra: tuple[tuple[bytes, bytes], ...] = ()
         try:
             if method == "POST" and path.endswith("/generate_stream") and _STREAM_PATH.match(path):
                 await self._traced(self._generate_stream, connection, scope, receive, send, path)
@@ -196,18 +198,21 @@ class HttpDoor:
             if forwarded(method, path) and _is_infer(path):
                 await self._traced(self._run_infer, connection, scope, receive, send, path)
                 return
-            status, body = await self.control.answer(method, path, scope, receive)
+            asked = "GET" if method == "HEAD" else method  # HEAD: GET's answer without its body
+            status, body = await self.control.answer(asked, path, scope, receive)
         except Gone:
             return
         except HttpError as exc:
             if exc.status in (404, 405) and await self._custom(connection, scope, receive, send):
                 return  # a path none of ours: an MLServer model's @custom_handler endpoint
             status, body = exc.status, error_body(exc.message)
+            if exc.allow:
+                extra = ((b"allow", allow_header(exc.allow)),)
         except ServingError as exc:
             status, message = http_status(exc)
             body = error_body(message)
         with connection.corked():
-            await respond(send, status, body)
+            await respond(send, status, body, extra=extra)
 
     async def _custom(
         self, connection: HttpConnection, scope: Scope, receive: Receive, send: Send
@@ -215,11 +220,13 @@ class HttpDoor:
         """Runs the call if a loaded MLServer model declared its path
         (:mod:`poolserve.service.router.http_custom`); False if none did."""
         method, path = scope["method"], scope["path"]
-        route, other = await self.custom.find(method, path)
+        route, others = await self.custom.find(method, path)
         if route is None:
-            if not other:
+            if not others:
                 return False
-            await respond(send, 405, error_body(f"{method} {clip(path)}: Method Not Allowed"))
+            message = f"{method} {clip(path)}: this endpoint takes {' or '.join(others)}"
+            extra = ((b"allow", allow_header(others)),)
+            await respond(send, 405, error_body(message), extra=extra)
             return True
 
         async def run(

@@ -52,10 +52,11 @@ SSE_START = {
 class HttpError(Exception):
     """An answer that is an HTTP status of the door's own (not a model's error)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, allow: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.allow = allow  # a 405's methods that the path takes
 
 
 def parse_timeout(value: bytes) -> float:
@@ -211,14 +212,15 @@ def carried_of(scope: Scope) -> list[tuple[str, str]]:
     ]
 
 
-async def respond(send: Send, status: int, body: bytes, content_type: bytes = JSON) -> None:
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [(b"content-type", content_type), (b"content-length", b"%d" % len(body))],
-        }
-    )
+async def respond(
+    send: Send,
+    status: int,
+    body: bytes,
+    content_type: bytes = JSON,
+    extra: tuple[tuple[bytes, bytes], ...] = (),
+) -> None:
+    headers = [(b"content-type", content_type), (b"content-length", b"%d" % len(body)), *extra]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
