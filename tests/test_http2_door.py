@@ -90,6 +90,16 @@ class Echo:
     async def client_stream(self, requests: AsyncIterator[bytes], context: Any) -> bytes:
         return b",".join([r async for r in requests])
 
+    async def stall(self, requests: AsyncIterator[bytes], context: Any) -> bytes:
+        """Never reads its requests (a handler busy elsewhere)."""
+        self.started.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        return b""
+
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(
             SERVICE,
@@ -98,6 +108,7 @@ class Echo:
                 "ServerStream": grpc.unary_stream_rpc_method_handler(self.server_stream),
                 "Bidi": grpc.stream_stream_rpc_method_handler(self.bidi),
                 "ClientStream": grpc.stream_unary_rpc_method_handler(self.client_stream),
+                "Stall": grpc.stream_unary_rpc_method_handler(self.stall),
             },
         )
 
@@ -551,6 +562,39 @@ def test_data_past_the_connections_window_ends_the_connection() -> None:
             chunk = b"x" * (1 << 20)
         _, _, payload = await raw.until_kind(Kind.GOAWAY)
         assert struct.unpack(">I", payload[4:8])[0] == ErrorCode.FLOW_CONTROL_ERROR
+
+    asyncio.run(serving(echo, test))
+
+
+def test_data_past_a_streams_window_resets_that_stream() -> None:
+    """A client may send a stream no more than the window it was given (4 MiB,
+    then what its handler took). One that ignores it on a stream whose handler
+    does not read gets RST_STREAM FLOW_CONTROL_ERROR (RFC 9113 6.9.1), its
+    handler is cancelled, and the connection serves on. Before, only the
+    connection's window was checked: one stream could hold it all."""
+    echo = Echo()
+
+    async def test(address: str, _: GrpcServer) -> None:
+        raw = await Raw.open(address)
+        raw.call(1, "Stall", b"x", end=False)
+        await asyncio.wait_for(echo.started.wait(), WAIT)
+        message = b"\0" + struct.pack(">I", 1019) + b"x" * 1019
+        chunk = message * 1024  # 1 MiB of whole messages
+        for _ in range(5):  # past the stream's 4 MiB, inside the connection's 16 MiB
+            raw.writer.write(frame(Kind.DATA, 0, 1, chunk))
+        kind, _, stream, payload = await asyncio.wait_for(raw.frame(), WAIT)
+        while kind in (Kind.SETTINGS, Kind.WINDOW_UPDATE, Kind.PING):
+            kind, _, stream, payload = await asyncio.wait_for(raw.frame(), WAIT)
+        assert (kind, stream) == (Kind.RST_STREAM, 1)
+        assert struct.unpack(">I", payload)[0] == ErrorCode.FLOW_CONTROL_ERROR
+        raw.call(3, "Unary", b"after")
+        _, stream, data = await raw.until_kind(Kind.DATA)
+        assert (stream, data[5:]) == (3, b"after")
+        for _ in range(100):
+            if echo.cancelled:
+                break
+            await asyncio.sleep(0.05)
+        assert echo.cancelled == 1
 
     asyncio.run(serving(echo, test))
 

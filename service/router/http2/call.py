@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _ENCODER = Encoder()
+STREAM_WINDOW = 4 << 20  # each stream's receive window (advertised in our SETTINGS)
 EARLY_RESET_SHARE = 0.1  # a reset with more of its timeout left than this is early
 RESPONSE_HEADERS = _ENCODER.encode(((b":status", b"200"), (b"content-type", b"application/grpc")))
 _OK_TRAILERS = _ENCODER.encode(((b"grpc-status", b"0"),))
@@ -82,6 +83,7 @@ class Call:
         "headers_sent",
         "held",
         "path",
+        "receive_window",
         "remote_done",
         "send_window",
         "stream",
@@ -101,6 +103,7 @@ class Call:
         self.stream = stream
         self.headers = headers
         self.send_window = conn.peer_stream_window
+        self.receive_window = STREAM_WINDOW  # what the client may still send on this stream
         self.remote_done = False
         self.finished = False
         self.was_cancelled = False

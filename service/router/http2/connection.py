@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from poolserve.service.contract.turns import turn_end
-from poolserve.service.router.http2.call import trailers_only
+from poolserve.service.router.http2.call import STREAM_WINDOW, trailers_only
 from poolserve.service.router.http2.frames import (
     ACK,
     DEFAULT_FRAME_SIZE,
@@ -76,7 +76,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FRAME_SIZE = 1 << 20  # the largest frame we take (advertised)
-STREAM_WINDOW = 4 << 20  # each stream's receive window (advertised)
 CONNECTION_WINDOW = 16 << 20  # the connection's receive window
 WRITE_HIGH_WATER = 64 << 10  # unsent bytes past this: writers wait (and replies count unread)
 PING_DATA = b"poolserv"
@@ -403,6 +402,9 @@ class Http2Connection(asyncio.Protocol):
             return  # a stream we already ended: its data is dropped (counted above)
         if call.remote_done:  # half-closed (remote): its request already ended
             raise StreamError(ErrorCode.STREAM_CLOSED, "DATA after END_STREAM")
+        call.receive_window -= len(payload)
+        if call.receive_window < 0:  # RFC 9113 6.9.1: more than the stream was given
+            raise StreamError(ErrorCode.FLOW_CONTROL_ERROR, "DATA past the stream's window")
         call.received(unpadded(flags, payload), bool(flags & END_STREAM), len(payload))
 
     def give_back(self) -> None:
@@ -603,6 +605,7 @@ class Http2Connection(asyncio.Protocol):
     def grant(self, call: Call, size: int) -> None:
         """The stream's ``size`` received bytes are taken: the client may send more."""
         if size > 0 and not call.remote_done:
+            call.receive_window += size
             self.write(window_update(call.stream, size))
 
     def data_frames(self, call: Call, data: bytes, end: bool) -> bool:
