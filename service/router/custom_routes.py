@@ -84,11 +84,9 @@ class CustomRoutes:
         others: set[str] = set()
         for route in self.routes:
             if route.pattern.match(path):
-                if route.method == method or (method == "HEAD" and route.method == "GET"):
-                    return route, ()  # HEAD: the model's app answers it as GET without the body
-                others.add(route.method)
-        if "GET" in others:
-            others.add("HEAD")
+                if route.method == method:
+                    return route, ()
+                others.add(route.method)  # as FastAPI's routes: no HEAD beside a GET
         return None, tuple(sorted(others))
 
     async def _refresh(self) -> None:
