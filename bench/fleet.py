@@ -54,6 +54,12 @@ Start = Callable[[str], Any]
 Measure = Callable[..., dict[str, Any]]
 
 
+def rounds_for(runs: int) -> int:
+    """5 rounds where the bench's other parts measure 3 (one where they measure
+    one): the row is a median of paired ratios, and a pair moves with the host."""
+    return max(1, 2 * runs - 1)
+
+
 def phase(
     start: Start,
     stop: Callable[[Any], None],
@@ -64,7 +70,11 @@ def phase(
     available: Callable[[str], str],
 ) -> dict[str, Any]:
     """Starts the three servers (``start(key)``: echo only, gRPC-ready), measures
-    echo c16 on each ``runs`` times, interleaved, and stops them."""
+    echo c16 on each in ``rounds_for(runs)`` rounds, and stops them. In each
+    round the two poolserve cells are next to each other, the first of them
+    alternating (routers: 1 then 2, then 2 then 1): their ratio is what the
+    row judges, and on a host whose speed drifts within minutes cells apart
+    differ more than the two layouts do."""
     folder = run_dir / "fleet"
     folder.mkdir(parents=True, exist_ok=True)
     skipped: dict[str, str] = {}
@@ -80,21 +90,22 @@ def phase(
                 why = f"did not start: {str(exc)[:300]}"
         skipped[key] = why
         log(f"fleet: skipping {key}: {why}")
+    rounds = rounds_for(runs)
     try:
-        for r in range(runs):
-            keys = list(running)
-            order = keys[r % max(1, len(keys)) :] + keys[: r % max(1, len(keys))]
+        for r in range(rounds):
+            keys = [key for key in SERVERS if key in running]
+            order = keys if r % 2 == 0 else keys[::-1]
             for key in order:
                 csv_path = folder / f"r{r}-{key}-echo-c{C}.csv"
                 out = measure(running[key], list(running.values()), ECHO, C, csv_path=csv_path)
                 records.append({"round": r, "server": key, "model": ECHO, "concurrency": C, **out})
-                log(f"[{len(records)}/{runs * len(running)}] fleet {key:<20} {out['shown']}")
+                log(f"[{len(records)}/{rounds * len(running)}] fleet {key:<20} {out['shown']}")
                 del records[-1]["shown"]
                 (run_dir / "fleet.json").write_text(json.dumps(records, indent=1))
     finally:
         for server in running.values():
             stop(server)
-    found: dict[str, Any] = {"runs": records, "rounds": runs, "skipped": skipped}
+    found: dict[str, Any] = {"runs": records, "rounds": rounds, "skipped": skipped}
     found["cells"] = cells(found)
     return found
 
