@@ -68,13 +68,16 @@ class Echo:
             context.add_done_callback(lambda _: self._done())
             return b"x" * int(request[4:])
         if request == b"wait":
-            self.started.set()
-            try:
-                await asyncio.sleep(3600)
-            except asyncio.CancelledError:
-                self.cancelled += 1
-                raise
+            await self._wait_until_cancelled()
         return request
+
+    async def _wait_until_cancelled(self) -> None:
+        self.started.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
 
     def _done(self) -> None:
         self.done_callbacks += 1
@@ -92,12 +95,7 @@ class Echo:
 
     async def stall(self, requests: AsyncIterator[bytes], context: Any) -> bytes:
         """Never reads its requests (a handler busy elsewhere)."""
-        self.started.set()
-        try:
-            await asyncio.sleep(3600)
-        except asyncio.CancelledError:
-            self.cancelled += 1
-            raise
+        await self._wait_until_cancelled()
         return b""
 
     def handler(self) -> grpc.GenericRpcHandler:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -27,7 +26,12 @@ from poolserve.service.contract.settings import ServerSettings
 from poolserve.service.grpcserver.handlers import EXTENSIONS
 from poolserve.service.grpcserver.shm import SharedMemory
 from poolserve.service.router.forwarding import Forwarder
-from poolserve.service.router.http_methods import methods_for
+from poolserve.service.router.http_methods import (
+    REPOSITORY_PATH,
+    SHARED_MEMORY_PATH,
+    V1_MODEL_PATH,
+    methods_for,
+)
 from poolserve.service.router.http_wire import (
     MODEL_PATH,
     HttpError,
@@ -39,12 +43,6 @@ from poolserve.service.router.http_wire import (
 )
 from poolserve.service.router.repository import LOAD, UNLOAD, RepositoryCalls
 from poolserve.service.router.routes import Routes
-
-_SHARED_MEMORY_PATH = re.compile(
-    r"^/v2/(system|cuda)sharedmemory(?:/region/([^/]+))?/(status|register|unregister)$"
-)
-_REPOSITORY_PATH = re.compile(r"^/v2/repository/models/([^/]+)/(load|unload)$")
-_V1_MODEL_PATH = re.compile(r"^/v1/models/([^/:]+)$")
 
 
 class HttpControl:
@@ -90,7 +88,7 @@ class HttpControl:
         metadata = carried_of(scope)
         if path.startswith(("/v2/systemsharedmemory", "/v2/cudasharedmemory")):
             return await self._shared_memory_call(method, path, receive)
-        match = _V1_MODEL_PATH.match(path)
+        match = V1_MODEL_PATH.match(path)
         if match is not None and method == "GET":  # KServe's V1: the model's readiness
             ready = await self._model_ready(match.group(1), "", budget, metadata)
             return (200 if ready else 503), orjson.dumps({"name": match.group(1), "ready": ready})
@@ -124,7 +122,7 @@ class HttpControl:
         self, method: str, path: str, receive: Receive
     ) -> tuple[int, bytes]:
         """Triton's shared-memory extensions: the router's one registry, as over gRPC."""
-        match = _SHARED_MEMORY_PATH.match(path)
+        match = SHARED_MEMORY_PATH.match(path)
         if match is None or method != ("GET" if match.group(3) == "status" else "POST"):
             raise HttpError(404, f"{method} {clip(path)} is not an endpoint of this server")
         kind, name, action = match.group(1), match.group(2) or "", match.group(3)
@@ -168,7 +166,7 @@ class HttpControl:
             reply = await self.repository.index(request.SerializeToString(), budget, metadata)
             models = pb.RepositoryIndexResponse.FromString(reply).models
             return 200, orjson.dumps([plain(m) for m in models])
-        match = _REPOSITORY_PATH.match(path)
+        match = REPOSITORY_PATH.match(path)
         if match is None:
             raise HttpError(404, f"POST {clip(path)} is not an endpoint of this server")
         name, action = match.group(1), match.group(2)

@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -64,7 +63,7 @@ from poolserve.service.router.http_connection import HttpConnection, tls_context
 from poolserve.service.router.http_control import HttpControl
 from poolserve.service.router.http_custom import run_custom
 from poolserve.service.router.http_io import Body, forwarded
-from poolserve.service.router.http_methods import allow_header
+from poolserve.service.router.http_methods import STREAM_PATH, V1_PREDICT_PATH, allow_header
 from poolserve.service.router.http_wire import (
     MODEL_PATH,
     SSE_START,
@@ -97,8 +96,6 @@ from poolserve.service.router.routes import Routes
 log = logging.getLogger(__name__)
 
 _MENTION = b"shared_memory_region"
-_STREAM_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?/generate_stream$")
-_V1_PREDICT_PATH = re.compile(r"^/v1/models/([^/:]+):predict$")
 
 
 class HttpDoor:
@@ -192,7 +189,7 @@ class HttpDoor:
         path: str = scope["path"]
         extra: tuple[tuple[bytes, bytes], ...] = ()
         try:
-            if method == "POST" and path.endswith("/generate_stream") and _STREAM_PATH.match(path):
+            if method == "POST" and path.endswith("/generate_stream") and STREAM_PATH.match(path):
                 await self._traced(self._generate_stream, connection, scope, receive, send, path)
                 return
             if forwarded(method, path) and _is_infer(path):
@@ -280,7 +277,7 @@ class HttpDoor:
         """MLServer's ``generate_stream``: a decoupled model's responses as
         server-sent events, one ``data: <JSON response>`` each, over the lane's
         stream; an error in the stream is an event ``data: {"error": ...}``."""
-        match = _STREAM_PATH.match(path)
+        match = STREAM_PATH.match(path)
         started = False
         events_sent = 0
         try:
@@ -499,7 +496,7 @@ def _is_infer(path: str) -> bool:
     match = MODEL_PATH.match(path)
     if match is not None:
         return match.group(3) in ("infer", "generate")
-    return _V1_PREDICT_PATH.match(path) is not None
+    return V1_PREDICT_PATH.match(path) is not None
 
 
 def _infer_target(path: str) -> tuple[str, str, int]:
@@ -507,7 +504,7 @@ def _infer_target(path: str) -> tuple[str, str, int]:
     match = MODEL_PATH.match(path)
     if match is not None and match.group(3) in ("infer", "generate"):
         return match.group(1), match.group(2) or "", V2
-    match = _V1_PREDICT_PATH.match(path)
+    match = V1_PREDICT_PATH.match(path)
     if match is not None:
         return match.group(1), "", V1
     raise HttpError(404, f"POST {clip(path)} is not an endpoint of this server")

@@ -24,15 +24,15 @@ _FIXED = {
     "/v2/repository/index": POST,
 }
 _MODEL_ACTIONS = {None: GET, "ready": GET, "config": GET, "stats": GET}
-_POSTED = re.compile(
-    r"^/v2/models/[^/]+(?:/versions/[^/]+)?/generate_stream$"
-    r"|^/v2/repository/models/[^/]+/(?:load|unload)$"
-    r"|^/v1/models/[^/:]+:predict$"
+# the door's paths beside MODEL_PATH (http_wire), with the parts its handlers read
+STREAM_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?/generate_stream$")
+V1_PREDICT_PATH = re.compile(r"^/v1/models/([^/:]+):predict$")
+V1_MODEL_PATH = re.compile(r"^/v1/models/([^/:]+)$")
+REPOSITORY_PATH = re.compile(r"^/v2/repository/models/([^/]+)/(load|unload)$")
+SHARED_MEMORY_PATH = re.compile(
+    r"^/v2/(system|cuda)sharedmemory(?:/region/([^/]+))?/(status|register|unregister)$"
 )
-_V1_MODEL = re.compile(r"^/v1/models/[^/:]+$")
-_SHARED_MEMORY = re.compile(
-    r"^/v2/(?:system|cuda)sharedmemory(?:/region/[^/]+)?/(status|register|unregister)$"
-)
+_POSTED = (STREAM_PATH, V1_PREDICT_PATH, REPOSITORY_PATH)
 
 
 def methods_for(path: str) -> tuple[str, ...]:
@@ -43,13 +43,13 @@ def methods_for(path: str) -> tuple[str, ...]:
     match = MODEL_PATH.match(path)
     if match is not None:
         return _MODEL_ACTIONS.get(match.group(3), POST)  # infer, generate
-    if _POSTED.match(path) is not None:
+    if any(pattern.match(path) is not None for pattern in _POSTED):
         return POST
-    if _V1_MODEL.match(path) is not None:
+    if V1_MODEL_PATH.match(path) is not None:
         return GET
-    match = _SHARED_MEMORY.match(path)
+    match = SHARED_MEMORY_PATH.match(path)
     if match is not None:
-        return GET if match.group(1) == "status" else POST
+        return GET if match.group(3) == "status" else POST
     return NONE
 
 
