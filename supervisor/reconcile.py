@@ -111,6 +111,8 @@ ROUTER_SETTINGS = (
     "max_connection_age_grace_s",
     "max_unread_reply_bytes",
     "max_unread_reply_bytes_total",
+    "max_request_bytes_held",
+    "max_request_bytes_held_total",
     "stream_stall_s",
     "unread_reply_grace_s",
     "repository_rescan_s",

@@ -545,21 +545,46 @@ def test_frames_on_streams_never_opened_end_the_connection() -> None:
 
 def test_data_past_the_connections_window_ends_the_connection() -> None:
     """Found reading the fuzzer's DATA cases: a client that ignores flow control
-    could make the router hold any amount (past the budget the window is not
-    given back, but nothing checked the client kept to it). Past the window:
-    GOAWAY FLOW_CONTROL_ERROR (RFC 9113 6.9.1), the bytes held are bounded."""
+    could make the router hold any amount (past max_request_bytes_held the
+    window is not given back, but nothing checked the client kept to it). Past
+    the window: GOAWAY FLOW_CONTROL_ERROR (RFC 9113 6.9.1), the bytes held are
+    bounded. Here eight streams whose handlers take nothing send whole
+    messages, past the 1 MiB bound and then past the connection's 16 MiB window."""
     echo = Echo()
 
     async def test(address: str, server: GrpcServer) -> None:
         raw = await Raw.open(address)
-        raw.call(1, "Unary", b"", end=False)
-        chunk = b"\0\0\0\0\x0a" + b"x" * ((1 << 20) - 5)  # a 10-byte message, then more
-        budget = server.settings.max_message_size + (16 << 20)
-        for _ in range((budget + (16 << 20)) // len(chunk) + 2):
-            raw.writer.write(frame(Kind.DATA, 0, 1, chunk))
-            chunk = b"x" * (1 << 20)
+        message = b"\0" + struct.pack(">I", 1019) + b"x" * 1019
+        chunk = message * 1024  # 1 MiB of whole messages
+        for stream in range(1, 17, 2):
+            raw.call(stream, "Stall", b"x", end=False)
+        for k in range(17):  # 16 of these fit the connection's window, each stream's too
+            raw.writer.write(frame(Kind.DATA, 0, 1 + 2 * (k % 8), chunk[: (1 << 20) - 16]))
         _, _, payload = await raw.until_kind(Kind.GOAWAY)
         assert struct.unpack(">I", payload[4:8])[0] == ErrorCode.FLOW_CONTROL_ERROR
+        assert server.requests.withheld > 0
+
+    asyncio.run(serving(echo, test, max_request_bytes_held=1 << 20))
+
+
+def test_data_after_a_unary_calls_message_ends_that_call_at_once() -> None:
+    """A unary call's stream that sends more than its one message is answered
+    INTERNAL as soon as the extra bytes come (its window would otherwise keep
+    them coming, past max_message_size); the connection serves on."""
+    echo = Echo()
+
+    async def test(address: str, server: GrpcServer) -> None:
+        raw = await Raw.open(address)
+        raw.call(1, "Unary", b"x" * 10, end=False)
+        raw.writer.write(frame(Kind.DATA, 0, 1, b"more"))
+        flags, stream, payload = await raw.until_kind(Kind.HEADERS)
+        fields = dict(raw.decoder.decode(payload))
+        assert (stream, fields[b"grpc-status"]) == (1, b"13")
+        assert b"one request message" in fields[b"grpc-message"]
+        raw.call(3, "Unary", b"after")
+        _, stream, data = await raw.until_kind(Kind.DATA)
+        assert (stream, data[5:]) == (3, b"after")
+        assert server.requests.total == 0
 
     asyncio.run(serving(echo, test))
 

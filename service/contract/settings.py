@@ -86,6 +86,10 @@ class ServerSettings:
     # Reply bytes held for clients that do not read them (RESOURCE_EXHAUSTED beyond).
     max_unread_reply_bytes: int = 32 * MIB  # per client connection
     max_unread_reply_bytes_total: int = 256 * MIB  # all connections together
+    # Request bytes the router's own HTTP/2 port holds for calls (arrived, not yet
+    # answered); past them windows are not given back and new streams are refused.
+    max_request_bytes_held: int = 128 * MIB  # per client connection
+    max_request_bytes_held_total: int = 256 * MIB  # all connections together
     # A ModelStreamInfer whose client takes none of its responses for this long
     # (they wait on its gRPC window) is ended with RESOURCE_EXHAUSTED and its
     # worker freed for the pool's other callers; 0: never (docs/streaming.md).
@@ -154,6 +158,8 @@ _INT_FIELDS = {
     "max_concurrent_streams",
     "max_unread_reply_bytes",
     "max_unread_reply_bytes_total",
+    "max_request_bytes_held",
+    "max_request_bytes_held_total",
     "threads_per_worker",
     "shm_max_regions",
     "shm_max_name_length",

@@ -4,15 +4,18 @@ Raw HTTP/2 over a socket (no gRPC library: a gRPC client always reads): it
 acknowledges SETTINGS and PING, so the connection stays healthy, but it
 never sends a WINDOW_UPDATE, so the server can send at most the initial
 65,535 bytes of reply data and has to hold the rest. Calls carry no
-grpc-timeout, so no deadline frees them.
+grpc-timeout (unless ``--timeout``), so no deadline frees them.
 
-usage: unread_replies.py HOST:PORT METHOD_PATH REQUEST_FILE COUNT
+usage: unread_replies.py HOST:PORT METHOD_PATH REQUEST_FILE COUNT [--at-once] [--timeout T]
 
 Sends COUNT calls of the serialized request in REQUEST_FILE one after the
-other, prints ``{"sent": COUNT}`` once all are on the wire, then one line
+other (``--at-once``: all streams opened first, their bodies interleaved as
+the server's windows allow, as a client with COUNT calls in flight does),
+prints ``{"sent": COUNT}`` once all are on the wire, then one line
 ``{"ended": STREAM_ID, "data": BYTES}`` per stream the server ends (a
 trailers-only error ends a stream at once; a reply held back by flow control
-never ends), until it is killed.
+never ends), until it is killed. ``--timeout``: a grpc-timeout header (such
+as ``2S``) on every call.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ import sys
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE = 0, 1, 3, 4, 6, 7, 8
 END_STREAM, ACK, END_HEADERS = 0x1, 0x1, 0x4
-INITIAL_WINDOW_SIZE = 0x4
+INITIAL_WINDOW_SIZE, MAX_FRAME_SIZE = 0x4, 0x5
 CHUNK = 16384  # the smallest SETTINGS_MAX_FRAME_SIZE a server may have
+LARGEST_CHUNK = 1 << 20  # the most sent in one DATA frame when the server takes more
 
 
 def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
@@ -61,6 +65,8 @@ class Connection:
         self.initial_window = 65535
         self.windows: dict[int, int] = {}
         self.received: dict[int, int] = {}
+        self.chunk = CHUNK
+        self.timeout = ""
         self.sock.sendall(PREFACE + frame(SETTINGS, 0, 0))
 
     def pump(self, timeout: float) -> None:
@@ -90,6 +96,8 @@ class Connection:
                     for sid in self.windows:
                         self.windows[sid] += value - self.initial_window
                     self.initial_window = value
+                elif key == MAX_FRAME_SIZE:
+                    self.chunk = min(value, LARGEST_CHUNK)
             self.sock.sendall(frame(SETTINGS, ACK, 0))
         elif kind == PING and not flags & ACK:
             self.sock.sendall(frame(PING, ACK, 0, payload))
@@ -104,6 +112,7 @@ class Connection:
             if flags & END_STREAM:
                 self.ended(stream)
         elif (kind == HEADERS and flags & END_STREAM) or kind == RST_STREAM:
+            self.windows.pop(stream, None)
             self.ended(stream)
         elif kind == GOAWAY:
             print(json.dumps({"goaway": True}), flush=True)
@@ -111,35 +120,46 @@ class Connection:
     def ended(self, stream: int) -> None:
         print(json.dumps({"ended": stream, "data": self.received.get(stream, 0)}), flush=True)
 
-    def call(self, stream: int, path: str, message: bytes) -> None:
-        headers = b"".join(
-            hpack_literal(name, value)
-            for name, value in (
-                (":method", "POST"),
-                (":scheme", "http"),
-                (":path", path),
-                (":authority", self.authority),
-                ("content-type", "application/grpc"),
-                ("te", "trailers"),
-            )
-        )
+    def open(self, stream: int, path: str) -> None:
+        fields = [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", path),
+            (":authority", self.authority),
+            ("content-type", "application/grpc"),
+            ("te", "trailers"),
+        ]
+        if self.timeout:
+            fields.append(("grpc-timeout", self.timeout))
+        headers = b"".join(hpack_literal(name, value) for name, value in fields)
         self.windows[stream] = self.initial_window
         self.sock.sendall(frame(HEADERS, END_HEADERS, stream, headers))
-        body = b"\x00" + struct.pack(">I", len(message)) + message
-        sent = 0
-        while sent < len(body):
-            room = min(CHUNK, self.conn_window, self.windows[stream], len(body) - sent)
-            if room <= 0:
-                self.pump(1.0)  # wait for the server's WINDOW_UPDATE
-                continue
-            last = sent + room == len(body)
-            self.sock.sendall(
-                frame(DATA, END_STREAM if last else 0, stream, body[sent : sent + room])
-            )
-            sent += room
-            self.conn_window -= room
-            self.windows[stream] -= room
-            self.pump(0)
+
+    def send(self, bodies: dict[int, bytes]) -> None:
+        """Sends each stream's body, round robin, as the windows allow."""
+        sent = dict.fromkeys(bodies, 0)
+        while sent:
+            moved = False
+            for stream, at in list(sent.items()):
+                body = bodies[stream]
+                if stream not in self.windows:  # the server ended it: nothing more to send
+                    del sent[stream]
+                    continue
+                room = min(self.chunk, self.conn_window, self.windows[stream], len(body) - at)
+                if room <= 0:
+                    continue
+                last = at + room == len(body)
+                self.sock.sendall(
+                    frame(DATA, END_STREAM if last else 0, stream, body[at : at + room])
+                )
+                self.conn_window -= room
+                self.windows[stream] -= room
+                moved = True
+                if last:
+                    del sent[stream]
+                else:
+                    sent[stream] = at + room
+            self.pump(0 if moved else 1.0)  # no room: wait for the server's WINDOW_UPDATE
 
 
 def main(argv: list[str]) -> int:
@@ -147,8 +167,18 @@ def main(argv: list[str]) -> int:
     with open(request_file, "rb") as f:
         message = f.read()
     connection = Connection(address)
-    for k in range(count):
-        connection.call(1 + 2 * k, path, message)
+    if "--timeout" in argv:
+        connection.timeout = argv[argv.index("--timeout") + 1]
+    body = b"\x00" + struct.pack(">I", len(message)) + message
+    streams = [1 + 2 * k for k in range(count)]
+    if "--at-once" in argv:
+        for stream in streams:
+            connection.open(stream, path)
+        connection.send(dict.fromkeys(streams, body))
+    else:
+        for stream in streams:
+            connection.open(stream, path)
+            connection.send({stream: body})
     print(json.dumps({"sent": count}), flush=True)
     while True:
         connection.pump(3600.0)

@@ -82,6 +82,8 @@ class Call:
         "headers",
         "headers_sent",
         "held",
+        "owed",
+        "partial",
         "path",
         "receive_window",
         "remote_done",
@@ -114,7 +116,9 @@ class Call:
         self.path = ""
         self.task: asyncio.Task[Any] | None = None
         self._pending = bytearray()
-        self.held = 0  # request bytes held here (the connection's budget)
+        self.held = 0  # request bytes held here (budget.RequestBudget)
+        self.partial = 0  # of those, in a message still coming (in _pending)
+        self.owed = 0  # stream window taken and not given back yet (a bound held it)
         self._requests: _Requests | None = None
         self._metadata: Metadata | None = None
         self._code: grpc.StatusCode | None = None
@@ -182,16 +186,20 @@ class Call:
         requests = self._requests
         if requests is None and end and not self._pending and _whole(data, limit):
             self.remote_done = True  # one frame, one whole uncompressed message: no copies
+            self._hold(len(data))  # until the handler returns
             self.task = self.conn.spawn(self._run(data[5:]))
             return
-        self._hold(len(data))
-        if requests is None:  # one request: taken whole, the window given back at once
+        self._hold(len(data), len(data))
+        if requests is None:  # one request: its window given back as it comes (within bounds)
             if data:
                 self._pending += data
                 if len(self._pending) >= 5:
                     size = int.from_bytes(self._pending[1:5], "big")
                     if size > limit:
                         self._too_large(size, limit)
+                        return
+                    if len(self._pending) > 5 + size:  # (the window would keep it coming)
+                        self._one_message("more")
                         return
             if not end:
                 self.conn.grant(self, flow)
@@ -201,12 +209,10 @@ class Call:
             if messages is None:
                 return
             if len(messages) != 1:
-                self._status(
-                    grpc.StatusCode.INTERNAL,
-                    f"a unary call takes one request message, this one sent {len(messages)}",
-                )
+                self._one_message(str(len(messages)))
                 return
-            self._hold(-self.held)
+            # held until the handler returns: an inflated message counts its own size
+            self._hold(max(len(messages[0]) + 5 - self.held, 0))
             self.task = self.conn.spawn(self._run(messages[0]))
             return
         self._pending += data
@@ -219,13 +225,23 @@ class Call:
             self.remote_done = True
             requests.end()
 
-    def _hold(self, size: int) -> None:
-        """``size`` more request bytes held (less, when negative)."""
-        if size:
-            self.held += size
-            self.conn.buffered += size
-            if size < 0:
-                self.conn.give_back()
+    def _one_message(self, sent: str) -> None:
+        self._status(
+            grpc.StatusCode.INTERNAL, f"a unary call takes one request message, this one sent {sent}"
+        )
+
+    def _hold(self, size: int, partial: int = 0) -> None:
+        """``size`` more request bytes held (less, when negative), ``partial`` more
+        of them in a message still coming."""
+        if size or partial:
+            self.conn.requests.change(self.conn, self, size, partial)
+
+    def _release(self) -> None:
+        """The call holds no request bytes any more (its handler returned, or it ended)."""
+        if self.held or self.partial:
+            self._hold(-self.held, -self.partial)
+        if self._pending:
+            self._pending = bytearray()  # a request cut short: its bytes go now
 
     def _messages(self, limit: int) -> list[bytes] | None:
         """The whole messages received so far; None once the call failed."""
@@ -250,6 +266,7 @@ class Call:
             messages.append(message)
         if at:
             del pending[:at]
+            self._hold(0, -at)  # whole messages now: no longer waiting for more data
         if self.remote_done and pending:
             self._status(grpc.StatusCode.INTERNAL, "the request ended inside a message")
             return None
@@ -342,11 +359,15 @@ class Call:
                 reply = await handler.stream_unary(requests, self)
             else:
                 reply = await handler.unary_unary(request, self)
+                request = message = None  # forwarded and answered: its bytes go now
+                self._release()
             body = serialize(reply) if serialize is not None else reply
             if self._code is not None and self._code is not grpc.StatusCode.OK:
                 self._status(self._code, self._details)
             else:
-                await self._send(body)
+                data = self._framed(body)
+                reply = body = None  # the framed copy is the one sent (unread, held)
+                await self._send_framed(data)
                 self._status(grpc.StatusCode.OK, self._details)
         except grpc.aio.AbortError:
             self._status(self._code or grpc.StatusCode.UNKNOWN, self._details)
@@ -361,11 +382,17 @@ class Call:
 
     async def _send(self, body: bytes) -> None:
         """One response message (the response headers first)."""
+        await self._send_framed(self._framed(body))
+
+    @staticmethod
+    def _framed(body: bytes) -> bytes:
+        return len(body).to_bytes(5, "big") + body
+
+    async def _send_framed(self, data: bytes) -> None:
         conn = self.conn
         if not self.headers_sent:
             self.headers_sent = True
             conn.write(frame(Kind.HEADERS, END_HEADERS, self.stream, RESPONSE_HEADERS))
-        data = len(body).to_bytes(5, "big") + body
         if not conn.data_frames(self, data, False):
             await conn.send_data(self, data)
 
@@ -397,7 +424,8 @@ class Call:
 
     def _ended(self) -> None:
         """The call is over: the handler's done callbacks run once its bytes left."""
-        self._hold(-self.held)
+        self._release()
+        self.conn.owing.pop(self.stream, None)
         if self._deadline_timer is not None:
             self._deadline_timer.cancel()
             self._deadline_timer = None
@@ -509,7 +537,7 @@ class _Requests:
                 finally:
                     self._arrived = None
             message = self.messages.popleft()
-            call._hold(-min(len(message) + 5, call.held))
+            call._hold(-min(len(message) + 5, call.held - call.partial))
             call.conn.grant(call, len(message) + 5 + self.unread)
             self.unread = 0
             yield deserialize(message) if deserialize is not None else message

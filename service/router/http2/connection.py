@@ -106,10 +106,12 @@ class Http2Connection(asyncio.Protocol):
         self.peer_stream_window = DEFAULT_WINDOW  # each new stream's
         self.peer_frame_size = DEFAULT_FRAME_SIZE
         self.unacked = 0  # bytes received that the client's window has not got back
-        # bytes of requests held here, not yet taken by a handler: past the budget,
-        # the connection's window is not given back (the client waits, not the router)
-        self.buffered = 0
-        self.budget = settings.max_message_size + CONNECTION_WINDOW
+        # request bytes its calls hold, and of those in messages still coming: past
+        # a bound its windows are not given back (the client waits, not the router)
+        self.requests = server.requests
+        self.held = 0
+        self.partial = 0
+        self.owing: dict[int, Call] = {}  # calls whose stream window a bound holds back
         self.max_streams = 2 * settings.max_concurrent_streams + 64
         # non-DATA frames written since the client last read: past the bound, a flood
         self.unread_frames = 0
@@ -182,6 +184,8 @@ class Http2Connection(asyncio.Protocol):
         for call in list(self.calls.values()):
             call.reset_by_peer()
         self.calls.clear()
+        self.owing.clear()
+        self.requests.forget(self)
         self._open_window()
         if self._drained is not None:
             self._drained.set()
@@ -409,10 +413,18 @@ class Http2Connection(asyncio.Protocol):
 
     def give_back(self) -> None:
         """The connection's window, given back in large steps while the
-        requests held here are within the budget."""
-        if self.unacked >= CONNECTION_WINDOW // 2 and self.buffered <= self.budget:
+        requests held here are within their bounds (budget.py)."""
+        if self.unacked >= CONNECTION_WINDOW // 2 and self.requests.window_open(self):
             self.write(window_update(0, self.unacked))
             self.unacked = 0
+
+    def resume_window(self) -> None:
+        """Request bytes were released: the windows held back, as the bounds allow."""
+        if self.closed:
+            return
+        self.give_back()
+        for call in list(self.owing.values()):
+            self.grant(call, 0)
 
     def _headers(self, flags: int, stream: int, payload: bytes) -> None:
         if stream == 0:
@@ -471,6 +483,12 @@ class Http2Connection(asyncio.Protocol):
             # (max_concurrent_streams bounds the calls: each handler counts its
             # connection's; this bounds the streams that have not begun one)
             self._reset(stream, ErrorCode.REFUSED_STREAM)
+            return
+        refusal = self.requests.refusal(self)
+        if refusal:  # past max_request_bytes_held(_total): no new call brings more
+            self.write(trailers_only(stream, grpc.StatusCode.RESOURCE_EXHAUSTED, refusal))
+            if not end:
+                self._send_reset(stream, ErrorCode.NO_ERROR)
             return
         self.idle_since = None
         self.opened += 1
@@ -603,10 +621,20 @@ class Http2Connection(asyncio.Protocol):
             self.close()
 
     def grant(self, call: Call, size: int) -> None:
-        """The stream's ``size`` received bytes are taken: the client may send more."""
-        if size > 0 and not call.remote_done:
-            call.receive_window += size
-            self.write(window_update(call.stream, size))
+        """The stream's ``size`` received bytes are taken: the client may send more
+        (with what a bound held back before), unless a bound holds it back."""
+        size += call.owed
+        if size <= 0 or call.remote_done or call.finished:
+            return
+        if not self.requests.may_grant(self, call):
+            call.owed = size
+            self.owing[call.stream] = call
+            return
+        if call.owed:
+            call.owed = 0
+            del self.owing[call.stream]
+        call.receive_window += size
+        self.write(window_update(call.stream, size))
 
     def data_frames(self, call: Call, data: bytes, end: bool) -> bool:
         """Writes ``data`` when the windows have room for all of it at once."""

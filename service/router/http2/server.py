@@ -19,6 +19,8 @@ from typing import Any
 import grpc
 
 from poolserve.service.contract.settings import ServerSettings
+from poolserve.service.lifecycle.limits import trim_freed_memory
+from poolserve.service.router.http2.budget import RequestBudget
 from poolserve.service.router.http2.call import Call, _Details
 from poolserve.service.router.http2.connection import Http2Connection
 
@@ -34,6 +36,11 @@ class GrpcServer:
         self.settings = settings
         self.handlers = tuple(handlers)
         self.connections: set[Http2Connection] = set()
+        self.requests = RequestBudget(
+            settings.max_request_bytes_held,
+            settings.max_request_bytes_held_total,
+            trim=trim_freed_memory,
+        )
         self.stopping = False
         self._methods: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
         self._server: asyncio.Server | None = None

@@ -1,0 +1,181 @@
+"""Request bytes the router's own HTTP/2 port holds, per connection and in total.
+
+A request's bytes are counted from the DATA frame that brings them until the
+call no longer holds them: its handler returned (the request was forwarded
+and answered; the reply is counted from then by ``max_unread_reply_bytes``)
+or the call ended. A client that sends large calls and never reads their
+replies keeps its handlers waiting, and each holds its whole request: 8
+connections of 32 such 8 MiB calls were 2.6 GiB in the router (issue 42 §1).
+
+Past ``max_request_bytes_held`` for its connection, or past
+``max_request_bytes_held_total`` for all while the connection holds at least
+:data:`SMALL` (connections of small calls are not held back by others'
+bytes), a connection's window is not given back (the connection's and its
+streams': the client waits, not the router) and its new streams are refused
+with RESOURCE_EXHAUSTED naming the setting. Windows are given back as bytes
+are released, on any connection (the total's waiters).
+
+One request always goes on: when every byte held is in requests still
+coming (nothing a handler holds would be released), the connection's oldest
+such request keeps its window, so calls that interleave their bodies
+cannot wait on each other for good, and a request of up to
+``max_message_size`` always arrives when nothing else is held.
+
+What stays past the bound: each stream opened before it may still send what
+was left of its window (4 MiB at most), within the connection's window
+(16 MiB); new streams are refused.
+
+Once all requests held are released after a bound was reached or
+:data:`TRIM_AFTER` was held, malloc is asked to give the freed memory back
+(at most once per :data:`TRIM_EVERY_S`): requests under 16 MiB come from the
+heap, whose free chunks glibc returns only from its top.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from poolserve.service.router.http2.connection import Http2Connection
+
+SMALL = 1 << 20  # a connection holding less is not held back by the total bound
+TRIM_AFTER = 64 << 20  # held at once: freed memory is given back when all is released
+TRIM_EVERY_S = 1.0
+PER_CONNECTION = "max_request_bytes_held"
+TOTAL = "max_request_bytes_held_total"
+
+
+class Holder(Protocol):
+    """A call as the budget sees it."""
+
+    stream: int
+    held: int  # request bytes it holds
+    partial: int  # of those, in a message still coming
+    owed: int  # window taken from its stream and not given back yet
+
+
+class RequestBudget:
+    """The request bytes held by one router's HTTP/2 connections."""
+
+    def __init__(
+        self,
+        per_connection: int,
+        total: int,
+        trim: Callable[[], object] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.per_connection = per_connection
+        self.total_limit = total
+        self.trim = trim
+        self.clock = clock
+        self.total = 0
+        self.partial = 0  # of the total, in messages still coming
+        self.peak = 0  # the most held since the last trim
+        self.withheld = 0  # windows not given back because of a bound (a count, for tests)
+        self.refused = 0  # streams refused past a bound
+        self.waiting: dict[Http2Connection, None] = {}  # windows withheld, to look at again
+        self._trimmed_at = -TRIM_EVERY_S
+        self._waking = False
+
+    def change(self, conn: Http2Connection, call: Holder, held: int, partial: int) -> None:
+        """``call`` holds ``held`` more bytes (less when negative), ``partial`` more
+        of them in a message still coming."""
+        call.held += held
+        call.partial += partial
+        conn.held += held
+        conn.partial += partial
+        self.total += held
+        self.partial += partial
+        if held >= 0:
+            self.peak = max(self.peak, self.total)
+            return
+        if self.waiting:
+            self._wake()
+        if self.total == 0 and self.peak >= min(TRIM_AFTER, self.per_connection):
+            self._give_back_memory()
+
+    def past(self, conn: Http2Connection) -> str:
+        """The setting ``conn`` is past ('' when within both)."""
+        if conn.held > self.per_connection:
+            return PER_CONNECTION
+        if self.total > self.total_limit and conn.held >= SMALL:
+            return TOTAL
+        return ""
+
+    def _stuck(self, conn: Http2Connection, setting: str) -> bool:
+        """Whether every byte held (for the bound passed) is in requests still
+        coming: nothing would be released without more data."""
+        if setting == PER_CONNECTION:
+            return conn.held == conn.partial
+        return self.total == self.partial
+
+    def window_open(self, conn: Http2Connection) -> bool:
+        """Whether the connection's window may be given back."""
+        setting = self.past(conn)
+        if not setting or self._stuck(conn, setting):
+            return True
+        self._wait(conn)
+        return False
+
+    def may_grant(self, conn: Http2Connection, call: Holder) -> bool:
+        """Whether ``call``'s stream may be given back its window now."""
+        setting = self.past(conn)
+        if not setting:
+            return True
+        if self._stuck(conn, setting) and call is _oldest_coming(conn):
+            return True
+        self._wait(conn)
+        return False
+
+    def refusal(self, conn: Http2Connection) -> str:
+        """Why a new stream of ``conn`` is refused ('' when it is not)."""
+        setting = self.past(conn)
+        if not setting:
+            return ""
+        self.refused += 1
+        if setting == PER_CONNECTION:
+            whose, held, limit = "this connection", conn.held, self.per_connection
+        else:
+            whose, held, limit = "all connections", self.total, self.total_limit
+        return (
+            f"the router holds {held} bytes of requests for {whose} ({setting} is {limit}): "
+            "wait for calls in flight to end before sending more"
+        )
+
+    def forget(self, conn: Http2Connection) -> None:
+        self.waiting.pop(conn, None)
+
+    def _wait(self, conn: Http2Connection) -> None:
+        self.withheld += 1
+        self.waiting[conn] = None
+
+    def _wake(self) -> None:
+        """Bytes were released: the connections waiting get their windows, as far
+        as the bounds allow (a connection still past its bound waits again)."""
+        if self._waking:
+            return
+        self._waking = True
+        try:
+            waiting, self.waiting = self.waiting, {}
+            for conn in waiting:
+                conn.resume_window()
+        finally:
+            self._waking = False
+
+    def _give_back_memory(self) -> None:
+        now = self.clock()
+        if self.trim is not None and now - self._trimmed_at >= TRIM_EVERY_S:
+            self._trimmed_at = now
+            self.peak = 0
+            self.trim()
+
+
+def _oldest_coming(conn: Http2Connection) -> Holder | None:
+    """The connection's oldest call with a message still coming."""
+    oldest: Holder | None = None
+    for call in conn.calls.values():
+        if call.partial and (oldest is None or call.stream < oldest.stream):
+            oldest = call
+    return oldest
