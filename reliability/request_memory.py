@@ -93,13 +93,16 @@ class Sampler:
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self.peak = 0
+        self.peak_parts: dict[str, float] = {}
         self.last = 0
         self._task: asyncio.Task[None] | None = None
 
     async def _run(self) -> None:
         while True:
             self.last = rss_bytes(self.pid)
-            self.peak = max(self.peak, self.last)
+            if self.last > self.peak:
+                self.peak = self.last
+                self.peak_parts = rss_parts(self.pid)
             await asyncio.sleep(SAMPLE_S)
 
     def __enter__(self) -> Sampler:
@@ -195,6 +198,7 @@ async def slow_readers(tree: Tree, args: argparse.Namespace, work: Path) -> dict
         "rss_baseline_mib": mib(baseline),
         "rss_peak_mib": mib(held.peak),
         "rss_peak_over_baseline_mib": mib(held.peak - baseline),
+        "rss_parts_at_peak_mib": held.peak_parts,
         "rss_after_mib": mib(after),
         "rss_parts_after_mib": after_parts,
         "streams_ended_while_held": len(ended),
@@ -263,6 +267,7 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=6)
     parser.add_argument("--settle-s", type=float, default=3.0, help="after each rep")
     parser.add_argument("--set", action="append", default=[], help="SETTING=JSON_VALUE")
+    parser.add_argument("--log", type=Path, help="keep the tree's log here")
     args = parser.parse_args()
     settings: dict[str, Any] = {"grpc_engine": args.engine}
     for item in args.set:
@@ -275,6 +280,8 @@ def main() -> int:
             scenario = slow_readers if args.scenario == "slow-readers" else large_reps
             result = asyncio.run(scenario(tree, args, work))
             result["router_tracebacks"] = len(tree.tracebacks())
+            if args.log is not None:
+                args.log.write_text(tree.log())
     result["settings"] = settings
     print(json.dumps(result, indent=1))
     return 0

@@ -23,6 +23,8 @@ before any work. With a grace of 0, a reply past a bound is refused at once. A w
 is not counted: a connection that does not read makes the router hold, on
 top of its bound, at most the replies of the calls it has in flight
 (max_concurrent_streams) for one grace, as it held their requests before.
+On the router's own HTTP/2 a waiting reply is counted with its call's
+request (``max_request_bytes_held``, http2/budget.py) until the handler returns.
 The total bound holds back large replies only, so that clients who read keep
 their small calls. One reply is always let through when nothing is held, so
 a reply of up to max_message_size can always be sent.
@@ -122,8 +124,11 @@ class ReplyBudget:
         (released) within the grace, counted from its wait at the earliest."""
         return self.clock() - max(read_at, since) < self.grace
 
-    async def reserve(self, peer: str, size: int) -> None:
-        """:meth:`hold`, waiting while the bound's readers read (see the module)."""
+    async def reserve(
+        self, peer: str, size: int, waits: Callable[[int], object] | None = None
+    ) -> None:
+        """:meth:`hold`, waiting while the bound's readers read (see the module);
+        ``waits`` is told the size once, when the reply has to wait."""
         since = self.clock()
         while True:
             try:
@@ -131,6 +136,9 @@ class ReplyBudget:
                 return
             except Wait as wait:
                 until = wait.until
+            if waits is not None:
+                waits(size)
+                waits = None
             try:
                 async with asyncio.timeout(max(0.0, until - self.clock())):
                     await self._released.wait()
@@ -174,7 +182,8 @@ class ReplyBudget:
         once it fits (:meth:`reserve`)."""
         peer = context.peer()
         try:
-            await self.reserve(peer, size)
+            # the router's own HTTP/2 counts a waiting reply with its call's request
+            await self.reserve(peer, size, getattr(context, "reply_waits", None))
         except RepliesUnread:
             self._after(context, self._give_back)
             raise

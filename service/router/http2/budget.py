@@ -15,15 +15,18 @@ streams': the client waits, not the router) and its new streams are refused
 with RESOURCE_EXHAUSTED naming the setting. Windows are given back as bytes
 are released, on any connection (the total's waiters).
 
-One request always goes on: when every byte held is in requests still
-coming (nothing a handler holds would be released), the connection's oldest
-such request keeps its window, so calls that interleave their bodies
-cannot wait on each other for good, and a request of up to
-``max_message_size`` always arrives when nothing else is held.
+The connection's window is given back only while the client may send all
+of it (16 MiB) within the bounds, so a connection holds at most
+``max_request_bytes_held``, and all of them ``max_request_bytes_held_total``
+plus a window for each connection that was under :data:`SMALL`.
 
-What stays past the bound: each stream opened before it may still send what
-was left of its window (4 MiB at most), within the connection's window
-(16 MiB); new streams are refused.
+One request always comes: a connection whose bytes are all one call's is
+not held back by its own bound, so a request of up to ``max_message_size``
+arrives whatever the setting; and while every byte held by all connections
+is in requests still coming (nothing a handler holds would be released),
+one connection (the first to ask) is not held back by the total. Requests
+of one connection that together pass its bound before any of them is whole
+wait for one of its calls to end (their deadline), as before.
 
 Once all requests held are released after a bound was reached or
 :data:`TRIM_AFTER` was held, malloc is asked to give the freed memory back
@@ -50,10 +53,8 @@ TOTAL = "max_request_bytes_held_total"
 class Holder(Protocol):
     """A call as the budget sees it."""
 
-    stream: int
     held: int  # request bytes it holds
     partial: int  # of those, in a message still coming
-    owed: int  # window taken from its stream and not given back yet
 
 
 class RequestBudget:
@@ -76,16 +77,19 @@ class RequestBudget:
         self.withheld = 0  # windows not given back because of a bound (a count, for tests)
         self.refused = 0  # streams refused past a bound
         self.waiting: dict[Http2Connection, None] = {}  # windows withheld, to look at again
+        self.going_on: Http2Connection | None = None  # see _goes_on
         self._trimmed_at = -TRIM_EVERY_S
         self._waking = False
 
     def change(self, conn: Http2Connection, call: Holder, held: int, partial: int) -> None:
         """``call`` holds ``held`` more bytes (less when negative), ``partial`` more
         of them in a message still coming."""
+        was = call.held
         call.held += held
         call.partial += partial
         conn.held += held
         conn.partial += partial
+        conn.holders += (call.held > 0) - (was > 0)
         self.total += held
         self.partial += partial
         if held >= 0:
@@ -96,35 +100,36 @@ class RequestBudget:
         if self.total == 0 and self.peak >= min(TRIM_AFTER, self.per_connection):
             self._give_back_memory()
 
-    def past(self, conn: Http2Connection) -> str:
-        """The setting ``conn`` is past ('' when within both)."""
-        if conn.held > self.per_connection:
-            return PER_CONNECTION
-        if self.total > self.total_limit and conn.held >= SMALL:
+    def past(self, conn: Http2Connection, room: int = 0) -> str:
+        """The setting ``conn`` would be past with ``room`` more bytes ('' when
+        within both, or when it is the one that goes on: see the module)."""
+        if conn.held + room > self.per_connection:
+            return "" if conn.holders == 1 else PER_CONNECTION  # one request always comes
+        if self.total + room > self.total_limit and conn.held >= SMALL:
+            if self.total == self.partial and self._goes_on(conn):
+                return ""  # nothing held would be released: one connection goes on
             return TOTAL
         return ""
 
-    def _stuck(self, conn: Http2Connection, setting: str) -> bool:
-        """Whether every byte held (for the bound passed) is in requests still
-        coming: nothing would be released without more data."""
-        if setting == PER_CONNECTION:
-            return conn.held == conn.partial
-        return self.total == self.partial
+    def _goes_on(self, conn: Http2Connection) -> bool:
+        """Whether ``conn`` is the one connection whose requests go on while
+        every byte held is in requests still coming (the first to ask)."""
+        chosen = self.going_on
+        if chosen is None or chosen.closed or not chosen.partial:
+            self.going_on = chosen = conn
+        return chosen is conn
 
-    def window_open(self, conn: Http2Connection) -> bool:
-        """Whether the connection's window may be given back."""
-        setting = self.past(conn)
-        if not setting or self._stuck(conn, setting):
+    def window_open(self, conn: Http2Connection, window: int) -> bool:
+        """Whether the connection's window may be given back: whether the
+        client may send a whole ``window`` more within the bounds."""
+        if not self.past(conn, window):
             return True
         self._wait(conn)
         return False
 
     def may_grant(self, conn: Http2Connection, call: Holder) -> bool:
         """Whether ``call``'s stream may be given back its window now."""
-        setting = self.past(conn)
-        if not setting:
-            return True
-        if self._stuck(conn, setting) and call is _oldest_coming(conn):
+        if not self.past(conn):
             return True
         self._wait(conn)
         return False
@@ -146,6 +151,8 @@ class RequestBudget:
 
     def forget(self, conn: Http2Connection) -> None:
         self.waiting.pop(conn, None)
+        if self.going_on is conn:
+            self.going_on = None
 
     def _wait(self, conn: Http2Connection) -> None:
         self.withheld += 1
@@ -171,11 +178,3 @@ class RequestBudget:
             self.peak = 0
             self.trim()
 
-
-def _oldest_coming(conn: Http2Connection) -> Holder | None:
-    """The connection's oldest call with a message still coming."""
-    oldest: Holder | None = None
-    for call in conn.calls.values():
-        if call.partial and (oldest is None or call.stream < oldest.stream):
-            oldest = call
-    return oldest

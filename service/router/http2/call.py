@@ -369,7 +369,10 @@ class Call:
                 reply = body = None  # the framed copy is the one sent (unread, held)
                 await self._send_framed(data)
                 self._status(grpc.StatusCode.OK, self._details)
-        except grpc.aio.AbortError:
+        except grpc.aio.AbortError as exc:
+            # handlers.abort keeps the exception until the call's done callbacks run,
+            # which wait for a client that reads: its frames (the request) go now
+            exc.__traceback__ = None
             self._status(self._code or grpc.StatusCode.UNKNOWN, self._details)
         except asyncio.CancelledError:
             if not self.finished:  # the server stops: the call is cancelled
@@ -486,6 +489,12 @@ class Call:
         self.headers_sent = True
         block = RESPONSE_HEADERS + _ENCODER.encode(_encoded_metadata(initial_metadata))
         self.conn.write(frame(Kind.HEADERS, END_HEADERS, self.stream, block))
+
+    def reply_waits(self, size: int) -> None:
+        """The handler's reply of ``size`` bytes waits for room among the unread
+        replies (replybudget.py): held with the request until the handler returns."""
+        if not self.finished:
+            self._hold(size)
 
     def add_done_callback(self, callback: Callable[[Any], None]) -> None:
         self._callbacks.append(callback)

@@ -111,6 +111,7 @@ class Http2Connection(asyncio.Protocol):
         self.requests = server.requests
         self.held = 0
         self.partial = 0
+        self.holders = 0  # calls holding request bytes
         self.owing: dict[int, Call] = {}  # calls whose stream window a bound holds back
         self.max_streams = 2 * settings.max_concurrent_streams + 64
         # non-DATA frames written since the client last read: past the bound, a flood
@@ -414,7 +415,7 @@ class Http2Connection(asyncio.Protocol):
     def give_back(self) -> None:
         """The connection's window, given back in large steps while the
         requests held here are within their bounds (budget.py)."""
-        if self.unacked >= CONNECTION_WINDOW // 2 and self.requests.window_open(self):
+        if self.unacked >= CONNECTION_WINDOW // 2 and self.requests.window_open(self, CONNECTION_WINDOW):
             self.write(window_update(0, self.unacked))
             self.unacked = 0
 
