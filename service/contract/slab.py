@@ -245,6 +245,15 @@ class Arena:
             self.idle.setdefault(slab.size, []).append(slab)
             self.idle_bytes += slab.size
 
+    def drop_idle(self) -> None:
+        """Closes the idle slabs (their memory goes back): after a burst of large
+        requests, once the router is idle (http2/budget.py); new ones are made
+        for the next."""
+        for slab in [s for free in self.idle.values() for s in free]:
+            slab.close()
+        self.idle.clear()
+        self.idle_bytes = 0
+
     def retire(self, slab: Slab) -> None:
         """Someone may still read it: closed here, never reused."""
         self.leased.discard(slab)
@@ -253,10 +262,7 @@ class Arena:
     def disable(self, why: str) -> None:
         """No more slabs: every body goes inline from now on (the idle ones closed)."""
         self.disabled = why
-        for slab in [s for free in self.idle.values() for s in free]:
-            slab.close()
-        self.idle.clear()
-        self.idle_bytes = 0
+        self.drop_idle()
 
     def close(self) -> None:
         """Closes every slab (at the router's stop)."""

@@ -135,7 +135,10 @@ class LaneClient:
         except asyncio.CancelledError:
             self._cancel(seq)
             raise
-        except _Timeout:
+        except _Timeout as timeout:
+            # the future keeps it, and its traceback this frame (the body): a cycle
+            # only the garbage collector would free (issue 42 §4)
+            timeout.__traceback__ = None
             self._cancel(seq)
             raise DeadlineExceeded(
                 f"deadline exceeded waiting for {self.where} to answer", stage="pool"
@@ -153,7 +156,14 @@ class LaneClient:
                 log.warning("router: large bodies go inline: %s", result.message)
                 self.arena.disable(result.message)
                 return await self.call(body, deadline, trace, model, head)
-            raise result
+            # raised, its traceback holds this frame (the body), whose locals would
+            # hold the error: a cycle only the garbage collector frees (issue 42 §4)
+            error = result
+            del result, future
+            try:
+                raise error
+            finally:
+                del error
         if leased is None:
             return result
         return self._reply(leased[0], leased[1], result, model)

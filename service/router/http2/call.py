@@ -315,12 +315,22 @@ class Call:
         self._cancel()
 
     def _cancel(self) -> None:
+        # (a task cancelled before its first turn never runs _run's finally)
+        self._release()
+        self.conn.owing.pop(self.stream, None)
         if self._deadline_timer is not None:
             self._deadline_timer.cancel()
         if self.task is not None and not self.task.done():
             self.task.cancel()
+            self.task.add_done_callback(self._forget_task)
         elif self.task is None:
             self._ended()
+
+    def _forget_task(self, _: asyncio.Task[Any]) -> None:
+        """A task cancelled before its first turn keeps its CancelledError, whose
+        traceback holds the frame (the request), which holds this call, which
+        holds the task: a cycle only the garbage collector frees (issue 42 §4)."""
+        self.task = None
 
     def _deadline_passed(self) -> None:
         self._deadline_timer = None

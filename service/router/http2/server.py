@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -31,7 +31,10 @@ class GrpcServer:
     """A gRPC server for generic handlers, over :class:`Http2Connection`."""
 
     def __init__(
-        self, settings: ServerSettings, handlers: Sequence[grpc.GenericRpcHandler]
+        self,
+        settings: ServerSettings,
+        handlers: Sequence[grpc.GenericRpcHandler],
+        after_burst: Callable[[], object] = trim_freed_memory,
     ) -> None:
         self.settings = settings
         self.handlers = tuple(handlers)
@@ -39,7 +42,7 @@ class GrpcServer:
         self.requests = RequestBudget(
             settings.max_request_bytes_held,
             settings.max_request_bytes_held_total,
-            trim=trim_freed_memory,
+            trim=after_burst,
         )
         self.stopping = False
         self._methods: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
