@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from types import FrameType
 from pathlib import Path
 from typing import Any
 
@@ -107,3 +110,38 @@ def iter_lines(stream: Any, deadline: float) -> Iterator[str]:
         if not line:
             return
         yield line
+
+
+@contextlib.contextmanager
+def no_collector() -> Iterator[None]:
+    """The cyclic garbage collector off (what only it would free stays until
+    :func:`held_in_cycles` looks), on again after."""
+    was = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def held_in_cycles(min_size: int = 1 << 20) -> list[str]:
+    """The frames (function and local) that only the cyclic garbage collector
+    would free while they hold a buffer of ``min_size`` bytes or more (a
+    request's body kept alive by a reference cycle); collects them."""
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        gc.collect()
+        found = [
+            f"{obj.f_code.co_qualname}: {name}"
+            for obj in gc.garbage
+            if isinstance(obj, FrameType)
+            for name, value in obj.f_locals.items()
+            if isinstance(value, bytes | bytearray | memoryview) and len(value) >= min_size
+        ]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.collect()
+    return found

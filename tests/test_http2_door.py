@@ -41,6 +41,8 @@ from poolserve.service.router.http2.frames import (
 from poolserve.service.router.http2.hpack import Decoder, Encoder
 from poolserve.service.router.http2.server import GrpcServer
 
+from support import held_in_cycles, no_collector
+
 SERVICE = "test.Echo"
 WAIT = 30.0
 
@@ -51,6 +53,7 @@ class Echo:
     def __init__(self) -> None:
         self.cancelled = 0
         self.started = asyncio.Event()
+        self.waiting = 0  # handlers that began to wait until cancelled
         self.done_callbacks = 0
 
     async def unary(self, request: bytes, context: Any) -> bytes:
@@ -67,12 +70,13 @@ class Echo:
         if request.startswith(b"big:"):
             context.add_done_callback(lambda _: self._done())
             return b"x" * int(request[4:])
-        if request == b"wait":
+        if request == b"wait" or request.startswith(b"hold:"):
             await self._wait_until_cancelled()
         return request
 
     async def _wait_until_cancelled(self) -> None:
         self.started.set()
+        self.waiting += 1
         try:
             await asyncio.sleep(3600)
         except asyncio.CancelledError:
@@ -841,3 +845,142 @@ def test_a_reset_at_the_calls_deadline_is_not_early() -> None:
         assert timed.reset_early()
 
     asyncio.run(serving(echo, test))
+
+
+# -- request bytes held (issue 42 §1 and §4) ------------------------------------------
+
+
+async def ping_round_trip(raw: Raw, data: bytes = b"roundtr!") -> list[tuple[int, int, bytes]]:
+    """Sends a PING; the (kind, stream, payload) of every frame before its ack:
+    what the router wrote for the frames sent before it."""
+    raw.writer.write(frame(Kind.PING, 0, 0, data))
+    seen = []
+    while True:
+        kind, flags, stream, payload = await asyncio.wait_for(raw.frame(), WAIT)
+        if kind == Kind.PING and flags & ACK and payload == data:
+            return seen
+        seen.append((kind, stream, payload))
+
+
+def test_requests_held_past_the_bound_get_no_window_and_new_streams_are_refused() -> None:
+    """Issue 42 §1: the router gave a connection's window back as each handler
+    took its whole message, so handlers that wait (a client that never reads
+    its replies) held streams x message size. Here a client sends 16 calls of
+    1 MiB whose handlers wait, its whole 16 MiB window, and
+    max_request_bytes_held is 4 MiB: five calls are held (the fifth passes the
+    bound), the next eleven are answered RESOURCE_EXHAUSTED naming the
+    setting, no WINDOW_UPDATE for the connection comes back, another
+    connection is served, and once the calls end the window is given back.
+    (Before: all 16 held, and the window given back for more.)"""
+    echo = Echo()
+    message = b"hold:" + b"x" * ((1 << 20) - 10)  # one DATA frame of 1 MiB, with its prefix
+
+    async def test(address: str, server: GrpcServer) -> None:
+        raw = await Raw.open(address)
+        await raw.until_kind(Kind.WINDOW_UPDATE)  # the connection's 16 MiB
+        streams = range(1, 33, 2)
+        for stream in streams:
+            raw.call(stream, "Unary", message)
+        await until(lambda: echo.waiting >= 5)
+        answered = await ping_round_trip(raw)
+        assert echo.waiting == 5
+        given = [p for kind, stream, p in answered if kind == Kind.WINDOW_UPDATE and stream == 0]
+        assert given == [], "the connection's window was given back past the bound"
+        refused = {}
+        for kind, stream, payload in answered:
+            if kind == Kind.HEADERS:
+                fields = dict(raw.decoder.decode(payload))
+                refused[stream] = (fields[b"grpc-status"], fields[b"grpc-message"])
+        assert sorted(refused) == list(range(11, 33, 2))
+        assert {code for code, _ in refused.values()} == {b"8"}  # RESOURCE_EXHAUSTED
+        why = refused[11][1].decode()
+        assert "max_request_bytes_held is 4194304" in why and "this connection" in why
+        assert server.requests.total == 5 << 20
+        async with grpc.aio.insecure_channel(address) as channel:
+            assert await channel.unary_unary(path("Unary"))(b"ok", timeout=WAIT) == b"ok"
+        raw.writer.write(b"".join(_reset(stream) for stream in range(1, 11, 2)))
+        while True:  # the calls end: their bytes are released, the window comes back
+            kind, _, stream, payload = await asyncio.wait_for(raw.frame(), WAIT)
+            if kind == Kind.WINDOW_UPDATE and stream == 0:
+                break
+        assert server.requests.total == 0
+        raw.call(33, "Unary", b"after")
+        _, stream, data = await raw.until_kind(Kind.DATA)
+        assert (stream, data[5:]) == (33, b"after")
+
+    asyncio.run(serving(echo, test, max_request_bytes_held=4 << 20))
+
+
+def test_the_total_bound_holds_back_connections_that_hold_requests_not_small_callers() -> None:
+    """max_request_bytes_held_total: past it a connection that holds requests
+    gets no window and its new streams are refused; one that holds none (small
+    calls) is served."""
+    echo = Echo()
+    message = b"hold:" + b"x" * ((1 << 20) - 10)
+
+    async def test(address: str, server: GrpcServer) -> None:
+        raw = await Raw.open(address)
+        await raw.until_kind(Kind.WINDOW_UPDATE)
+        for stream in range(1, 11, 2):  # the fifth passes the 4 MiB bound
+            raw.call(stream, "Unary", message)
+        await until(lambda: echo.waiting == 5)
+        raw.call(11, "Unary", b"more")
+        flags, stream, payload = await raw.until_kind(Kind.HEADERS)
+        fields = dict(raw.decoder.decode(payload))
+        assert (stream, fields[b"grpc-status"]) == (11, b"8")
+        assert b"max_request_bytes_held_total" in fields[b"grpc-message"]
+        async with grpc.aio.insecure_channel(address) as channel:
+            calls = [channel.unary_unary(path("Unary"))(b"%d" % i, timeout=WAIT) for i in range(20)]
+            assert await asyncio.gather(*calls) == [b"%d" % i for i in range(20)]
+
+    asyncio.run(serving(echo, test, max_request_bytes_held_total=4 << 20))
+
+
+def test_one_request_of_max_message_size_always_comes_whatever_the_bound() -> None:
+    """A connection whose bytes are all one call's is not held back by its
+    bound: a request of max_message_size passes a bound far below it."""
+    echo = Echo()
+
+    async def test(address: str, _: GrpcServer) -> None:
+        options = [
+            ("grpc.max_send_message_length", 32 << 20),
+            ("grpc.max_receive_message_length", 32 << 20),
+        ]
+        async with grpc.aio.insecure_channel(address, options=options) as channel:
+            body = b"z" * (24 << 20)
+            reply = await channel.unary_unary(path("Unary"))(body, timeout=WAIT)
+            assert reply == body
+
+    asyncio.run(
+        serving(
+            echo,
+            test,
+            max_message_size=32 << 20,
+            max_request_bytes_held=1 << 20,
+            max_request_bytes_held_total=1 << 20,
+        )
+    )
+
+
+def test_a_call_reset_before_its_handler_ran_leaves_no_cycle_holding_its_request() -> None:
+    """Issue 42 §4: a call whose stream is reset in the same read as its
+    request (or whose deadline passes first) has its task cancelled before its
+    first turn; the task kept that CancelledError, whose traceback held the
+    frame (the request), which held the call, which held the task: the request
+    stayed until the garbage collector ran. Its bytes are released too."""
+    echo = Echo()
+    message = b"x" * ((1 << 20) - 5)
+
+    async def test(address: str, server: GrpcServer) -> None:
+        raw = await Raw.open(address)
+        await raw.until_kind(Kind.WINDOW_UPDATE)
+        raw.call(1, "Unary", message)
+        raw.writer.write(_reset(1))
+        await ping_round_trip(raw)
+        (conn,) = server.connections
+        await until(lambda: not conn.tasks)
+        assert server.requests.total == 0
+
+    with no_collector():
+        asyncio.run(serving(echo, test))
+        assert held_in_cycles() == []

@@ -35,6 +35,8 @@ from poolserve.service.contract.lane import (
 from poolserve.service.poolserver.lane_server import LaneServer
 from poolserve.service.router.lane_client import LaneClient
 
+from support import held_in_cycles, no_collector
+
 Handler = Callable[[bytes, float, Trace], Awaitable[bytes]]
 
 
@@ -520,3 +522,27 @@ def test_a_stopping_pool_does_not_wait_for_a_begun_call_its_caller_cancelled(soc
             client.close()
 
     asyncio.run(main())
+
+
+def test_a_timed_out_or_refused_call_leaves_no_cycle_holding_its_body(sock: Path) -> None:
+    """Issue 42 §4: a call the router's timer ended, and one the pool answered
+    with an error, raised their exception from LaneClient.call, whose frame
+    kept the error (through the future, or its own local) and the error's
+    traceback the frame: the body stayed until the garbage collector ran (a
+    15 MiB request each, hundreds of MiB after bursts with short deadlines)."""
+    body = b"x" * (2 << 20)
+
+    async def handler(body: bytes, deadline: float, trace: Trace) -> bytes:
+        if bytes(body[:1]) == b"x":
+            await asyncio.sleep(3600)  # never answers: the router's timer does
+        raise InvalidInput("no")
+
+    async def test(client: LaneClient, _: LaneServer) -> None:
+        with pytest.raises(DeadlineExceeded):
+            await client.call(body, time.monotonic() + 0.1, [])
+        with pytest.raises(InvalidInput):
+            await client.call(b"y" + body, soon(), [])
+
+    with no_collector():
+        asyncio.run(with_lane(sock, handler, test))
+        assert held_in_cycles() == []

@@ -112,12 +112,11 @@ class RequestBudget:
         if self.total == 0 and self.peak >= min(TRIM_AFTER, self.per_connection):
             self._when_idle()
 
-
     def past(self, conn: Http2Connection, room: int = 0) -> str:
         """The setting ``conn`` would be past with ``room`` more bytes ('' when
         within both, or when it is the one that goes on: see the module)."""
-        if conn.held + room > self.per_connection:
-            return "" if conn.holders == 1 else PER_CONNECTION  # one request always comes
+        if conn.holders > 1 and conn.held + room > self.per_connection:
+            return PER_CONNECTION  # (one call alone is not held back: its request comes)
         if self.total + room > self.total_limit and conn.held >= SMALL:
             if self.total == self.partial and self._goes_on(conn):
                 return ""  # nothing held would be released: one connection goes on
@@ -204,4 +203,3 @@ class RequestBudget:
         self.peak = 0
         self.trimmed += 1
         self.trim()
-

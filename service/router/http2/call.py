@@ -227,7 +227,8 @@ class Call:
 
     def _one_message(self, sent: str) -> None:
         self._status(
-            grpc.StatusCode.INTERNAL, f"a unary call takes one request message, this one sent {sent}"
+            grpc.StatusCode.INTERNAL,
+            f"a unary call takes one request message, this one sent {sent}",
         )
 
     def _hold(self, size: int, partial: int = 0) -> None:

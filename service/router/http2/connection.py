@@ -415,7 +415,9 @@ class Http2Connection(asyncio.Protocol):
     def give_back(self) -> None:
         """The connection's window, given back in large steps while the
         requests held here are within their bounds (budget.py)."""
-        if self.unacked >= CONNECTION_WINDOW // 2 and self.requests.window_open(self, CONNECTION_WINDOW):
+        if self.unacked >= CONNECTION_WINDOW // 2 and self.requests.window_open(
+            self, CONNECTION_WINDOW
+        ):
             self.write(window_update(0, self.unacked))
             self.unacked = 0
 
