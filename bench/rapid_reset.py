@@ -9,7 +9,8 @@ reads everything the router sends): the router's CPU (utime + stime of the
 poolserve-rtr process, /proc) per stream of each kind (unknown method; a
 ModelInfer whose headers came and was reset; one whole and reset in the same
 write, its handler made but not run; one reset once it reached the pool; one
-answered), each batch of 100 on a new connection. Then the attack: pairs of
+answered), each batch of 100 on a new connection; the calls reset at the
+pool are to ``sleep`` (100 ms, in a pool of its own), the others to echo. Then the attack: pairs of
 a ModelInfer reset at once and an unknown-method stream (answered at once),
 on one connection, until the router sends GOAWAY or ``--pairs`` were sent;
 and the same with each reset coming once the call reached the pool.
@@ -34,6 +35,7 @@ from http2_fuzzing import block, call_frames, handshake, request_headers  # noqa
 from http_library import cpu_s  # noqa: E402
 from rest_router_cpu import GRPC_BODY, router_pid  # noqa: E402
 
+from poolserve.protos import inference_pb2 as pb  # noqa: E402
 from poolserve.service.router.http2.frames import (  # noqa: E402
     END_HEADERS,
     END_STREAM,
@@ -43,10 +45,14 @@ from poolserve.service.router.http2.frames import (  # noqa: E402
     frame,
     rst_stream,
 )
+
 from serving import Serving, wait_idle_workers, wait_serving  # noqa: E402
 from support import copy_example  # noqa: E402
 
 BATCH = 100
+_SLEEP = pb.ModelInferRequest.FromString(GRPC_BODY)
+_SLEEP.model_name = "sleep"  # 100 ms in another pool: still there when reset
+SLEEP_BODY = _SLEEP.SerializeToString()
 UNKNOWN = frame(
     Kind.HEADERS, END_HEADERS | END_STREAM, 0, block(request_headers(b"/no.Such/Method"))
 )
@@ -85,7 +91,8 @@ class Client:
                 payload = await self.reader.readexactly(high << 16 | low)
                 if kind == Kind.GOAWAY and self.goaway is None:  # the first says why
                     self.goaway = struct.unpack(">I", payload[:4])[0]
-                    self.why = f"{ErrorCode(struct.unpack('>I', payload[4:8])[0]).name} {payload[8:]!r}"
+                    code = ErrorCode(struct.unpack(">I", payload[4:8])[0])
+                    self.why = f"{code.name} {payload[8:]!r}"
                 elif kind == Kind.PING and flags & 1:
                     self.pongs += 1
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -117,9 +124,9 @@ async def batch(address: str, kind: str, streams: list[int]) -> None:
     elif kind == "whole, reset at once":
         client.writer.write(b"".join(call_frames(s, GRPC_BODY) + reset(s) for s in streams))
     elif kind == "whole, reset at the pool":
-        client.writer.write(b"".join(call_frames(s, GRPC_BODY) for s in streams))
+        client.writer.write(b"".join(call_frames(s, SLEEP_BODY) for s in streams))
         await client.sync()
-        await asyncio.sleep(0.02)  # forwarded: waiting for the pool's answer (echo sleeps none)
+        await asyncio.sleep(0.02)  # forwarded: waiting for the pool's answer
         client.writer.write(b"".join(reset(s) for s in streams))
     else:  # answered
         client.writer.write(b"".join(call_frames(s, GRPC_BODY) for s in streams))
@@ -158,7 +165,7 @@ async def attack(address: str, pid: int, pairs: int, at_the_pool: bool) -> tuple
         stream += 4 * BATCH
         if at_the_pool:
             client.writer.write(
-                b"".join(call_frames(s, GRPC_BODY) + unknown(s + 2) for s in streams)
+                b"".join(call_frames(s, SLEEP_BODY) + unknown(s + 2) for s in streams)
             )
             await client.sync()
             await asyncio.sleep(0.005)
@@ -188,6 +195,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         repo = Path(tmp) / "repo"
         copy_example(repo, "echo")
+        copy_example(repo, "sleep", gid="other")
         with Serving(repo, Path(tmp) / "run") as tree:
 
             async def run() -> None:

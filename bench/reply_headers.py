@@ -34,14 +34,19 @@ from rest_router_cpu import GRPC_BODY  # noqa: E402
 from poolserve.protos import inference_pb2 as pb  # noqa: E402
 from poolserve.service.router.http2.frames import HEADER, Kind  # noqa: E402
 from poolserve.service.router.http2.hpack import Decoder  # noqa: E402
+
 from serving import Serving, wait_idle_workers, wait_serving  # noqa: E402
 from support import copy_example  # noqa: E402
 
 MISSING = pb.ModelInferRequest(model_name="no-such-model").SerializeToString()
 
 
-async def calls(address: str, body: bytes, count: int) -> list[tuple[int, int, list[object]]]:
-    """Per call: bytes of its HEADERS blocks, bytes of their fields, the fields."""
+Figures = list[tuple[int, int, list[object], list[bytes]]]
+
+
+async def calls(address: str, body: bytes, count: int) -> Figures:
+    """Per call: bytes of its HEADERS blocks, bytes of their fields, the fields,
+    the blocks."""
     host, port = address.rsplit(":", 1)
     reader, writer = await asyncio.open_connection(host, int(port))
     writer.write(handshake())
@@ -52,6 +57,7 @@ async def calls(address: str, body: bytes, count: int) -> list[tuple[int, int, l
         writer.write(call_frames(stream, body))
         sent = plain = 0
         fields: list[object] = []
+        blocks: list[bytes] = []
         while True:
             high, low, kind, flags, got = HEADER.unpack(await reader.readexactly(9))
             payload = await reader.readexactly(high << 16 | low)
@@ -63,20 +69,22 @@ async def calls(address: str, body: bytes, count: int) -> list[tuple[int, int, l
             sent += len(payload)
             plain += sum(len(n) + len(v) for n, v in decoded)
             fields.append(decoded)
+            blocks.append(payload)
             if flags & 1:  # END_STREAM: the trailers
                 break
-        out.append((sent, plain, fields))
+        out.append((sent, plain, fields, blocks))
     writer.close()
     return out
 
 
-def report(engine: str, what: str, figures: list[tuple[int, int, list[object]]]) -> None:
+def report(engine: str, what: str, figures: Figures) -> None:
     first = figures[0]
     rest = figures[1:]
     per_call = sum(f[0] for f in rest) / len(rest)
     saved = 1 - sum(f[0] for f in figures) / sum(f[1] for f in figures)
-    print(f"{engine:9s} {what:9s} first call {first[0]:3d} B, then {per_call:5.1f} B per call, ")
+    print(f"{engine:9s} {what:9s} first call {first[0]:3d} B, then {per_call:5.1f} B per call,")
     print(f"{'':19s} saved {100 * saved:.1f}% over {len(figures)} calls")
+    print(f"{'':19s} the second call's blocks: {[b.hex(' ') for b in figures[1][3]]}")
 
 
 def main() -> None:
@@ -90,7 +98,7 @@ def main() -> None:
             (repo / "settings.json").write_text(json.dumps({"grpc_engine": engine}))
             with Serving(repo, Path(tmp) / "run") as tree:
 
-                async def run() -> None:
+                async def run(engine: str = engine) -> None:
                     async with grpc.aio.insecure_channel(tree.address) as channel:
                         await wait_serving(channel)
                     await wait_idle_workers(tree, "default", 2)

@@ -62,8 +62,8 @@ from poolserve.service.router.http2.frames import (
     window_update,
 )
 from poolserve.service.router.http2.hpack import Decoder, Encoder, HpackError, encode_integer
-from poolserve.service.router.http2.resets import RESET_BUDGET
 from poolserve.service.router.http2.huffman import huffman_encode
+from poolserve.service.router.http2.resets import RESET_BUDGET
 
 INFER = b"/inference.GRPCInferenceService/ModelInfer"
 MAX_HEADER_BYTES = 16 * 1024  # http_max_header_bytes of the fuzzed tree (the default)

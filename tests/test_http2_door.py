@@ -383,7 +383,7 @@ def test_frames_crossing_our_rst_stream_are_ignored() -> None:
         raw.writer.write(frame(Kind.HEADERS, END_HEADERS | END_STREAM, 1, trailers))
         raw.call(3, "Unary", b"after")
         while True:
-            kind, flags, stream, payload = await asyncio.wait_for(raw.frame(), WAIT)
+            kind, flags, stream, _ = await asyncio.wait_for(raw.frame(), WAIT)
             assert kind != Kind.GOAWAY
             if kind == Kind.HEADERS:
                 fields = dict(raw.fields)
@@ -739,7 +739,9 @@ def test_a_client_that_makes_the_router_answer_and_reads_nothing_is_dropped(kind
     asyncio.run(serving(echo, test, max_concurrent_streams=8))
 
 
-def _unary_frames(stream: int, message: bytes, timeout: bytes = b"", method: str = "Unary") -> bytes:
+def _unary_frames(
+    stream: int, message: bytes, timeout: bytes = b"", method: str = "Unary"
+) -> bytes:
     headers = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", path(method).encode()),
                (b":authority", b"x"), (b"content-type", b"application/grpc")]  # fmt: skip
     if timeout:
@@ -814,8 +816,7 @@ def test_resets_hidden_among_streams_answered_at_once_are_still_a_flood() -> Non
             stream += 4 * per_round
             raw.writer.write(
                 b"".join(
-                    _unary_frames(s, b"wait")
-                    + _unary_frames(s + 2, b"x", method="NoSuchMethod")
+                    _unary_frames(s, b"wait") + _unary_frames(s + 2, b"x", method="NoSuchMethod")
                     for s in calls
                 )
             )
@@ -986,7 +987,7 @@ def test_the_clients_header_table_size_bounds_the_replies_table() -> None:
         raw = await Raw.open(address, preface=False)
         raw.decoder = Decoder(max_table_size=0)
         raw.writer.write(PREFACE + settings_frame({Setting.HEADER_TABLE_SIZE: 0}))
-        headers, trailers = await _one_call(raw, 1)
+        headers, _ = await _one_call(raw, 1)
         assert headers[0] == 0x20  # the size update to 0
         assert raw.decoder.table == [] and raw.fields == [(b"grpc-status", b"0")]
         await _one_call(raw, 3)

@@ -40,7 +40,7 @@ _TIMEOUT_UNITS = {
     ord("u"): 1e-6,
     ord("n"): 1e-9,
 }
-_DECOMPRESS = {b"gzip": 16 + zlib.MAX_WBITS, b"deflate": zlib.MAX_WBITS}  # (replies.ACCEPT_ENCODING)
+_DECOMPRESS = {b"gzip": 16 + zlib.MAX_WBITS, b"deflate": zlib.MAX_WBITS}  # replies say so
 
 
 class _Details:

@@ -11,7 +11,6 @@ router decompresses (call.py: gzip and deflate), as grpcio's server does.
 from __future__ import annotations
 
 import base64
-from collections.abc import Sequence
 
 import grpc
 
