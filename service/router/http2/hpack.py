@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from .huffman import HpackError, huffman_decode
 from .static_table import FIELD_INDEX, NAME_INDEX, STATIC_LENGTH, STATIC_TABLE
 
-__all__ = ["Decoder", "Encoder", "HeaderListTooLarge", "HpackError", "TableEncoder"]
+__all__ = ["Decoder", "Encoder", "Fields", "HeaderListTooLarge", "HpackError", "TableEncoder"]
 
 
 class HeaderListTooLarge(HpackError):
@@ -230,6 +230,21 @@ class Encoder:
 
 
 Field = tuple[bytes, bytes]
+
+
+class Fields(tuple[Field, ...]):
+    """Fields made once and given again and again (a reply's constant ones):
+    hashed and compared by identity, so finding their block costs no hashing
+    of their bytes."""
+
+    __slots__ = ()
+    __hash__ = object.__hash__
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __ne__(self, other: object) -> bool:
+        return self is not other
 
 
 class TableEncoder:

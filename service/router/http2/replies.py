@@ -15,24 +15,26 @@ import base64
 import grpc
 
 from poolserve.service.router.http2.frames import END_HEADERS, END_STREAM, Kind, frame
-from poolserve.service.router.http2.hpack import TableEncoder
+from poolserve.service.router.http2.hpack import Fields, TableEncoder
 
 Field = tuple[bytes, bytes]
 Metadata = tuple[tuple[str, str | bytes], ...]
 
 ACCEPT_ENCODING = b"identity,deflate,gzip"
-_HEADERS: tuple[Field, ...] = (
-    (b":status", b"200"),
-    (b"content-type", b"application/grpc"),
-    (b"grpc-accept-encoding", ACCEPT_ENCODING),
+_HEADERS = Fields(
+    (
+        (b":status", b"200"),
+        (b"content-type", b"application/grpc"),
+        (b"grpc-accept-encoding", ACCEPT_ENCODING),
+    )
 )
-_STATUS: dict[grpc.StatusCode, tuple[Field, ...]] = {
-    code: ((b"grpc-status", str(code.value[0]).encode()),) for code in grpc.StatusCode
+_STATUS = {
+    code: Fields(((b"grpc-status", str(code.value[0]).encode()),)) for code in grpc.StatusCode
 }
 _MESSAGE_SAFE = frozenset(range(0x20, 0x7F)) - {ord("%")}
-_ONLY: dict[grpc.StatusCode, tuple[Field, ...]] = {
-    code: _HEADERS + status for code, status in _STATUS.items()
-}
+_ONLY = {code: Fields(_HEADERS + status) for code, status in _STATUS.items()}
+_OK = grpc.StatusCode.OK
+_OK_STATUS, _OK_ONLY = _STATUS[_OK], _ONLY[_OK]
 
 
 def response_headers(encoder: TableEncoder, metadata: Metadata = ()) -> bytes:
@@ -48,6 +50,8 @@ def trailers(
     only: bool = False,
 ) -> bytes:
     """The block of a reply's status (``only``: Trailers-Only, the headers too)."""
+    if code is _OK and not details and not metadata:
+        return encoder.encode(_OK_ONLY if only else _OK_STATUS)
     fields = (_ONLY if only else _STATUS)[code]
     if not details and not metadata:
         return encoder.encode(fields)

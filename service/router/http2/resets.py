@@ -8,8 +8,8 @@ a handler that ran (its request went on to a pool, which is told to drop it)
 costs :data:`COST_RUNNING`; a handler made but not yet run (the request came
 whole, the reset in the same read) :data:`COST_STARTED`; a call whose request
 had not come whole (no handler) :data:`COST_OPENED`. Measured on the router
-(bench/rapid_reset.py): about 60, 30 and 10 us of its CPU, beside 20 for a
-stream answered at once and 50 for an echo answered. A reset with at most
+(bench/rapid_reset.py): about 55, 30 and 15 us of its CPU, beside 20 for a
+stream answered at once and 60 for an echo answered. A reset with at most
 :data:`EARLY_RESET_SHARE` of the call's timeout left is a client giving up at
 its deadline and costs nothing.
 
