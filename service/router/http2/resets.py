@@ -19,7 +19,9 @@ refills at :data:`REFILL_PER_S`, never past the budget. So a client that
 cancels up to half of its calls, or a few each second, is never stopped,
 whatever else it sends; streams answered at once (unknown methods, refusals)
 start no handler, earn nothing and cannot hide resets of costly ones. Past
-the budget the connection is sent GOAWAY ENHANCE_YOUR_CALM.
+the budget the connection is sent GOAWAY ENHANCE_YOUR_CALM. (A handler's
+answer earns the same whatever it cost: resets paired with calls a handler
+answers at once, a ServerLive, are not stopped but paced, one per such call.)
 """
 
 from __future__ import annotations
