@@ -10,7 +10,8 @@ status with a message). For each engine: the fields of the first reply's
 header blocks as sent (grpc-accept-encoding among them), the bytes of its
 HEADERS blocks (response headers + trailers) for the first call and per call
 after it, and what HPACK saved: 1 - bytes sent / bytes of the fields' names
-and values.
+and values. With h2load on the PATH (Debian's nghttp2-client), also its own
+figure for the same calls on one connection: "headers (space savings ...)".
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import struct
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -32,7 +35,7 @@ from http2_fuzzing import call_frames, handshake  # noqa: E402
 from rest_router_cpu import GRPC_BODY  # noqa: E402
 
 from poolserve.protos import inference_pb2 as pb  # noqa: E402
-from poolserve.service.router.http2.frames import HEADER, Kind  # noqa: E402
+from poolserve.service.router.http2.frames import HEADER, Kind, ping, window_update  # noqa: E402
 from poolserve.service.router.http2.hpack import Decoder  # noqa: E402
 
 from serving import Serving, wait_idle_workers, wait_serving  # noqa: E402
@@ -63,6 +66,10 @@ async def calls(address: str, body: bytes, count: int) -> Figures:
             payload = await reader.readexactly(high << 16 | low)
             if kind == Kind.SETTINGS and not flags & 1:
                 writer.write(struct.pack(">BHBBI", 0, 0, Kind.SETTINGS, 1, 0))
+            elif kind == Kind.PING and not flags & 1:
+                writer.write(ping(payload, ack=True))
+            elif kind == Kind.DATA and payload:  # the connection's window back
+                writer.write(window_update(0, len(payload)))
             if kind != Kind.HEADERS or got != stream & 0x7FFFFFFF:
                 continue
             decoded = decoder.decode(payload)  # (no padding nor priority from either)
@@ -87,6 +94,17 @@ def report(engine: str, what: str, figures: Figures) -> None:
     print(f"{'':19s} the second call's blocks: {[b.hex(' ') for b in figures[1][3]]}")
 
 
+def h2load(address: str, calls: int, tmp: str) -> str:
+    """h2load's line about header bytes, for ``calls`` ModelInfer on one connection."""
+    body = Path(tmp) / "body"
+    body.write_bytes(b"\0" + struct.pack(">I", len(GRPC_BODY)) + GRPC_BODY)
+    url = f"http://{address}/inference.GRPCInferenceService/ModelInfer"
+    argv = ["h2load", "-n", str(calls), "-c", "1", "-m", "1", "-d", str(body)]
+    argv += ["-H", "content-type: application/grpc", "-H", "te: trailers", url]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False).stdout
+    return next((line.strip() for line in out.splitlines() if "space savings" in line), out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--calls", type=int, default=100)
@@ -108,6 +126,8 @@ def main() -> None:
                     errors = await calls(tree.address, MISSING, args.calls)
                     print(f"{engine}: an error's: {errors[0][2]}")
                     report(engine, "an error", errors)
+                    if shutil.which("h2load"):
+                        print(f"{engine}: h2load: {h2load(tree.address, args.calls, tmp)}")
 
                 asyncio.run(run())
 
