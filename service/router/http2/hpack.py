@@ -258,7 +258,8 @@ class TableEncoder:
     begins with the dynamic table size update (6.3) -- the smallest size first
     when it fell and rose between two blocks (4.2). Every block must reach the
     peer, in the order encoded (its decoder's table follows ours). A block of
-    indexed fields only is kept and reused while the table is unchanged.
+    indexed fields only is kept and reused while the table is unchanged, so
+    ``indexed`` should be a few tuples made once (:class:`Fields`).
     """
 
     def __init__(self, limit: int = 4096) -> None:
