@@ -352,7 +352,9 @@ def test_streams_nobody_reads_are_ended_and_free_their_workers(tmp_path: Path) -
         freed = serving.log().count("(stream_stall_s); its worker is freed")
         assert freed == len(stalled), serving.log()[-3000:]
 
-    stall = {"POOLSERVE_STREAM_STALL_S": "1"}  # small for the test (default 10)
+    # small for the test (default 10); every worker may hold a stream (unary_workers
+    # 0), as before that setting: the stall limit alone frees them here
+    stall = {"POOLSERVE_STREAM_STALL_S": "1", "POOLSERVE_UNARY_WORKERS": "0"}
     with Serving(repo, tmp_path / "run", workers=2, env=stall) as serving:
         asyncio.run(main(serving))
         # and counts them, by model, in /metrics

@@ -276,8 +276,7 @@ class PoolServer(LiveModels):
         REST, a stream's requests to it); a pool of decoupled models only keeps
         none back (docs/streaming.md)."""
         others = any(
-            e.ready and e.policy.unary and e.name not in self.inline
-            for e in self.catalog.entries()
+            e.ready and e.policy.unary and e.name not in self.inline for e in self.catalog.entries()
         )
         self.dispatcher.share.reserve = self.settings.unary_workers_for(self.gid) if others else 0
 
