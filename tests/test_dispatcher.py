@@ -791,3 +791,36 @@ def test_a_sequences_stream_waits_on_its_worker_which_serves_others_meanwhile() 
         assert (await later).body == b"P2"
 
     with_dispatcher(body)
+
+
+def test_streams_waiting_for_a_worker_never_fill_the_other_calls_queue() -> None:
+    """Streams and the other calls each have ``max_queue`` to themselves: a
+    client's waiting streams are refused past it, and the pool's other calls
+    still queue."""
+
+    async def body(d: Dispatcher, _: list[WorkerGone]) -> None:
+        d.share.reserve = 1
+        a, b = await two_workers(d)
+        first = asyncio.ensure_future(streamed(d, b"s1"))
+        holder, other = await holding(d, a, b)
+        second = asyncio.ensure_future(streamed(d, b"s2"))
+        await until(lambda: d.queue_depth() == 1)
+        with pytest.raises(QueueFull, match=r"\(1 streams waiting\)"):
+            await streamed(d, b"s3")
+        now = asyncio.get_running_loop().time()
+        busy = asyncio.ensure_future(d.submit(b"u1", now + 60))
+        seq, _ = await other.receive()
+        queued = asyncio.ensure_future(d.submit(b"u2", now + 60))  # queued, not refused
+        await until(lambda: d.queue_depth() == 2)
+        with pytest.raises(QueueFull, match=r"\(1 requests waiting\)"):
+            await d.submit(b"u3", now + 60)
+        other.reply(seq, b"U1")
+        assert (await busy).body == b"U1"
+        seq, request = await other.receive()
+        assert request == b"u2"
+        other.reply(seq, b"U2")
+        assert (await queued).body == b"U2"
+        first.cancel()
+        second.cancel()
+
+    with_dispatcher(body, max_queue=1)

@@ -1,10 +1,12 @@
 """The bounded queue of jobs waiting for a worker, in schedule order, and the
 batches taken from it (:func:`gather_batch`, :func:`take_batch`).
 
-Streams (jobs of a decoupled model) wait in the same order and under the same
-bound, in a heap of their own, so that the queue's first job that is not a
-stream is at hand when the pool's streams may hold no more workers
-(``unary_workers``, :class:`poolserve.service.poolcore.streams.StreamShare`)."""
+Streams (jobs of a decoupled model) wait in the same order, in a heap of
+their own, so that the queue's first job that is not a stream is at hand when
+the pool's streams may hold no more workers (``unary_workers``,
+:class:`poolserve.service.poolcore.streams.StreamShare`); each kind has the
+bound to itself, so that streams waiting for a worker never fill the queue of
+the pool's other calls."""
 
 from __future__ import annotations
 
@@ -46,11 +48,13 @@ class JobQueue:
     def push(
         self, job: Job, precision: float, bounded: bool = True, key: float | None = None
     ) -> None:
-        """Queues ``job``, QueueFull past the limit; see :func:`_order_key` for
-        ``precision``; ``key``: its place as before (a batch that waits puts its
-        first job back where it was)."""
-        if bounded and self._count >= self.limit:
+        """Queues ``job``, QueueFull past the limit (streams and the others
+        each); see :func:`_order_key` for ``precision``; ``key``: its place as
+        before (a batch that waits puts its first job back where it was)."""
+        if bounded and job.stream is None and self.others() >= self.limit:
             raise QueueFull(f"{self.where} queue is full ({self.limit} requests waiting)")
+        if bounded and job.stream is not None and self.streams >= self.limit:
+            raise QueueFull(f"{self.where} queue is full ({self.limit} streams waiting)")
         keys = self._keys.setdefault(job.priority, [])
         job.key = _order_key(keys, job.deadline, precision) if key is None else key
         bisect.insort(keys, job.key)
