@@ -446,7 +446,9 @@ class Dispatcher:
         if self._start_pinned(worker):  # its sequences' jobs first, in arrival order
             return
         if worker.retiring:
-            if worker.sequences:  # waits, out of the idle list, for its sequences' jobs
+            # waits, out of the idle list, for its sequences' jobs (a stream of
+            # one may wait for another stream to end)
+            if worker.sequences or worker.pinned:
                 worker.state = WorkerState.IDLE
             else:
                 self.roster.close(worker)
