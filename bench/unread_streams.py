@@ -72,7 +72,9 @@ async def measure(address: str, streams: int, calls: int, timeout: float) -> lis
             yield body
             await held.wait()
 
-        opened = [channel.stream_stream(STREAM)(one(), timeout=3600) for _ in range(streams)]
+        opened: list[Any] = [
+            channel.stream_stream(STREAM)(one(), timeout=3600) for _ in range(streams)
+        ]
         await asyncio.sleep(1.0)  # the streams reach the pool and fill their windows
         latencies = []
         for _ in range(calls):

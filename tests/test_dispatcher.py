@@ -802,7 +802,7 @@ def test_streams_waiting_for_a_worker_never_fill_the_other_calls_queue() -> None
         d.share.reserve = 1
         a, b = await two_workers(d)
         first = asyncio.ensure_future(streamed(d, b"s1"))
-        holder, other = await holding(d, a, b)
+        _, other = await holding(d, a, b)
         second = asyncio.ensure_future(streamed(d, b"s2"))
         await until(lambda: d.queue_depth() == 1)
         with pytest.raises(QueueFull, match=r"\(1 streams waiting\)"):
