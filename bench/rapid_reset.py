@@ -189,36 +189,42 @@ async def attack(address: str, pid: int, pairs: int, at_the_pool: bool) -> tuple
     return taken, used, client.goaway is not None
 
 
+def repository(tmp: Path) -> Path:
+    """echo, and sleep in a pool of its own."""
+    copy_example(tmp / "repo", "echo")
+    copy_example(tmp / "repo", "sleep", gid="other")
+    return tmp / "repo"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--streams", type=int, default=2000)
     parser.add_argument("--pairs", type=int, default=40_000)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        repo = Path(tmp) / "repo"
-        copy_example(repo, "echo")
-        copy_example(repo, "sleep", gid="other")
-        with Serving(repo, Path(tmp) / "run") as tree:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        Serving(repository(Path(tmp)), Path(tmp) / "run") as tree,
+    ):
 
-            async def run() -> None:
-                async with grpc.aio.insecure_channel(tree.address) as channel:
-                    await wait_serving(channel)
-                await wait_idle_workers(tree, "default", 2)
-                pid = router_pid(tree)
-                for kind in KINDS if args.streams else ():
-                    us = await per_stream(tree.address, pid, kind, args.streams)
-                    print(f"{kind:26s} {us:7.1f} us of router CPU per stream", flush=True)
-                for at_the_pool in (False, True):
-                    taken, used, goaway = await attack(tree.address, pid, args.pairs, at_the_pool)
-                    how = "at the pool" if at_the_pool else "at once"
-                    end = "GOAWAY" if goaway else "no GOAWAY"
-                    print(
-                        f"pairs (reset {how} + unknown method): {taken} taken, {end}, "
-                        f"{used:.2f} s of router CPU",
-                        flush=True,
-                    )
+        async def run() -> None:
+            async with grpc.aio.insecure_channel(tree.address) as channel:
+                await wait_serving(channel)
+            await wait_idle_workers(tree, "default", 2)
+            pid = router_pid(tree)
+            for kind in KINDS if args.streams else ():
+                us = await per_stream(tree.address, pid, kind, args.streams)
+                print(f"{kind:26s} {us:7.1f} us of router CPU per stream", flush=True)
+            for at_the_pool in (False, True):
+                taken, used, goaway = await attack(tree.address, pid, args.pairs, at_the_pool)
+                how = "at the pool" if at_the_pool else "at once"
+                end = "GOAWAY" if goaway else "no GOAWAY"
+                print(
+                    f"pairs (reset {how} + unknown method): {taken} taken, {end}, "
+                    f"{used:.2f} s of router CPU",
+                    flush=True,
+                )
 
-            asyncio.run(run())
+        asyncio.run(run())
 
 
 if __name__ == "__main__":
