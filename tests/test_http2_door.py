@@ -1008,3 +1008,31 @@ def test_the_clients_header_table_size_bounds_the_replies_table() -> None:
         assert 0 < raw.decoder.table_size <= 200
 
     asyncio.run(serving(echo, test))
+
+
+def test_streams_reset_before_their_handler_ran_give_back_what_they_held() -> None:
+    """A streaming call reset in the read that brought its first message: its
+    handler's task never runs (so never runs its own cleanup); the request
+    bytes it held are given back all the same, or the connection's window
+    would shrink for good."""
+    echo = Echo()
+
+    async def test(address: str, server: GrpcServer) -> None:
+        raw = await Raw.open(address)
+        head = Encoder().encode(_request_headers("ClientStream"))
+        message = b"\0" + struct.pack(">I", 1000) + b"x" * 1000
+        raw.writer.write(
+            b"".join(
+                frame(Kind.HEADERS, END_HEADERS, s, head)
+                + frame(Kind.DATA, 0, s, message)
+                + _reset(s)
+                for s in range(1, 200, 2)
+            )
+            + frame(Kind.PING, 0, 0, b"synced!!")
+        )
+        await raw.until_kind(Kind.PING)
+        (conn,) = server.connections
+        await until(lambda: not conn.calls and not conn.tasks)
+        assert conn.buffered == 0
+
+    asyncio.run(serving(echo, test))

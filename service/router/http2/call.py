@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import inspect
 import logging
 import time
 import zlib
@@ -280,9 +281,12 @@ class Call:
     def _cancel(self) -> None:
         if self._deadline_timer is not None:
             self._deadline_timer.cancel()
-        if self.task is not None and not self.task.done():
-            self.task.cancel()
-        elif self.task is None:
+        task = self.task
+        if task is not None and not task.done():
+            if inspect.getcoroutinestate(task.get_coro()) == inspect.CORO_CREATED:  # type: ignore[arg-type]
+                self._ended()  # never run, it never runs its finally: the bytes it held
+            task.cancel()
+        elif task is None:
             self._ended()
 
     def _deadline_passed(self) -> None:
