@@ -305,12 +305,12 @@ class TableEncoder:
 
     def _encode_indexed(self, indexed: tuple[Field, ...]) -> bytes:
         out = bytearray()
+        changed = self._lowest is not None  # (a block with size updates is not kept)
         if self._lowest is not None:
             out += encode_integer(self._lowest, 5, 0x20)
             if self._max != self._lowest:
                 out += encode_integer(self._max, 5, 0x20)
             self._lowest = None
-        changed = False
         for field in indexed:
             index = FIELD_INDEX.get(field)
             if index is None:
