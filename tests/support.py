@@ -10,8 +10,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from types import FrameType
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import numpy as np
