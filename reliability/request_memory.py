@@ -72,14 +72,16 @@ def router_pid(tree: Tree) -> int:
     raise RuntimeError("no router process")
 
 
-def rss_parts(pid: int) -> dict[str, float]:
+def rss_parts(pid: int) -> dict[str, Any]:
     """The router's resident memory by kind: its heap and stacks (anon), the
     slabs and other shared mappings it touched (shmem), files (MiB)."""
-    parts = {}
+    parts: dict[str, Any] = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         key, _, value = line.partition(":")
         if key in ("RssAnon", "RssShmem", "RssFile"):
             parts[key[3:].lower()] = round(int(value.split()[0]) / 1024, 1)
+    maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    parts["shared_mappings"] = [line.split(None, 5)[-1] for line in maps if " rw-s " in line]
     return parts
 
 

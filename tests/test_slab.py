@@ -8,6 +8,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -233,3 +234,47 @@ def test_a_batch_reads_its_large_requests_from_slabs_and_refuses_only_a_bad_one(
         assert "is gone" in reply.parts[2].message
     finally:
         arena.close()
+
+
+def test_a_call_cancelled_in_the_turn_its_reply_came_frees_its_slab() -> None:
+    """Issue 42 §4: a call whose caller was cancelled (its deadline at the
+    door) in the turn the worker's REPLY came kept its slab leased for good:
+    neither freed (the reply was never read) nor retired (the worker had
+    replied). Bursts of 15 MiB calls with short deadlines left such slabs
+    behind, 32 MiB each."""
+
+    async def pool(body: Payload, deadline: float, trace: Trace) -> bytes:
+        return b"answered"
+
+    class Racing(dict[int, Any]):
+        """The lane's calls in flight; the caller is cancelled in the turn its reply comes."""
+
+        task: asyncio.Task[bytes] | None = None
+
+        def pop(self, key: int, default: Any = None) -> Any:
+            if self.task is not None:
+                asyncio.get_running_loop().call_soon(self.task.cancel)
+            return super().pop(key, default)
+
+    async def main(path: Path) -> None:
+        arena = slab.Arena(max_reply=1 << 20)
+        async with asyncio.TaskGroup() as tasks:
+            server = LaneServer(path, pool, "pool 'x'")
+            await server.start(tasks)
+            client = LaneClient(path, "pool 'x'", arena)
+            try:
+                body = big_request() + b"\x3a\x80\x80\x04" + bytes(1 << 16)  # raw: 64 KiB
+                racing = Racing()
+                client.pending = racing
+                call = racing.task = tasks.create_task(
+                    client.call(body, time.monotonic() + 30, [], "m")
+                )
+                await asyncio.wait([call])
+                assert call.cancelled()
+                assert not arena.leased
+            finally:
+                client.close()
+                await server.stop(5.0)
+
+    with tempfile.TemporaryDirectory() as folder:
+        asyncio.run(main(Path(folder) / "pool-x.lane"))

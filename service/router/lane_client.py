@@ -134,6 +134,10 @@ class LaneClient:
             result = await future
         except asyncio.CancelledError:
             self._cancel(seq)
+            if leased is not None and _replied(future):
+                # answered in the turn its caller was cancelled: the worker is done
+                # with the slab, and nothing else frees it (issue 42 §4)
+                self.arena.free(leased[0])  # type: ignore[union-attr]
             raise
         except _Timeout as timeout:
             # the future keeps it, and its traceback this frame (the body): a cycle
