@@ -74,14 +74,15 @@ def router_pid(tree: Tree) -> int:
 
 def rss_parts(pid: int) -> dict[str, Any]:
     """The router's resident memory by kind: its heap and stacks (anon), the
-    slabs and other shared mappings it touched (shmem), files (MiB)."""
+    slabs and other shared mappings it touched (shmem), files (MiB); and how
+    many slabs it has mapped."""
     parts: dict[str, Any] = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         key, _, value = line.partition(":")
         if key in ("RssAnon", "RssShmem", "RssFile"):
             parts[key[3:].lower()] = round(int(value.split()[0]) / 1024, 1)
     maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
-    parts["shared_mappings"] = [line.split(None, 5)[-1] for line in maps if " rw-s " in line]
+    parts["slabs_mapped"] = sum(1 for line in maps if "poolserve-slab-" in line)
     return parts
 
 

@@ -619,6 +619,6 @@ def test_bursts_of_large_calls_with_short_deadlines_leave_the_router_as_it_was(
             assert codes <= {grpc.StatusCode.OK, grpc.StatusCode.DEADLINE_EXCEEDED}, codes
             seen: list[float] = []
             back = wait_until(lambda: over(router, start, seen), WAIT)  # noqa: B023
-            print(f"router RSS after rep {rep}: +{seen[-1]:.0f} MiB (start {start:.0f})")
-            assert back, f"+{seen[-1]:.0f} MiB after rep {rep}"
+            print(f"router RSS after rep {rep}: {seen[-1]:+.0f} MiB (start {start:.0f})")
+            assert back, f"{seen[-1]:+.0f} MiB after rep {rep}"
         assert "Traceback" not in serving.log()
