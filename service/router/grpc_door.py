@@ -28,6 +28,7 @@ from poolserve.service.contract.errors import (
     InvalidInput,
     ServingError,
     StreamStalled,
+    Unimplemented,
     clip,
     load_failed,
 )
@@ -123,6 +124,13 @@ class GrpcDoor:
             if span is not None:
                 span.set_attribute("poolserve.model.name", name)
                 span.set_attribute("poolserve.model.version", version)
+            if name in self.repository.ensembles.plans:  # run here, over its steps' pools
+                if method != "ModelInfer":
+                    return self.repository.ensembles.answer(method, name, version)
+                refuse_reserved(body, routing.wrapper_field)
+                return await self.repository.ensembles.infer(
+                    body, name, version, remaining(context), context.invocation_metadata()
+                )
             if method == "ModelStatistics" and not name:
                 return await self.repository.all_statistics(
                     remaining(context), metadata_of(context)
@@ -245,6 +253,10 @@ class GrpcDoor:
             try:
                 name, version = peek_model(first)
                 refuse_reserved(first)
+                if name in self.repository.ensembles.plans:
+                    raise Unimplemented(
+                        f"ensemble '{clip(name)}' answers ModelInfer only, not ModelStreamInfer"
+                    )
                 route = self.routes.route(name)
                 deadline = self.core.deadline(remaining(context))
             except ServingError as exc:

@@ -184,6 +184,9 @@ class HttpControl:
     async def _model_ready(
         self, name: str, version: str, budget: float | None, metadata: list[tuple[str, str]]
     ) -> bool:
+        ensembles = self.repository.ensembles
+        if name in ensembles.plans:
+            return ensembles.ready(ensembles.plan(name, version))
         if name not in self.routes.routes:
             return False  # as the gRPC door: a model that does not exist is not ready
         request = pb.ModelReadyRequest(name=name, version=version)
@@ -198,6 +201,8 @@ class HttpControl:
         budget: float | None,
         metadata: list[tuple[str, str]],
     ) -> bytes:
+        if name in self.repository.ensembles.plans:  # answered here (router/ensemble.py)
+            return self.repository.ensembles.answer(method, name, request.version)
         route = self.routes.route(name)
         return await self.core.forward(route, method, request.SerializeToString(), budget, metadata)
 
