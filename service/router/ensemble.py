@@ -97,6 +97,11 @@ class Ensembles:
 
     # -- readiness and control -------------------------------------------------
 
+    def ready_version(self, name: str, version: str) -> bool:
+        """ModelReady's answer: a version the ensemble does not have is not ready (as Triton)."""
+        plan = self.plans[name]
+        return (not version or version == plan.version) and self.ready(plan)
+
     def ready(self, plan: Ensemble) -> bool:
         """Every step's model ready in a pool that answers."""
         for step in plan.steps:
@@ -109,9 +114,11 @@ class Ensembles:
 
     def answer(self, method: str, name: str, version: str) -> bytes:
         """ModelReady, ModelMetadata, ModelConfig or ModelStatistics of an ensemble."""
-        plan = self.plan(name, version)
         if method == "ModelReady":
-            return pb.ModelReadyResponse(ready=self.ready(plan)).SerializeToString()
+            return pb.ModelReadyResponse(
+                ready=self.ready_version(name, version)
+            ).SerializeToString()
+        plan = self.plan(name, version)
         if method == "ModelMetadata":
             return self.metadata(plan).SerializeToString()
         if method == "ModelConfig":

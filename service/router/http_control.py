@@ -186,7 +186,7 @@ class HttpControl:
     ) -> bool:
         ensembles = self.repository.ensembles
         if name in ensembles.plans:
-            return ensembles.ready(ensembles.plan(name, version))
+            return ensembles.ready_version(name, version)
         if name not in self.routes.routes:
             return False  # as the gRPC door: a model that does not exist is not ready
         request = pb.ModelReadyRequest(name=name, version=version)
