@@ -9,6 +9,8 @@
   python bench/run.py --only batching  # the batching part alone (bench/batching.py)
   python bench/run.py --only large --repeat 3
                                      # the large-tensor echo alone (issue 20), never published
+  python bench/run.py --only ensemble [--repeat 3]
+                                     # ensembles alone (issue 44, bench/ensemble.py); unpublished
   python bench/run.py --mode quick --only rest [--publish]
                                      # the REST part alone (issue 29; bench/rest.py); --publish
                                      # puts it into latest.json/md and docs/performance.md
@@ -49,6 +51,7 @@ sys.path.insert(0, str(BENCH / "peers"))
 
 import batching  # noqa: E402
 import decoupled  # noqa: E402
+import ensemble as ensemble_part  # noqa: E402
 import fleet as fleet_part  # noqa: E402
 import install  # noqa: E402
 import large_tensors  # noqa: E402
@@ -62,6 +65,7 @@ import workload  # noqa: E402
 report.PARTS.append(large_tensors)  # its targets and its section in the report
 report.PARTS.append(rest)  # the REST part (issue 29)
 report.PARTS.append(fleet_part)  # the router fleet (issue 31)
+report.PARTS.append(ensemble_part)  # ensembles (issue 44)
 
 ROOT = BENCH.parent
 RESULTS = BENCH / "results"
@@ -963,6 +967,8 @@ def run(mode: Mode, only: Sequence[str], publish_results: bool) -> dict[str, Any
                 )
         with phase("decoupled", timings):
             results["decoupled"] = decoupled.measure()
+        with phase("ensembles", timings):
+            results["ensemble"] = ensemble_part.measure(rounds=mode.runs)
     finally:
         fleet.stop_all()
     timings["total"] = round(time.monotonic() - began, 1)
@@ -983,12 +989,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--only",
-        choices=["overload", "mlserver-dropin", "batching", "decoupled", "large", "rest", "fleet"],
+        choices=[
+            "overload",
+            "mlserver-dropin",
+            "batching",
+            "decoupled",
+            "large",
+            "rest",
+            "fleet",
+            "ensemble",
+        ],
         help="run one part alone: overload (calibration, servers, overload), "
         "mlserver-dropin (bench/mlserver_dropin.py), batching (bench/batching.py), "
         "decoupled (bench/decoupled.py), large (the large-tensor echo, bench/large_tensors.py) "
         "rest (perf_analyzer -i http, bench/rest.py) or fleet (routers 1 and 2, echo c16, and "
-        "the capacity table, bench/fleet.py); never published, except rest with "
+        "the capacity table, bench/fleet.py) or ensemble (two light steps against one call "
+        "and against a client's own two calls, bench/ensemble.py); never published, except "
+        "rest with "
         "--publish (its section replaces latest.json's REST part)",
     )
     parser.add_argument(
@@ -1028,6 +1045,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.only == "fleet":
         print(fleet_part.console(fleet_only(mode, max(1, args.repeat or mode.runs))))
+        return 0
+    if args.only == "ensemble":
+        print(ensemble_part.section({"ensemble": ensemble_part.measure(rounds=args.repeat or 3)}))
         return 0
     if args.only == "large":
         print(large_tensors.console(large_only(mode, max(1, args.repeat or 1))))
