@@ -187,6 +187,9 @@ async def _wait_models(address: str) -> None:
     async with grpc.aio.insecure_channel(address) as channel:
         for model in ("iris_scaler", "iris_classifier", "echo", "echo_b", "sleep", "sleep_victim"):
             await wait_serving(channel, f"model:{model}", timeout=120)
+        # an ensemble's health follows its steps'
+        for ensemble in ("iris_pipeline", "echo_sleep", "echo_victim", "fanout"):
+            await wait_serving(channel, f"model:{ensemble}", timeout=120)
 
 
 @pytest.fixture
@@ -329,6 +332,15 @@ def test_a_deadline_spent_in_a_slow_step_names_the_step(
     assert caught.value.status() == "StatusCode.DEADLINE_EXCEEDED"
     assert "ensemble 'echo_sleep' step 2 (model 'sleep')" in caught.value.message()
     assert time.monotonic() - started < 25  # the deadline ended it, not the sleep
+    with pytest.raises(th.InferenceServerException) as rest:
+        http_client.infer(
+            "echo_sleep",
+            [_grpc_input(th, "INPUT0", data)],
+            parameters={"sleep_ms": 30_000},
+            headers={"Grpc-Timeout": "3S"},
+        )
+    assert rest.value.status() == "504"
+    assert "ensemble 'echo_sleep' step 2 (model 'sleep')" in rest.value.message()
 
 
 def _busy(address_tree: Serving, gid: str) -> bool:

@@ -82,6 +82,7 @@ class Ensembles:
         self.routes = routes
         self.core = core
         self._counts = {name: _Counts() for name in self.plans}
+        routes.ensembles_ready = self.readiness  # the health service's model:<ensemble>
 
     def get(self, name: str) -> Ensemble | None:
         return self.plans.get(name) if self.plans else None
@@ -96,6 +97,9 @@ class Ensembles:
         return plan
 
     # -- readiness and control -------------------------------------------------
+
+    def readiness(self) -> dict[str, bool]:
+        return {name: self.ready(plan) for name, plan in self.plans.items()}
 
     def ready_version(self, name: str, version: str) -> bool:
         """ModelReady's answer: a version the ensemble does not have is not ready (as Triton)."""

@@ -100,6 +100,8 @@ class Routes:
         )
         self._generation = 0
         self._tasks: asyncio.TaskGroup | None = None
+        # the ensembles' readiness, by name (router/ensemble.py): their health follows their steps'
+        self.ensembles_ready: Callable[[], dict[str, bool]] = dict
 
     def routed_models(self) -> list[tuple[str, str]]:
         """(model, pool) of every route: the series the router's own counters cover."""
@@ -132,6 +134,8 @@ class Routes:
         for name in self.invalid:
             if name not in self.routes:  # a broken duplicate must not shadow a good model
                 self.health.set(f"model:{name}", False)
+        for name, ready in self.ensembles_ready().items():
+            self.health.set(f"model:{name}", ready)
 
     async def _watch(self, route: PoolRoute, service: str, apply: Callable[[bool], None]) -> None:
         """Follows one health service of a pool for the router's whole life."""
