@@ -117,6 +117,11 @@ class ServerSettings:
     shm_max_name_length: int = 255  # characters of a region's name (keys: NAME_MAX bytes)
     slab_mapped_bytes: int = 512 * MIB  # the router's slabs one worker keeps mapped
 
+    # The response cache of each pool server (models with parameters.extra.response_cache,
+    # docs/models.md): its bounds, shared by the pool's models; 0 in either: no cache.
+    response_cache_bytes: int = 64 * MIB
+    response_cache_entries: int = 100_000
+
     def threads_for(self, gid: str) -> int:
         override = self.pools.get(gid)
         if override is not None and override.threads_per_worker is not None:
@@ -158,6 +163,8 @@ _INT_FIELDS = {
     "shm_max_regions",
     "shm_max_name_length",
     "slab_mapped_bytes",
+    "response_cache_bytes",
+    "response_cache_entries",
 }
 _FLOAT_FIELDS = {
     "default_timeout_s",
@@ -248,9 +255,14 @@ def _check_value(source: str, name: str, value: object) -> object:
     if name in _INT_FIELDS:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(source, name, f"expected an integer, got {value!r}")
-        low = {"grpc_port": 0, "parallel_workers": 0, "metrics_port": -1, "http_port": -1}.get(
-            name, 1
-        )
+        low = {
+            "grpc_port": 0,
+            "parallel_workers": 0,
+            "metrics_port": -1,
+            "http_port": -1,
+            "response_cache_bytes": 0,
+            "response_cache_entries": 0,
+        }.get(name, 1)
         if value < low or (name in {"grpc_port", "metrics_port", "http_port"} and value > 65535):
             raise ConfigError(source, name, f"out of range: {value}")
         return value

@@ -51,6 +51,10 @@ class Routing:
     # JSON but the tensors' data); None: not a REST body.
     rest_view: bytes | None = None
     rest_json: dict[str, Any] | None = None
+    # the same body's whole JSON document and its text, for the response cache's
+    # key (:mod:`poolserve.service.poolserver.response_cache`)
+    rest_doc: dict[str, Any] | None = None
+    rest_text: Wire | None = None
     # The first field of :data:`WRAPPER_FIELDS` the bytes carry at top level, 0: none.
     wrapper_field: int = 0
 

@@ -73,9 +73,27 @@ TRITON_COUNTERS = (
         "Cumulative compute output duration in microseconds",
         "compute_output_ns",
     ),
+    ("nv_cache_num_hits_per_model", "Number of response cache hits per model", "cache_hits"),
+    (
+        "nv_cache_num_misses_per_model",
+        "Number of response cache misses per model",
+        "cache_misses",
+    ),
+    (
+        "nv_cache_hit_duration_per_model",
+        "Cumulative time requests spend retrieving a cached response per model (microseconds)",
+        "cache_hit_ns",
+    ),
+    (
+        "nv_cache_miss_duration_per_model",
+        "Cumulative time requests spend looking up and inserting responses into the cache "
+        "on a cache miss (microseconds)",
+        "cache_miss_ns",
+    ),
 )
 FAILURE_COUNTER = "nv_inference_request_failure"
-UNSUFFIXED = (*(name for name, _, _ in TRITON_COUNTERS), FAILURE_COUNTER)
+EVICTIONS = "nv_cache_num_evictions"  # a pool's response cache (Triton's name before 23.03)
+UNSUFFIXED = (*(name for name, _, _ in TRITON_COUNTERS), FAILURE_COUNTER, EVICTIONS)
 # poolserve_batch_size: rows per execution of a batching model (upper bounds).
 BATCH_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 BATCH_COUNT = "poolserve_batch_size:count"
@@ -158,6 +176,8 @@ def pool_counters(metrics: cpb.PoolMetrics) -> dict[str, dict[Key, float]]:
         ("poolserve_worker_restarts", (gid, cause)): float(metrics.worker_restarts.get(cause, 0))
         for cause in RESTART_CAUSES
     }
+    if metrics.HasField("cache"):
+        groups[""][(EVICTIONS, (gid,))] = float(metrics.cache.evictions)
     return groups
 
 
@@ -217,6 +237,7 @@ class Snapshot(Collector):
         yield from self._histograms(totals)
         yield from self._batch_sizes(totals)
         yield from self._pools(totals)
+        yield from self._caches(totals)
         yield from self._routers()
         yield from self._processes()
 
@@ -352,6 +373,42 @@ class Snapshot(Collector):
                     value,
                 )
         yield from (up, queue, workers, ready, restarts, worker_restarts, deadlines)
+
+    def _caches(self, totals: Mapping[Key, float]) -> Iterator[Metric]:
+        """Each pool's response cache: what it holds, its bounds, its evictions."""
+        entries = GaugeMetricFamily(
+            "nv_cache_num_entries", "Responses in the pool's response cache", labels=("pool",)
+        )
+        util = GaugeMetricFamily(
+            "nv_cache_util",
+            "Response cache utilization (bytes held over response_cache_bytes, 0.0 - 1.0)",
+            labels=("pool",),
+        )
+        held = GaugeMetricFamily(
+            "poolserve_cache_bytes", "Bytes the pool's response cache holds", labels=("pool",)
+        )
+        max_bytes = GaugeMetricFamily(
+            "poolserve_cache_max_bytes", "The response cache's bound in bytes", labels=("pool",)
+        )
+        max_entries = GaugeMetricFamily(
+            "poolserve_cache_max_entries",
+            "The response cache's bound in entries",
+            labels=("pool",),
+        )
+        evictions = self._counter(EVICTIONS, "Responses evicted from the pool's response cache")
+        for gid, answer in sorted(self.answers.items()):
+            if answer is None or not answer.HasField("cache"):
+                continue
+            cache = answer.cache
+            entries.add_metric((gid,), float(cache.entries))
+            held.add_metric((gid,), float(cache.bytes))
+            util.add_metric((gid,), cache.bytes / cache.max_bytes if cache.max_bytes else 0.0)
+            max_bytes.add_metric((gid,), float(cache.max_bytes))
+            max_entries.add_metric((gid,), float(cache.max_entries))
+        for (fam, labels), value in sorted(totals.items()):
+            if fam == EVICTIONS:
+                evictions.add_sample(EVICTIONS, {"pool": labels[0]}, value)
+        yield from (entries, util, held, max_bytes, max_entries, evictions)
 
     def _routers(self) -> Iterator[Metric]:
         """What the routers count themselves: calls per router, stalled streams."""
