@@ -258,6 +258,8 @@ def _rest_key(digest: Any, data: Payload, routing: Routing) -> str | None:
     params = kept.get("parameters")
     if isinstance(params, dict):
         kept["parameters"] = {k: v for k, v in params.items() if k not in _PER_CALL_REST}
+        if not kept["parameters"]:
+            del kept["parameters"]  # none left: as a body without parameters
     try:
         canonical = orjson.dumps(kept, option=orjson.OPT_SORT_KEYS)
     except TypeError:
