@@ -178,8 +178,9 @@ def test_what_is_never_cached() -> None:
 )
 def test_bad_settings_name_the_field(tmp_path: Path, extra: dict[str, Any], error: str) -> None:
     path = tmp_path / "model-settings.json"
-    path.write_text(json.dumps({"name": "m", "implementation": "x.M", "parameters": {"extra": extra}}))
-    with pytest.raises(ConfigError, match="parameters.extra.response_cache") as caught:
+    settings = {"name": "m", "implementation": "x.M", "parameters": {"extra": extra}}
+    path.write_text(json.dumps(settings))
+    with pytest.raises(ConfigError, match=r"parameters\.extra\.response_cache") as caught:
         parse_model_settings(path)
     assert error in str(caught.value)
 
@@ -187,6 +188,6 @@ def test_bad_settings_name_the_field(tmp_path: Path, extra: dict[str, Any], erro
 def test_settings_that_turn_it_on(tmp_path: Path) -> None:
     path = tmp_path / "model-settings.json"
     for value, on in ((True, True), ({"enable": True}, True), ({"enable": False}, False)):
-        settings = {"name": "m", "implementation": "x.M"}
-        path.write_text(json.dumps({**settings, "parameters": {"extra": {"response_cache": value}}}))
+        extra = {"extra": {"response_cache": value}}
+        path.write_text(json.dumps({"name": "m", "implementation": "x.M", "parameters": extra}))
         assert parse_model_settings(path).response_cache is on
