@@ -9,6 +9,7 @@
   python bench/run.py --only batching  # the batching part alone (bench/batching.py)
   python bench/run.py --only large --repeat 3
                                      # the large-tensor echo alone (issue 20), never published
+  python bench/run.py --only cache   # the response-cache part alone (issue 44), never published
   python bench/run.py --mode quick --only rest [--publish]
                                      # the REST part alone (issue 29; bench/rest.py); --publish
                                      # puts it into latest.json/md and docs/performance.md
@@ -48,6 +49,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH / "peers"))
 
 import batching  # noqa: E402
+import cache as cache_part  # noqa: E402
 import decoupled  # noqa: E402
 import fleet as fleet_part  # noqa: E402
 import install  # noqa: E402
@@ -62,6 +64,7 @@ import workload  # noqa: E402
 report.PARTS.append(large_tensors)  # its targets and its section in the report
 report.PARTS.append(rest)  # the REST part (issue 29)
 report.PARTS.append(fleet_part)  # the router fleet (issue 31)
+report.PARTS.append(cache_part)  # the response cache (issue 44)
 
 ROOT = BENCH.parent
 RESULTS = BENCH / "results"
@@ -745,6 +748,50 @@ def fleet_only(mode: Mode, runs: int) -> dict[str, Any]:
     return found
 
 
+def cache_phase(fleet: Fleet, mode: Mode, installed: install.Installed, run_dir: Path,
+                runs: int) -> dict[str, Any]:  # fmt: skip
+    """bench/cache.py's part: echo c16 computed, and from the response cache."""
+    pa = installed.perf_analyzer
+
+    def start(key: str) -> Any:
+        server = fleet.start(servers.spec(key), servers.Layout(cache_part.MODELS), "cache")
+        try:
+            fleet.wait_ready(server)
+        except Exception:
+            fleet.stop(server)
+            raise
+        return server
+
+    env = {**os.environ, **pa.env}
+    timeout = 10 * mode.window_ms / 1000 + 30
+    measure = functools.partial(measure_cell, mode=mode, pa=pa, env=env, timeout=timeout)
+    found = cache_part.phase(start, fleet.stop, measure, run_dir, runs, log)
+    found.update(
+        when=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        mode=mode.name,
+        window_ms=mode.window_ms,
+    )
+    return found
+
+
+def cache_only(mode: Mode, runs: int) -> dict[str, Any]:
+    """The response-cache part alone (`--only cache`); never published."""
+    installed = installed_peers(())
+    run_dir = WORK / datetime.datetime.now().strftime("cache-%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True)
+    quiet = wait_for_quiet(mode.quiet_wait_s)
+    load = servers.Workload(1, run_dir / "burn.count")
+    fleet = Fleet(run_dir, installed.venvs, load)
+    try:
+        found = cache_phase(fleet, mode, installed, run_dir, runs)
+    finally:
+        fleet.stop_all()
+    found["outside_load_at_start_cores"] = round(quiet, 3)
+    (run_dir / "cache-results.json").write_text(json.dumps(found, indent=1) + "\n")
+    log(f"wrote {run_dir / 'cache-results.json'}")
+    return found
+
+
 def installed_peers(keys: Sequence[str]) -> install.Installed:
     """The peers' environments these servers need; one that fails to install is left out
     (its servers are then skipped with the reason), not a failure of the run."""
@@ -949,6 +996,8 @@ def run(mode: Mode, only: Sequence[str], publish_results: bool) -> dict[str, Any
             results["rest"] = rest_phase(fleet, mode, installed, run_dir, mode.runs)
         with phase("router fleet", timings):
             results["fleet"] = fleet_phase(fleet, mode, installed, run_dir, mode.runs)
+        with phase("response cache", timings):
+            results["cache"] = cache_phase(fleet, mode, installed, run_dir, mode.runs)
         with phase("memory", timings):
             results["memory"] = measure_memory(fleet, mode, [s.key for s in chosen])
         if servers.REFERENCE in [s.key for s in chosen]:
@@ -983,12 +1032,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--only",
-        choices=["overload", "mlserver-dropin", "batching", "decoupled", "large", "rest", "fleet"],
+        choices=[
+            "overload",
+            "mlserver-dropin",
+            "batching",
+            "decoupled",
+            "large",
+            "rest",
+            "fleet",
+            "cache",
+        ],
         help="run one part alone: overload (calibration, servers, overload), "
         "mlserver-dropin (bench/mlserver_dropin.py), batching (bench/batching.py), "
         "decoupled (bench/decoupled.py), large (the large-tensor echo, bench/large_tensors.py) "
         "rest (perf_analyzer -i http, bench/rest.py) or fleet (routers 1 and 2, echo c16, and "
-        "the capacity table, bench/fleet.py); never published, except rest with "
+        "the capacity table, bench/fleet.py) or cache (echo c16 computed and from the "
+        "response cache, bench/cache.py); never published, except rest with "
         "--publish (its section replaces latest.json's REST part)",
     )
     parser.add_argument(
@@ -1028,6 +1087,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.only == "fleet":
         print(fleet_part.console(fleet_only(mode, max(1, args.repeat or mode.runs))))
+        return 0
+    if args.only == "cache":
+        print(cache_part.console(cache_only(mode, max(1, args.repeat or mode.runs))))
         return 0
     if args.only == "large":
         print(large_tensors.console(large_only(mode, max(1, args.repeat or 1))))

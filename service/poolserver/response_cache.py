@@ -232,11 +232,20 @@ def _grpc_key(digest: Any, data: Wire) -> str | None:
 
 
 def _parameter_key(view: memoryview, pos: int, end: int) -> bytes:
-    """The key of one ``map<string, InferParameter>`` entry (b"" when not first)."""
+    """The key of one ``map<string, InferParameter>`` entry whose value is one
+    varint (bool, int64 or uint64: how the scheduling parameters are set);
+    b"" for any other entry, which is then hashed whatever its key."""
     if pos >= end or view[pos] != 0x0A:
         return b""
     size, pos = read_varint(view, pos + 1)
-    return bytes(view[pos : min(pos + size, end)])
+    key, pos = bytes(view[pos : pos + size]), pos + size
+    if pos >= end or view[pos] != 0x12:
+        return b""
+    size, pos = read_varint(view, pos + 1)
+    if pos + size != end or size < 2 or view[pos] & 7 != 0 or view[pos] >> 3 not in (1, 2, 5):
+        return b""
+    _, after = read_varint(view, pos + 1)
+    return key if after == end else b""
 
 
 def _rest_key(digest: Any, data: Payload, routing: Routing) -> str | None:
