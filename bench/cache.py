@@ -125,6 +125,9 @@ def section(results: Mapping[str, Any]) -> str:
         "\n".join(rows)
         + f"\n\nHits over computed, median of {len(each)} rounds' ratios: {_fmt(median, 2)}x"
         + (" (" + ", ".join(f"{x:.2f}" for x in each) + ")" if each else "")
+        + "; a hit costs the router and the pool server, no worker. perf_analyzer (the "
+        "client) runs on the same cores, so the CPU per request says what the throughput "
+        "on a host of two cores cannot"
     )
 
 
@@ -134,10 +137,15 @@ def targets(results: Mapping[str, Any]) -> list[dict[str, Any]]:
     if not each:
         return []
     value = statistics.median(each)
+    detail = "rounds " + ", ".join(f"{x:.2f}" for x in each)
+    found = cells(cache)
+    cpu = [found.get(model, {}).get("cpu_ms") for model in (COMPUTED, CACHED)]
+    if cpu[0] and cpu[1]:
+        detail += (f"; the tree's CPU per request {cpu[1]:.3f} ms from the cache, "
+                   f"{cpu[0]:.3f} ms computed ({cpu[0] / cpu[1]:.1f}x less)")  # fmt: skip
     return [{"key": "cache_hit_vs_echo",
              "label": "response cache hit vs computed echo, c16 throughput (median of rounds)",
-             "value": value, "op": ">=", "threshold": TARGET,
-             "detail": "rounds " + ", ".join(f"{x:.2f}" for x in each),
+             "value": value, "op": ">=", "threshold": TARGET, "detail": detail,
              "issue": "44", "passed": value >= TARGET}]  # fmt: skip
 
 

@@ -105,6 +105,8 @@ class ResponseCache:
         self.evictions = 0
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
         self._generations: dict[str, int] = {}  # per model: bumped by each load
+        # per model: its verdict, and the settings and declared policy it is for
+        self._verdicts: dict[str, tuple[object, object, bool]] = {}
 
     @property
     def enabled(self) -> bool:
@@ -117,15 +119,21 @@ class ResponseCache:
     def caches(self, entry: ModelEntry) -> bool:
         """Whether the model's replies are cached (its setting, and not a
         decoupled or sequence model, also as the loaded model declares itself)."""
-        settings = entry.settings
-        return (
+        settings, declared = entry.settings, entry.declared
+        known = self._verdicts.get(entry.name)
+        if known is not None and known[0] is settings and known[1] is declared:
+            return known[2]  # (on every request: read once per load)
+        policy = entry.policy
+        verdict = (
             settings is not None
             and self.enabled
             and settings.response_cache
             and settings.sequence is None
-            and not entry.policy.decoupled
-            and entry.policy.unary
+            and not policy.decoupled
+            and policy.unary
         )
+        self._verdicts[entry.name] = (settings, declared, verdict)
+        return verdict
 
     def probe(self, entry: ModelEntry, request: Payload, routing: Routing) -> Probe | None:
         """The request's key, or None when it is not cached (see the module)."""
@@ -205,7 +213,11 @@ def _grpc_key(digest: Any, data: Wire) -> str | None:
     pos, end = 0, len(view)
     while pos < end:
         start = pos
-        tag, pos = read_varint(view, pos)
+        tag = view[pos]  # a one-byte tag (fields 1 to 15), else the whole reader
+        if tag < 0x80:
+            pos += 1
+        else:
+            tag, pos = read_varint(view, pos)
         wire_type = tag & 7
         if wire_type == 0:
             _, pos = read_varint(view, pos)
@@ -214,7 +226,11 @@ def _grpc_key(digest: Any, data: Wire) -> str | None:
         elif wire_type == 5:
             pos += 4
         elif wire_type == 2:
-            size, pos = read_varint(view, pos)
+            if pos < end and view[pos] < 0x80:  # a length under 128: one byte
+                size = view[pos]
+                pos += 1
+            else:
+                size, pos = read_varint(view, pos)
             body, pos = pos, pos + size
             if pos > end:
                 raise InvalidInput("truncated")
