@@ -250,6 +250,27 @@ def test_rest_hits_are_the_same_bytes(tree: Serving) -> None:
     assert int(stats["inference_stats"]["cache_hit"]["count"]) == 6 + 3 + 2 + 1
 
 
+def test_a_load_of_the_model_drops_its_replies(tree: Serving) -> None:
+    x = np.full((1, 2), 3.0, dtype=np.float32)
+    request = _request("echo_cached", x, "before")
+    first, hit = _raw_infer(tree, request, request)
+    assert hit == first
+    with grpcclient.InferenceServerClient(tree.address) as client:
+        before = _stats(client, "echo_cached")
+        # a load that really loads (a config override): the replies of the load before go
+        config = {"parameters": {"note": {"string_value": "loaded again"}}}
+        client.load_model("echo_cached", config=json.dumps(config), client_timeout=WAIT * 2)
+        again = _raw_infer(tree, request)[0]
+        assert again == first  # computed again by the new load: the same bytes
+        after = _stats(client, "echo_cached")
+    # the request after the load was computed: one more miss, no more hits
+    assert _count(after, "cache_miss") == _count(before, "cache_miss") + 1
+    assert _count(after, "cache_hit") == _count(before, "cache_hit")
+    assert _raw_infer(tree, request)[0] == first  # and kept again: a hit
+    with grpcclient.InferenceServerClient(tree.address) as client:
+        assert _count(_stats(client, "echo_cached"), "cache_hit") == _count(after, "cache_hit") + 1
+
+
 def test_a_model_without_the_setting_is_unaffected(tree: Serving) -> None:
     x = np.arange(4, dtype=np.float32).reshape(1, 4)
     first, second = _raw_infer(tree, _request("echo", x, "a"), _request("echo", x, "a"))
