@@ -27,7 +27,7 @@ import tritonclient.http as httpclient
 from poolserve.protos import inference_pb2 as pb
 
 from serving import Serving, wait_serving
-from support import EXAMPLES, copy_example
+from support import EXAMPLES, copy_example, infer_request
 
 pytestmark = pytest.mark.e2e
 
@@ -109,16 +109,7 @@ def _count(stats: dict[str, Any], field: str) -> int:
 
 
 def _request(model: str, data: np.ndarray, ident: str = "", **params: Any) -> bytes:
-    request = pb.ModelInferRequest(model_name=model, id=ident)
-    tensor = request.inputs.add(name="INPUT0", datatype="FP32", shape=list(data.shape))
-    del tensor  # its bytes go in raw_input_contents
-    request.raw_input_contents.append(data.astype(np.float32).tobytes())
-    for key, value in params.items():
-        if isinstance(value, str):
-            request.parameters[key].string_param = value
-        else:
-            request.parameters[key].int64_param = value
-    return request.SerializeToString()
+    return infer_request(model, data.astype(np.float32), ident=ident, **params)
 
 
 def _raw_infer(tree: Serving, *requests_: bytes) -> list[bytes]:

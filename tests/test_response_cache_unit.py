@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from poolserve.protos import inference_pb2 as pb
@@ -21,6 +22,8 @@ from poolserve.service.poolserver.catalog import ModelEntry, ModelState
 from poolserve.service.poolserver.response_cache import ENTRY_OVERHEAD, ResponseCache
 from poolserve.service.poolserver.rest_scheduling import scheduling_routing
 
+from support import infer_request
+
 
 def _entry(name: str = "m", **extra: Any) -> ModelEntry:
     settings = ModelSettings(
@@ -30,15 +33,8 @@ def _entry(name: str = "m", **extra: Any) -> ModelEntry:
 
 
 def _request(ident: str = "", data: bytes = b"\0\0\x80?", **params: Any) -> bytes:
-    request = pb.ModelInferRequest(model_name="m", id=ident)
-    request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, len(data) // 4])
-    request.raw_input_contents.append(data)
-    for key, value in params.items():
-        if isinstance(value, str):
-            request.parameters[key].string_param = value
-        else:
-            request.parameters[key].int64_param = value
-    return request.SerializeToString()
+    array = np.frombuffer(data, dtype=np.float32).reshape(1, -1)
+    return infer_request("m", array, ident=ident, **params)
 
 
 def _reply(ident: str = "", data: bytes = b"\0\0\x80?") -> bytes:
@@ -68,6 +64,12 @@ def test_the_key_leaves_out_only_the_id_and_the_per_call_parameters() -> None:
     wanted.outputs.add(name="OUTPUT0")
     assert _key(cache, entry, wanted.SerializeToString()) != base
     assert _key(cache, _entry("n"), _request()) != base  # another model
+
+
+def test_a_request_cut_short_is_not_cached() -> None:
+    cache, entry = ResponseCache(1 << 20, 100), _entry()
+    for cut in (_request() + b"\x1a\x05ab", _request()[:-1], _request() + b"\x0b"):
+        assert cache.probe(entry, cut, scheduling_routing(_request())) is None
 
 
 def test_a_hit_is_the_computed_reply_with_the_requests_id() -> None:

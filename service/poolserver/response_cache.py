@@ -52,7 +52,7 @@ from poolserve.service.contract.rest import IDENTITY, REPLY_HEAD, V2
 from poolserve.service.contract.rest import unwrap as unwrap_rest
 from poolserve.service.contract.shm import is_wrapped
 from poolserve.service.contract.slab import is_enveloped
-from poolserve.service.contract.wire import Routing, Wire, encode_varint, read_varint
+from poolserve.service.contract.wire import Routing, Wire, encode_varint, fields, read_varint
 from poolserve.service.inference.rest import deflate
 from poolserve.service.poolserver.catalog import ModelEntry
 
@@ -205,45 +205,16 @@ class ResponseCache:
             self.bytes -= self._entries.pop(key).size
 
 
-def _grpc_key(digest: Any, data: Wire) -> str | None:
+def _grpc_key(digest: Any, data: Wire) -> str:
     """Hashes a ModelInferRequest's top-level fields but its id and its per-call
     parameters; returns its id (the last field 3, as protobuf reads it)."""
     view = memoryview(data)
     ident = b""
-    pos, end = 0, len(view)
-    while pos < end:
-        start = pos
-        tag = view[pos]  # a one-byte tag (fields 1 to 15), else the whole reader
-        if tag < 0x80:
-            pos += 1
-        else:
-            tag, pos = read_varint(view, pos)
-        wire_type = tag & 7
-        if wire_type == 0:
-            _, pos = read_varint(view, pos)
-        elif wire_type == 1:
-            pos += 8
-        elif wire_type == 5:
-            pos += 4
-        elif wire_type == 2:
-            if pos < end and view[pos] < 0x80:  # a length under 128: one byte
-                size = view[pos]
-                pos += 1
-            else:
-                size, pos = read_varint(view, pos)
-            body, pos = pos, pos + size
-            if pos > end:
-                raise InvalidInput("truncated")
-            if tag == _ID_TAG:
-                ident = bytes(view[body:pos])
-                continue
-            if tag == _PARAMETERS_TAG and _parameter_key(view, body, pos) in PER_CALL:
-                continue
-        else:
-            return None  # groups, or not a message: computed, and refused there
-        if pos > end:
-            raise InvalidInput("truncated")
-        digest.update(view[start:pos])
+    for tag, start, value, end in fields(view):
+        if tag == _ID_TAG:
+            ident = bytes(view[value:end])
+        elif tag != _PARAMETERS_TAG or _parameter_key(view, value, end) not in PER_CALL:
+            digest.update(view[start:end])
     return ident.decode()
 
 
