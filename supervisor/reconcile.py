@@ -77,6 +77,8 @@ POOL_SETTINGS = (
     "shm_max_regions",  # a pool's own registry (its private socket)
     "shm_max_name_length",
     "slab_mapped_bytes",
+    "response_cache_bytes",  # each pool server's response cache
+    "response_cache_entries",
     "stream_messages",
 )
 ROUTER_SETTINGS = (

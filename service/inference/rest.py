@@ -33,13 +33,13 @@ from poolserve.protos import inference_pb2 as pb
 from poolserve.service.contract.errors import InvalidInput, MessageTooLarge, clip
 from poolserve.service.contract.rest import (
     CUSTOM,
-    GZIP,
     IDENTITY,
     MAX_PEEK,
     MAX_PEEK_COMPRESSED,
     REPLY_HEAD,
     SCHEDULING,
     V1,
+    deflate,
     inflater_of,
     peek_inflate,
     peeked_json,
@@ -163,12 +163,6 @@ def inflate(body: Buffer, limit: int, header_length: int | None = None) -> tuple
     if not inflater.eof:
         raise InvalidInput("the compressed body is truncated (Content-Encoding)")
     return out, read
-
-
-def deflate(parts: list[Buffer], encoding: int) -> bytes:
-    """The reply's JSON and binary outputs compressed as one (level 1: fast)."""
-    compressor = zlib.compressobj(1, wbits=31 if encoding == GZIP else 15)
-    return b"".join([*(compressor.compress(p) for p in parts), compressor.flush()])
 
 
 # -- the request -----------------------------------------------------------------

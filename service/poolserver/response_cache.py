@@ -48,12 +48,11 @@ import orjson
 
 from poolserve.service.contract.errors import InvalidInput
 from poolserve.service.contract.framing import Payload
-from poolserve.service.contract.rest import IDENTITY, REPLY_HEAD, V2
+from poolserve.service.contract.rest import IDENTITY, REPLY_HEAD, V2, deflate
 from poolserve.service.contract.rest import unwrap as unwrap_rest
 from poolserve.service.contract.shm import is_wrapped
 from poolserve.service.contract.slab import is_enveloped
 from poolserve.service.contract.wire import Routing, Wire, encode_varint, fields, read_varint
-from poolserve.service.inference.rest import deflate
 from poolserve.service.poolserver.catalog import ModelEntry
 
 # What an entry costs beyond its bytes: its key, the entry and the LRU's node.
