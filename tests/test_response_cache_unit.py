@@ -88,7 +88,8 @@ def test_a_reply_that_does_not_echo_the_id_is_not_kept() -> None:
     probe = cache.probe(entry, _request("a"), scheduling_routing(_request("a")))
     assert probe is not None
     cache.put(probe, entry, _reply("made-up"))
-    cache.put(probe, entry, b"\xff not a reply")
+    for broken in (b"\xff not a reply", b"\x0a\xff", b"\x0a\x05ab", b""):
+        cache.put(probe, entry, broken)  # never raises: the reply goes as it is
     assert cache.entries == 0 and cache.get(probe) is None
 
 

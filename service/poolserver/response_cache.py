@@ -180,10 +180,13 @@ class ResponseCache:
         if size > self.max_entry:
             return
         data = bytes(reply)
-        if probe.kind == _GRPC:
-            kept = _split_grpc(data, probe.ident.encode())
-        else:
-            kept = _split_rest(data, probe.ident, entry)
+        try:
+            if probe.kind == _GRPC:
+                kept = _split_grpc(data, probe.ident.encode())
+            else:
+                kept = _split_rest(data, probe.ident, entry)
+        except (InvalidInput, IndexError, ValueError):
+            kept = None  # not a reply of the shape a hit is made from: it goes as it is
         if kept is None:
             return
         old = self._entries.pop(probe.key, None)
