@@ -42,6 +42,7 @@ class PoolOverride:
     workers: int | None = None
     threads_per_worker: int | None = None
     start_method: str | None = None
+    unary_workers: int | None = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,9 @@ class ServerSettings:
     # (they wait on its gRPC window) is ended with RESOURCE_EXHAUSTED and its
     # worker freed for the pool's other callers; 0: never (docs/streaming.md).
     stream_stall_s: float = 10.0
+    # Workers of a pool that its streams (decoupled models) may not hold, kept for
+    # its other calls, in a pool that serves both; streams always get one worker.
+    unary_workers: int = 1
     # A reply past a bound waits while its connection (or, for the total, any)
     # reads; refused once nothing was read for this long (0: refused at once).
     unread_reply_grace_s: float = 5.0
@@ -134,6 +138,12 @@ class ServerSettings:
             return override.start_method
         return self.start_method
 
+    def unary_workers_for(self, gid: str) -> int:
+        override = self.pools.get(gid)
+        if override is not None and override.unary_workers is not None:
+            return override.unary_workers
+        return self.unary_workers
+
     def workers_for(self, gid: str) -> int:
         override = self.pools.get(gid)
         if override is not None and override.workers is not None:
@@ -154,6 +164,7 @@ _INT_FIELDS = {
     "http_max_header_bytes",
     "http_max_connections",
     "parallel_workers",
+    "unary_workers",
     "max_queue",
     "max_message_size",
     "max_concurrent_streams",
@@ -258,6 +269,7 @@ def _check_value(source: str, name: str, value: object) -> object:
         low = {
             "grpc_port": 0,
             "parallel_workers": 0,
+            "unary_workers": 0,
             "metrics_port": -1,
             "http_port": -1,
             "response_cache_bytes": 0,
@@ -308,9 +320,10 @@ def _parse_pools(source: str, value: object) -> dict[str, PoolOverride]:
             raise ConfigError(
                 source,
                 f"pools.{gid}",
-                'expected {"workers": N, "threads_per_worker": N, "start_method": "fork"|"spawn"}',
+                'expected {"workers": N, "threads_per_worker": N, "start_method": "fork"|"spawn", '
+                '"unary_workers": N}',
             )
-        for key, least in (("workers", 0), ("threads_per_worker", 1)):
+        for key, least in (("workers", 0), ("threads_per_worker", 1), ("unary_workers", 0)):
             # workers 0, as parallel_workers 0: the pool runs its models inline
             count = raw.get(key)
             if count is not None and (
@@ -320,11 +333,13 @@ def _parse_pools(source: str, value: object) -> dict[str, PoolOverride]:
         method = raw.get("start_method")
         if method is not None and method not in START_METHODS:
             raise ConfigError(source, f"pools.{gid}.start_method", "expected 'fork' or 'spawn'")
-        pools[gid] = PoolOverride(raw.get("workers"), raw.get("threads_per_worker"), method)
+        pools[gid] = PoolOverride(
+            raw.get("workers"), raw.get("threads_per_worker"), method, raw.get("unary_workers")
+        )
     return pools
 
 
-_POOL_FIELDS = {"workers", "threads_per_worker", "start_method"}
+_POOL_FIELDS = {"workers", "threads_per_worker", "start_method", "unary_workers"}
 
 
 def apply_overrides(

@@ -282,6 +282,16 @@ class PoolServer(LiveModels):
 
     # -- health --------------------------------------------------------------
 
+    def _share_workers(self) -> None:
+        """Keeps ``unary_workers`` of the workers from the pool's streams while a
+        model the pool runs on its workers answers other calls (ModelInfer,
+        REST, a stream's requests to it); a pool of decoupled models only keeps
+        none back (docs/streaming.md)."""
+        others = any(
+            e.ready and e.policy.unary and e.name not in self.inline for e in self.catalog.entries()
+        )
+        self.dispatcher.share.reserve = self.settings.unary_workers_for(self.gid) if others else 0
+
     def _sync_health(self) -> None:
         ready = self.servicer.ready()
         self.health.set_many({"": ready, "inference.GRPCInferenceService": ready})
@@ -301,7 +311,9 @@ class PoolServer(LiveModels):
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
         self.catalog.subscribe(self._sync_health)
+        self.catalog.subscribe(self._share_workers)
         self._sync_health()
+        self._share_workers()
         limit = self.settings.max_message_size
         server = grpc.aio.server(
             options=[
