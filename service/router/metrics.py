@@ -94,6 +94,22 @@ TRITON_COUNTERS = (
 FAILURE_COUNTER = "nv_inference_request_failure"
 EVICTIONS = "nv_cache_num_evictions"  # a pool's response cache (Triton's name before 23.03)
 UNSUFFIXED = (*(name for name, _, _ in TRITON_COUNTERS), FAILURE_COUNTER, EVICTIONS)
+# A pool's response cache (ResponseCacheMetrics): (name, help, its value).
+CACHE_GAUGES: tuple[tuple[str, str, Callable[[cpb.ResponseCacheMetrics], float]], ...] = (
+    ("nv_cache_num_entries", "Responses in the pool's response cache", lambda c: c.entries),
+    (
+        "nv_cache_util",
+        "Response cache utilization (bytes held over response_cache_bytes, 0.0 - 1.0)",
+        lambda c: c.bytes / c.max_bytes if c.max_bytes else 0.0,
+    ),
+    ("poolserve_cache_bytes", "Bytes the pool's response cache holds", lambda c: c.bytes),
+    ("poolserve_cache_max_bytes", "The response cache's bound in bytes", lambda c: c.max_bytes),
+    (
+        "poolserve_cache_max_entries",
+        "The response cache's bound in entries",
+        lambda c: c.max_entries,
+    ),
+)
 # poolserve_batch_size: rows per execution of a batching model (upper bounds).
 BATCH_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 BATCH_COUNT = "poolserve_batch_size:count"
@@ -376,39 +392,19 @@ class Snapshot(Collector):
 
     def _caches(self, totals: Mapping[Key, float]) -> Iterator[Metric]:
         """Each pool's response cache: what it holds, its bounds, its evictions."""
-        entries = GaugeMetricFamily(
-            "nv_cache_num_entries", "Responses in the pool's response cache", labels=("pool",)
-        )
-        util = GaugeMetricFamily(
-            "nv_cache_util",
-            "Response cache utilization (bytes held over response_cache_bytes, 0.0 - 1.0)",
-            labels=("pool",),
-        )
-        held = GaugeMetricFamily(
-            "poolserve_cache_bytes", "Bytes the pool's response cache holds", labels=("pool",)
-        )
-        max_bytes = GaugeMetricFamily(
-            "poolserve_cache_max_bytes", "The response cache's bound in bytes", labels=("pool",)
-        )
-        max_entries = GaugeMetricFamily(
-            "poolserve_cache_max_entries",
-            "The response cache's bound in entries",
-            labels=("pool",),
-        )
-        evictions = self._counter(EVICTIONS, "Responses evicted from the pool's response cache")
+        gauges = [
+            (GaugeMetricFamily(name, doc, labels=("pool",)), value)
+            for name, doc, value in CACHE_GAUGES
+        ]
         for gid, answer in sorted(self.answers.items()):
-            if answer is None or not answer.HasField("cache"):
-                continue
-            cache = answer.cache
-            entries.add_metric((gid,), float(cache.entries))
-            held.add_metric((gid,), float(cache.bytes))
-            util.add_metric((gid,), cache.bytes / cache.max_bytes if cache.max_bytes else 0.0)
-            max_bytes.add_metric((gid,), float(cache.max_bytes))
-            max_entries.add_metric((gid,), float(cache.max_entries))
-        for (fam, labels), value in sorted(totals.items()):
+            if answer is not None and answer.HasField("cache"):
+                for family, value in gauges:
+                    family.add_metric((gid,), value(answer.cache))
+        evictions = self._counter(EVICTIONS, "Responses evicted from the pool's response cache")
+        for (fam, labels), count in sorted(totals.items()):
             if fam == EVICTIONS:
-                evictions.add_sample(EVICTIONS, {"pool": labels[0]}, value)
-        yield from (entries, util, held, max_bytes, max_entries, evictions)
+                evictions.add_sample(EVICTIONS, {"pool": labels[0]}, count)
+        yield from (*(family for family, _ in gauges), evictions)
 
     def _routers(self) -> Iterator[Metric]:
         """What the routers count themselves: calls per router, stalled streams."""
