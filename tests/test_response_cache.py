@@ -121,8 +121,50 @@ def _raw_infer(tree: Serving, *requests_: bytes) -> list[bytes]:
     return asyncio.run(run())
 
 
+def _tally(tree: Serving, model: str = "echo_cached") -> dict[str, float]:
+    """The model's counts in ModelStatistics and on /metrics (each test reads
+    what its own calls added: the tree is the module's)."""
+    with grpcclient.InferenceServerClient(tree.address) as client:
+        stats = _stats(client, model)
+    samples = _metrics(tree)
+    return {
+        "hits": _count(stats, "cache_hit"),
+        "misses": _count(stats, "cache_miss"),
+        "successes": _count(stats, "success"),
+        "computed": _count(stats, "compute_infer"),
+        "inferences": int(stats.get("inference_count", 0)),
+        "executions": int(stats.get("execution_count", 0)),
+        "metric hits": _model_sample(samples, "nv_cache_num_hits_per_model", model),
+        "metric misses": _model_sample(samples, "nv_cache_num_misses_per_model", model),
+        "metric successes": _model_sample(samples, "nv_inference_request_success", model),
+        "metric inferences": _model_sample(samples, "nv_inference_count", model),
+    }
+
+
+def _added(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {key: after[key] - before[key] for key in after}
+
+
+def _cache_counts(hits: int, misses: int) -> dict[str, float]:
+    """What ``hits`` hits and ``misses`` computed calls add, as Triton counts them."""
+    calls = hits + misses
+    return {
+        "hits": hits,
+        "misses": misses,
+        "successes": calls,
+        "computed": misses,
+        "inferences": misses,  # hits are not inferences, nor executions (Triton)
+        "executions": misses,
+        "metric hits": hits,
+        "metric misses": misses,
+        "metric successes": calls,
+        "metric inferences": misses,
+    }
+
+
 def test_grpc_hits_are_counted_and_the_same_bytes(tree: Serving) -> None:
     x = np.arange(16, dtype=np.float32).reshape(1, 16)
+    before = _tally(tree)
     computed, again, other_id = _raw_infer(
         tree,
         _request("echo_cached", x, "first"),
@@ -144,26 +186,15 @@ def test_grpc_hits_are_counted_and_the_same_bytes(tree: Serving) -> None:
         result = client.infer("echo_cached", [tensor], request_id="triton", client_timeout=WAIT)
         np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), x)
         assert result.get_response().id == "triton"
-        stats = _stats(client, "echo_cached")
-        # one computed (the first), four answered from the cache
-        assert _count(stats, "cache_miss") == 1
-        assert _count(stats, "cache_hit") == 4
-        assert _count(stats, "success") == 5
-        assert int(stats.get("inference_count", 0)) == 1  # hits are not inferences (Triton)
-        assert int(stats.get("execution_count", 0)) == 1
-        assert _count(stats, "compute_infer") == 1
-        assert int(stats["inference_stats"]["cache_hit"]["ns"]) > 0
-
-    samples = _metrics(tree)
-    assert _model_sample(samples, "nv_cache_num_hits_per_model", "echo_cached") == 4
-    assert _model_sample(samples, "nv_cache_num_misses_per_model", "echo_cached") == 1
-    assert _model_sample(samples, "nv_inference_request_success", "echo_cached") == 5
-    assert _model_sample(samples, "nv_inference_count", "echo_cached") == 1
-    assert samples['nv_cache_num_entries{pool="default"}'] >= 1
+        assert int(_stats(client, "echo_cached")["inference_stats"]["cache_hit"]["ns"]) > 0
+    # one computed (the first), four answered from the cache
+    assert _added(before, _tally(tree)) == _cache_counts(hits=4, misses=1)
+    assert _metrics(tree)['nv_cache_num_entries{pool="default"}'] >= 1
 
 
 def test_different_inputs_or_parameters_miss(tree: Serving) -> None:
     x = np.full((1, 4), 7.0, dtype=np.float32)
+    before = _tally(tree)
     first, *rest = _raw_infer(
         tree,
         _request("echo_cached", x),
@@ -175,14 +206,7 @@ def test_different_inputs_or_parameters_miss(tree: Serving) -> None:
         _request("echo_cached", x, ident="x"),  # only the id differs: a hit
     )
     assert rest[-1] == _with_id(first, "x")
-    with grpcclient.InferenceServerClient(tree.address) as client:
-        stats = _stats(client, "echo_cached")
-    samples = _metrics(tree)
-    hits = _model_sample(samples, "nv_cache_num_hits_per_model", "echo_cached")
-    misses = _model_sample(samples, "nv_cache_num_misses_per_model", "echo_cached")
-    assert (_count(stats, "cache_hit"), _count(stats, "cache_miss")) == (hits, misses)
-    assert misses == 1 + 5  # the first test's one, and five here
-    assert hits == 4 + 2
+    assert _added(before, _tally(tree)) == _cache_counts(hits=2, misses=5)
 
 
 def _with_id(reply: bytes, ident: str) -> bytes:
@@ -204,6 +228,7 @@ def _post(url: str, doc: Any, encoding: str = "identity") -> tuple[bytes, bytes]
 
 def test_rest_hits_are_the_same_bytes(tree: Serving) -> None:
     url = f"http://{_http(tree)}/v2/models/echo_cached/infer"
+    before = _tally(tree)
     body = {"inputs": [{"name": "INPUT0", "shape": [1, 3], "datatype": "FP32", "data": [1, 2, 3]}]}
     computed, _ = _post(url, {**body, "id": "r1"})
     hit, _ = _post(url, {**body, "id": "r1"})
@@ -234,11 +259,13 @@ def test_rest_hits_are_the_same_bytes(tree: Serving) -> None:
         stats = client.get_inference_statistics("echo_cached")["model_stats"][0]
     finally:
         client.close()
-    # REST here: r1 computed, then r1, r2 and the bare one hit; gzip: computed
-    # once, hit twice; tritonclient's binary body and its two reply kinds:
-    # computed twice, hit once
-    assert int(stats["inference_stats"]["cache_miss"]["count"]) == 6 + 1 + 1 + 2
-    assert int(stats["inference_stats"]["cache_hit"]["count"]) == 6 + 3 + 2 + 1
+    # r1 computed, then r1, r2 and the bare one hit; gzip: computed once, hit
+    # twice; tritonclient's binary body and its two reply kinds: computed
+    # twice, hit once
+    added = _added(before, _tally(tree))
+    assert added == _cache_counts(hits=3 + 2 + 1, misses=1 + 1 + 2)
+    # the REST door's statistics say what the gRPC door's do
+    assert int(stats["inference_stats"]["cache_hit"]["count"]) == before["hits"] + added["hits"]
 
 
 def test_a_load_of_the_model_drops_its_replies(tree: Serving) -> None:
