@@ -49,6 +49,7 @@ POOL_METHODS = (
     "RepositoryModelLoad",
     "RepositoryModelUnload",
     "CustomRoutes",  # MLServer models' @custom_handler endpoints (router/custom_routes.py)
+    "MLServerModels",  # which models are MLServer's (router/pool_tables.py)
 )
 
 
