@@ -22,7 +22,13 @@ from poolserve.protos import inference_pb2 as pb
 from poolserve.protos import inference_pb2_grpc as pbg
 
 from mlserver_peer import mlserver_serving
-from serving import Serving, pool_status, wait_idle_workers, wait_serving
+from serving import (
+    Serving,
+    pool_status,
+    serve_as_settings_say,
+    wait_idle_workers,
+    wait_serving,
+)
 from support import CLIENTS, run_client, write_model
 
 pytestmark = pytest.mark.e2e
@@ -159,23 +165,8 @@ def prompt_request(text: str = PROMPT, request_id: str = "p1") -> pb.ModelInferR
 
 def serve(repo: Path, run_dir: Path, env: dict[str, str] | None = None) -> Serving:
     """``poolserve serve`` on the folder, its settings.json deciding the workers
-    (the harness's --workers left out: the folder says parallel_workers 0)."""
-    serving = Serving(repo, run_dir, env=env)
-    at = serving.argv.index("--workers")
-    del serving.argv[at : at + 2]
-    serving.__enter__()
-    try:
-
-        async def ready() -> None:
-            async with grpc.aio.insecure_channel(serving.address) as channel:
-                await wait_serving(channel, "model:text-model", timeout=WAIT)
-                await wait_serving(channel, "model:sum-model", timeout=WAIT)
-
-        asyncio.run(ready())
-    except BaseException:
-        serving.__exit__(None, None, None)
-        raise
-    return serving
+    (the folder says parallel_workers 0)."""
+    return serve_as_settings_say(repo, run_dir, ("text-model", "sum-model"), env, WAIT)
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,7 @@ from poolserve.service import __version__
 from poolserve.service.contract.errors import Failure, InvalidInput, ServingError, Unimplemented
 from poolserve.service.contract.framing import Payload
 from poolserve.service.contract.lane import Trace, refusal
+from poolserve.service.contract.rest import is_rest
 from poolserve.service.contract.wire import Routing, encode_len_field
 from poolserve.service.grpcserver.handlers import (
     EXTENSIONS,
@@ -303,10 +304,16 @@ class InferenceServicer:
         error is raised: it ends the stream with its status, as MLServer's
         (``stream_messages`` "auto": when the stream's first request that names
         a model of this pool names an MLServer model; the router decides the
-        same by the same model)."""
+        same by the same model). A REST stream (``generate_stream``: the HTTP
+        door reads it and sends server-sent events) is always framed KServe's
+        way."""
         mlserver = self.stream_messages == "mlserver"
         decided = self.stream_messages != "auto"
+        first = True
         async for request in requests:
+            if first and is_rest(request):
+                mlserver, decided = False, True
+            first = False
             deadline = deadline_of()
             reason = None if attach else refusal(request)
             if reason is not None:  # a request the router refused: its answer, here

@@ -252,8 +252,10 @@ class GrpcDoor:
         pool's lane; the pool answers the rest in-stream. A message that cannot
         be routed before then is answered with its error, and the next one tried.
         Under ``stream_messages`` "auto" the stream speaks MLServer's messages
-        from there on when that model is an MLServer model (``speaks``); the
-        errors before then are KServe's."""
+        from there on when that model is an MLServer model (``speaks``); an
+        error before then speaks MLServer's when every model of the router is
+        an MLServer model (a client of such a server has MLServer's stubs),
+        else KServe's."""
         route: PoolRoute | None = None
         first = b""
         while route is None:
@@ -268,6 +270,8 @@ class GrpcDoor:
                 deadline = self.core.deadline(remaining(context))
             except ServingError as exc:
                 route = None
+                if self.settings.stream_messages == "auto":
+                    speaks.mlserver = await self.mlserver_models.all_of(self.routes.routes)
                 yield self._stream_error(exc, exc.message, speaks.mlserver)
         if self.settings.stream_messages == "auto":
             speaks.mlserver = await self.mlserver_models.has(name)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import orjson
 
@@ -81,6 +81,12 @@ class MLServerModels(PoolTable):
     async def has(self, name: str) -> bool:
         await self.fresh(lambda: name in self.names)
         return name in self.names
+
+    async def all_of(self, names: Iterable[str]) -> bool:
+        """Whether ``names`` are all MLServer models (and there is one)."""
+        wanted = set(names)
+        await self.fresh(lambda: wanted <= self.names)
+        return bool(wanted) and wanted <= self.names
 
     async def current(self) -> frozenset[str]:
         """The names, asked again when older than FRESH_S."""
