@@ -239,29 +239,19 @@ def test_streaming_kserve_messages_when_asked(tmp_path: Path) -> None:
 
 def model_repository(repo: Path) -> Path:
     """The example's folder: two models with version v0.1.0, trained here."""
-    digits = load_digits()
+    digits, iris = load_digits(), load_iris()
     rows = digits.images.reshape(len(digits.images), -1)
-    svm = write_model(
-        repo,
-        "models/mnist-svm",
-        {
-            "name": "mnist-svm",
+    trained = {
+        "mnist-svm": SVC(gamma=0.001).fit(rows[::4], digits.target[::4]),
+        "mushroom-xgboost": DecisionTreeClassifier().fit(iris.data, iris.target),
+    }
+    for name, estimator in trained.items():
+        settings = {
+            "name": name,
             "implementation": "mlserver_sklearn.SKLearnModel",
             "parameters": {"version": "v0.1.0"},
-        },
-    )
-    joblib.dump(SVC(gamma=0.001).fit(rows[::4], digits.target[::4]), svm / "model.joblib")
-    iris = load_iris()
-    tree = write_model(
-        repo,
-        "models/mushroom-xgboost",
-        {
-            "name": "mushroom-xgboost",
-            "implementation": "mlserver_sklearn.SKLearnModel",
-            "parameters": {"version": "v0.1.0"},
-        },
-    )
-    joblib.dump(DecisionTreeClassifier().fit(iris.data, iris.target), tree / "model.joblib")
+        }
+        joblib.dump(estimator, write_model(repo, f"models/{name}", settings) / "model.joblib")
     return repo
 
 
