@@ -70,28 +70,33 @@ class PoolTable:
 
 class MLServerModels(PoolTable):
     """The names of the models served through MLServer's adapter (JSON
-    ``[name, ...]`` from each pool: known once loaded)."""
+    ``[name, ...]`` from each pool: known once loaded). Asked again once a
+    pool's Watch stream said a model changed (loaded, unloaded:
+    ``Routes.model_changes``), and at most once per FRESH_S besides; a miss
+    asks nothing (most models are not MLServer's), so a stream start waits
+    for a pool's answer only after a load or once per FRESH_S."""
 
     method = "MLServerModels"
 
     def __init__(self, core: Forwarder) -> None:
         super().__init__(core)
         self.names: frozenset[str] = frozenset()
+        self._changes = -1  # Routes.model_changes when last asked
+
+    async def current(self) -> frozenset[str]:
+        changes = self.core.routes.model_changes
+        if changes != self._changes or time.monotonic() - self._asked > FRESH_S:
+            self._changes = changes  # a change while asking: asked again next time
+            await self._refresh()
+        return self.names
 
     async def has(self, name: str) -> bool:
-        await self.fresh(lambda: name in self.names)
-        return name in self.names
+        return name in await self.current()
 
     async def all_of(self, names: Iterable[str]) -> bool:
         """Whether ``names`` are all MLServer models (and there is one)."""
         wanted = set(names)
-        await self.fresh(lambda: wanted <= self.names)
-        return bool(wanted) and wanted <= self.names
-
-    async def current(self) -> frozenset[str]:
-        """The names, asked again when older than FRESH_S."""
-        await self.fresh(lambda: True)
-        return self.names
+        return bool(wanted) and wanted <= await self.current()
 
     def take(self, answers: Answers) -> None:
         names: set[str] = set()
