@@ -27,6 +27,7 @@ RepositoryIndex, which keeps KServe's and Triton's words for their clients.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import re
@@ -34,6 +35,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import grpc
 import joblib
 import pytest
 from sklearn.datasets import load_digits, load_iris
@@ -45,7 +47,7 @@ from poolserve.protos import model_repository_pb2 as mr
 
 from mlserver_peer import PEER_HTTP, mlserver_serving
 from serving import Serving, serve_as_settings_say
-from support import ROOT, run_client, write_model
+from support import ROOT, copy_example, run_client, write_model
 
 pytestmark = pytest.mark.e2e
 
@@ -338,3 +340,56 @@ def test_data_plane_index_keeps_kserve_words(repository: Answers) -> None:
     assert [a.get("status", ["OK"])[0] for a in ours["dataplane"]] == [
         a.get("status", ["OK"])[0] for a in theirs["dataplane"]
     ]
+
+
+# -- stream_messages "auto" in a repository of both kinds -----------------------------
+
+
+async def stream_bytes(address: str, request: bytes) -> tuple[list[bytes], tuple[str, str] | None]:
+    """A one-request ModelStreamInfer: the messages' bytes, and its status if not OK."""
+    got: list[bytes] = []
+    async with grpc.aio.insecure_channel(address) as channel:
+        method = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")
+        try:
+            async for reply in method(iter([request]), timeout=60):
+                got.append(bytes(reply))
+        except grpc.aio.AioRpcError as exc:
+            return got, (exc.code().name, str(exc.details()))
+    return got, None
+
+
+def test_auto_stream_messages_by_model(tmp_path: Path) -> None:
+    """Default ``stream_messages: "auto"``, one tree serving the streaming
+    example's MLServer model and a native model: each stream speaks its
+    model's messages (MLServer's bare responses and an error as the stream's
+    status; KServe's ModelStreamInferResponse and an error in-stream), and a
+    model no pool has is KServe's in-stream error, since not every model is
+    MLServer's."""
+    repo = tmp_path / "repo"
+    shutil.copytree(EXAMPLES / "streaming", repo)
+    copy_example(repo, "echo")
+    serving = serve_as_settings_say(repo, tmp_path / "run", ("text-model", "echo"), None, WAIT)
+    try:
+        prompt = pb.ModelInferRequest(model_name="text-model", id="t")
+        text = prompt.inputs.add(name="prompt", datatype="BYTES", shape=[1])
+        text.contents.bytes_contents.append(b"a b")
+        echo = pb.ModelInferRequest(model_name="echo", id="e")
+        value = echo.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 1])
+        value.contents.fp32_contents.append(2.0)
+        bad = pb.ModelInferRequest(model_name="text-model", id="bad")  # no input: IndexError
+        unknown = pb.ModelInferRequest(model_name="no-such-model")
+        calls = [r.SerializeToString() for r in (prompt, echo, bad, unknown)]
+        (tokens, ok), (echoed, echo_ok), (none, failed), (answered, unknown_ok) = (
+            asyncio.run(stream_bytes(serving.address, call)) for call in calls
+        )
+    finally:
+        serving.__exit__(None, None, None)
+    assert ok is None and echo_ok is None and unknown_ok is None
+    words = [pb.ModelInferResponse.FromString(t) for t in tokens]  # bare: MLServer's
+    assert [list(w.outputs[0].contents.bytes_contents) for w in words] == [[b"a"], [b" b"]]
+    assert [w.id for w in words] == ["t", "t"]
+    (message,) = (pb.ModelStreamInferResponse.FromString(e) for e in echoed)
+    assert message.infer_response.model_name == "echo" and not message.error_message
+    assert none == [] and failed == ("INTERNAL", "list index out of range")
+    (refused,) = (pb.ModelStreamInferResponse.FromString(a) for a in answered)
+    assert refused.error_message.startswith("Request for unknown model: 'no-such-model'")
