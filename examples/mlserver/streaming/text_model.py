@@ -22,8 +22,8 @@ class TextModel(MLModel):
     async def predict_stream(
         self, payloads: AsyncIterator[InferenceRequest]
     ) -> AsyncIterator[InferenceResponse]:
-        first = [payload async for payload in payloads][0]  # the example reads the first
-        prompt = StringCodec.decode_input(first.inputs[0])[0]
+        received = [payload async for payload in payloads]  # all of them, as the example
+        prompt = StringCodec.decode_input(received[0].inputs[0])[0]  # the first one's text
         for index, word in enumerate(prompt.split(" ")):
             await asyncio.sleep(PAUSE_S)
             token = word if index == 0 else f" {word}"
