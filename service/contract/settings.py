@@ -109,9 +109,11 @@ class ServerSettings:
     abandon_grace_s: float = 5.0  # a worker still on a job its caller left is killed (0: never)
     start_method: str = "fork"  # "spawn": each worker a fresh interpreter that loads the models
     # ModelStreamInfer's messages: "kserve" (ModelStreamInferResponse, errors in-stream
-    # in error_message: Triton's and KServe's clients) or "mlserver" (bare
+    # in error_message: Triton's and KServe's clients), "mlserver" (bare
     # ModelInferResponses, an error ends the stream with its status: MLServer's stubs)
-    stream_messages: str = "kserve"
+    # or "auto" (per stream: MLServer's for a stream of an MLServer model, as
+    # `mlserver start` answers it; KServe's for every other model)
+    stream_messages: str = "auto"
     # The router's gRPC port: "poolserve" (its own HTTP/2 on the event loop, the
     # lighter path for light calls) or "grpcio" (grpcio's server, as before).
     grpc_engine: str = "poolserve"
@@ -225,7 +227,7 @@ _STR_FIELDS = {
     "stream_messages",
     "grpc_engine",
 }
-STREAM_MESSAGES = ("kserve", "mlserver")
+STREAM_MESSAGES = ("auto", "kserve", "mlserver")
 GRPC_ENGINES = ("poolserve", "grpcio")
 ROUTERS_AUTO = "auto"
 MAX_ROUTERS = 64
@@ -294,7 +296,7 @@ def _check_value(source: str, name: str, value: object) -> object:
         if name == "start_method" and value not in START_METHODS:
             raise ConfigError(source, name, "expected 'fork' or 'spawn'")
         if name == "stream_messages" and value not in STREAM_MESSAGES:
-            raise ConfigError(source, name, "expected 'kserve' or 'mlserver'")
+            raise ConfigError(source, name, "expected 'auto', 'kserve' or 'mlserver'")
         if name == "grpc_engine" and value not in GRPC_ENGINES:
             raise ConfigError(source, name, "expected 'poolserve' or 'grpcio'")
         return value

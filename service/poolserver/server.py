@@ -134,7 +134,7 @@ class PoolServer(LiveModels):
             margin_s=settings.deadline_margin_ms / 1000,
             # its socket is private: the router's calls come with their registrations
             shared_memory=SharedMemory.from_settings(settings, accept_attached=True),
-            mlserver_streams=settings.stream_messages == "mlserver",
+            stream_messages=settings.stream_messages,
         )
         self.lane = LaneServer(
             lane_path(socket_path),
