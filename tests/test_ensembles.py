@@ -301,6 +301,34 @@ def test_metadata_config_readiness_and_statistics(
     assert "no_such_model" in caught.value.message()
 
 
+def test_an_ensemble_added_after_start_loads_by_name(
+    tree: Serving, grpc_client: tc.InferenceServerClient, http_client: th.InferenceServerClient
+) -> None:
+    """RepositoryModelLoad reads an ensemble's settings from the repository, as
+    Triton reads its config: a new one serves at once, a broken one is a load
+    error with the reason, and the ensembles already loaded keep serving."""
+    repo = tree.repo
+    _ensemble(repo, "late_pair", {"pipeline": ["echo", "echo_b"]})
+    grpc_client.load_model("late_pair")
+    assert grpc_client.is_model_ready("late_pair")
+    data = np.arange(6, dtype=np.float32).reshape(2, 3)
+    got = http_client.infer("late_pair", [_grpc_input(th, "INPUT0", data)])
+    np.testing.assert_array_equal(got.as_numpy("OUTPUT0"), data)
+
+    steps = [
+        _step("echo", {"INPUT0": "b"}, {"OUTPUT0": "a"}),
+        _step("echo_b", {"INPUT0": "a"}, {"OUTPUT0": "b"}),
+    ]
+    _ensemble(repo, "late_loop", {"ensemble_scheduling": {"step": steps}})
+    with pytest.raises(tc.InferenceServerException) as caught:
+        grpc_client.load_model("late_loop")
+    assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert caught.value.message().startswith("failed to load 'late_loop'")
+    assert "form a cycle" in caught.value.message()
+    assert not grpc_client.is_model_ready("late_loop")
+    assert grpc_client.is_model_ready("iris_pipeline")
+
+
 def test_bad_requests_are_clear_errors(grpc_client: tc.InferenceServerClient) -> None:
     data = np.ones((1, 4), dtype=np.float64)
     with pytest.raises(tc.InferenceServerException) as caught:

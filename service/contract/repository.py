@@ -166,6 +166,7 @@ class InvalidModel:
     reason: str
     version: str = DEFAULT_VERSION
     gid: str = DEFAULT_POOL
+    ensemble: bool = False  # an ensemble's settings that do not check out
 
 
 @dataclass(frozen=True)
@@ -395,7 +396,11 @@ def _with_ensembles(
         try:
             ensembles.append(resolve(settings, by_name))
         except ConfigError as exc:
-            invalid.append(InvalidModel(settings.name, settings.source, str(exc), settings.version))
+            invalid.append(
+                InvalidModel(
+                    settings.name, settings.source, str(exc), settings.version, ensemble=True
+                )
+            )
     return Repository(root, tuple(models), tuple(invalid), tuple(ensembles))
 
 

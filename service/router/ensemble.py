@@ -41,7 +41,7 @@ from poolserve.service.contract.errors import (
     clip,
     error_for,
 )
-from poolserve.service.contract.repository import TensorSpec
+from poolserve.service.contract.repository import Repository, TensorSpec
 from poolserve.service.router.ensemble_tensors import Tensor, request_tensors, response_tensors
 from poolserve.service.router.forwarding import Forwarder
 from poolserve.service.router.routes import Routes
@@ -84,8 +84,19 @@ class Ensembles:
         self._counts = {name: _Counts() for name in self.plans}
         routes.ensembles_ready = self.readiness  # the health service's model:<ensemble>
 
-    def get(self, name: str) -> Ensemble | None:
-        return self.plans.get(name) if self.plans else None
+    def learn(self, name: str, repository: Repository) -> None:
+        """An ensemble loaded by name (RepositoryModelLoad): its settings read
+        again from a fresh scan; ones that do not check out fail the load with
+        the reason, and a previous plan keeps serving."""
+        for plan in repository.ensembles:
+            if plan.name == name:
+                self.plans[name] = plan
+                self._counts.setdefault(name, _Counts())
+                self.routes.sync_health()
+                return
+        for bad in repository.invalid:
+            if bad.name == name and bad.ensemble:
+                raise InvalidInput(bad.reason)
 
     def plan(self, name: str, version: str) -> Ensemble:
         plan = self.plans[name]

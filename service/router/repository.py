@@ -44,18 +44,27 @@ class RepositoryCalls:
             raise FailedPrecondition(
                 "loading and unloading models through the API is disabled (model_control)"
             )
+        if method == LOAD and name not in self.routes.routes:
+            await self.learn(name)
+            known = name in self.routes.routes or name in self.ensembles.plans
+            if self.learned is not None and known:
+                await self.learned(name)
         if name in self.ensembles.plans:
-            if method == LOAD:  # loaded with the repository; ready when its steps are
+            if method == LOAD:  # read again above; ready when its steps are
                 return pb.RepositoryModelLoadResponse().SerializeToString()
             raise FailedPrecondition(
                 f"ensemble '{clip(name)}' runs in the router over its steps' models: unload "
                 "those, or remove it from the repository and run `poolserve reload`"
             )
-        if method == LOAD and name not in self.routes.routes:
-            await self.routes.learn_route(name)
-            if self.learned is not None and name in self.routes.routes:
-                await self.learned(name)
         return await self.core.forward(self.routes.route(name), method, body, budget, metadata)
+
+    async def learn(self, name: str) -> None:
+        """A name the router does not route: a model added to the repository after
+        start, or an ensemble, new or changed (read again at each load, as Triton
+        reads an ensemble's config; a fleet's other routers are told)."""
+        fresh = await self.routes.learn_route(name)
+        if fresh is not None:
+            self.ensembles.learn(name, fresh)
 
     async def index(self, body: bytes, budget: float | None, metadata: Metadata) -> bytes:
         """Every pool's index merged, with the models that cannot be served."""

@@ -204,7 +204,7 @@ class Router:
         # Health here too: the supervisor follows it to say when the server is ready.
         server.add_generic_rpc_handlers((handler, self.health.generic_handler()))
         if self.fleet.shared:
-            fleet = self.fleet.handlers(self.routes.learn_route, self.own_counts)
+            fleet = self.fleet.handlers(self.repository.learn, self.own_counts)
             server.add_generic_rpc_handlers((fleet,))
         self._control_bound = bind_private_unix(server, self.control_path)
         return server

@@ -315,7 +315,7 @@ class Routes:
         )
         return cpb.SetRoutesResponse(generation=table.generation)
 
-    async def learn_route(self, name: str) -> None:
+    async def learn_route(self, name: str) -> Repository | None:
         """A model added to the repository after start: route it to its pool.
 
         The repository is scanned on a thread, at most once per
@@ -323,14 +323,14 @@ class Routes:
         a flood of loads for names that do not exist costs one scan per interval.
         """
         if self.repo is None:
-            return
+            return None
         try:
             repository = await self.rescanner.fresh()
         except ConfigError as exc:
             raise FailedPrecondition(f"the repository cannot be scanned: {exc}") from None
         settings = repository.model(name)
         if settings is None or name in self.routes:
-            return  # not there: route() answers NOT_FOUND; or a concurrent load routed it
+            return repository  # not there: NOT_FOUND; or a concurrent load routed it
         route = self.pools.get(settings.gid)
         if route is None:
             raise FailedPrecondition(
@@ -341,3 +341,4 @@ class Routes:
         route.models.append(name)
         self.routes[name] = route
         self._watch_model(route, name)
+        return repository
