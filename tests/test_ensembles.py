@@ -29,8 +29,11 @@ import tritonclient.grpc as tc
 import tritonclient.http as th
 from sklearn.datasets import load_iris
 
+from poolserve.protos import inference_pb2 as pb
+from poolserve.service.contract.errors import InvalidInput
 from poolserve.service.contract.repository import parse_model_settings, scan
 from poolserve.service.contract.settings import ConfigError
+from poolserve.service.router.ensemble_tensors import raw_of, request_tensors, values_of
 
 from serving import Serving, pool_status, wait_serving
 from support import EXAMPLES, ROOT, copy_example, train_iris, wait_until, write_model
@@ -148,6 +151,55 @@ def test_a_pipeline_is_expanded_into_steps(small_repo: Path) -> None:
     assert [s.name for s in plan.inputs] == ["INPUT0"]
     assert [s.name for s in plan.outputs] == ["OUTPUT0"]
     assert plan.levels == ((0,), (1,))
+
+
+# -- tensors as the router keeps them -------------------------------------------
+
+NUMERIC = {
+    "INT8": np.int8, "UINT8": np.uint8, "INT16": np.int16, "UINT16": np.uint16,
+    "INT32": np.int32, "UINT32": np.uint32, "INT64": np.int64, "UINT64": np.uint64,
+    "FP16": np.float16, "FP32": np.float32, "FP64": np.float64,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("datatype", sorted(NUMERIC))
+def test_values_become_the_raw_bytes_numpy_would_send(datatype: str) -> None:
+    array = np.arange(6).reshape(2, 3).astype(NUMERIC[datatype])
+    values = array.ravel().tolist()
+    raw = raw_of(datatype, [2, 3], values, "input 'x'")
+    assert raw == array.tobytes()
+    assert values_of(datatype, raw) == values
+
+
+def test_bool_and_bytes_and_bad_values() -> None:
+    assert raw_of("BOOL", [3], [True, False, True], "x") == b"\x01\x00\x01"
+    assert values_of("BOOL", b"\x01\x00") == [True, False]
+    raw = raw_of("BYTES", [2], ["ab", b"c"], "x")
+    assert raw == b"\x02\x00\x00\x00ab\x01\x00\x00\x00c"
+    assert values_of("BYTES", raw) == [b"ab", b"c"]
+    with pytest.raises(InvalidInput, match="input 'x': 2 values for shape \\[3\\]"):
+        raw_of("FP32", [3], [1.0, 2.0], "input 'x'")
+    with pytest.raises(InvalidInput, match="INT32 elements are integers"):
+        raw_of("INT32", [1], [1.5], "x")
+    with pytest.raises(InvalidInput, match="BF16 cannot be sent as values"):
+        raw_of("BF16", [1], [1.0], "x")
+
+
+def test_typed_contents_are_made_raw_and_checked() -> None:
+    request = pb.ModelInferRequest(model_name="e")
+    tensor = request.inputs.add(name="IN", datatype="INT32", shape=[2])
+    tensor.contents.int_contents.extend([7, -1])
+    tensors = request_tensors(request, ["IN"])
+    assert tensors["IN"].raw == np.array([7, -1], np.int32).tobytes()
+    with pytest.raises(InvalidInput, match="expected input 'OTHER' of the ensemble"):
+        request_tensors(request, ["IN", "OTHER"])
+    with pytest.raises(InvalidInput, match="unexpected inference input 'IN'"):
+        request_tensors(request, ["OTHER"])
+    raw = pb.ModelInferRequest(model_name="e")
+    raw.inputs.add(name="IN", datatype="FP32", shape=[2])
+    raw.raw_input_contents.append(b"\x00" * 7)
+    with pytest.raises(InvalidInput, match="7 bytes for FP32 shape \\[2\\] \\(8 expected\\)"):
+        request_tensors(raw, ["IN"])
 
 
 # -- one real tree ---------------------------------------------------------------
@@ -384,7 +436,6 @@ def test_a_cancelled_client_cancels_the_step_in_flight(tree: Serving) -> None:
 
     async def run() -> None:
         async with grpc.aio.insecure_channel(tree.address) as channel:
-            from poolserve.protos import inference_pb2 as pb
             from poolserve.protos import inference_pb2_grpc as pbg
 
             stub = pbg.GRPCInferenceServiceStub(channel)

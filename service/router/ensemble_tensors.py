@@ -14,9 +14,8 @@ import struct
 import sys
 from array import array
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from math import prod
-from typing import Any
+from typing import Any, NamedTuple
 
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service.contract.errors import InvalidInput
@@ -47,8 +46,7 @@ _CONTENTS |= {"UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "ui
 _CONTENTS |= {"INT64": "int64_contents", "UINT64": "uint64_contents", "FP64": "fp64_contents"}
 
 
-@dataclass(frozen=True)
-class Tensor:
+class Tensor(NamedTuple):
     datatype: str
     shape: tuple[int, ...]
     raw: bytes
