@@ -45,7 +45,7 @@ from test_http2_door import Echo, path, settings
 
 ENGINES = ("poolserve", "grpcio")
 WAIT = 30.0  # for what the server must send
-LATE = 1.0  # after the server showed it read our frames: how long an error may lag (grpcio)
+LATE = 0.5  # after the server showed it read our frames: how long an error may lag (grpcio)
 PROBE = b"h2-probe"  # the PING payload that asks "did you read all I sent?"
 Fields = list[tuple[bytes, bytes]]
 
@@ -122,7 +122,9 @@ class Outcome:
 
     def __str__(self) -> str:
         code = f" {ErrorCode(self.code).name}" if self.code in set(ErrorCode) else ""
-        seen = ", ".join(f"{Kind(f.kind).name if f.kind < 10 else f.kind}/{f.stream}" for f in self.frames)
+        seen = ", ".join(
+            f"{Kind(f.kind).name if f.kind < 10 else f.kind}/{f.stream}" for f in self.frames
+        )
         return f"{self.kind}{code} after [{seen}]"
 
 
@@ -309,7 +311,9 @@ class Response:
 # -- what the tests send ---------------------------------------------------------
 
 
-def request(method: str = "Unary", *extra: tuple[bytes, bytes], drop: tuple[bytes, ...] = ()) -> Fields:
+def request(
+    method: str = "Unary", *extra: tuple[bytes, bytes], drop: tuple[bytes, ...] = ()
+) -> Fields:
     """A gRPC request's header fields, ``extra`` after them, ``drop`` left out."""
     fields = [
         (b":method", b"POST"),

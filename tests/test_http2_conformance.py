@@ -67,14 +67,22 @@ CLOSED = ErrorCode.STREAM_CLOSED
 COMPRESSION = ErrorCode.COMPRESSION_ERROR
 
 
-def differs(grpcio: str) -> Callable[[F], F]:
-    """The case fails on grpcio, for the reason given (xfail, strict, for grpcio alone)."""
+def differs(grpcio: str, only: tuple[str, ...] = (), skip: bool = False) -> Callable[[F], F]:
+    """The case fails on grpcio for the reason given (xfail, strict, for grpcio
+    alone; ``only`` these parameter ids of it; ``skip``: it would hang there)."""
 
     def mark(test: F) -> F:
-        test.grpcio_differs = grpcio  # type: ignore[attr-defined]
+        test.engine_differs = (grpcio, only, skip)  # type: ignore[attr-defined]
         return test
 
     return mark
+
+
+IGNORES = "ignores it: no GOAWAY, no RST_STREAM"
+AS_A_CALL = (
+    "answers a gRPC status (Trailers-Only) and RST_STREAM NO_ERROR, and closes without"
+    " GOAWAY: not the RFC's error"
+)
 
 
 @pytest.fixture(scope="module", params=ENGINES)
@@ -85,9 +93,14 @@ def engine(request: pytest.FixtureRequest) -> Iterator[EngineServer]:
 
 @pytest.fixture
 def h2(engine: EngineServer, request: pytest.FixtureRequest) -> EngineServer:
-    reason = getattr(request.function, "grpcio_differs", None)
-    if reason is not None and engine.engine == "grpcio":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=f"grpcio: {reason}"))
+    differ = getattr(request.function, "engine_differs", None)
+    if differ is not None and engine.engine == "grpcio":
+        reason, only, skip = differ
+        ids = request.node.callspec.id.split("-")[1:]
+        if not only or set(only) & set(ids):
+            if skip:
+                pytest.skip(f"grpcio: {reason}")
+            request.applymarker(pytest.mark.xfail(strict=True, reason=f"grpcio: {reason}"))
     return engine
 
 
@@ -181,6 +194,7 @@ def test_9113_4_1_frames_of_unknown_type_are_ignored(h2: EngineServer) -> None:
         served(peer, 1)
 
 
+@differs("closes the connection on a PING with unused flags, resets HEADERS with them")
 def test_9113_4_1_unused_flags_are_ignored(h2: EngineServer) -> None:
     with h2.peer() as peer:
         peer.send(frame(Kind.PING, 0xFE, 0, b"unusedfl"))  # every flag but ACK
@@ -251,6 +265,7 @@ def test_9113_4_2_no_frame_exceeds_the_clients_max_frame_size(h2: EngineServer) 
 # -- 4.3 Field Section Compression and Decompression ------------------------------------
 
 
+@differs(AS_A_CALL)
 def test_9113_4_3_a_field_block_that_does_not_decode_is_a_compression_error(
     h2: EngineServer,
 ) -> None:
@@ -259,6 +274,7 @@ def test_9113_4_3_a_field_block_that_does_not_decode_is_a_compression_error(
         connection_error(peer, COMPRESSION)
 
 
+@differs(AS_A_CALL)
 def test_9113_4_3_a_priority_frame_inside_a_field_block_is_a_connection_error(
     h2: EngineServer,
 ) -> None:
@@ -272,6 +288,7 @@ def test_9113_4_3_a_priority_frame_inside_a_field_block_is_a_connection_error(
         connection_error(peer, PROTOCOL)
 
 
+@differs(AS_A_CALL)
 def test_9113_4_3_headers_of_another_stream_inside_a_field_block_is_a_connection_error(
     h2: EngineServer,
 ) -> None:
@@ -284,6 +301,7 @@ def test_9113_4_3_headers_of_another_stream_inside_a_field_block_is_a_connection
 # -- 5.1 Stream States -------------------------------------------------------------------
 
 
+@differs(IGNORES, only=("data", "rst_stream", "window_update"))
 @pytest.mark.parametrize(
     "kind",
     [
@@ -317,6 +335,7 @@ def _half_closed_remote(peer: Peer) -> None:
     peer.call(1, b"wait")
 
 
+@differs(IGNORES)
 def test_9113_5_1_data_on_a_half_closed_remote_stream_is_stream_closed(h2: EngineServer) -> None:
     with h2.peer() as peer:
         _half_closed_remote(peer)
@@ -324,6 +343,7 @@ def test_9113_5_1_data_on_a_half_closed_remote_stream_is_stream_closed(h2: Engin
         stream_error(peer, 1, CLOSED)
 
 
+@differs(IGNORES)
 def test_9113_5_1_headers_on_a_half_closed_remote_stream_is_stream_closed(
     h2: EngineServer,
 ) -> None:
@@ -352,6 +372,7 @@ def test_9113_5_1_window_update_priority_and_rst_stream_on_a_half_closed_remote_
         served(peer, 3)
 
 
+@differs(IGNORES)
 def test_9113_6_1_data_after_the_clients_rst_stream_is_stream_closed(h2: EngineServer) -> None:
     with h2.peer() as peer:
         peer.send(headers(1, request()), rst_stream(1, ErrorCode.CANCEL))
@@ -359,6 +380,7 @@ def test_9113_6_1_data_after_the_clients_rst_stream_is_stream_closed(h2: EngineS
         stream_error(peer, 1, CLOSED)
 
 
+@differs(IGNORES)
 def test_9113_6_1_data_on_a_stream_closed_both_ways_is_stream_closed(h2: EngineServer) -> None:
     with h2.peer() as peer:
         served(peer, 1)
@@ -366,6 +388,7 @@ def test_9113_6_1_data_on_a_stream_closed_both_ways_is_stream_closed(h2: EngineS
         stream_error(peer, 1, CLOSED)
 
 
+@differs(IGNORES)
 def test_9113_5_1_headers_after_the_clients_rst_stream_is_an_error(h2: EngineServer) -> None:
     """5.1 "closed": a connection error STREAM_CLOSED (MAY), PROTOCOL_ERROR for a
     stream identifier it may not open again (5.1.1), or RFC 7540's stream error."""
@@ -378,6 +401,7 @@ def test_9113_5_1_headers_after_the_clients_rst_stream_is_an_error(h2: EngineSer
         assert (got.kind, got.code) in (("goaway", PROTOCOL), ("goaway", CLOSED), ("reset", CLOSED))
 
 
+@differs(IGNORES)
 def test_9113_5_1_headers_on_a_stream_closed_both_ways_is_a_connection_error(
     h2: EngineServer,
 ) -> None:
@@ -426,12 +450,14 @@ def test_9113_5_1_frames_after_the_servers_rst_stream_are_processed_and_dropped(
 # -- 5.1.1 Stream Identifiers --------------------------------------------------------------
 
 
+@differs(IGNORES)
 def test_9113_5_1_1_an_even_stream_identifier_is_a_connection_error(h2: EngineServer) -> None:
     with h2.peer() as peer:
         peer.send(request_frames(2, request()))
         connection_error(peer, PROTOCOL)
 
 
+@differs(IGNORES)
 def test_9113_5_1_1_a_stream_identifier_below_a_previous_one_is_a_connection_error(
     h2: EngineServer,
 ) -> None:
@@ -468,6 +494,7 @@ def test_9113_5_5_an_unknown_frame_inside_a_stream_is_ignored(h2: EngineServer) 
         assert answer.status == b"0" and answer.message == b"e"
 
 
+@differs(AS_A_CALL)
 def test_9113_5_5_an_unknown_frame_inside_a_field_block_is_a_connection_error(
     h2: EngineServer,
 ) -> None:
@@ -484,18 +511,21 @@ def test_9113_5_5_an_unknown_frame_inside_a_field_block_is_a_connection_error(
 # -- 6.1 DATA ----------------------------------------------------------------------------
 
 
+@differs(IGNORES)
 def test_9113_6_1_data_on_stream_0_is_a_connection_error(h2: EngineServer) -> None:
     with h2.peer() as peer:
         peer.send(data(0, grpc_message(b"x")))
         connection_error(peer, PROTOCOL)
 
 
+@differs("resets the stream (PROTOCOL_ERROR): no connection error")
 def test_9113_6_1_padding_as_long_as_the_frame_is_a_connection_error(h2: EngineServer) -> None:
     with h2.peer() as peer:
         peer.send(headers(1, request()), frame(Kind.DATA, PADDED | END_STREAM, 1, b"\x05abcd"))
         connection_error(peer, PROTOCOL)
 
 
+@differs("resets a stream whose DATA is padded")
 def test_9113_6_1_padded_data_is_served(h2: EngineServer) -> None:
     message = grpc_message(b"padded")
     with h2.peer() as peer:
@@ -508,12 +538,14 @@ def test_9113_6_1_padded_data_is_served(h2: EngineServer) -> None:
 # -- 6.2 HEADERS --------------------------------------------------------------------------
 
 
+@differs(IGNORES)
 def test_9113_6_2_headers_on_stream_0_is_a_connection_error(h2: EngineServer) -> None:
     with h2.peer() as peer:
         peer.send(headers(0, request(), END_HEADERS | END_STREAM))
         connection_error(peer, PROTOCOL)
 
 
+@differs(AS_A_CALL)
 def test_9113_6_2_padding_as_long_as_the_frame_is_a_connection_error(h2: EngineServer) -> None:
     fields = block(request())
     with h2.peer() as peer:
@@ -522,6 +554,7 @@ def test_9113_6_2_padding_as_long_as_the_frame_is_a_connection_error(h2: EngineS
         connection_error(peer, PROTOCOL)
 
 
+@differs("answers grpc-status 13 to padded HEADERS with priority fields")
 def test_9113_6_2_padded_headers_with_priority_fields_are_served(h2: EngineServer) -> None:
     fields = block(request())
     payload = b"\x03" + priority(0, 200, exclusive=True) + fields + b"\0\0\0"
@@ -532,6 +565,7 @@ def test_9113_6_2_padded_headers_with_priority_fields_are_served(h2: EngineServe
         assert answer.status == b"0" and answer.message == b"prio"
 
 
+@differs("never answers HEADERS with END_STREAM continued by CONTINUATION", skip=True)
 def test_9113_6_2_end_stream_headers_may_be_continued(h2: EngineServer) -> None:
     """HEADERS with END_STREAM and without END_HEADERS, then CONTINUATION: one
     request with no body (the call says so: a unary call needs its message)."""
@@ -548,12 +582,14 @@ def test_9113_6_2_end_stream_headers_may_be_continued(h2: EngineServer) -> None:
 # -- 6.3 PRIORITY --------------------------------------------------------------------------
 
 
+@differs(IGNORES)
 def test_9113_6_3_priority_on_stream_0_is_a_connection_error(h2: EngineServer) -> None:
     with h2.peer() as peer:
         peer.send(frame(Kind.PRIORITY, 0, 0, priority(1)))
         connection_error(peer, PROTOCOL)
 
 
+@differs(IGNORES)
 @pytest.mark.parametrize("size", [4, 6])
 def test_9113_6_3_priority_of_other_than_5_octets_is_a_frame_size_error(
     h2: EngineServer, size: int
@@ -580,12 +616,14 @@ def test_9113_5_3_2_priority_signals_are_ignored_even_a_stream_depending_on_itse
 # -- 6.4 RST_STREAM -------------------------------------------------------------------------
 
 
+@differs(IGNORES)
 def test_9113_6_4_rst_stream_on_stream_0_is_a_connection_error(h2: EngineServer) -> None:
     with h2.peer() as peer:
         peer.send(rst_stream(0, ErrorCode.CANCEL))
         connection_error(peer, PROTOCOL)
 
 
+@differs(AS_A_CALL)
 @pytest.mark.parametrize("size", [3, 5])
 def test_9113_6_4_rst_stream_of_other_than_4_octets_is_a_connection_frame_size_error(
     h2: EngineServer, size: int
@@ -652,7 +690,7 @@ def test_9113_6_5_2_a_header_table_size_of_0_binds_the_servers_encoder(h2: Engin
     must not use one (4.3.1; RFC 7541 4.2)."""
     with h2.peer(settings={Setting.HEADER_TABLE_SIZE: 0}, table_size=0) as peer:
         for stream in (1, 3, 5):  # (an encoder with a table would index the repeats)
-            served(peer, stream, b"metadata")
+            served(peer, stream)
         assert peer.decoder.table_size == 0
 
 
@@ -677,6 +715,7 @@ def _first_data(peer: Peer, stream: int) -> bytes:
 # -- 6.6 PUSH_PROMISE / 8.4 Server Push ------------------------------------------------------
 
 
+@differs(IGNORES)
 def test_9113_8_4_push_promise_from_a_client_is_a_connection_error(h2: EngineServer) -> None:
     with h2.peer() as peer:
         peer.send(headers(1, request()))
@@ -710,6 +749,7 @@ def test_9113_6_7_a_ping_ack_is_not_answered(h2: EngineServer) -> None:
                 return
 
 
+@differs(IGNORES)
 def test_9113_6_7_ping_on_a_stream_is_a_connection_error(h2: EngineServer) -> None:
     with h2.peer() as peer:
         peer.send(frame(Kind.PING, 0, 1, b"12345678"))
@@ -728,6 +768,7 @@ def test_9113_6_7_ping_of_other_than_8_octets_is_a_frame_size_error(
 # -- 6.8 GOAWAY / 7 Error Codes ---------------------------------------------------------------
 
 
+@differs(IGNORES)
 def test_9113_6_8_goaway_on_a_stream_is_a_connection_error(h2: EngineServer) -> None:
     with h2.peer() as peer:
         peer.send(frame(Kind.GOAWAY, 0, 1, struct.pack(">II", 0, 0)))
@@ -764,12 +805,14 @@ def test_9113_6_9_a_connection_window_update_of_0_is_a_connection_error(h2: Engi
         connection_error(peer, PROTOCOL)
 
 
+@differs(AS_A_CALL)
 def test_9113_6_9_a_stream_window_update_of_0_is_a_stream_error(h2: EngineServer) -> None:
     with h2.peer() as peer:
         peer.send(headers(1, request()), window_update(1, 0))
         stream_error(peer, 1, PROTOCOL)
 
 
+@differs(AS_A_CALL)
 @pytest.mark.parametrize("size", [3, 5])
 def test_9113_6_9_window_update_of_other_than_4_octets_is_a_frame_size_error(
     h2: EngineServer, size: int
@@ -797,6 +840,7 @@ def test_9113_6_9_1_the_server_keeps_to_a_window_of_1(h2: EngineServer) -> None:
         assert answer.status == b"0" and len(answer.data) == 24  # the 25 bytes, less the one
 
 
+@differs(IGNORES)
 def test_9113_6_9_1_a_connection_window_past_2_31_1_is_a_flow_control_error(
     h2: EngineServer,
 ) -> None:
@@ -805,6 +849,7 @@ def test_9113_6_9_1_a_connection_window_past_2_31_1_is_a_flow_control_error(
         connection_error(peer, FLOW)
 
 
+@differs(IGNORES)
 def test_9113_6_9_1_a_stream_window_past_2_31_1_is_a_flow_control_error(h2: EngineServer) -> None:
     with h2.peer() as peer:
         _half_closed_remote(peer)
@@ -837,6 +882,7 @@ def test_9113_6_9_2_a_window_made_negative_by_settings_is_tracked(h2: EngineServ
         assert sum(len(f.payload) for f in peer.seen if f.kind == Kind.DATA) == 6
 
 
+@differs(IGNORES)
 def test_9113_6_9_2_an_initial_window_that_takes_a_stream_past_2_31_1_is_a_connection_error(
     h2: EngineServer,
 ) -> None:
@@ -867,6 +913,7 @@ def test_9113_6_10_a_field_block_in_several_continuations_is_served(h2: EngineSe
 _FIELDS = block(request())
 
 
+@differs(AS_A_CALL)
 @pytest.mark.parametrize(
     "frames",
     [
@@ -923,6 +970,7 @@ def test_9113_8_1_trailers_end_the_request(h2: EngineServer) -> None:
         assert answer.status == b"0" and answer.message == b"t"
 
 
+@differs(AS_A_CALL)
 def test_9113_8_1_a_second_headers_without_end_stream_is_malformed(h2: EngineServer) -> None:
     with h2.peer() as peer:
         peer.send(headers(1, request()), data(1, grpc_message(b"t"), end=False))
@@ -930,6 +978,7 @@ def test_9113_8_1_a_second_headers_without_end_stream_is_malformed(h2: EngineSer
         stream_error(peer, 1, PROTOCOL)
 
 
+@differs(IGNORES)
 def test_9113_8_1_pseudo_header_fields_in_trailers_are_malformed(h2: EngineServer) -> None:
     with h2.peer() as peer:
         peer.send(headers(1, request()), data(1, grpc_message(b"t"), end=False))
@@ -940,6 +989,7 @@ def test_9113_8_1_pseudo_header_fields_in_trailers_are_malformed(h2: EngineServe
 # -- 8.1.1 Malformed Messages: content-length -------------------------------------------------------
 
 
+@differs(IGNORES)
 @pytest.mark.parametrize("frames", [1, 2])
 def test_9113_8_1_1_a_content_length_unlike_the_data_is_malformed(
     h2: EngineServer, frames: int
@@ -966,6 +1016,7 @@ def test_9113_8_1_1_a_content_length_like_the_data_is_served(h2: EngineServer) -
 # -- 8.2 HTTP Fields / 8.2.1 Field Validity -----------------------------------------------------------
 
 
+@differs(AS_A_CALL)
 @pytest.mark.parametrize(
     "name",
     [
@@ -985,6 +1036,7 @@ def test_9113_8_2_1_a_field_name_with_a_prohibited_character_is_malformed(
         stream_error(peer, 1, PROTOCOL)
 
 
+@differs(IGNORES)
 @pytest.mark.parametrize(
     "value",
     [
@@ -1006,6 +1058,7 @@ def test_9113_8_2_1_a_field_value_with_a_prohibited_character_is_malformed(
 # -- 8.2.2 Connection-Specific Header Fields ------------------------------------------------------------
 
 
+@differs(IGNORES)
 @pytest.mark.parametrize(
     "name", [b"connection", b"proxy-connection", b"keep-alive", b"transfer-encoding", b"upgrade"]
 )
@@ -1015,6 +1068,7 @@ def test_9113_8_2_2_a_connection_specific_field_is_malformed(h2: EngineServer, n
         stream_error(peer, 1, PROTOCOL)
 
 
+@differs(AS_A_CALL)
 def test_9113_8_2_2_te_other_than_trailers_is_malformed(h2: EngineServer) -> None:
     with h2.peer() as peer:
         peer.send(request_frames(1, [*request(drop=(b"te",)), (b"te", b"trailers, deflate")]))
@@ -1024,6 +1078,9 @@ def test_9113_8_2_2_te_other_than_trailers_is_malformed(h2: EngineServer) -> Non
 # -- 8.3 HTTP Control Data / 8.3.1 Request Pseudo-Header Fields ----------------------------------------------
 
 
+@differs(
+    "serves most of them; answers unknown ones as a call, missing ones with RST_STREAM INTERNAL_ERROR"
+)
 @pytest.mark.parametrize(
     "fields",
     [
@@ -1050,6 +1107,7 @@ def test_9113_8_3_pseudo_header_fields_out_of_rule_are_malformed(
         stream_error(peer, 1, PROTOCOL)
 
 
+@differs(AS_A_CALL)
 def test_9113_8_3_a_malformed_request_leaves_the_connection_serving(h2: EngineServer) -> None:
     with h2.peer() as peer:
         peer.send(request_frames(1, request("Unary", (b"x-Upper", b"v"))))
@@ -1068,6 +1126,7 @@ def _huffman_literal(name: bytes, value: bytes) -> bytes:
     return out
 
 
+@differs(AS_A_CALL)
 @pytest.mark.parametrize(
     "fields",
     [
@@ -1077,7 +1136,9 @@ def _huffman_literal(name: bytes, value: bytes) -> bytes:
         pytest.param(b"\xff\xff\xff\xff\xff\xff\x0f", id="5_1_integer_past_2_31_1"),
         pytest.param(b"\x00\x85abc", id="5_2_string_past_the_block"),
         pytest.param(b"\x00\x84\xff\xff\xff\xff\x01v", id="5_2_huffman_eos"),
-        pytest.param(b"\x00\x82" + huffman_encode(b"a") + b"\xff\x01v", id="5_2_padding_over_7_bits"),
+        pytest.param(
+            b"\x00\x82" + huffman_encode(b"a") + b"\xff\x01v", id="5_2_padding_over_7_bits"
+        ),
         pytest.param(b"\x00\x81\x18\x01v", id="5_2_padding_of_zeros"),
         pytest.param(bytes(encode_integer(4097, 5, 0x20)), id="6_3_size_update_over_the_setting"),
         pytest.param(b"\x82\x20", id="4_2_size_update_after_a_field"),
@@ -1103,6 +1164,7 @@ def test_7541_2_3_2_the_dynamic_table_lives_across_field_blocks(h2: EngineServer
         assert answer.status == b"0" and answer.message == b"two"
 
 
+@differs(AS_A_CALL + " (or, racing it, a reset TCP connection)", skip=True)
 def test_7541_4_2_a_size_update_to_0_empties_the_table(h2: EngineServer) -> None:
     indexed = literal(b"x-gone", b"1", first=0x40)
     with h2.peer() as peer:
