@@ -22,8 +22,6 @@ import re
 
 __all__ = ["Malformed", "Validity"]
 
-REQUEST_PSEUDO = frozenset((b":method", b":scheme", b":path", b":authority"))
-REQUIRED_PSEUDO = frozenset((b":method", b":scheme", b":path"))
 CONNECTION_SPECIFIC = frozenset(
     (b"connection", b"proxy-connection", b"keep-alive", b"transfer-encoding", b"upgrade")
 )
@@ -51,57 +49,71 @@ def _field_error(name: bytes, value: bytes) -> str | None:
     return None
 
 
+PSEUDO_BITS = {b":method": 1, b":scheme": 2, b":path": 4, b":authority": 8}
+REQUIRED_BITS = 1 | 2 | 4
+CONTENT_LENGTH = 16  # (a regular field, whose value the connection holds the DATA to)
+
+
 class Validity:
     """One connection's checks of its request header and trailer sections."""
 
     __slots__ = ("_known",)
 
     def __init__(self) -> None:
-        self._known: set[tuple[bytes, bytes]] = set()  # fields already found valid
+        # fields found valid: 0 for a regular one, its bit for a pseudo-header
+        self._known: dict[tuple[bytes, bytes], int] = {}
 
-    def _check(self, field: tuple[bytes, bytes]) -> None:
-        if field in self._known:
-            return
-        why = _field_error(*field)
+    def _learn(self, field: tuple[bytes, bytes]) -> int:
+        """Checks a field not seen before; its bit (0: a regular field)."""
+        name, value = field
+        if name[:1] == b":":
+            bit = PSEUDO_BITS.get(name)
+            if bit is None:
+                raise Malformed(f"{name!r} is not a request pseudo-header field")
+            if name == b":path" and not value:
+                raise Malformed("an empty :path")
+        else:
+            bit = CONTENT_LENGTH if name == b"content-length" else 0
+        why = _field_error(name, value)
         if why is not None:
             raise Malformed(why)
-        if len(self._known) < KNOWN_MAX:
-            self._known.add(field)
+        if len(self._known) < KNOWN_MAX and name != b"grpc-timeout":  # (new each call)
+            self._known[field] = bit
+        return bit
 
     def request(self, fields: list[tuple[bytes, bytes]]) -> int:
         """Checks a request's header section; its content-length (-1: none)."""
-        pseudo: set[bytes] = set()
+        known = self._known
+        seen = 0
         regular = False
         length = -1
         for field in fields:
-            name = field[0]
-            if name[:1] == b":":
-                if regular:
-                    raise Malformed(f"pseudo-header field {name!r} after a regular field")
-                if name not in REQUEST_PSEUDO:
-                    raise Malformed(f"{name!r} is not a request pseudo-header field")
-                if name in pseudo:
-                    raise Malformed(f"pseudo-header field {name!r} twice")
-                pseudo.add(name)
-                if name == b":path" and not field[1]:
-                    raise Malformed("an empty :path")
-            else:
+            bit = known.get(field)
+            if bit is None:
+                bit = self._learn(field)
+            if not bit:
                 regular = True
-                if name == b"content-length":
-                    if length >= 0:
-                        raise Malformed("content-length twice")
-                    self._check(field)
-                    length = int(field[1])
-                    continue
-            self._check(field)
-        if not REQUIRED_PSEUDO <= pseudo:
-            missing = b", ".join(sorted(REQUIRED_PSEUDO - pseudo)).decode()
-            raise Malformed(f"the request has no {missing}")
+            elif bit == CONTENT_LENGTH:
+                if length >= 0:
+                    raise Malformed("content-length twice")
+                regular = True
+                length = int(field[1])
+            elif regular:
+                raise Malformed(f"pseudo-header field {field[0]!r} after a regular field")
+            elif seen & bit:
+                raise Malformed(f"pseudo-header field {field[0]!r} twice")
+            else:
+                seen |= bit
+        if seen & REQUIRED_BITS != REQUIRED_BITS:
+            missing = [n.decode() for n, b in PSEUDO_BITS.items() if b & REQUIRED_BITS & ~seen]
+            raise Malformed(f"the request has no {', '.join(missing)}")
         return length
 
     def trailers(self, fields: list[tuple[bytes, bytes]]) -> None:
         """Checks a request's trailer section (8.1: no pseudo-header fields)."""
+        known = self._known
         for field in fields:
             if field[0][:1] == b":":
                 raise Malformed(f"pseudo-header field {field[0]!r} in trailers")
-            self._check(field)
+            if field not in known:
+                self._learn(field)
