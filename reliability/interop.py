@@ -40,7 +40,7 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import Tree, make_repo, wait_serving  # noqa: E402
+from harness import Tree, make_repo, wait_serving
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -107,7 +107,8 @@ def grpc_js(address: str) -> dict[str, tuple[bool, str]]:
             str(out["error"]),
         ),
         "ModelStreamInfer": (
-            stream["code"] == 0 and [list(r) for r in stream["replies"]] == list(map(list, STREAMED)),
+            stream["code"] == 0
+            and [list(r) for r in stream["replies"]] == list(map(list, STREAMED)),
             str(stream),
         ),
     }
@@ -115,7 +116,14 @@ def grpc_js(address: str) -> dict[str, tuple[bool, str]]:
 
 def grpcurl(address: str) -> dict[str, tuple[bool, str]]:
     def call(method: str, body: str) -> subprocess.CompletedProcess[str]:
-        argv = [str(GRPCURL), "-plaintext", "-import-path", str(PROTOS), "-proto", "inference.proto"]
+        argv = [
+            str(GRPCURL),
+            "-plaintext",
+            "-import-path",
+            str(PROTOS),
+            "-proto",
+            "inference.proto",
+        ]
         argv += ["-max-time", "30", "-d", "@", address, f"{SERVICE}/{method}"]
         return subprocess.run(argv, input=body, capture_output=True, text=True, timeout=120)
 

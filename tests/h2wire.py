@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from test_http2_door import Echo, path, settings
 
 from poolserve.service.router.http2.frames import (
     ACK,
@@ -40,8 +41,6 @@ from poolserve.service.router.http2.frames import (
 from poolserve.service.router.http2.hpack import Decoder, Encoder, HpackError
 from poolserve.service.router.http2.server import GrpcServer
 from poolserve.service.router.router import server_options
-
-from test_http2_door import Echo, path, settings
 
 ENGINES = ("poolserve", "grpcio")
 WAIT = 30.0  # for what the server must send
@@ -350,9 +349,9 @@ def literal(name: bytes, value: bytes, first: int = 0x00) -> bytes:
 
 
 __all__ = [
-    "ENGINES",
     "END_HEADERS",
     "END_STREAM",
+    "ENGINES",
     "EngineServer",
     "HpackError",
     "Outcome",

@@ -25,6 +25,19 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import pytest
+from h2wire import (
+    END_HEADERS,
+    END_STREAM,
+    ENGINES,
+    EngineServer,
+    Peer,
+    block,
+    data,
+    grpc_message,
+    headers,
+    literal,
+    request,
+)
 
 from poolserve.service.router.http2.frames import (
     ACK,
@@ -43,20 +56,6 @@ from poolserve.service.router.http2.frames import (
 )
 from poolserve.service.router.http2.hpack import encode_integer
 from poolserve.service.router.http2.huffman import huffman_encode
-
-from h2wire import (
-    END_HEADERS,
-    END_STREAM,
-    ENGINES,
-    EngineServer,
-    Peer,
-    block,
-    data,
-    grpc_message,
-    headers,
-    literal,
-    request,
-)
 
 F = TypeVar("F", bound=Callable[..., Any])
 MAX_WINDOW = 2**31 - 1
@@ -104,7 +103,7 @@ def h2(engine: EngineServer, request: pytest.FixtureRequest) -> EngineServer:
     return engine
 
 
-# -- judging -------------------------------------------------------------------
+# -- judging ---------------------------------------------------------------------------
 
 
 def connection_error(peer: Peer, *codes: int) -> None:
@@ -151,7 +150,7 @@ def request_frames(stream: int, fields: list[tuple[bytes, bytes]], message: byte
     return headers(stream, fields) + data(stream, grpc_message(message))
 
 
-# -- 3.4 HTTP/2 Connection Preface -------------------------------------------------
+# -- 3.4 HTTP/2 Connection Preface -----------------------------------------------------
 
 
 def test_9113_3_4_the_server_preface_is_a_settings_frame_first(h2: EngineServer) -> None:
@@ -184,7 +183,7 @@ def test_9113_3_4_a_preface_not_followed_by_settings_is_a_connection_error(
         connection_error(peer, PROTOCOL)
 
 
-# -- 4.1 Frame Format ----------------------------------------------------------------
+# -- 4.1 Frame Format ------------------------------------------------------------------
 
 
 def test_9113_4_1_frames_of_unknown_type_are_ignored(h2: EngineServer) -> None:
@@ -220,7 +219,7 @@ def test_9113_4_1_the_reserved_bit_of_the_stream_identifier_is_ignored(h2: Engin
         assert answer.status == b"0" and answer.message == b"r"
 
 
-# -- 4.2 Frame Size ------------------------------------------------------------------
+# -- 4.2 Frame Size --------------------------------------------------------------------
 
 
 def test_9113_4_2_a_frame_of_2_14_octets_is_taken(h2: EngineServer) -> None:
@@ -259,10 +258,10 @@ def test_9113_4_2_no_frame_exceeds_the_clients_max_frame_size(h2: EngineServer) 
         peer.call(1, b"big:100000")
         answer = peer.response(1)
         assert answer.status == b"0" and len(answer.message) == 100_000
-        assert max(f.payload.__len__() for f in peer.seen) <= 2**14
+        assert max(len(f.payload) for f in peer.seen) <= 2**14
 
 
-# -- 4.3 Field Section Compression and Decompression ------------------------------------
+# -- 4.3 Field Section Compression and Decompression -----------------------------------
 
 
 @differs(AS_A_CALL)
@@ -298,7 +297,7 @@ def test_9113_4_3_headers_of_another_stream_inside_a_field_block_is_a_connection
         connection_error(peer, PROTOCOL)
 
 
-# -- 5.1 Stream States -------------------------------------------------------------------
+# -- 5.1 Stream States -----------------------------------------------------------------
 
 
 @differs(IGNORES, only=("data", "rst_stream", "window_update"))
@@ -447,7 +446,7 @@ def test_9113_5_1_frames_after_the_servers_rst_stream_are_processed_and_dropped(
         assert answer.status == b"0" and answer.message == b"after"
 
 
-# -- 5.1.1 Stream Identifiers --------------------------------------------------------------
+# -- 5.1.1 Stream Identifiers ----------------------------------------------------------
 
 
 @differs(IGNORES)
@@ -466,7 +465,7 @@ def test_9113_5_1_1_a_stream_identifier_below_a_previous_one_is_a_connection_err
         connection_error(peer, PROTOCOL)
 
 
-# -- 5.4 Error Handling -------------------------------------------------------------------
+# -- 5.4 Error Handling ----------------------------------------------------------------
 
 
 def test_9113_5_4_1_a_connection_error_sends_goaway_with_the_last_stream_then_closes(
@@ -484,7 +483,7 @@ def test_9113_5_4_1_a_connection_error_sends_goaway_with_the_last_stream_then_cl
             pass  # then the connection is closed
 
 
-# -- 5.5 Extending HTTP/2 ---------------------------------------------------------------
+# -- 5.5 Extending HTTP/2 --------------------------------------------------------------
 
 
 def test_9113_5_5_an_unknown_frame_inside_a_stream_is_ignored(h2: EngineServer) -> None:
@@ -508,7 +507,7 @@ def test_9113_5_5_an_unknown_frame_inside_a_field_block_is_a_connection_error(
         connection_error(peer, PROTOCOL)
 
 
-# -- 6.1 DATA ----------------------------------------------------------------------------
+# -- 6.1 DATA --------------------------------------------------------------------------
 
 
 @differs(IGNORES)
@@ -535,7 +534,7 @@ def test_9113_6_1_padded_data_is_served(h2: EngineServer) -> None:
         assert answer.status == b"0" and answer.message == b"padded"
 
 
-# -- 6.2 HEADERS --------------------------------------------------------------------------
+# -- 6.2 HEADERS -----------------------------------------------------------------------
 
 
 @differs(IGNORES)
@@ -579,7 +578,7 @@ def test_9113_6_2_end_stream_headers_may_be_continued(h2: EngineServer) -> None:
         assert answer.ended_by == "end_stream" and answer.status not in (None, b"0"), answer
 
 
-# -- 6.3 PRIORITY --------------------------------------------------------------------------
+# -- 6.3 PRIORITY ----------------------------------------------------------------------
 
 
 @differs(IGNORES)
@@ -613,7 +612,7 @@ def test_9113_5_3_2_priority_signals_are_ignored_even_a_stream_depending_on_itse
         assert answer.status == b"0" and answer.message == b"self"
 
 
-# -- 6.4 RST_STREAM -------------------------------------------------------------------------
+# -- 6.4 RST_STREAM --------------------------------------------------------------------
 
 
 @differs(IGNORES)
@@ -633,7 +632,7 @@ def test_9113_6_4_rst_stream_of_other_than_4_octets_is_a_connection_frame_size_e
         connection_error(peer, FRAME_SIZE)
 
 
-# -- 6.5 SETTINGS ---------------------------------------------------------------------------
+# -- 6.5 SETTINGS ----------------------------------------------------------------------
 
 
 def test_9113_6_5_settings_ack_with_payload_is_a_frame_size_error(h2: EngineServer) -> None:
@@ -712,7 +711,7 @@ def _first_data(peer: Peer, stream: int) -> bytes:
             return got.payload
 
 
-# -- 6.6 PUSH_PROMISE / 8.4 Server Push ------------------------------------------------------
+# -- 6.6 PUSH_PROMISE / 8.4 Server Push ------------------------------------------------
 
 
 @differs(IGNORES)
@@ -724,7 +723,7 @@ def test_9113_8_4_push_promise_from_a_client_is_a_connection_error(h2: EngineSer
         connection_error(peer, PROTOCOL)
 
 
-# -- 6.7 PING --------------------------------------------------------------------------------
+# -- 6.7 PING --------------------------------------------------------------------------
 
 
 def test_9113_6_7_ping_is_answered_with_its_payload(h2: EngineServer) -> None:
@@ -765,7 +764,7 @@ def test_9113_6_7_ping_of_other_than_8_octets_is_a_frame_size_error(
         connection_error(peer, FRAME_SIZE)
 
 
-# -- 6.8 GOAWAY / 7 Error Codes ---------------------------------------------------------------
+# -- 6.8 GOAWAY / 7 Error Codes --------------------------------------------------------
 
 
 @differs(IGNORES)
@@ -796,7 +795,7 @@ def test_9113_7_unknown_error_codes_trigger_nothing_special(h2: EngineServer) ->
         assert answer.status == b"0" and answer.message == b"in flight"
 
 
-# -- 6.9 WINDOW_UPDATE --------------------------------------------------------------------------
+# -- 6.9 WINDOW_UPDATE -----------------------------------------------------------------
 
 
 def test_9113_6_9_a_connection_window_update_of_0_is_a_connection_error(h2: EngineServer) -> None:
@@ -893,7 +892,7 @@ def test_9113_6_9_2_an_initial_window_that_takes_a_stream_past_2_31_1_is_a_conne
         connection_error(peer, FLOW)
 
 
-# -- 6.10 CONTINUATION ---------------------------------------------------------------------------
+# -- 6.10 CONTINUATION -----------------------------------------------------------------
 
 
 def test_9113_6_10_a_field_block_in_several_continuations_is_served(h2: EngineServer) -> None:
@@ -959,7 +958,7 @@ def test_9113_6_10_a_continuation_out_of_place_is_a_connection_error(
         connection_error(peer, PROTOCOL)
 
 
-# -- 8.1 HTTP Message Framing --------------------------------------------------------------------
+# -- 8.1 HTTP Message Framing ----------------------------------------------------------
 
 
 def test_9113_8_1_trailers_end_the_request(h2: EngineServer) -> None:
@@ -986,7 +985,7 @@ def test_9113_8_1_pseudo_header_fields_in_trailers_are_malformed(h2: EngineServe
         stream_error(peer, 1, PROTOCOL)
 
 
-# -- 8.1.1 Malformed Messages: content-length -------------------------------------------------------
+# -- 8.1.1 Malformed Messages: content-length ------------------------------------------
 
 
 @differs(IGNORES)
@@ -1013,7 +1012,7 @@ def test_9113_8_1_1_a_content_length_like_the_data_is_served(h2: EngineServer) -
         assert answer.status == b"0" and answer.message == b"12345"
 
 
-# -- 8.2 HTTP Fields / 8.2.1 Field Validity -----------------------------------------------------------
+# -- 8.2 HTTP Fields / 8.2.1 Field Validity --------------------------------------------
 
 
 @differs(AS_A_CALL)
@@ -1055,7 +1054,7 @@ def test_9113_8_2_1_a_field_value_with_a_prohibited_character_is_malformed(
         stream_error(peer, 1, PROTOCOL)
 
 
-# -- 8.2.2 Connection-Specific Header Fields ------------------------------------------------------------
+# -- 8.2.2 Connection-Specific Header Fields -------------------------------------------
 
 
 @differs(IGNORES)
@@ -1075,11 +1074,12 @@ def test_9113_8_2_2_te_other_than_trailers_is_malformed(h2: EngineServer) -> Non
         stream_error(peer, 1, PROTOCOL)
 
 
-# -- 8.3 HTTP Control Data / 8.3.1 Request Pseudo-Header Fields ----------------------------------------------
+# -- 8.3 HTTP Control Data / 8.3.1 Request Pseudo-Header Fields ------------------------
 
 
 @differs(
-    "serves most of them; answers unknown ones as a call, missing ones with RST_STREAM INTERNAL_ERROR"
+    "serves most of them; answers unknown ones as a call, missing ones with RST_STREAM"
+    " INTERNAL_ERROR"
 )
 @pytest.mark.parametrize(
     "fields",
@@ -1115,7 +1115,7 @@ def test_9113_8_3_a_malformed_request_leaves_the_connection_serving(h2: EngineSe
         served(peer, 3)
 
 
-# -- RFC 7541 (HPACK) ----------------------------------------------------------------------------------------
+# -- RFC 7541 (HPACK) ------------------------------------------------------------------
 
 
 def _huffman_literal(name: bytes, value: bytes) -> bytes:

@@ -39,6 +39,7 @@ import grpc
 
 from poolserve.service.contract.turns import turn_end
 from poolserve.service.router.http2.call import STREAM_WINDOW, trailers_only
+from poolserve.service.router.http2.fields import Malformed, Validity
 from poolserve.service.router.http2.frames import (
     ACK,
     DEFAULT_FRAME_SIZE,
@@ -67,7 +68,6 @@ from poolserve.service.router.http2.frames import (
     unpadded,
     window_update,
 )
-from poolserve.service.router.http2.fields import Malformed, Validity
 from poolserve.service.router.http2.hpack import Decoder, HeaderListTooLarge, HpackError
 
 if TYPE_CHECKING:
@@ -122,6 +122,7 @@ class Http2Connection(asyncio.Protocol):
         self.early_resets = 0  # of those, reset by the client before their answer
         self.going_away = False
         self.closed = False
+        self.lingering = False  # closed for an error: reading what the client still sends
         self._continuation: tuple[int, int, bytearray] | None = None
         self._continuations = 0  # CONTINUATION frames of the block in _continuation
         self._reset_streams: dict[int, None] = {}  # the last ones we reset, in order
@@ -265,17 +266,17 @@ class Http2Connection(asyncio.Protocol):
         self._abort_calls()
 
     def close(self, code: ErrorCode = ErrorCode.NO_ERROR, why: str = "") -> None:
-        """GOAWAY, then our end of the connection (FIN). What the client still
-        sends is read and dropped for up to LINGER_S: a socket closed with
-        unread bytes sends a TCP reset, which can destroy the GOAWAY before
-        the client reads it."""
+        """GOAWAY, then the connection is closed. For an error, only our end
+        (FIN): what the client still sends is read and dropped for up to
+        LINGER_S, as a socket closed with unread bytes sends a TCP reset,
+        which can destroy the GOAWAY before the client reads it."""
         transport = self.transport
         if self.closed or transport is None:
             return
         self._queue(goaway(self.last_stream, code, why.encode()[:256]))
         self._flush()
         self.closed = True
-        if not transport.can_write_eof():  # (TLS)
+        if code is ErrorCode.NO_ERROR or not transport.can_write_eof():  # (TLS cannot)
             transport.close()
             return
         try:
@@ -283,6 +284,7 @@ class Http2Connection(asyncio.Protocol):
         except OSError:  # the client is gone already
             transport.abort()
             return
+        self.lingering = True
         self._arm("linger", LINGER_S, transport.abort)
 
     # -- reading frames ----------------------------------------------------------
@@ -757,6 +759,11 @@ class Http2Connection(asyncio.Protocol):
         self.go_away("max_connection_age_s")
         grace = self.server.settings.max_connection_age_grace_s
         self._arm("grace", grace, self._abort_calls)
+
+    def drop(self) -> None:
+        """The server stops: a connection still lingering after an error is closed now."""
+        if self.lingering and self.transport is not None:
+            self.transport.abort()
 
     def _abort_calls(self) -> None:
         if self.transport is not None and not self.closed:
