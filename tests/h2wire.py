@@ -38,7 +38,7 @@ from poolserve.service.router.http2.frames import (
     ping,
     settings_frame,
 )
-from poolserve.service.router.http2.hpack import Decoder, Encoder, HpackError
+from poolserve.service.router.http2.hpack import Decoder, Encoder
 from poolserve.service.router.http2.server import GrpcServer
 from poolserve.service.router.router import server_options
 
@@ -63,7 +63,11 @@ class EngineServer:
 
     def __enter__(self) -> EngineServer:
         self.thread.start()
-        port = asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(WAIT)
+        try:
+            port = asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(WAIT)
+        except BaseException:
+            self.__exit__()
+            raise
         self.address = f"127.0.0.1:{port}"
         return self
 
@@ -151,6 +155,8 @@ class Peer:
         self.server_settings: dict[int, int] = {}
         self.closed = False
         self.seen: list[Frame] = []
+        self.sizes: list[tuple[int, int]] = []  # every frame's kind and payload size, as sent
+        self._block: Frame | None = None  # a HEADERS frame whose CONTINUATION is to come
         if preface:
             self.send(PREFACE + settings_frame(settings or {}))
 
@@ -206,26 +212,36 @@ class Peer:
             self.buffer += chunk
 
     def _parse(self) -> Frame | None:
-        if len(self.buffer) < 9:
-            return None
-        high, low, kind, flags, stream = HEADER.unpack_from(self.buffer)
-        size = high << 16 | low
-        if len(self.buffer) < 9 + size:
-            return None
-        payload = bytes(self.buffer[9 : 9 + size])
-        del self.buffer[: 9 + size]
-        got = Frame(kind, flags, stream & 0x7FFFFFFF, payload)
-        if kind == Kind.HEADERS:
-            got.fields = self.decoder.decode(payload)  # (servers send whole blocks, unpadded)
-        elif kind == Kind.SETTINGS and not flags & ACK:
-            for at in range(0, len(payload) - 5, 6):
-                key, value = struct.unpack_from(">HI", payload, at)
-                self.server_settings[key] = value
-            self.send(SETTINGS_ACK)
-        elif kind == Kind.PING and not flags & ACK:
-            self.send(ping(payload, ack=True))
-        self.seen.append(got)
-        return got
+        """The next whole frame in the buffer (a header block continued in
+        CONTINUATION frames: one HEADERS frame with the whole block)."""
+        while len(self.buffer) >= 9:
+            high, low, kind, flags, stream = HEADER.unpack_from(self.buffer)
+            size = high << 16 | low
+            if len(self.buffer) < 9 + size:
+                return None
+            payload = bytes(self.buffer[9 : 9 + size])
+            del self.buffer[: 9 + size]
+            self.sizes.append((kind, size))
+            got = Frame(kind, flags, stream & 0x7FFFFFFF, payload)
+            if kind == Kind.CONTINUATION and self._block is not None:
+                got, self._block = self._block, None
+                got.payload += payload
+                got.flags |= flags & END_HEADERS
+            if got.kind == Kind.HEADERS:
+                if not got.flags & END_HEADERS:
+                    self._block = got  # (the server sends whole blocks, unpadded)
+                    continue
+                got.fields = self.decoder.decode(got.payload)
+            elif kind == Kind.SETTINGS and not flags & ACK:
+                for at in range(0, len(payload) - 5, 6):
+                    key, value = struct.unpack_from(">HI", payload, at)
+                    self.server_settings[key] = value
+                self.send(SETTINGS_ACK)
+            elif kind == Kind.PING and not flags & ACK:
+                self.send(ping(payload, ack=True))
+            self.seen.append(got)
+            return got
+        return None
 
     def settings_seen(self) -> dict[int, int]:
         """Reads up to the server's SETTINGS (its preface); the values."""
@@ -353,7 +369,6 @@ __all__ = [
     "END_STREAM",
     "ENGINES",
     "EngineServer",
-    "HpackError",
     "Outcome",
     "Peer",
     "Response",

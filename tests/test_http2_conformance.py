@@ -20,7 +20,6 @@ depend on itself is not in RFC 9113: both engines ignore them.
 from __future__ import annotations
 
 import struct
-import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -133,13 +132,6 @@ def served(peer: Peer, stream: int, message: bytes = b"ok") -> None:
     peer.call(stream, message)
     answer = peer.response(stream)
     assert answer.status == b"0" and answer.message == message, answer
-
-
-def until(predicate: Callable[[], bool]) -> None:
-    end = time.monotonic() + 30
-    while not predicate():  # (state of the server in this process: no event to wait on)
-        assert time.monotonic() < end, "condition never held"
-        time.sleep(0.01)
 
 
 def priority(dependency: int, weight: int = 15, exclusive: bool = False) -> bytes:
@@ -258,7 +250,21 @@ def test_9113_4_2_no_frame_exceeds_the_clients_max_frame_size(h2: EngineServer) 
         peer.call(1, b"big:100000")
         answer = peer.response(1)
         assert answer.status == b"0" and len(answer.message) == 100_000
-        assert max(len(f.payload) for f in peer.seen) <= 2**14
+        assert max(size for _, size in peer.sizes) <= 2**14
+
+
+def test_9113_4_2_a_header_block_over_the_clients_max_frame_size_is_continued(
+    h2: EngineServer,
+) -> None:
+    """A long grpc-message (ours says the unknown method's path, 36 KB
+    percent-encoded) goes out in HEADERS and CONTINUATION frames of at most
+    2^14 bytes (4.2, 6.10), one block the client's decoder reads."""
+    fields = [(b":path", b"/" + b"\xc3\xa9" * 3000), *request(drop=(b":path",))]
+    with h2.peer() as peer:
+        peer.send(request_frames(1, fields))
+        answer = peer.response(1)
+        assert answer.status == b"12", answer  # UNIMPLEMENTED, its block read whole
+        assert max(size for _, size in peer.sizes) <= 2**14
 
 
 # -- 4.3 Field Section Compression and Decompression -----------------------------------
@@ -355,18 +361,14 @@ def test_9113_5_1_headers_on_a_half_closed_remote_stream_is_stream_closed(
 def test_9113_5_1_window_update_priority_and_rst_stream_on_a_half_closed_remote_stream(
     h2: EngineServer,
 ) -> None:
-    """Lawful there; RST_STREAM ends the call (its handler is cancelled) and is
-    not answered with another (5.4.2: MUST NOT, to avoid looping)."""
+    """Lawful there; the RST_STREAM is not answered with another (5.4.2: MUST
+    NOT, to avoid looping), and the connection serves on."""
     with h2.peer() as peer:
         _half_closed_remote(peer)
         peer.send(window_update(1, 1000) + frame(Kind.PRIORITY, 0, 1, priority(0)))
         no_error(peer)
-        cancelled = h2.echo.cancelled
-        until(lambda: h2.echo.started.is_set())
         peer.send(rst_stream(1, ErrorCode.CANCEL))
         no_error(peer)
-        until(lambda: h2.echo.cancelled == cancelled + 1)
-        h2.echo.started.clear()
         assert not [f for f in peer.seen if f.kind == Kind.RST_STREAM and f.stream == 1]
         served(peer, 3)
 

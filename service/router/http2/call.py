@@ -23,7 +23,14 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from poolserve.service.router.http2.frames import END_HEADERS, END_STREAM, ErrorCode, Kind, frame
+from poolserve.service.router.http2.frames import (
+    END_HEADERS,
+    END_STREAM,
+    ErrorCode,
+    Kind,
+    frame,
+    header_frames,
+)
 from poolserve.service.router.http2.hpack import Encoder
 
 if TYPE_CHECKING:
@@ -386,7 +393,7 @@ class Call:
         if not self.headers_sent:
             self.headers_sent = True
             block = _TRAILERS_ONLY + block
-        conn.write(frame(Kind.HEADERS, END_HEADERS | END_STREAM, self.stream, block))
+        conn.write(header_frames(self.stream, block, True, conn.peer_frame_size))
         if not self.remote_done:
             conn.reset(self, ErrorCode.NO_ERROR)  # the client may stop sending
         conn.ended(self)
@@ -457,7 +464,7 @@ class Call:
             raise RuntimeError("the response headers are already sent")
         self.headers_sent = True
         block = RESPONSE_HEADERS + _ENCODER.encode(_encoded_metadata(initial_metadata))
-        self.conn.write(frame(Kind.HEADERS, END_HEADERS, self.stream, block))
+        self.conn.write(header_frames(self.stream, block, False, self.conn.peer_frame_size))
 
     def add_done_callback(self, callback: Callable[[Any], None]) -> None:
         self._callbacks.append(callback)
