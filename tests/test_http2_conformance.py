@@ -1109,6 +1109,18 @@ def test_9113_8_3_pseudo_header_fields_out_of_rule_are_malformed(
         stream_error(peer, 1, PROTOCOL)
 
 
+def test_9113_8_5_a_connect_request_without_scheme_and_path_is_not_malformed(
+    h2: EngineServer,
+) -> None:
+    """CONNECT carries :authority alone (8.5): a gRPC port answers it (a
+    gRPC status, or a reset other than PROTOCOL_ERROR), not as malformed."""
+    with h2.peer() as peer:
+        fields = [(b":method", b"CONNECT"), (b":authority", b"example:443")]
+        peer.send(headers(1, fields))
+        answer = peer.response(1)
+        assert answer.ended_by in ("end_stream", "reset") and answer.reset != PROTOCOL, answer
+
+
 @differs(AS_A_CALL)
 def test_9113_8_3_a_malformed_request_leaves_the_connection_serving(h2: EngineServer) -> None:
     with h2.peer() as peer:

@@ -4,7 +4,8 @@ PROTOCOL_ERROR (8.1.1), its call never begins.
 
 Checked: the pseudo-header fields (only ``:method``, ``:scheme``,
 ``:path`` and ``:authority``, each at most once, before every regular field,
-the first three present, ``:path`` not empty; none in trailers), the
+the first three present but for CONNECT, 8.5, ``:path`` not empty; none in
+trailers), the
 minimal validity of names and values (8.2.1: no uppercase, control
 characters, space, DEL or non-ASCII in a name, no colon past a pseudo-header's
 first; no NUL, CR or LF in a value, none starting or ending with space or
@@ -105,6 +106,8 @@ class Validity:
             else:
                 seen |= bit
         if seen & REQUIRED_BITS != REQUIRED_BITS:
+            if seen == 1 | 8 and (b":method", b"CONNECT") in fields:
+                return length  # 8.5: CONNECT has :authority, no :scheme or :path
             missing = [n.decode() for n, b in PSEUDO_BITS.items() if b & REQUIRED_BITS & ~seen]
             raise Malformed(f"the request has no {', '.join(missing)}")
         return length
