@@ -157,10 +157,12 @@ class Peer:
         self.seen: list[Frame] = []
         self.sizes: list[tuple[int, int]] = []  # every frame's kind and payload size, as sent
         self._block: Frame | None = None  # a HEADERS frame whose CONTINUATION is to come
+        self._unsent = bytearray()
         if preface:
             self.send(PREFACE + settings_frame(settings or {}))
 
     def close(self) -> None:
+        self._flush()
         self.sock.close()
 
     def __enter__(self) -> Peer:
@@ -172,11 +174,18 @@ class Peer:
     # -- writing -------------------------------------------------------------
 
     def send(self, *chunks: bytes) -> None:
-        """Writes ``chunks``; a server that already closed is an outcome, not an error."""
-        try:
-            self.sock.sendall(b"".join(chunks))
-        except OSError:
-            self.closed = True
+        """Queues ``chunks``: they go out in one write with what follows them
+        until the next read (so a case and the PING after it arrive together,
+        and a server that closes at the case has read it all)."""
+        self._unsent += b"".join(chunks)
+
+    def _flush(self) -> None:
+        if self._unsent:
+            try:
+                self.sock.sendall(self._unsent)
+            except OSError:  # a server that already closed is an outcome, not an error
+                self.closed = True
+            self._unsent.clear()
 
     def call(self, stream: int, message: bytes, method: str = "Unary", end: bool = True) -> None:
         """A whole gRPC request: its HEADERS and one DATA frame with ``message``."""
@@ -189,6 +198,7 @@ class Peer:
         after ``timeout`` with nothing (TimeoutError when ``timeout`` is WAIT:
         the server owed an answer)."""
         deadline = time.monotonic() + timeout
+        self._flush()
         while True:
             got = self._parse()
             if got is not None:
