@@ -2,7 +2,7 @@
 
 :class:`EngineServer` is the router's gRPC port on either engine
 (``grpc_engine``: ``poolserve``, the router's own HTTP/2, or ``grpcio``,
-grpc's server with the router's channel options), serving the door tests'
+grpc's server with the router's channel options and credentials), serving the door tests'
 ``Echo`` handlers on a loopback port from an event loop in a thread of its
 own, so that a test talks to it over a blocking socket. :class:`Peer` is a
 bare client of that socket: it writes frames built with the router's
@@ -40,7 +40,8 @@ from poolserve.service.router.http2.frames import (
 )
 from poolserve.service.router.http2.hpack import Decoder, Encoder
 from poolserve.service.router.http2.server import GrpcServer
-from poolserve.service.router.router import server_options
+from poolserve.service.router.http_connection import tls_context
+from poolserve.service.router.router import server_credentials, server_options
 
 ENGINES = ("poolserve", "grpcio")
 WAIT = 30.0  # for what the server must send
@@ -75,13 +76,17 @@ class EngineServer:
         handlers = [self.echo.handler()]
         if self.engine == "poolserve":
             own = GrpcServer(self.settings, handlers)
-            port = await own.bind("127.0.0.1", 0)
+            port = await own.bind("127.0.0.1", 0, tls=tls_context(self.settings))
             await own.start()
             self.server = own
             return port
         server = grpc.aio.server(options=server_options(self.settings))
         server.add_generic_rpc_handlers(handlers)
-        port = server.add_insecure_port("127.0.0.1:0")
+        credentials = server_credentials(self.settings)
+        if credentials is None:
+            port = server.add_insecure_port("127.0.0.1:0")
+        else:
+            port = server.add_secure_port("127.0.0.1:0", credentials)
         await server.start()
         self.server = server
         return port

@@ -19,8 +19,12 @@ depend on itself is not in RFC 9113: both engines ignore them.
 
 from __future__ import annotations
 
+import dataclasses
+import socket
+import ssl
 import struct
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -38,6 +42,7 @@ from h2wire import (
     request,
 )
 
+from poolserve.service.contract.settings import ServerSettings
 from poolserve.service.router.http2.frames import (
     ACK,
     PADDED,
@@ -55,6 +60,9 @@ from poolserve.service.router.http2.frames import (
 )
 from poolserve.service.router.http2.hpack import encode_integer
 from poolserve.service.router.http2.huffman import huffman_encode
+from poolserve.service.router.http_connection import tls_context
+
+from certs import make_certs
 
 F = TypeVar("F", bound=Callable[..., Any])
 MAX_WINDOW = 2**31 - 1
@@ -1196,3 +1204,64 @@ def test_7541_5_2_huffman_coded_and_never_indexed_fields_are_served(h2: EngineSe
         peer.send(frame(Kind.HEADERS, END_HEADERS, 1, fields), data(1, grpc_message(b"huff")))
         answer = peer.response(1)
         assert answer.status == b"0" and answer.message == b"huff"
+
+
+# -- 9.2 Use of TLS Features -------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def tls(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    certs = make_certs(tmp_path_factory.mktemp("certs"))
+    files = {"tls_cert_file": str(certs / "server.crt"), "tls_key_file": str(certs / "server.key")}
+    with EngineServer(request.param, **files) as server:
+        yield server, certs / "ca.crt"
+
+
+def _tls_1_2_handshake(address: str, ca: Path, ciphers: str) -> ssl.SSLSocket:
+    client = ssl.create_default_context(cafile=str(ca))
+    client.maximum_version = ssl.TLSVersion.TLSv1_2
+    client.set_ciphers(ciphers)
+    client.set_alpn_protocols(["h2"])
+    host, port = address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    try:
+        return client.wrap_socket(sock, server_hostname=host)
+    except BaseException:
+        sock.close()
+        raise
+
+
+def test_9113_9_2_2_a_prohibited_tls_1_2_cipher_suite_is_not_negotiated(tls: Any) -> None:
+    """Appendix A prohibits TLS 1.2's non-AEAD suites (CBC): a client that
+    offers only those has no handshake."""
+    server, ca = tls
+    with pytest.raises(ssl.SSLError):
+        _tls_1_2_handshake(server.address, ca, "ECDHE-ECDSA-AES128-SHA256:ECDHE-ECDSA-AES128-SHA")
+
+
+def test_9113_9_2_tls_1_2_with_an_aead_suite_serves_h2(tls: Any) -> None:
+    server, ca = tls
+    with _tls_1_2_handshake(server.address, ca, "ECDHE-ECDSA-AES128-GCM-SHA256") as sock:
+        assert sock.version() == "TLSv1.2" and sock.selected_alpn_protocol() == "h2"
+        sock.sendall(PREFACE + settings_frame({}))
+        head = b""
+        while len(head) < 9:
+            chunk = sock.recv(9 - len(head))
+            assert chunk, "closed before the server's preface"
+            head += chunk
+        assert head[3] == Kind.SETTINGS  # the server's preface
+
+
+def test_9113_9_2_1_the_ports_tls_has_no_renegotiation_or_compression(tmp_path: Path) -> None:
+    """(What a client cannot probe with Python's ssl: the context's options.)"""
+    certs = make_certs(tmp_path)
+    context = tls_context(
+        dataclasses.replace(
+            ServerSettings(),
+            tls_cert_file=str(certs / "server.crt"),
+            tls_key_file=str(certs / "server.key"),
+        )
+    )
+    assert context is not None
+    assert context.options & ssl.OP_NO_RENEGOTIATION and context.options & ssl.OP_NO_COMPRESSION
+    assert context.minimum_version >= ssl.TLSVersion.TLSv1_2
