@@ -849,6 +849,21 @@ def test_9113_6_9_1_the_server_keeps_to_a_window_of_1(h2: EngineServer) -> None:
         assert answer.status == b"0" and len(answer.data) == 24  # the 25 bytes, less the one
 
 
+def test_9113_6_9_1_the_server_keeps_to_the_connection_window(h2: EngineServer) -> None:
+    """Streams with room to spare, the connection's 65,535 bytes (never
+    opened, and SETTINGS_INITIAL_WINDOW_SIZE does not change it, 6.9.2)."""
+    with h2.peer(settings={Setting.INITIAL_WINDOW_SIZE: MAX_WINDOW}) as peer:
+        peer.call(1, b"big:100000")
+        got = 0
+        while got < 65_535:
+            got += len(_first_data(peer, 1))
+        no_error(peer)
+        assert sum(len(f.payload) for f in peer.seen if f.kind == Kind.DATA) == 65_535
+        peer.send(window_update(0, 100_000))
+        answer = peer.response(1)
+        assert answer.status == b"0" and got + len(answer.data) == 100_005
+
+
 @differs(IGNORES)
 def test_9113_6_9_1_a_connection_window_past_2_31_1_is_a_flow_control_error(
     h2: EngineServer,
