@@ -41,7 +41,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from poolserve.protos import inference_pb2 as pb
-from poolserve.service.router.http2.connection import EARLY_RESETS
 from poolserve.service.router.http2.frames import (
     ACK,
     END_HEADERS,
@@ -64,6 +63,7 @@ from poolserve.service.router.http2.frames import (
 )
 from poolserve.service.router.http2.hpack import Decoder, Encoder, HpackError, encode_integer
 from poolserve.service.router.http2.huffman import huffman_encode
+from poolserve.service.router.http2.resets import COST_OPENED, COST_STARTED, RESET_BUDGET
 
 INFER = b"/inference.GRPCInferenceService/ModelInfer"
 MAX_HEADER_BYTES = 16 * 1024  # http_max_header_bytes of the fuzzed tree (the default)
@@ -73,6 +73,7 @@ ANSWER_TIMEOUT = 10.0  # a case the server must answer: no answer by then is wro
 WAIT_TIMEOUT = 0.5  # a case the server may lawfully leave waiting: read this long
 SPLIT_SHARE = 0.2  # of the cases, written in pieces
 SPLIT_MAX = 100_000  # bytes: larger cases are written whole
+RESETS = int(RESET_BUDGET)  # resets (of running calls: the costliest) always let through
 _ENCODER = Encoder()
 
 
@@ -548,16 +549,22 @@ def unfinished_streams(rng: random.Random) -> Case:
 
 
 def rapid_reset(rng: random.Random, count: int | None = None) -> Case:
-    """A flood of calls reset right after their HEADERS (CVE-2023-44487), then a
-    valid call: served under EARLY_RESETS resets; from there the server's
-    GOAWAY ENHANCE_YOUR_CALM may come first (refusing it)."""
+    """A flood of calls reset right after they opened (CVE-2023-44487), then a
+    valid call. Under RESETS resets (none costs more than 1) it is served; a
+    flood whose resets cost past the budget even at the least each may cost
+    (the request whole, its handler not run: COST_STARTED; not whole:
+    COST_OPENED), with room for what time gives back, is GOAWAY
+    ENHANCE_YOUR_CALM first (refusing the valid call). (Such floods are larger
+    than SPLIT_MAX: written whole, each reset comes before its call's answer.)"""
     body, _, _ = infer_body(rng)
+    whole = rng.random() < 0.5  # the call complete (a handler made) or not
+    least = COST_STARTED if whole else COST_OPENED
     if count is None:
-        count = rng.randint(100, 2 * EARLY_RESETS)
-    whole = rng.random() < 0.5  # the call complete (a task started) or headers only
+        over = int((RESET_BUDGET + 100) / least) + 50  # (100: two seconds of refill)
+        count = rng.randint(100, RESETS - 1) if rng.random() < 0.5 else over
     one = (lambda s: call_frames(s, body)) if whole else (lambda s: call_frames(s, body, end=False))
     flood = b"".join(one(2 * i + 1) + rst_stream(2 * i + 1, ErrorCode.CANCEL) for i in range(count))
-    return with_valid("rapid reset", rng, flood, 2 * count + 1, bad=count >= EARLY_RESETS)
+    return with_valid("rapid reset", rng, flood, 2 * count + 1, bad=count * least > RESET_BUDGET)
 
 
 def client_goaway(rng: random.Random) -> Case:
@@ -623,7 +630,7 @@ def largest() -> list[Case]:
         Kind.DATA, END_STREAM, 1, message(gzip.compress(b"\0" * (4 << 20)), compressed=True)
     )
     out.append(Case("gRPC message", handshake() + one))
-    out.append(rapid_reset(rng, EARLY_RESETS - 1))  # the most streams served after resets
+    out.append(rapid_reset(rng, RESETS - 1))  # the most streams served after resets
     return out * 2
 
 

@@ -286,8 +286,21 @@ BROKEN: dict[str, tuple[dict[str, object] | str, str | None, list[str]]] = {
                     "parameters": {"inference_pool_gid": "../../etc"}}, MODEL,
                    ["model-settings.json", "inference_pool_gid", "unsafe pool id"]),
     "echo-again": ("DUPLICATE", None, ["model-settings.json", "duplicate", "echo"]),
+    # a built-in runtime's file not made yet, as in a fresh clone's examples/models:
+    # the one log line (and the reason) names the command that trains it
+    "untrained": ({"name": "untrained", "implementation": "poolserve.service.runtimes.SKLearnModel",
+                   "parameters": {"uri": "model.joblib"}}, None,
+                  ["model.joblib does not exist", "train.py beside", "untrained/train.py"]),
 }  # fmt: skip
-LOAD_FAILURES = ("missing-module", "missing-class", "raises-on-import", "raises-in-load")
+# other files a broken folder holds (name: text)
+EXTRA_FILES = {"untrained": {"train.py": "raise SystemExit('not run by the test')\n"}}
+LOAD_FAILURES = (
+    "missing-module",
+    "missing-class",
+    "raises-on-import",
+    "raises-in-load",
+    "untrained",
+)
 
 
 def broken_repo(root: Path) -> Path:
@@ -300,6 +313,8 @@ def broken_repo(root: Path) -> Path:
         write(repo / folder / "model-settings.json", text)
         if code is not None:
             write(repo / folder / "model.py", code)
+        for name, text in EXTRA_FILES.get(folder, {}).items():
+            write(repo / folder / name, text)
     return repo
 
 

@@ -352,7 +352,9 @@ def test_streams_nobody_reads_are_ended_and_free_their_workers(tmp_path: Path) -
         freed = serving.log().count("(stream_stall_s); its worker is freed")
         assert freed == len(stalled), serving.log()[-3000:]
 
-    stall = {"POOLSERVE_STREAM_STALL_S": "1"}  # small for the test (default 10)
+    # small for the test (default 10); every worker may hold a stream (unary_workers
+    # 0), as before that setting: the stall limit alone frees them here
+    stall = {"POOLSERVE_STREAM_STALL_S": "1", "POOLSERVE_UNARY_WORKERS": "0"}
     with Serving(repo, tmp_path / "run", workers=2, env=stall) as serving:
         asyncio.run(main(serving))
         # and counts them, by model, in /metrics
@@ -366,6 +368,85 @@ def test_streams_nobody_reads_are_ended_and_free_their_workers(tmp_path: Path) -
 async def drain(call: Any, into: list[bytes]) -> None:
     async for reply in call:
         into.append(reply)
+
+
+async def echo_once(stub: pbg.GRPCInferenceServiceStub, value: float, timeout: float) -> float:
+    """One echo call; its latency in seconds (it fails past ``timeout``)."""
+    req = pb.ModelInferRequest(model_name="echo")
+    encode_inputs({"INPUT0": np.full((1, 16), value, np.float32)}, req, raw=True)
+    began = time.monotonic()
+    reply = await stub.ModelInfer(req, timeout=timeout)
+    assert np.frombuffer(reply.raw_output_contents[0], np.float32)[0] == value
+    return time.monotonic() - began
+
+
+async def unread_streams(
+    channel: grpc.aio.Channel, tags: tuple[str, ...], asked: int = 200_000
+) -> list[Any]:
+    """One stream per tag, each asking for ``asked`` responses, none ever read."""
+    calls = []
+    for tag in tags:
+        outgoing, call = open_stream(channel, timeout=3600)
+        await outgoing.put(counter_request(asked, tag=tag, size=16 * 1024))
+        calls.append(call)
+    return calls
+
+
+def test_unread_streams_leave_a_worker_for_the_pools_other_calls(tmp_path: Path) -> None:
+    """A pool of 2 workers serves a decoupled model and echo. A client opens
+    one stream per worker and reads none, with stream_stall_s at 60 s: the
+    streams hold one worker (``unary_workers``, default 1, keeps the other for
+    the pool's other calls), so echo calls are answered within their 10 s
+    deadline, not after stream_stall_s; the second stream waits in the queue
+    and starts once the first ends (issue 42, item 5)."""
+    repo, marks = counter_repo(tmp_path)
+    copy_example(repo, "echo")  # the same pool (default), the same 2 workers
+    tags = ("unread0", "unread1")
+
+    async def main(serving: Serving) -> None:
+        async with grpc.aio.insecure_channel(serving.address) as channel:
+            await wait_serving(channel)
+            stub = pbg.GRPCInferenceServiceStub(channel)
+            await echo_once(stub, -1.0, 30)  # warm: the pool has served echo
+            calls = await unread_streams(channel, tags)
+            progress = [marks / f"{tag}.progress" for tag in tags]
+            assert await asyncio.to_thread(
+                wait_until, lambda: any(p.exists() for p in progress), 60
+            )
+            first = next(i for i, p in enumerate(progress) if p.exists())
+            latencies = [await echo_once(stub, float(v), 10) for v in range(5)]
+            print(f"echo with {len(tags)} unread streams: {max(latencies) * 1000:.1f} ms at most")
+            assert not progress[1 - first].exists()  # the other stream waits its turn
+            calls[first].cancel()  # its worker is freed: the waiting stream starts
+            assert await asyncio.to_thread(wait_until, progress[1 - first].exists, 60)
+            for v in range(5):  # and the other worker still serves echo
+                await echo_once(stub, float(v), 10)
+            calls[1 - first].cancel()
+        assert "Traceback" not in serving.log()
+
+    never = {"POOLSERVE_STREAM_STALL_S": "60"}  # the bound is not stream_stall_s
+    with Serving(repo, tmp_path / "run", workers=2, env=never) as serving:
+        asyncio.run(main(serving))
+
+
+def test_streams_hold_every_worker_of_a_pool_that_serves_only_streams(tmp_path: Path) -> None:
+    """A pool whose every model is decoupled keeps no worker back: one unread
+    stream per worker, and each of them runs (``unary_workers`` applies only
+    where the pool's other calls share its workers)."""
+    repo, marks = counter_repo(tmp_path)
+    tags = ("only0", "only1")
+
+    async def main(serving: Serving) -> None:
+        async with grpc.aio.insecure_channel(serving.address) as channel:
+            await wait_serving(channel)
+            calls = await unread_streams(channel, tags)
+            for tag in tags:
+                assert await asyncio.to_thread(wait_until, (marks / f"{tag}.progress").exists, 60)
+            for call in calls:
+                call.cancel()
+
+    with Serving(repo, tmp_path / "run", workers=2) as serving:
+        asyncio.run(main(serving))
 
 
 def test_tritonclient_stream_api_with_the_repeat_example(tmp_path: Path) -> None:

@@ -16,9 +16,11 @@ from poolserve.service.poolcore.ahead import AHEAD_JOBS
 from poolserve.service.poolcore.dispatcher import Dispatcher
 from poolserve.service.poolcore.frames import (
     AHEAD,
+    COUNT,
     DEADLINE,
     HEADER,
     REQUEST,
+    STREAM,
     ReplyBuffer,
     error_frame,
     heartbeat_frame,
@@ -26,7 +28,7 @@ from poolserve.service.poolcore.frames import (
     reply_frame,
 )
 from poolserve.service.poolcore.jobqueue import JobQueue
-from poolserve.service.poolcore.jobs import Job, WorkerGone
+from poolserve.service.poolcore.jobs import Job, Worker, WorkerGone
 from poolserve.service.poolcore.stats import Timings
 
 
@@ -53,12 +55,15 @@ class FakeWorker:
     async def receive(self) -> tuple[int, bytes]:
         assert self.reader is not None
         length, kind, seq = HEADER.unpack(await self.reader.readexactly(HEADER.size))
-        assert kind in (REQUEST, AHEAD)
+        assert kind in (REQUEST, AHEAD, STREAM)
         self.kinds.append(kind)
         if kind == AHEAD:  # a job sent ahead: its deadline, then the request
             (deadline,) = DEADLINE.unpack(await self.reader.readexactly(DEADLINE.size))
             self.deadlines.append(deadline)
             length -= DEADLINE.size
+        if kind == STREAM:  # a stream: its window, then the request
+            await self.reader.readexactly(COUNT.size)
+            length -= COUNT.size
         return seq, await self.reader.readexactly(length)
 
     def reply(self, seq: int, body: bytes, compute_ns: int = 2) -> None:
@@ -651,3 +656,171 @@ def test_a_job_ahead_on_a_worker_that_dies_runs_on_another_even_if_not_idempoten
         await until(lambda: len(gone) == 1)
 
     with_dispatcher(body)
+
+
+async def streamed(d: Dispatcher, body: bytes, pinned: Worker | None = None) -> list[object]:
+    """A stream's parts and its Result, as its caller takes them."""
+    deadline = asyncio.get_running_loop().time() + 60
+    sequence = "s" if pinned is not None else ""
+    stream = d.submit_stream(body, deadline, window=4, tag="gen", pinned=pinned, sequence=sequence)
+    return [item async for item in stream]
+
+
+async def holding(d: Dispatcher, a: FakeWorker, b: FakeWorker) -> tuple[FakeWorker, FakeWorker]:
+    """(the worker a stream was started on, the other), once there is one."""
+
+    def runs_stream(fake: FakeWorker) -> bool:
+        current = d.roster.workers[fake.pid].current
+        return current is not None and current.stream is not None
+
+    await until(lambda: runs_stream(a) or runs_stream(b))
+    return (a, b) if runs_stream(a) else (b, a)
+
+
+async def two_workers(d: Dispatcher) -> tuple[FakeWorker, FakeWorker]:
+    a, b = FakeWorker(d, 61), FakeWorker(d, 62)
+    await a.connect()
+    await b.connect()
+    await until(lambda: d.live_workers() == 2)
+    return a, b
+
+
+def test_streams_leave_unary_workers_for_the_other_calls() -> None:
+    """With ``unary_workers`` 1 of 2 workers, a second stream waits in the queue
+    while the first holds its worker, and the other calls get the other worker;
+    the waiting stream starts when the first ends (issue 42, item 5)."""
+
+    async def body(d: Dispatcher, _: list[WorkerGone]) -> None:
+        d.share.reserve = 1
+        a, b = await two_workers(d)
+        first = asyncio.ensure_future(streamed(d, b"s1"))
+        holder, other = await holding(d, a, b)
+        second = asyncio.ensure_future(streamed(d, b"s2"))
+        seq1, request = await holder.receive()
+        assert request == b"s1" and holder.kinds == [STREAM]
+        await until(lambda: d.queue_depth() == 1)  # s2 waits: one worker is kept
+        now = asyncio.get_running_loop().time()
+        for name in (b"u1", b"u2"):  # the other calls run on the other worker
+            call = asyncio.ensure_future(d.submit(name, now + 60))
+            seq, request = await other.receive()
+            assert request == name and other.kinds[-1] == REQUEST
+            other.reply(seq, name.upper())
+            assert (await call).body == name.upper()
+        assert await nothing_comes(other)  # idle, and still not given s2
+        assert d.queue_depth() == 1
+        holder.reply(seq1, b"end1")  # s1 ends: s2 starts
+        assert [item.body for item in await first] == [b"end1"]  # type: ignore[attr-defined]
+        seq2, request = await holder.receive()
+        assert request == b"s2" and holder.kinds[-1] == STREAM
+        holder.reply(seq2, b"end2")
+        assert [item.body for item in await second] == [b"end2"]  # type: ignore[attr-defined]
+
+    with_dispatcher(body)
+
+
+def test_streams_hold_every_worker_when_none_is_kept() -> None:
+    """``unary_workers`` 0 (a pool of decoupled models only): both streams run."""
+
+    async def body(d: Dispatcher, _: list[WorkerGone]) -> None:
+        a, b = await two_workers(d)
+        calls = [asyncio.ensure_future(streamed(d, name)) for name in (b"s1", b"s2")]
+        got = [await a.receive(), await b.receive()]
+        assert sorted(request for _, request in got) == [b"s1", b"s2"]
+        assert a.kinds == b.kinds == [STREAM] and d.queue_depth() == 0
+        a.reply(got[0][0], b"")
+        b.reply(got[1][0], b"")
+        await asyncio.gather(*calls)
+
+    with_dispatcher(body)
+
+
+def test_a_waiting_stream_starts_when_the_worker_of_another_dies() -> None:
+    """The worker holding the one stream allowed dies: its stream fails, and
+    the stream that waited starts on the worker left."""
+
+    async def body(d: Dispatcher, _: list[WorkerGone]) -> None:
+        d.share.reserve = 1
+        a, b = await two_workers(d)
+        first = asyncio.ensure_future(streamed(d, b"s1"))
+        holder, other = await holding(d, a, b)
+        second = asyncio.ensure_future(streamed(d, b"s2"))
+        await until(lambda: d.queue_depth() == 1)
+        holder.die()
+        d.worker_exited(holder.pid, "killed by signal 9")
+        with pytest.raises(Unavailable):
+            await first
+        seq, request = await other.receive()
+        assert request == b"s2" and other.kinds[-1] == STREAM
+        other.reply(seq, b"")
+        await second
+
+    with_dispatcher(body)
+
+
+def test_a_sequences_stream_waits_on_its_worker_which_serves_others_meanwhile() -> None:
+    """A stream pinned to its sequence's worker waits, as one from the queue,
+    while the pool's streams hold what they may; the worker runs other calls
+    meanwhile, and the stream before the sequence's later jobs."""
+
+    async def body(d: Dispatcher, _: list[WorkerGone]) -> None:
+        d.share.reserve = 1
+        a, b = await two_workers(d)
+        first = asyncio.ensure_future(streamed(d, b"s1"))
+        holder, other = await holding(d, a, b)
+        seq1, _ = await holder.receive()
+        pinned_to = d.roster.workers[other.pid]
+        pinned = asyncio.ensure_future(streamed(d, b"p1", pinned=pinned_to))
+        now = asyncio.get_running_loop().time()
+        later = asyncio.ensure_future(d.submit_pinned(pinned_to, b"p2", now + 60, sequence="s"))
+        await until(lambda: len(pinned_to.pinned) == 2)
+        call = asyncio.ensure_future(d.submit(b"u", now + 60))  # the kept worker serves it
+        seq, request = await other.receive()
+        assert request == b"u" and other.kinds == [REQUEST]
+        other.reply(seq, b"U")
+        assert (await call).body == b"U"
+        assert await nothing_comes(other)
+        holder.reply(seq1, b"")  # s1 ends: the sequence's stream, then its next job
+        await first
+        seq, request = await other.receive()
+        assert request == b"p1" and other.kinds[-1] == STREAM
+        other.reply(seq, b"")
+        await pinned
+        seq, request = await other.receive()
+        assert request == b"p2" and other.kinds[-1] == REQUEST
+        other.reply(seq, b"P2")
+        assert (await later).body == b"P2"
+
+    with_dispatcher(body)
+
+
+def test_streams_waiting_for_a_worker_never_fill_the_other_calls_queue() -> None:
+    """Streams and the other calls each have ``max_queue`` to themselves: a
+    client's waiting streams are refused past it, and the pool's other calls
+    still queue."""
+
+    async def body(d: Dispatcher, _: list[WorkerGone]) -> None:
+        d.share.reserve = 1
+        a, b = await two_workers(d)
+        first = asyncio.ensure_future(streamed(d, b"s1"))
+        _, other = await holding(d, a, b)
+        second = asyncio.ensure_future(streamed(d, b"s2"))
+        await until(lambda: d.queue_depth() == 1)
+        with pytest.raises(QueueFull, match=r"\(1 streams waiting\)"):
+            await streamed(d, b"s3")
+        now = asyncio.get_running_loop().time()
+        busy = asyncio.ensure_future(d.submit(b"u1", now + 60))
+        seq, _ = await other.receive()
+        queued = asyncio.ensure_future(d.submit(b"u2", now + 60))  # queued, not refused
+        await until(lambda: d.queue_depth() == 2)
+        with pytest.raises(QueueFull, match=r"\(1 requests waiting\)"):
+            await d.submit(b"u3", now + 60)
+        other.reply(seq, b"U1")
+        assert (await busy).body == b"U1"
+        seq, request = await other.receive()
+        assert request == b"u2"
+        other.reply(seq, b"U2")
+        assert (await queued).body == b"U2"
+        first.cancel()
+        second.cancel()
+
+    with_dispatcher(body, max_queue=1)

@@ -1,6 +1,8 @@
 """The router's HPACK codec (service/router/http2): RFC 7541 Appendix C's
 examples, the Huffman code both ways, every malformed input it must refuse,
-the header-list-size limit, and our Encoder read back by our Decoder."""
+the header-list-size limit, and our encoders (the stateless one, and the
+replies' one with a dynamic table the peer's size bounds) read back by our
+Decoder."""
 
 from __future__ import annotations
 
@@ -8,7 +10,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from poolserve.service.router.http2.hpack import Decoder, Encoder, HpackError
+from poolserve.service.router.http2.hpack import (
+    Decoder,
+    Encoder,
+    HpackError,
+    TableEncoder,
+    encode_integer,
+)
 from poolserve.service.router.http2.huffman import CODES, huffman_decode, huffman_encode
 
 
@@ -293,3 +301,75 @@ def test_encoder_output_decodes_back(headers: list[tuple[bytes, bytes]]):
     assert decoder.decode(block) == headers
     assert decoder.table == []  # nothing indexed: a second decoder state is the same
     assert decoder.decode(block) == headers
+
+
+def test_table_encoder_sends_a_field_once_then_one_index():
+    encoder, decoder = TableEncoder(), Decoder()
+    grpc_type = ((b":status", b"200"), (b"content-type", b"application/grpc"))
+    first = encoder.encode(grpc_type, [(b"x-id", b"1")])
+    assert first[:2] == b"\x88\x5f"  # static :status 200; with indexing, name index 31
+    assert decoder.decode(first) == [*grpc_type, (b"x-id", b"1")]
+    assert decoder.table == encoder.table == [(b"content-type", b"application/grpc")]
+    again = encoder.encode(grpc_type, [(b"x-id", b"2")])
+    assert again[:2] == b"\x88\xbe"  # the dynamic table's index 62
+    assert decoder.decode(again) == [*grpc_type, (b"x-id", b"2")]
+    assert decoder.table == encoder.table  # literals are not indexed
+    assert encoder.encode(grpc_type) == b"\x88\xbe"
+
+
+def test_table_encoder_signals_the_lowest_size_then_the_last():
+    """RFC 7541 4.2: a size that fell and rose between two blocks is signalled
+    at the next block's start, the smallest first; the table was evicted to it."""
+    encoder, decoder = TableEncoder(), Decoder()
+    field = ((b"grpc-status", b"0"),)
+    decoder.decode(encoder.encode(field))
+    assert decoder.table == [(b"grpc-status", b"0")]
+    encoder.resize(0)
+    encoder.resize(100)
+    block = encoder.encode(field)
+    assert block.startswith(encode_integer(0, 5, 0x20) + encode_integer(100, 5, 0x20))
+    assert decoder.decode(block) == list(field)
+    assert decoder.table == encoder.table == [(b"grpc-status", b"0")]  # in again
+    encoder.resize(100)  # unchanged: nothing to signal
+    assert encoder.encode(field) == b"\xbe"
+    encoder.resize(1 << 20)  # more than we use: 4096
+    assert encoder.encode(field) == encode_integer(4096, 5, 0x20) + b"\xbe"
+    assert encoder.encode(field) == b"\xbe"  # signalled once
+    assert encoder.max_size == 4096
+
+
+def test_table_encoder_with_a_table_of_0_indexes_nothing():
+    encoder, decoder = TableEncoder(), Decoder(max_table_size=0)
+    encoder.resize(0)
+    block = encoder.encode(((b"content-type", b"application/grpc"),))
+    assert block[0] == 0x20 and decoder.decode(block) == [(b"content-type", b"application/grpc")]
+    assert encoder.table == decoder.table == []
+    assert decoder.decode(encoder.encode(((b"grpc-status", b"0"),))) == [(b"grpc-status", b"0")]
+
+
+pool = st.sampled_from(
+    [(b"content-type", b"application/grpc"), (b"grpc-status", b"0"), (b"grpc-status", b"13"),
+     (b":status", b"200"), (b"x-big", b"v" * 300), (b"x-huge", b"w" * 5000), (b"a", b"")]
+)  # fmt: skip
+operation = st.one_of(
+    st.tuples(st.just("encode"), st.lists(pool, max_size=6), st.lists(st.tuples(
+        st.sampled_from([b"grpc-message", b"x-meta", b"content-type"]), header_bytes
+    ), max_size=3)),
+    st.tuples(st.just("resize"), st.integers(0, 5000), st.just([])),
+)  # fmt: skip
+
+
+@given(st.lists(operation, max_size=40))
+def test_table_encoder_and_a_decoder_keep_the_same_table(operations):
+    """Any sequence of blocks and size changes: each block decodes to its fields,
+    the decoder's table is the encoder's, and within the size last signalled."""
+    encoder = TableEncoder()
+    decoder = Decoder(max_table_size=4096, max_header_list_size=2**31)
+    for kind, first, second in operations:
+        if kind == "resize":
+            encoder.resize(first)
+            continue
+        block = encoder.encode(tuple(first), second)
+        assert decoder.decode(block) == [*first, *second]
+        assert decoder.table == encoder.table
+        assert decoder.table_size <= encoder.max_size

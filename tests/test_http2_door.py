@@ -13,15 +13,15 @@ import socket
 import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import grpc
 import pytest
 
 from poolserve.service.contract.settings import ServerSettings
-from poolserve.service.router.http2.call import EARLY_RESET_SHARE
 from poolserve.service.router.http2.connection import (
-    EARLY_RESETS,
+    EMPTY_DATA_FRAMES,
     MAX_CONTINUATIONS,
     UNREAD_FRAMES,
 )
@@ -38,7 +38,16 @@ from poolserve.service.router.http2.frames import (
     settings_frame,
     window_update,
 )
-from poolserve.service.router.http2.hpack import Decoder, Encoder
+from poolserve.service.router.http2.hpack import Decoder, Encoder, encode_integer
+from poolserve.service.router.http2.replies import ACCEPT_ENCODING
+from poolserve.service.router.http2.resets import (
+    COST_OPENED,
+    COST_RUNNING,
+    COST_STARTED,
+    EARLY_RESET_SHARE,
+    RESET_BUDGET,
+    reset_cost,
+)
 from poolserve.service.router.http2.server import GrpcServer
 
 SERVICE = "test.Echo"
@@ -50,6 +59,7 @@ class Echo:
 
     def __init__(self) -> None:
         self.cancelled = 0
+        self.waiting = 0  # handlers waiting to be cancelled
         self.started = asyncio.Event()
         self.done_callbacks = 0
 
@@ -73,11 +83,14 @@ class Echo:
 
     async def _wait_until_cancelled(self) -> None:
         self.started.set()
+        self.waiting += 1
         try:
             await asyncio.sleep(3600)
         except asyncio.CancelledError:
             self.cancelled += 1
             raise
+        finally:
+            self.waiting -= 1
 
     def _done(self) -> None:
         self.done_callbacks += 1
@@ -253,6 +266,8 @@ class Raw:
         self.reader = reader
         self.writer = writer
         self.decoder = Decoder()
+        self.fields: list[tuple[bytes, bytes]] = []  # of the last HEADERS frame read
+        self.blocks: list[bytes] = []  # every header block read, in order
 
     @classmethod
     async def open(cls, address: str, preface: bool = True, window: int = 65_535) -> Raw:
@@ -265,10 +280,15 @@ class Raw:
         return raw
 
     async def frame(self) -> tuple[int, int, int, bytes]:
-        """The next frame: kind, flags, stream, payload."""
+        """The next frame: kind, flags, stream, payload. A header block is decoded
+        here (every one must be, in order: the server's dynamic table)."""
         head = await self.reader.readexactly(9)
         high, low, kind, flags, stream = HEADER.unpack(head)
-        return kind, flags, stream, await self.reader.readexactly(high << 16 | low)
+        payload = await self.reader.readexactly(high << 16 | low)
+        if kind == Kind.HEADERS:  # (the server's: END_HEADERS, no padding or priority)
+            self.fields = self.decoder.decode(payload)
+            self.blocks.append(payload)
+        return kind, flags, stream, payload
 
     async def until_kind(self, kind: int) -> tuple[int, int, bytes]:
         while True:
@@ -339,12 +359,10 @@ def test_headers_over_the_limit_refuse_their_call_not_the_connection() -> None:
             if kind == Kind.DATA:
                 replies[stream] = payload[5:]
             if kind == Kind.HEADERS and flags & END_STREAM:
-                fields = dict(raw.decoder.decode(payload))
+                fields = dict(raw.fields)
                 statuses[stream] = fields[b"grpc-status"]
                 if stream == 1:
                     assert b"http_max_header_bytes" in fields[b"grpc-message"]
-            elif kind == Kind.HEADERS:
-                raw.decoder.decode(payload)
         assert statuses == {1: b"8", 3: b"0"}  # RESOURCE_EXHAUSTED, and OK
         assert replies == {3: b"fine"}
 
@@ -365,10 +383,10 @@ def test_frames_crossing_our_rst_stream_are_ignored() -> None:
         raw.writer.write(frame(Kind.HEADERS, END_HEADERS | END_STREAM, 1, trailers))
         raw.call(3, "Unary", b"after")
         while True:
-            kind, flags, stream, payload = await asyncio.wait_for(raw.frame(), WAIT)
+            kind, flags, stream, _ = await asyncio.wait_for(raw.frame(), WAIT)
             assert kind != Kind.GOAWAY
             if kind == Kind.HEADERS:
-                fields = dict(raw.decoder.decode(payload))
+                fields = dict(raw.fields)
                 if stream == 3 and flags & END_STREAM:
                     assert fields[b"grpc-status"] == b"0"
                     break
@@ -721,8 +739,10 @@ def test_a_client_that_makes_the_router_answer_and_reads_nothing_is_dropped(kind
     asyncio.run(serving(echo, test, max_concurrent_streams=8))
 
 
-def _unary_frames(stream: int, message: bytes, timeout: bytes = b"") -> bytes:
-    headers = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", path("Unary").encode()),
+def _unary_frames(
+    stream: int, message: bytes, timeout: bytes = b"", method: str = "Unary"
+) -> bytes:
+    headers = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", path(method).encode()),
                (b":authority", b"x"), (b"content-type", b"application/grpc")]  # fmt: skip
     if timeout:
         headers.append((b"grpc-timeout", timeout))
@@ -736,22 +756,40 @@ def _reset(stream: int) -> bytes:
     return frame(Kind.RST_STREAM, 0, stream, struct.pack(">I", ErrorCode.CANCEL))
 
 
-def test_rapid_reset_past_the_bound_is_sent_goaway_and_its_call_in_flight_finishes() -> None:
-    """CVE-2023-44487: EARLY_RESETS streams reset right after they opened a call,
-    more than half of those opened: GOAWAY ENHANCE_YOUR_CALM. The call the client
-    had in flight is still answered; new connections are served."""
+class Frames:
+    """Reads every frame of ``raw`` (the client reads all): DATA's streams, and
+    the first GOAWAY (its last stream and code)."""
+
+    def __init__(self, raw: Raw) -> None:
+        self.data: set[int] = set()
+        self.goaway: tuple[int, int] | None = None
+        self.task = asyncio.get_running_loop().create_task(self._read(raw))
+
+    async def _read(self, raw: Raw) -> None:
+        while True:
+            kind, _, stream, payload = await raw.frame()
+            if kind == Kind.DATA:
+                self.data.add(stream)
+            elif kind == Kind.GOAWAY and self.goaway is None:
+                self.goaway = struct.unpack(">II", payload[:8])
+
+
+def test_rapid_reset_past_the_budget_is_sent_goaway_and_its_call_in_flight_finishes() -> None:
+    """CVE-2023-44487: calls reset right after they came whole (each handler made,
+    not yet run, COST_STARTED): past RESET_BUDGET, GOAWAY ENHANCE_YOUR_CALM. The
+    call the client had in flight is still answered; new connections are served."""
     echo = Echo()
 
     async def test(address: str, server: GrpcServer) -> None:
         raw = await Raw.open(address)
         raw.call(1, "Unary", b"in flight", end=False)  # its body comes after the flood
-        flood = b"".join(
-            _unary_frames(s, b"x") + _reset(s) for s in range(3, 3 + 2 * EARLY_RESETS, 2)
-        )
+        count = int(RESET_BUDGET / COST_STARTED) + 500  # (time refills the budget a little)
+        last = 1 + 2 * count
+        flood = b"".join(_unary_frames(s, b"x") + _reset(s) for s in range(3, last + 1, 2))
         raw.writer.write(flood)
         _, _, payload = await raw.until_kind(Kind.GOAWAY)
         assert struct.unpack(">I", payload[4:8])[0] == ErrorCode.ENHANCE_YOUR_CALM
-        assert struct.unpack(">I", payload[:4])[0] == 1 + 2 * EARLY_RESETS  # the last stream
+        assert 1 < struct.unpack(">I", payload[:4])[0] < last  # not all were taken
         raw.writer.write(frame(Kind.DATA, END_STREAM, 1, b""))
         _, stream, message = await raw.until_kind(Kind.DATA)
         assert stream == 1 and message[5:] == b"in flight"
@@ -761,58 +799,240 @@ def test_rapid_reset_past_the_bound_is_sent_goaway_and_its_call_in_flight_finish
     asyncio.run(serving(echo, test))
 
 
-def test_resets_of_at_most_half_the_streams_are_no_flood() -> None:
-    """A client that cancels as many calls as it lets finish (EARLY_RESETS each)
-    is served to the end; one more early reset is over half: GOAWAY."""
+def test_resets_hidden_among_streams_answered_at_once_are_still_a_flood() -> None:
+    """Each reset of a running call paired with an unknown method (answered at
+    once, no handler: it earns nothing) -- under a rule of shares, half the
+    streams reset is no flood. Weighed by what they cost, the resets pass the
+    budget: GOAWAY ENHANCE_YOUR_CALM (rounds of 200 resets: time gives back 50
+    a second, so this holds unless a round takes 4 s)."""
     echo = Echo()
 
     async def test(address: str, server: GrpcServer) -> None:
         raw = await Raw.open(address)
-        streams = iter(range(1, 2**31, 2))
-        served = []
-        for _ in range(EARLY_RESETS):
-            kept, dropped = next(streams), next(streams)
-            served.append(kept)
+        frames = Frames(raw)
+        rounds, per_round = 10 * int(RESET_BUDGET / COST_RUNNING) // 200, 200
+        stream = 1
+        for _ in range(rounds):
+            calls = list(range(stream, stream + 4 * per_round, 4))
+            stream += 4 * per_round
             raw.writer.write(
-                _unary_frames(kept, b"%d" % kept) + _unary_frames(dropped, b"x") + _reset(dropped)
+                b"".join(
+                    _unary_frames(s, b"wait") + _unary_frames(s + 2, b"x", method="NoSuchMethod")
+                    for s in calls
+                )
             )
-        answered = set()
-        while len(answered) < len(served):
-            kind, _, stream, payload = await asyncio.wait_for(raw.frame(), WAIT)
-            assert kind != Kind.GOAWAY, payload
-            if kind == Kind.DATA:
-                assert payload[5:] == b"%d" % stream
-                answered.add(stream)
-        assert answered == set(served)
-        (conn,) = server.connections
-        assert (conn.opened, conn.early_resets) == (2 * EARLY_RESETS, EARLY_RESETS)
-        one = next(streams)
-        raw.writer.write(_unary_frames(one, b"x") + _reset(one))
-        _, _, payload = await raw.until_kind(Kind.GOAWAY)
-        assert struct.unpack(">I", payload[4:8])[0] == ErrorCode.ENHANCE_YOUR_CALM
+            await until(lambda: echo.waiting == per_round or frames.goaway is not None)
+            if frames.goaway is not None:
+                break
+            raw.writer.write(b"".join(_reset(s) for s in calls))
+            await until(lambda: echo.waiting == 0)
+        await until(lambda: frames.goaway is not None)
+        assert frames.goaway is not None
+        assert frames.goaway[1] == ErrorCode.ENHANCE_YOUR_CALM
+        frames.task.cancel()
 
     asyncio.run(serving(echo, test))
 
 
-def test_a_reset_at_the_calls_deadline_is_not_early() -> None:
-    """A client that gives up at its deadline resets its stream about when the
-    router's own timer fires: not counted towards the flood. With more than
-    EARLY_RESET_SHARE of the timeout left, or no deadline, it is."""
+def test_a_client_that_cancels_half_its_calls_is_served() -> None:
+    """A client that cancels as many running calls as it lets finish, three
+    budgets' worth, is served to the end: each answer pays for a reset."""
+    echo = Echo()
+
+    async def test(address: str, server: GrpcServer) -> None:
+        raw = await Raw.open(address)
+        frames = Frames(raw)
+        per_round = 250
+        served: set[int] = set()
+        streams = iter(range(1, 2**31, 2))
+        for _ in range(3 * int(RESET_BUDGET / COST_RUNNING) // per_round):
+            pairs = [(next(streams), next(streams)) for _ in range(per_round)]
+            raw.writer.write(
+                b"".join(
+                    _unary_frames(kept, b"%d" % kept) + _unary_frames(dropped, b"wait")
+                    for kept, dropped in pairs
+                )
+            )
+            served.update(kept for kept, _ in pairs)
+            await until(lambda: echo.waiting == per_round and served <= frames.data)
+            raw.writer.write(b"".join(_reset(dropped) for _, dropped in pairs))
+            await until(lambda: echo.waiting == 0)
+        (conn,) = server.connections
+        assert frames.goaway is None and not conn.going_away
+        assert conn.resets.level >= 0
+        frames.task.cancel()
+
+    asyncio.run(serving(echo, test))
+
+
+def test_what_a_reset_costs_is_the_work_started_for_it() -> None:
+    """A reset costs what was started: a running handler COST_RUNNING, one made
+    but not run COST_STARTED, a call without its whole request COST_OPENED;
+    nothing once answered, or with at most EARLY_RESET_SHARE of its timeout
+    left (a client giving up at its deadline reaches us about when our own
+    timer fires)."""
     echo = Echo()
 
     async def test(address: str, server: GrpcServer) -> None:
         raw = await Raw.open(address)
         raw.writer.write(_unary_frames(1, b"wait", timeout=b"100S"))
         raw.writer.write(_unary_frames(3, b"wait"))
-        await until(lambda: any(len(c.calls) == 2 for c in server.connections))
+        raw.call(5, "Unary", b"body to come", end=False)
+        await until(lambda: echo.waiting == 2)
         (conn,) = server.connections
-        timed, untimed = conn.calls[1], conn.calls[3]
+        timed, untimed, opened = conn.calls[1], conn.calls[3], conn.calls[5]
         assert timed.timeout == 100.0 and untimed.deadline is None
-        assert timed.reset_early() and untimed.reset_early()
         now = time.monotonic()
-        timed.deadline = now + (EARLY_RESET_SHARE / 2) * timed.timeout  # near its end
-        assert not timed.reset_early()
-        timed.deadline = now + 2 * EARLY_RESET_SHARE * timed.timeout
-        assert timed.reset_early()
+        assert reset_cost(timed, now) == reset_cost(untimed, now) == COST_RUNNING
+        assert reset_cost(opened, now) == COST_OPENED
+        assert reset_cost(timed, timed.deadline - (EARLY_RESET_SHARE / 2) * 100) == 0.0
+        assert reset_cost(timed, timed.deadline - 2 * EARLY_RESET_SHARE * 100) == COST_RUNNING
+
+        async def handler() -> None:
+            pass
+
+        made = asyncio.get_running_loop().create_task(handler())  # not run yet
+        call = SimpleNamespace(finished=False, deadline=None, timeout=0.0, task=made)
+        assert reset_cost(call, now) == COST_STARTED  # type: ignore[arg-type]
+        await made
+        call.finished = True
+        assert reset_cost(call, now) == 0.0  # type: ignore[arg-type]
+
+    asyncio.run(serving(echo, test))
+
+
+def test_empty_data_frames_past_the_bound_end_the_connection() -> None:
+    """CVE-2019-9518: DATA frames with no byte and no END_STREAM cost the client
+    nothing, not even window. EMPTY_DATA_FRAMES in a row are taken (a byte
+    starts the count again); one more is GOAWAY ENHANCE_YOUR_CALM."""
+    echo = Echo()
+    empty = frame(Kind.DATA, 0, 1, b"")
+
+    async def test(address: str, server: GrpcServer) -> None:
+        raw = await Raw.open(address)
+        raw.writer.write(
+            frame(Kind.HEADERS, END_HEADERS, 1, Encoder().encode(_request_headers("ClientStream")))
+        )
+        for _ in range(3):
+            raw.writer.write(empty * EMPTY_DATA_FRAMES + frame(Kind.DATA, 0, 1, b"\0"))
+        raw.writer.write(frame(Kind.PING, 0, 0, b"stillok?"))
+        flags, _, payload = await raw.until_kind(Kind.PING)
+        assert flags & ACK and payload == b"stillok?"
+        assert server.connections and not next(iter(server.connections)).going_away
+        raw.writer.write(empty * (EMPTY_DATA_FRAMES + 1))
+        _, _, payload = await raw.until_kind(Kind.GOAWAY)
+        assert struct.unpack(">I", payload[4:8])[0] == ErrorCode.ENHANCE_YOUR_CALM
+        assert b"empty DATA" in payload[8:]
+
+    asyncio.run(serving(echo, test))
+
+
+def _request_headers(method: str) -> list[tuple[bytes, bytes]]:
+    return [(b":method", b"POST"), (b":scheme", b"http"), (b":path", path(method).encode()),
+            (b":authority", b"x"), (b"content-type", b"application/grpc")]  # fmt: skip
+
+
+async def _one_call(raw: Raw, stream: int, method: str = "Unary") -> list[bytes]:
+    """A call on ``raw``; the header blocks of its reply, in order."""
+    raw.call(stream, method, b"x")
+    blocks = []
+    while True:
+        kind, flags, got, payload = await asyncio.wait_for(raw.frame(), WAIT)
+        assert kind != Kind.GOAWAY, payload
+        if kind == Kind.HEADERS and got == stream:
+            blocks.append(payload)
+            if flags & END_STREAM:
+                return blocks
+
+
+def test_replies_say_what_they_accept_and_repeat_their_headers_in_a_byte_each() -> None:
+    """The response headers carry grpc-accept-encoding (what the router
+    decompresses, as grpcio's server says); the fields every reply repeats go
+    into the connection's HPACK dynamic table once: after the first call, one
+    byte per field."""
+    echo = Echo()
+
+    async def test(address: str, server: GrpcServer) -> None:
+        raw = await Raw.open(address)
+        headers, trailers = await _one_call(raw, 1)
+        decoder = Decoder()
+        assert decoder.decode(headers) == [
+            (b":status", b"200"),
+            (b"content-type", b"application/grpc"),
+            (b"grpc-accept-encoding", ACCEPT_ENCODING),
+        ]
+        assert decoder.decode(trailers) == [(b"grpc-status", b"0")]
+        assert ACCEPT_ENCODING == b"identity,deflate,gzip"
+        for stream in (3, 5):
+            headers, trailers = await _one_call(raw, stream)
+            assert (len(headers), len(trailers)) == (3, 1)  # one index each
+            assert raw.fields == [(b"grpc-status", b"0")]
+        (refused,) = await _one_call(raw, 7, "Nope")  # Trailers-Only: four indexes, the message
+        assert all(byte & 0x80 for byte in refused[:3])
+        fields = dict(raw.fields)
+        assert fields[b"grpc-status"] == b"12" and b"Nope" in fields[b"grpc-message"]
+        (again,) = await _one_call(raw, 9, "Nope")
+        assert all(byte & 0x80 for byte in again[:4]) and len(again) < len(refused)
+
+    asyncio.run(serving(echo, test))
+
+
+def test_the_clients_header_table_size_bounds_the_replies_table() -> None:
+    """RFC 7541 4.2: the client's SETTINGS_HEADER_TABLE_SIZE bounds the table
+    our replies index into; each change is signalled at the start of the next
+    block (the lowest first when it fell and rose), and the client's decoder,
+    held to what it allowed, reads every reply."""
+    echo = Echo()
+
+    async def test(address: str, server: GrpcServer) -> None:
+        raw = await Raw.open(address, preface=False)
+        raw.decoder = Decoder(max_table_size=0)
+        raw.writer.write(PREFACE + settings_frame({Setting.HEADER_TABLE_SIZE: 0}))
+        headers, _ = await _one_call(raw, 1)
+        assert headers[0] == 0x20  # the size update to 0
+        assert raw.decoder.table == [] and raw.fields == [(b"grpc-status", b"0")]
+        await _one_call(raw, 3)
+        assert raw.decoder.table == []
+        raw.decoder.max_table_size = 4096
+        raw.writer.write(settings_frame({Setting.HEADER_TABLE_SIZE: 4096}))
+        headers, _ = await _one_call(raw, 5)
+        assert headers.startswith(encode_integer(4096, 5, 0x20))
+        assert len(raw.decoder.table) == 3
+        raw.writer.write(
+            settings_frame({Setting.HEADER_TABLE_SIZE: 60})
+            + settings_frame({Setting.HEADER_TABLE_SIZE: 200})
+        )
+        headers, _ = await _one_call(raw, 7)
+        assert headers.startswith(encode_integer(60, 5, 0x20) + encode_integer(200, 5, 0x20))
+        assert raw.fields == [(b"grpc-status", b"0")]
+        assert 0 < raw.decoder.table_size <= 200
+
+    asyncio.run(serving(echo, test))
+
+
+def test_streams_reset_before_their_handler_ran_give_back_what_they_held() -> None:
+    """A streaming call reset in the read that brought its first message: its
+    handler's task never runs (so never runs its own cleanup); the request
+    bytes it held are given back all the same, or the connection's window
+    would shrink for good."""
+    echo = Echo()
+
+    async def test(address: str, server: GrpcServer) -> None:
+        raw = await Raw.open(address)
+        head = Encoder().encode(_request_headers("ClientStream"))
+        message = b"\0" + struct.pack(">I", 1000) + b"x" * 1000
+        raw.writer.write(
+            b"".join(
+                frame(Kind.HEADERS, END_HEADERS, s, head)
+                + frame(Kind.DATA, 0, s, message)
+                + _reset(s)
+                for s in range(1, 200, 2)
+            )
+            + frame(Kind.PING, 0, 0, b"synced!!")
+        )
+        await raw.until_kind(Kind.PING)
+        (conn,) = server.connections
+        await until(lambda: not conn.calls and not conn.tasks)
+        assert conn.buffered == 0
 
     asyncio.run(serving(echo, test))

@@ -45,6 +45,8 @@ def test_layering_file_then_env_then_flags(tmp_path: Path) -> None:
         ('{"pools": {"a/b": {"workers": 1}}}', "pools.a/b"),
         ('{"pools": {"x": {"workers": -1}}}', "pools.x.workers"),
         ('{"pools": {"x": {"workers": true}}}', "pools.x.workers"),
+        ('{"pools": {"x": {"unary_workers": -1}}}', "pools.x.unary_workers"),
+        ('{"unary_workers": -1}', "unary_workers"),
         # Values each valid in form that break serving (issue 21, section 5).
         ('{"default_timeout_s": NaN}', "default_timeout_s"),
         ('{"default_timeout_s": Infinity}', "default_timeout_s"),
@@ -100,6 +102,15 @@ def test_zero_workers_is_accepted_for_the_server_and_for_one_pool(tmp_path: Path
     (tmp_path / "settings.json").write_text(json.dumps({"pools": {"light": {"workers": 0}}}))
     s = load_server_settings(tmp_path, environ={}, flags={"parallel_workers": 0})
     assert (s.workers_for("light"), s.workers_for("other")) == (0, 0)
+
+
+def test_unary_workers_for_every_pool_and_for_one(tmp_path: Path) -> None:
+    """The workers a pool keeps from its streams (docs/streaming.md): 1 by
+    default, 0 allowed, per pool too."""
+    assert load_server_settings(tmp_path, environ={}).unary_workers_for("any") == 1
+    (tmp_path / "settings.json").write_text(json.dumps({"pools": {"mixed": {"unary_workers": 3}}}))
+    s = load_server_settings(tmp_path, environ={"POOLSERVE_UNARY_WORKERS": "0"})
+    assert (s.unary_workers_for("mixed"), s.unary_workers_for("other")) == (3, 0)
 
 
 def test_invalid_env_value(tmp_path: Path) -> None:

@@ -139,6 +139,13 @@ class ModelSettings:
         return TransactionPolicy(decoupled=self.decoupled, unary=not self.decoupled)
 
     @property
+    def response_cache(self) -> bool:
+        """parameters.extra.response_cache (Triton's ``response_cache { enable: true }``):
+        the pool server answers a request it answered before from its cache
+        (checked when the settings are read: :func:`response_cache_setting`)."""
+        return response_cache_setting("", self.extra)
+
+    @property
     def stream_window(self) -> int:
         """parameters.extra.stream_window: a decoupled model's responses that a
         worker sends ahead of what the client took (default 16)."""
@@ -241,6 +248,35 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
     return kind.__name__
 
 
+def response_cache_setting(source: str, extra: Mapping[str, Any]) -> bool:
+    """``parameters.extra.response_cache``: ``true``/``false`` (or those words,
+    as a load's ``config`` override sets parameters), or Triton's ``{"enable":
+    true}``; ConfigError (with ``source``) for anything else, and for a
+    decoupled or sequence model, whose replies the cache never holds."""
+    value: object = extra.get("response_cache", False)
+    if isinstance(value, dict) and set(value) <= {"enable"}:
+        value = value.get("enable", False)
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        value = value.lower() == "true"  # a load's config override: string parameters
+    if not isinstance(value, bool):
+        if not source:
+            return False  # (the settings were checked when read)
+        raise ConfigError(
+            source,
+            "parameters.extra.response_cache",
+            f'expected true, false or {{"enable": true}}, got {value!r}',
+        )
+    if value and source:
+        for other in ("decoupled", "sequence"):
+            if extra.get(other) not in (None, False):
+                raise ConfigError(
+                    source,
+                    "parameters.extra.response_cache",
+                    f"a {other} model's replies are not cached (Triton's rule too)",
+                )
+    return value
+
+
 def parse_model_settings(path: Path) -> ModelSettings:
     """Parses one ``model-settings.json``; raises ConfigError naming the field."""
     source = str(path)
@@ -274,6 +310,7 @@ def parse_model_settings(path: Path) -> ModelSettings:
     batch_size, batch_time, preferred, safe = batch_settings(
         source, data.get("max_batch_size", 0), data.get("max_batch_time", 0), extra
     )
+    response_cache_setting(source, extra)
     batch_dims = 1 if batch_size > 0 else 0
     inputs = _tensor_specs(source, "inputs", data.get("inputs"), batch_dims)
     return ModelSettings(

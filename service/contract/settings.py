@@ -42,6 +42,7 @@ class PoolOverride:
     workers: int | None = None
     threads_per_worker: int | None = None
     start_method: str | None = None
+    unary_workers: int | None = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,9 @@ class ServerSettings:
     # (they wait on its gRPC window) is ended with RESOURCE_EXHAUSTED and its
     # worker freed for the pool's other callers; 0: never (docs/streaming.md).
     stream_stall_s: float = 10.0
+    # Workers of a pool that its streams (decoupled models) may not hold, kept for
+    # its other calls, in a pool that serves both; streams always get one worker.
+    unary_workers: int = 1
     # A reply past a bound waits while its connection (or, for the total, any)
     # reads; refused once nothing was read for this long (0: refused at once).
     unread_reply_grace_s: float = 5.0
@@ -105,9 +109,11 @@ class ServerSettings:
     abandon_grace_s: float = 5.0  # a worker still on a job its caller left is killed (0: never)
     start_method: str = "fork"  # "spawn": each worker a fresh interpreter that loads the models
     # ModelStreamInfer's messages: "kserve" (ModelStreamInferResponse, errors in-stream
-    # in error_message: Triton's and KServe's clients) or "mlserver" (bare
+    # in error_message: Triton's and KServe's clients), "mlserver" (bare
     # ModelInferResponses, an error ends the stream with its status: MLServer's stubs)
-    stream_messages: str = "kserve"
+    # or "auto" (per stream: MLServer's for a stream of an MLServer model, as
+    # `mlserver start` answers it; KServe's for every other model)
+    stream_messages: str = "auto"
     # The router's gRPC port: "poolserve" (its own HTTP/2 on the event loop, the
     # lighter path for light calls) or "grpcio" (grpcio's server, as before).
     grpc_engine: str = "poolserve"
@@ -116,6 +122,11 @@ class ServerSettings:
     shm_max_regions: int = 1024  # registered at once, per registry (RESOURCE_EXHAUSTED beyond)
     shm_max_name_length: int = 255  # characters of a region's name (keys: NAME_MAX bytes)
     slab_mapped_bytes: int = 512 * MIB  # the router's slabs one worker keeps mapped
+
+    # The response cache of each pool server (models with parameters.extra.response_cache,
+    # docs/models.md): its bounds, shared by the pool's models; 0 in either: no cache.
+    response_cache_bytes: int = 64 * MIB
+    response_cache_entries: int = 100_000
 
     def threads_for(self, gid: str) -> int:
         override = self.pools.get(gid)
@@ -128,6 +139,12 @@ class ServerSettings:
         if override is not None and override.start_method is not None:
             return override.start_method
         return self.start_method
+
+    def unary_workers_for(self, gid: str) -> int:
+        override = self.pools.get(gid)
+        if override is not None and override.unary_workers is not None:
+            return override.unary_workers
+        return self.unary_workers
 
     def workers_for(self, gid: str) -> int:
         override = self.pools.get(gid)
@@ -149,6 +166,7 @@ _INT_FIELDS = {
     "http_max_header_bytes",
     "http_max_connections",
     "parallel_workers",
+    "unary_workers",
     "max_queue",
     "max_message_size",
     "max_concurrent_streams",
@@ -158,6 +176,8 @@ _INT_FIELDS = {
     "shm_max_regions",
     "shm_max_name_length",
     "slab_mapped_bytes",
+    "response_cache_bytes",
+    "response_cache_entries",
 }
 _FLOAT_FIELDS = {
     "default_timeout_s",
@@ -207,7 +227,7 @@ _STR_FIELDS = {
     "stream_messages",
     "grpc_engine",
 }
-STREAM_MESSAGES = ("kserve", "mlserver")
+STREAM_MESSAGES = ("auto", "kserve", "mlserver")
 GRPC_ENGINES = ("poolserve", "grpcio")
 ROUTERS_AUTO = "auto"
 MAX_ROUTERS = 64
@@ -248,9 +268,15 @@ def _check_value(source: str, name: str, value: object) -> object:
     if name in _INT_FIELDS:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(source, name, f"expected an integer, got {value!r}")
-        low = {"grpc_port": 0, "parallel_workers": 0, "metrics_port": -1, "http_port": -1}.get(
-            name, 1
-        )
+        low = {
+            "grpc_port": 0,
+            "parallel_workers": 0,
+            "unary_workers": 0,
+            "metrics_port": -1,
+            "http_port": -1,
+            "response_cache_bytes": 0,
+            "response_cache_entries": 0,
+        }.get(name, 1)
         if value < low or (name in {"grpc_port", "metrics_port", "http_port"} and value > 65535):
             raise ConfigError(source, name, f"out of range: {value}")
         return value
@@ -270,7 +296,7 @@ def _check_value(source: str, name: str, value: object) -> object:
         if name == "start_method" and value not in START_METHODS:
             raise ConfigError(source, name, "expected 'fork' or 'spawn'")
         if name == "stream_messages" and value not in STREAM_MESSAGES:
-            raise ConfigError(source, name, "expected 'kserve' or 'mlserver'")
+            raise ConfigError(source, name, "expected 'auto', 'kserve' or 'mlserver'")
         if name == "grpc_engine" and value not in GRPC_ENGINES:
             raise ConfigError(source, name, "expected 'poolserve' or 'grpcio'")
         return value
@@ -296,9 +322,10 @@ def _parse_pools(source: str, value: object) -> dict[str, PoolOverride]:
             raise ConfigError(
                 source,
                 f"pools.{gid}",
-                'expected {"workers": N, "threads_per_worker": N, "start_method": "fork"|"spawn"}',
+                'expected {"workers": N, "threads_per_worker": N, "start_method": "fork"|"spawn", '
+                '"unary_workers": N}',
             )
-        for key, least in (("workers", 0), ("threads_per_worker", 1)):
+        for key, least in (("workers", 0), ("threads_per_worker", 1), ("unary_workers", 0)):
             # workers 0, as parallel_workers 0: the pool runs its models inline
             count = raw.get(key)
             if count is not None and (
@@ -308,11 +335,13 @@ def _parse_pools(source: str, value: object) -> dict[str, PoolOverride]:
         method = raw.get("start_method")
         if method is not None and method not in START_METHODS:
             raise ConfigError(source, f"pools.{gid}.start_method", "expected 'fork' or 'spawn'")
-        pools[gid] = PoolOverride(raw.get("workers"), raw.get("threads_per_worker"), method)
+        pools[gid] = PoolOverride(
+            raw.get("workers"), raw.get("threads_per_worker"), method, raw.get("unary_workers")
+        )
     return pools
 
 
-_POOL_FIELDS = {"workers", "threads_per_worker", "start_method"}
+_POOL_FIELDS = {"workers", "threads_per_worker", "start_method", "unary_workers"}
 
 
 def apply_overrides(

@@ -9,6 +9,8 @@ service time, :class:`ServiceTime`) is answered instead of started. A dead
 worker's job is requeued once, first in line, if it may run twice. A
 sequence's job (pinned to the worker that holds its state) is admitted here
 too, and never queued here: it waits behind its worker's other pinned jobs.
+A stream waits in the queue, in its order, while the pool's streams hold all
+the workers they may (:class:`StreamShare`); the jobs behind it start meanwhile.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from poolserve.service.poolcore.jobs import (
     WorkerState,
     finish,
 )
-from poolserve.service.poolcore.streams import Parts
+from poolserve.service.poolcore.streams import Parts, StreamShare
 
 RETURN_TRIP_S = 0.002  # a job needs its service time plus the way back through pool and router
 
@@ -62,9 +64,10 @@ class ServiceTime:
 
 
 class Admission:
-    def __init__(self, name: str, max_queue: int) -> None:
+    def __init__(self, name: str, max_queue: int, share: StreamShare) -> None:
         self.name = name
         self.queue = JobQueue(max_queue, f"pool '{name}'")
+        self.share = share  # the workers streams may hold (read only)
         self.expired_in_queue = 0
         self.skipped_hopeless = 0
         self._seq = itertools.count(1)
@@ -81,7 +84,7 @@ class Admission:
     def refuse(self, error: ServingError) -> None:
         """No worker will come back (the zygote is gone): fail what waits, and what comes."""
         self._refusal = error
-        while (job := self.next_job()) is not None:
+        while (job := self.next_job(streams=True)) is not None:
             job.state = JobState.DONE
             finish(job, error)
 
@@ -176,8 +179,9 @@ class Admission:
         finish(job, DeadlineExceeded(f"deadline exceeded {where}", stage=stage))
         return True
 
-    def next_job(self) -> Job | None:
-        """The next job worth starting, out of the queue.
+    def next_job(self, streams: bool = False) -> Job | None:
+        """The next job worth starting, out of the queue (a stream only if it may
+        start now, or if ``streams``).
 
         A job that can no longer finish before its deadline (less time left than
         its model's recent service time, with room for the slower runs of a
@@ -187,17 +191,27 @@ class Admission:
         earliest its caller may have set (see ``precision``).
         """
         now = self.running_loop().time()
-        while (job := self.queue.pop()) is not None:
+        while (job := self.queue.pop(streams or self.streams_may_start())) is not None:
             if self.hopeless(job, now, queued=False):
                 continue
             return job
         return None
 
+    def streams_may_start(self) -> bool:
+        """Whether a queued stream may start now (there is one, and the pool's
+        streams hold fewer workers than they may)."""
+        return self.queue.streams > 0 and self.share.may_start()
+
+    def waits(self) -> bool:
+        """Whether a queued job could start on a free worker now (not a stream
+        that waits for another stream to end)."""
+        return self.queue.others() > 0 or self.streams_may_start()
+
     def next_job_if(self, wanted: Callable[[Job], bool]) -> Job | None:
         """As :meth:`next_job`, while the queue's head is ``wanted``; None at the
         first that is not (it stays queued)."""
         now = self.running_loop().time()
-        while (job := self.queue.peek()) is not None and wanted(job):
+        while (job := self.queue.peek(self.streams_may_start())) is not None and wanted(job):
             self.queue.pop()
             if self.hopeless(job, now, queued=False):
                 continue

@@ -12,7 +12,9 @@ to its parts, each the one owner of its state:
   abandon grace, a fresh worker's self-test, and the kill;
 - a worker's death (``deaths``): what its jobs become, and one
   :class:`WorkerGone` once its socket closed and its exit status is known;
-- streams (``streams``): a decoupled model's parts, their window, the CANCEL;
+- streams (``streams``): a decoupled model's parts, their window, the CANCEL,
+  and how many workers streams may hold (``StreamShare``: ``unary_workers``
+  of a pool that also serves other calls are kept for them);
 - a worker's socket (``link``): frames in, a job's frame out;
 - a light job sent to a busy worker before it answered (``ahead``);
 - the job and worker types, and a job's one state machine (``jobs``).
@@ -55,7 +57,14 @@ from poolserve.service.poolcore.jobs import (
 from poolserve.service.poolcore.link import send_job, serve_link
 from poolserve.service.poolcore.roster import Roster
 from poolserve.service.poolcore.started import Started
-from poolserve.service.poolcore.streams import Parts, cancel_stream, next_part, part_came, took_part
+from poolserve.service.poolcore.streams import (
+    Parts,
+    StreamShare,
+    cancel_stream,
+    next_part,
+    part_came,
+    took_part,
+)
 from poolserve.service.poolcore.watch import WorkerWatch
 
 
@@ -81,8 +90,9 @@ class Dispatcher:
         self.max_queue = max_queue
         self._on_change = on_change
         self._on_worker_ready = on_worker_ready
-        self.admission = Admission(name, max_queue)
         self.roster = Roster()
+        self.share = StreamShare(self.roster.workers)
+        self.admission = Admission(name, max_queue, self.share)
         self.watch = WorkerWatch(
             name,
             self.roster.workers,
@@ -297,28 +307,54 @@ class Dispatcher:
         job.future.add_done_callback(lambda done: done.exception())
 
     def _place(self, job: Job, precision: float) -> None:
-        """Starts ``job`` on an idle worker if no job waits (nor may its batch
-        grow while another of its model runs), else queues it."""
+        """Starts ``job`` on an idle worker if no job waits that could start (nor
+        may its batch grow while another of its model runs, nor may it, a
+        stream, take one more worker), else queues it."""
+        waits = self.admission.waits()
         if (
             self.roster.idle
-            and not self.admission.queue
+            and not waits
             and (job.batch is None or not self.roster.runs(job.tag))
+            and (job.stream is None or self.share.may_start())
         ):
             self._start(self.roster.idle.pop(), [job])  # a lone caller starts at once
-        elif not self.admission.queue and (worker := self.ahead.worker_for(job)) is not None:
+        elif not waits and (worker := self.ahead.worker_for(job)) is not None:
             self._send_ahead(worker, job)
         else:
             self.admission.queue.push(job, precision)
 
     def _pin(self, worker: Worker, job: Job) -> Job:
-        """Starts ``job`` on its sequence's ``worker`` now if that is idle, else
-        after the jobs already pinned to it."""
-        if worker.state is WorkerState.IDLE and not worker.pinned:
+        """Starts ``job`` on its sequence's ``worker`` now if that is idle (and
+        it is no stream that must wait for another to end), else after the jobs
+        already pinned to it."""
+        worker.pinned.append(job)
+        if worker.state is WorkerState.IDLE and self._start_pinned(worker):
             self.roster.unidle(worker)
-            self._start(worker, [job])
-        else:
-            worker.pinned.append(job)
         return job
+
+    def _start_pinned(self, worker: Worker) -> bool:
+        """Starts the first job pinned to ``worker`` (free) unless that is a
+        stream that may not start yet; False if none started."""
+        while worker.pinned:
+            job = worker.pinned[0]
+            if job.state is not JobState.QUEUED:
+                worker.pinned.popleft()  # its caller left
+            elif job.stream is not None and not self.share.may_start():
+                return False  # it starts, before the jobs behind it, once a stream ended
+            else:
+                worker.pinned.popleft()
+                self._start(worker, [job])
+                return True
+        return False
+
+    def _stream_ended(self) -> None:
+        """A worker holds no stream any more (it ended, or the worker died): a
+        stream that waited for that may start."""
+        for worker in list(self.roster.workers.values()):
+            if worker.state is WorkerState.IDLE and worker.pinned and self._start_pinned(worker):
+                self.roster.unidle(worker)
+        if self.roster.idle and self.admission.streams_may_start():
+            self._fill_idle()
 
     def _abandon(self, job: Job, why: str) -> None:
         """The caller is gone (result, deadline or cancel): no one will read a reply."""
@@ -407,13 +443,12 @@ class Dispatcher:
 
     def _worker_free(self, worker: Worker) -> None:
         worker.current = None
-        while worker.pinned:  # its sequences' jobs first, in arrival order
-            job = worker.pinned.popleft()
-            if job.state is JobState.QUEUED:
-                self._start(worker, [job])
-                return
+        if self._start_pinned(worker):  # its sequences' jobs first, in arrival order
+            return
         if worker.retiring:
-            if worker.sequences:  # waits, out of the idle list, for its sequences' jobs
+            # waits, out of the idle list, for its sequences' jobs (a stream of
+            # one may wait for another stream to end)
+            if worker.sequences or worker.pinned:
                 worker.state = WorkerState.IDLE
             else:
                 self.roster.close(worker)
@@ -459,6 +494,8 @@ class Dispatcher:
             self._run_ahead(worker, finished)
         else:
             self._worker_free(worker)
+        if job.stream is not None:
+            self._stream_ended()
         if was_stuck:
             self._on_change()
 
@@ -484,6 +521,7 @@ class Dispatcher:
         if worker.state is WorkerState.DEAD:
             return
         worker.died_warming = worker.state is WorkerState.WARMING
+        held_stream = worker.current is not None and worker.current.stream is not None
         self.watch.forget(worker)
         worker.state = WorkerState.DEAD
         self.roster.drop(worker)
@@ -494,5 +532,7 @@ class Dispatcher:
         retry, requeue = self.admission.retry, self.admission.requeue
         if self.deaths.leaves(worker, retry, requeue) and self.roster.idle:
             self._fill_idle()
+        if held_stream:
+            self._stream_ended()
         self.deaths.socket_closed(worker)
         self._on_change()

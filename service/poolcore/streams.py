@@ -7,6 +7,14 @@ the caller's queue as it comes (a part for a caller that left is dropped).
 The worker keeps at most ``window`` parts unacknowledged; the caller
 acknowledges each part it took, half a window at a time. A stream is never
 retried on another worker: parts may have gone out.
+
+A stream holds its worker for as long as it runs, and its model's generator
+(its state) lives there, so a worker cannot be taken back from a stream whose
+client stopped reading. :class:`StreamShare` keeps ``reserve`` of a pool's
+live workers out of its streams' reach, for the pool's other calls: a stream
+starts only where that many workers are left that hold no stream, or where
+no stream runs at all (streams always get one worker); the others wait in the
+queue, in its order, for a stream to end.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ from dataclasses import dataclass, field
 
 from poolserve.service.contract.errors import ServingError
 from poolserve.service.poolcore.frames import Reply, ack_frame, cancel_frame
-from poolserve.service.poolcore.jobs import Job, JobState, Result
+from poolserve.service.poolcore.jobs import Job, JobState, Result, Worker, WorkerState
 
 
 @dataclass(slots=True, eq=False)
@@ -69,3 +77,28 @@ def cancel_stream(job: Job) -> None:
     if job.stream is not None and worker is not None and worker.current is job:
         assert worker.writer is not None  # it runs a job: connected
         worker.writer.write_now(cancel_frame(job.seq))
+
+
+class StreamShare:
+    """How many of a pool's workers its streams may hold: all but ``reserve``
+    of the live ones, and at least one. ``reserve`` 0 (the default, and a pool
+    that serves only decoupled models): all of them."""
+
+    def __init__(self, workers: dict[int, Worker]) -> None:
+        self.reserve = 0
+        self._workers = workers  # the roster's, by pid (read only)
+
+    def may_start(self) -> bool:
+        """Whether a stream may start on a worker that holds none now."""
+        if self.reserve <= 0:
+            return True
+        holding = free = 0
+        for worker in self._workers.values():
+            if worker.current is not None and worker.current.stream is not None:
+                holding += 1
+            elif worker.state in _TAKES_JOBS and not worker.retiring:
+                free += 1
+        return holding == 0 or free - 1 >= self.reserve
+
+
+_TAKES_JOBS = (WorkerState.IDLE, WorkerState.BUSY)

@@ -41,6 +41,8 @@ from poolserve.service.router.http_wire import (
     carried_of,
     small_json,
 )
+from poolserve.service.router.model_repository import MLSERVER_STATES
+from poolserve.service.router.pool_tables import MLServerModels
 from poolserve.service.router.repository import LOAD, UNLOAD, RepositoryCalls
 from poolserve.service.router.routes import Routes
 
@@ -61,6 +63,7 @@ class HttpControl:
         self.core = core
         self.repository = repository
         self.shared_memory = shared_memory
+        self.mlserver_models = MLServerModels(core)  # listed in the index as MLServer lists them
 
     async def answer(
         self, method: str, path: str, scope: Scope, receive: Receive
@@ -165,7 +168,8 @@ class HttpControl:
             request = pb.RepositoryIndexRequest(ready=ready)
             reply = await self.repository.index(request.SerializeToString(), budget, metadata)
             models = pb.RepositoryIndexResponse.FromString(reply).models
-            return 200, orjson.dumps([plain(m) for m in models])
+            mlserver = await self.mlserver_models.current()
+            return 200, orjson.dumps([listed(m, m.name in mlserver) for m in models])
         match = REPOSITORY_PATH.match(path)
         if match is None:
             raise HttpError(404, f"POST {clip(path)} is not an endpoint of this server")
@@ -245,6 +249,18 @@ def metadata_json(reply: pb.ModelMetadataResponse) -> bytes:
             "outputs": tensors(reply.outputs),
         }
     )
+
+
+def listed(model: Any, mlserver: bool) -> dict[str, Any]:
+    """A repository index entry as JSON; an MLServer model's as MLServer's REST
+    lists it: its state names (unloaded on request: UNAVAILABLE, no reason), the
+    reason always there (empty too), the version when it has one."""
+    if not mlserver:
+        return plain(model)
+    out = plain(model)
+    out["state"] = MLSERVER_STATES.get(model.state, "UNKNOWN")
+    out["reason"] = "" if model.state == "UNLOADED" else model.reason
+    return out
 
 
 def plain(message: Message) -> dict[str, Any]:

@@ -49,6 +49,7 @@ POOL_METHODS = (
     "RepositoryModelLoad",
     "RepositoryModelUnload",
     "CustomRoutes",  # MLServer models' @custom_handler endpoints (router/custom_routes.py)
+    "MLServerModels",  # which models are MLServer's (router/pool_tables.py)
 )
 
 
@@ -87,6 +88,10 @@ class Routes:
         self.invalid = {bad.name: bad.reason for bad in repository.invalid}
         self.pools: dict[str, PoolRoute] = {}
         self.routes: dict[str, PoolRoute] = {}
+        # counts what the pools' Watch streams said of their models (a load, an
+        # unload): the tables of what only a pool knows (router/pool_tables.py)
+        # ask again after a change
+        self.model_changes = 0
         for gid, models in repository.pools().items():
             route = PoolRoute(gid, pool_socket_path(run_dir, gid), [m.name for m in models])
             self.pools[gid] = route
@@ -208,6 +213,8 @@ class Routes:
 
     def _model_applier(self, route: PoolRoute, name: str) -> Callable[[bool], None]:
         def apply(serving: bool) -> None:
+            if route.model_serving.get(name) != serving:
+                self.model_changes += 1
             route.model_serving[name] = serving
             self.sync_health()
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from poolserve.service.contract.errors import InvalidInput
 from poolserve.service.inference.model import Array, Model
+from poolserve.service.runtimes.artifact import model_file
 
 
 class SKLearnModel(Model):
@@ -21,9 +22,7 @@ class SKLearnModel(Model):
     def load(self) -> None:
         import joblib  # optional dependency: imported only by models that use it
 
-        if not self.settings.uri:
-            raise ValueError(f"{self.settings.source}: parameters.uri must name a joblib file")
-        self.estimator = joblib.load(self.settings.uri)
+        self.estimator = joblib.load(model_file(self.settings, "a joblib file"))
 
     def predict(self, inputs: dict[str, Array], parameters: dict[str, object]) -> dict[str, Array]:
         if len(inputs) != 1:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import inspect
 import logging
 import time
 import zlib
@@ -25,24 +26,19 @@ import grpc
 
 from poolserve.service.router.http2.frames import (
     END_HEADERS,
-    END_STREAM,
     ErrorCode,
     Kind,
     frame,
     header_frames,
 )
-from poolserve.service.router.http2.hpack import Encoder
+from poolserve.service.router.http2.replies import Metadata, response_headers, trailers
 
 if TYPE_CHECKING:
     from poolserve.service.router.http2.connection import Http2Connection
 
 log = logging.getLogger(__name__)
 
-_ENCODER = Encoder()
 STREAM_WINDOW = 4 << 20  # each stream's receive window (advertised in our SETTINGS)
-EARLY_RESET_SHARE = 0.1  # a reset with more of its timeout left than this is early
-RESPONSE_HEADERS = _ENCODER.encode(((b":status", b"200"), (b"content-type", b"application/grpc")))
-_OK_TRAILERS = _ENCODER.encode(((b"grpc-status", b"0"),))
 _TIMEOUT_UNITS = {
     ord("H"): 3600.0,
     ord("M"): 60.0,
@@ -51,11 +47,7 @@ _TIMEOUT_UNITS = {
     ord("u"): 1e-6,
     ord("n"): 1e-9,
 }
-_DECOMPRESS = {b"gzip": 16 + zlib.MAX_WBITS, b"deflate": zlib.MAX_WBITS}
-_ACCEPT_ENCODING = b"identity,deflate,gzip"
-_TRAILERS_ONLY = RESPONSE_HEADERS + _ENCODER.encode(((b"grpc-accept-encoding", _ACCEPT_ENCODING),))
-_MESSAGE_SAFE = frozenset(range(0x20, 0x7F)) - {ord("%")}
-Metadata = tuple[tuple[str, str | bytes], ...]
+_DECOMPRESS = {b"gzip": 16 + zlib.MAX_WBITS, b"deflate": zlib.MAX_WBITS}  # replies say so
 
 
 class _Details:
@@ -284,18 +276,6 @@ class Call:
             f"Received message larger than max ({size} vs. {limit})",
         )
 
-    def reset_early(self) -> bool:
-        """Whether a reset now comes before the call's answer and well before its
-        deadline: not a client giving up at its deadline (which reaches the
-        router about when the router's own timer fires), a client that takes
-        back what it asked (:data:`EARLY_RESET_SHARE` of the timeout left, or
-        no deadline)."""
-        if self.finished:
-            return False
-        if self.deadline is None:
-            return True
-        return self.deadline - time.monotonic() > EARLY_RESET_SHARE * self.timeout
-
     def reset_by_peer(self) -> None:
         """The client reset the stream, or went away: the handler is cancelled."""
         if self.finished:
@@ -307,9 +287,12 @@ class Call:
     def _cancel(self) -> None:
         if self._deadline_timer is not None:
             self._deadline_timer.cancel()
-        if self.task is not None and not self.task.done():
-            self.task.cancel()
-        elif self.task is None:
+        task = self.task
+        if task is not None and not task.done():
+            if inspect.getcoroutinestate(task.get_coro()) == inspect.CORO_CREATED:  # type: ignore[arg-type]
+                self._ended()  # never run, it never runs its finally: the bytes it held
+            task.cancel()
+        elif task is None:
             self._ended()
 
     def _deadline_passed(self) -> None:
@@ -371,7 +354,8 @@ class Call:
         conn = self.conn
         if not self.headers_sent:
             self.headers_sent = True
-            conn.write(frame(Kind.HEADERS, END_HEADERS, self.stream, RESPONSE_HEADERS))
+            block = response_headers(conn.encoder)
+            conn.write(frame(Kind.HEADERS, END_HEADERS, self.stream, block))
         data = len(body).to_bytes(5, "big") + body
         if not conn.data_frames(self, data, False):
             await conn.send_data(self, data)
@@ -382,17 +366,9 @@ class Call:
             return
         self.finished = True
         conn = self.conn
-        if code is grpc.StatusCode.OK and not details and not self._trailing:
-            block = _OK_TRAILERS
-        else:
-            fields = [(b"grpc-status", str(code.value[0]).encode())]
-            if details:
-                fields.append((b"grpc-message", percent_encoded(details)))
-            fields.extend(_encoded_metadata(self._trailing))
-            block = _ENCODER.encode(fields)
-        if not self.headers_sent:
-            self.headers_sent = True
-            block = _TRAILERS_ONLY + block
+        only = not self.headers_sent
+        self.headers_sent = True
+        block = trailers(conn.encoder, code, details, self._trailing, only)
         conn.write(header_frames(self.stream, block, True, conn.peer_frame_size))
         if not self.remote_done:
             conn.reset(self, ErrorCode.NO_ERROR)  # the client may stop sending
@@ -463,7 +439,7 @@ class Call:
         if self.headers_sent:
             raise RuntimeError("the response headers are already sent")
         self.headers_sent = True
-        block = RESPONSE_HEADERS + _ENCODER.encode(_encoded_metadata(initial_metadata))
+        block = response_headers(self.conn.encoder, tuple(initial_metadata))
         self.conn.write(header_frames(self.stream, block, False, self.conn.peer_frame_size))
 
     def add_done_callback(self, callback: Callable[[Any], None]) -> None:
@@ -522,16 +498,6 @@ class _Requests:
             yield deserialize(message) if deserialize is not None else message
 
 
-def trailers_only(stream: int, code: grpc.StatusCode, details: str) -> bytes:
-    """The one HEADERS frame of a call refused before it began."""
-    fields = (
-        (b"grpc-status", str(code.value[0]).encode()),
-        (b"grpc-message", percent_encoded(details)),
-    )
-    block = _TRAILERS_ONLY + _ENCODER.encode(fields)
-    return frame(Kind.HEADERS, END_HEADERS | END_STREAM, stream, block)
-
-
 def _whole(data: bytes, limit: int) -> bool:
     """``data`` is exactly one uncompressed message within ``limit``."""
     size = len(data) - 5
@@ -556,14 +522,6 @@ def parse_timeout(value: bytes) -> float | None:
     return int(value[:-1]) * unit
 
 
-def percent_encoded(text: str) -> bytes:
-    """grpc-message's encoding: UTF-8, with bytes outside printable ASCII and '%' as %XX."""
-    raw = text.encode("utf-8", "replace")
-    if all(byte in _MESSAGE_SAFE for byte in raw):
-        return raw
-    return b"".join(bytes((b,)) if b in _MESSAGE_SAFE else b"%%%02X" % b for b in raw)
-
-
 def _metadata_of(headers: list[tuple[bytes, bytes]]) -> Metadata:
     """The call's metadata as grpc gives it: no pseudo-headers; ``-bin`` values decoded."""
     items: list[tuple[str, str | bytes]] = []
@@ -579,15 +537,3 @@ def _metadata_of(headers: list[tuple[bytes, bytes]]) -> Metadata:
         else:
             items.append((key, value.decode("latin-1")))
     return tuple(items)
-
-
-def _encoded_metadata(metadata: Metadata) -> list[tuple[bytes, bytes]]:
-    fields = []
-    for key, value in metadata:
-        if key.endswith("-bin"):
-            raw = value if isinstance(value, bytes) else value.encode()
-            fields.append((key.encode(), base64.b64encode(raw).rstrip(b"=")))
-        else:
-            text = value if isinstance(value, str) else value.decode("latin-1")
-            fields.append((key.encode(), text.encode("latin-1", "replace")))
-    return fields

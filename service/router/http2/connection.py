@@ -17,12 +17,13 @@ the answers is dropped (no GOAWAY: it would wait behind the rest) once
 behind a full socket: its answers are the router's memory. DATA, held to the
 client's own windows, does not count. A header block may take at most
 :data:`MAX_CONTINUATIONS` CONTINUATION frames (empty ones never reach the
-header-size limit). A client that resets most of its streams before their
-answer (rapid reset, CVE-2023-44487: each reset frees its stream's place for
-another call, so the bound on streams no longer bounds the work) is sent
-GOAWAY ENHANCE_YOUR_CALM once :data:`EARLY_RESETS` of its streams were reset
-early and they are more than half of those it opened; its calls in flight
-finish, its new streams are refused, and it may reconnect.
+header-size limit), and :data:`EMPTY_DATA_FRAMES` DATA frames in a row may
+carry nothing (no byte, no END_STREAM; CVE-2019-9518). A client whose
+resets cost more than its budget (rapid reset, CVE-2023-44487: each reset
+frees its stream's place for another call; :mod:`.resets` weighs them by the
+work started) is sent GOAWAY ENHANCE_YOUR_CALM; its calls in flight finish,
+its new streams are refused, and it may reconnect. Replies' header blocks
+index in the HPACK dynamic table the client allows (:mod:`.replies`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from poolserve.service.contract.turns import turn_end
-from poolserve.service.router.http2.call import STREAM_WINDOW, trailers_only
+from poolserve.service.router.http2.call import STREAM_WINDOW
 from poolserve.service.router.http2.fields import Malformed, Validity
 from poolserve.service.router.http2.frames import (
     ACK,
@@ -68,7 +69,14 @@ from poolserve.service.router.http2.frames import (
     unpadded,
     window_update,
 )
-from poolserve.service.router.http2.hpack import Decoder, HeaderListTooLarge, HpackError
+from poolserve.service.router.http2.hpack import (
+    Decoder,
+    HeaderListTooLarge,
+    HpackError,
+    TableEncoder,
+)
+from poolserve.service.router.http2.replies import trailers_only
+from poolserve.service.router.http2.resets import ResetBudget, reset_cost
 
 if TYPE_CHECKING:
     from poolserve.service.router.http2.call import Call
@@ -83,7 +91,7 @@ PING_DATA = b"poolserv"
 RESET_REMEMBERED = 256  # streams we reset whose late frames are ignored
 UNREAD_FRAMES = 10_000  # answers (not DATA) a client may leave unread (+4 per open stream)
 MAX_CONTINUATIONS = 32  # CONTINUATION frames in one header block
-EARLY_RESETS = 500  # streams reset before their answer, past which (over half) is a flood
+EMPTY_DATA_FRAMES = 100  # DATA frames in a row with no byte and no END_STREAM
 LINGER_S = 2.0  # after a GOAWAY and our FIN, how long what the client still sends is read
 
 
@@ -102,6 +110,7 @@ class Http2Connection(asyncio.Protocol):
         self.preface = False
         self.handshaken = False
         self.decoder = Decoder(max_header_list_size=settings.http_max_header_bytes)
+        self.encoder = TableEncoder()  # our replies' (the client's table size bounds it)
         self.validity = Validity()  # RFC 9113 8.1-8.3: malformed requests are reset
         self._content_left: dict[int, int] = {}  # streams with a content-length: bytes to come
         self.calls: dict[int, Call] = {}
@@ -119,7 +128,8 @@ class Http2Connection(asyncio.Protocol):
         self.unread_frames = 0
         self.max_unread_frames = UNREAD_FRAMES + 4 * self.max_streams
         self.opened = 0  # streams that began a call
-        self.early_resets = 0  # of those, reset by the client before their answer
+        self.resets = ResetBudget()  # what the client's resets of them may still cost
+        self.empty_data = 0  # DATA frames in a row that carried nothing
         self.going_away = False
         self.closed = False
         self.lingering = False  # closed for an error: reading what the client still sends
@@ -380,11 +390,12 @@ class Http2Connection(asyncio.Protocol):
                 raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "RST_STREAM on an idle stream")
             call = self.calls.pop(stream, None)
             if call is not None:
-                early = call.reset_early()
+                now = time.monotonic()
+                cost = reset_cost(call, now)
                 call.reset_by_peer()
                 self._maybe_idle()
-                if early:
-                    self._reset_early()
+                if cost and not self.resets.spend(cost, now):
+                    self._rapid_reset()
         elif kind == Kind.SETTINGS:
             self._settings(flags, stream, payload)
         elif kind == Kind.PING:
@@ -420,6 +431,13 @@ class Http2Connection(asyncio.Protocol):
     def _data(self, flags: int, stream: int, payload: bytes) -> None:
         if stream == 0:
             raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "DATA on stream 0")
+        if payload or flags & END_STREAM:
+            self.empty_data = 0
+        else:  # no progress, no window spent: only a count bounds them
+            self.empty_data += 1
+            if self.empty_data > EMPTY_DATA_FRAMES:
+                why = f"more than {EMPTY_DATA_FRAMES} empty DATA frames in a row"
+                raise ConnectionError_(ErrorCode.ENHANCE_YOUR_CALM, why)
         self.unacked += len(payload)
         if self.unacked > CONNECTION_WINDOW:  # past what we gave: memory it may not take
             raise ConnectionError_(ErrorCode.FLOW_CONTROL_ERROR, "DATA past the window")
@@ -551,7 +569,7 @@ class Http2Connection(asyncio.Protocol):
             raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, f"HEADERS opening stream {stream}")
         self.last_stream = stream
         why = f"{exc.size} bytes of headers, over http_max_header_bytes ({exc.limit})"
-        self.write(trailers_only(stream, grpc.StatusCode.RESOURCE_EXHAUSTED, why))
+        self.write(trailers_only(self.encoder, stream, grpc.StatusCode.RESOURCE_EXHAUSTED, why))
         if not end:
             self._send_reset(stream, ErrorCode.NO_ERROR)
 
@@ -609,7 +627,9 @@ class Http2Connection(asyncio.Protocol):
                 self.peer_frame_size = value
             elif key == Setting.ENABLE_PUSH and value > 1:
                 raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "ENABLE_PUSH not 0 or 1")
-            # HEADER_TABLE_SIZE: our encoder uses no dynamic table; the rest do not bind us
+            elif key == Setting.HEADER_TABLE_SIZE:
+                self.encoder.resize(value)  # signalled at the start of our next block
+            # the rest do not bind us
         self.write(SETTINGS_ACK)
         if not self.handshaken:
             self.handshaken = True
@@ -653,6 +673,7 @@ class Http2Connection(asyncio.Protocol):
             del self.calls[call.stream]
             if self._content_left:
                 self._content_left.pop(call.stream, None)
+            self.resets.answered(call)
             self._maybe_idle()
 
     def _maybe_idle(self) -> None:
@@ -710,17 +731,14 @@ class Http2Connection(asyncio.Protocol):
         task.add_done_callback(self.tasks.discard)
         return task
 
-    def _reset_early(self) -> None:
-        """One more stream reset before its answer: past the bound, a flood."""
-        self.early_resets += 1
-        flood = self.early_resets >= EARLY_RESETS and 2 * self.early_resets > self.opened
-        if not flood or self.going_away:
+    def _rapid_reset(self) -> None:
+        """The client's resets cost past its budget: a flood."""
+        if self.going_away:
             return
         log.warning(
-            "router: sending GOAWAY to %s: %d of its %d streams reset before their answer "
-            "(rapid reset)",
+            "router: sending GOAWAY to %s: its resets cost more than their budget "
+            "(rapid reset; %d streams opened)",
             self.peer,
-            self.early_resets,
             self.opened,
         )
         self.go_away("streams reset before their answer", ErrorCode.ENHANCE_YOUR_CALM)

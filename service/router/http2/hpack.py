@@ -1,5 +1,6 @@
-"""HPACK (RFC 7541): the decoder of a connection's request header blocks and
-a stateless encoder for the replies.
+"""HPACK (RFC 7541): the decoder of a connection's request header blocks, a
+stateless encoder, and the encoder of one connection's replies, whose
+dynamic table makes a repeated field one byte.
 
 Names and values are raw bytes, in block order. Every malformed block raises
 ``HpackError`` (HTTP/2's COMPRESSION_ERROR, which ends the connection): a
@@ -11,12 +12,12 @@ field, bad Huffman padding or EOS.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from .huffman import HpackError, huffman_decode
 from .static_table import FIELD_INDEX, NAME_INDEX, STATIC_LENGTH, STATIC_TABLE
 
-__all__ = ["Decoder", "Encoder", "HeaderListTooLarge", "HpackError"]
+__all__ = ["Decoder", "Encoder", "Fields", "HeaderListTooLarge", "HpackError", "TableEncoder"]
 
 
 class HeaderListTooLarge(HpackError):
@@ -224,11 +225,134 @@ class Encoder:
             if index is not None:
                 out += encode_integer(index, 7, 0x80)
                 continue
-            name_index = NAME_INDEX.get(name, 0)
-            out += encode_integer(name_index, 4, 0x00)
-            if not name_index:
-                out += encode_integer(len(name), 7, 0x00)
-                out += name
-            out += encode_integer(len(value), 7, 0x00)
-            out += value
+            _literal(out, name, value, 0x00, 4)
         return bytes(out)
+
+
+Field = tuple[bytes, bytes]
+
+
+class Fields(tuple[Field, ...]):
+    """Fields made once and given again and again (a reply's constant ones):
+    hashed and compared by identity, so finding their block costs no hashing
+    of their bytes."""
+
+    __slots__ = ()
+    __hash__ = object.__hash__
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __ne__(self, other: object) -> bool:
+        return self is not other
+
+
+class TableEncoder:
+    """One connection's encoder for its replies, with a dynamic table (RFC 7541
+    2.3.2): a field given as ``indexed`` goes in as a literal with incremental
+    indexing the first time and is one index after; the others are literals
+    without indexing (the static table's name index when it has the name).
+
+    The table is at most the peer's SETTINGS_HEADER_TABLE_SIZE (and at most
+    ``limit``): :meth:`resize` applies the peer's setting, and the next block
+    begins with the dynamic table size update (6.3) -- the smallest size first
+    when it fell and rose between two blocks (4.2). Every block must reach the
+    peer, in the order encoded (its decoder's table follows ours). A block of
+    indexed fields only is kept and reused while the table is unchanged, so
+    ``indexed`` should be a few tuples made once (:class:`Fields`).
+    """
+
+    def __init__(self, limit: int = 4096) -> None:
+        self._limit = limit  # the most we use, whatever the peer allows
+        self._max = min(4096, limit)  # the table's maximum size (4096 until the peer says)
+        self._entries: deque[Field] = deque()  # newest first
+        self._numbers: dict[Field, int] = {}  # each entry's insertion number
+        self._inserted = 0
+        self._size = 0
+        self._lowest: int | None = None  # size updates owed: the lowest since the last block
+        self._blocks: dict[tuple[Field, ...], bytes] = {}
+
+    @property
+    def table(self) -> list[Field]:
+        """The dynamic table's entries, newest first (index 62 onwards)."""
+        return list(self._entries)
+
+    @property
+    def max_size(self) -> int:
+        return self._max
+
+    def resize(self, peer_size: int) -> None:
+        """The peer's SETTINGS_HEADER_TABLE_SIZE."""
+        size = min(peer_size, self._limit)
+        if size == self._max and self._lowest is None:
+            return
+        self._lowest = size if self._lowest is None else min(self._lowest, size)
+        self._max = size
+        self._evict(size)
+        self._blocks.clear()
+
+    def encode(self, indexed: tuple[Field, ...], literal: Sequence[Field] = ()) -> bytes:
+        """The block of ``indexed`` (into the table) then ``literal`` fields."""
+        head = self._blocks.get(indexed) if self._lowest is None else None
+        if head is None:
+            head = self._encode_indexed(indexed)
+        if not literal:
+            return head
+        out = bytearray(head)
+        for name, value in literal:
+            _literal(out, name, value, 0x00, 4)
+        return bytes(out)
+
+    def _encode_indexed(self, indexed: tuple[Field, ...]) -> bytes:
+        out = bytearray()
+        changed = self._lowest is not None  # (a block with size updates is not kept)
+        if self._lowest is not None:
+            out += encode_integer(self._lowest, 5, 0x20)
+            if self._max != self._lowest:
+                out += encode_integer(self._max, 5, 0x20)
+            self._lowest = None
+        for field in indexed:
+            index = FIELD_INDEX.get(field)
+            if index is None:
+                number = self._numbers.get(field)
+                if number is not None:
+                    index = STATIC_LENGTH + 1 + self._inserted - number
+            if index is not None:
+                out += encode_integer(index, 7, 0x80)
+                continue
+            size = len(field[0]) + len(field[1]) + ENTRY_OVERHEAD
+            if size > self._max:  # it would empty the table: not indexed
+                _literal(out, field[0], field[1], 0x00, 4)
+                continue
+            _literal(out, field[0], field[1], 0x40, 6)
+            self._evict(self._max - size)
+            self._entries.appendleft(field)
+            self._inserted += 1
+            self._numbers[field] = self._inserted
+            self._size += size
+            changed = True
+        block = bytes(out)
+        if changed:
+            self._blocks.clear()
+        else:
+            self._blocks[indexed] = block
+        return block
+
+    def _evict(self, limit: int) -> None:
+        while self._size > limit and self._entries:
+            field = self._entries.pop()
+            del self._numbers[field]
+            self._size -= len(field[0]) + len(field[1]) + ENTRY_OVERHEAD
+            self._blocks.clear()
+
+
+def _literal(out: bytearray, name: bytes, value: bytes, first: int, prefix_bits: int) -> None:
+    """A literal field (6.2): ``first`` 0x40 with incremental indexing (6-bit
+    name index), 0x00 without (4-bit); raw strings."""
+    name_index = NAME_INDEX.get(name, 0)
+    out += encode_integer(name_index, prefix_bits, first)
+    if not name_index:
+        out += encode_integer(len(name), 7, 0x00)
+        out += name
+    out += encode_integer(len(value), 7, 0x00)
+    out += value
