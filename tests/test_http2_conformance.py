@@ -45,6 +45,7 @@ from h2wire import (
 from poolserve.service.contract.settings import ServerSettings
 from poolserve.service.router.http2.frames import (
     ACK,
+    HEADER,
     PADDED,
     PREFACE,
     PRIORITY_FLAG,
@@ -491,6 +492,19 @@ def test_9113_5_4_1_a_connection_error_sends_goaway_with_the_last_stream_then_cl
         assert struct.unpack(">I", got.frames[-1].payload[:4])[0] == 1
         while peer.read() is not None:
             pass  # then the connection is closed
+
+
+def test_9113_5_4_1_the_goaway_of_a_connection_error_reaches_a_client_still_sending(
+    h2: EngineServer,
+) -> None:
+    """A frame over the size limit, and 4 MiB more behind it: the server
+    stops reading at the error. A socket closed with bytes unread sends a TCP
+    reset, which destroys the GOAWAY before the client reads it; the server
+    must read on (and drop) until its GOAWAY is through."""
+    with h2.peer() as peer:
+        peer.settings_seen()
+        peer.send(HEADER.pack(0xFF, 0xFFFF, Kind.DATA, 0, 1) + b"\0" * (4 << 20))
+        connection_error(peer, FRAME_SIZE)
 
 
 # -- 5.5 Extending HTTP/2 --------------------------------------------------------------
