@@ -34,6 +34,7 @@ from poolserve.protos import inference_pb2 as pb
 from poolserve.service.contract.ensemble import PLATFORM, Ensemble
 from poolserve.service.contract.errors import (
     InvalidInput,
+    MessageTooLarge,
     ModelError,
     ModelNotFound,
     ServingError,
@@ -228,7 +229,11 @@ class Ensembles:
         except Exception:  # a malformed message: DecodeError and kin
             raise InvalidInput("the request is not a ModelInferRequest") from None
         response = await self.run(self.plan(name, version), request, remaining, carrier)
-        return response.SerializeToString()
+        reply = response.SerializeToString()
+        limit = self.core.settings.max_message_size
+        if len(reply) > limit:  # said here, clearly, rather than by gRPC's send
+            raise MessageTooLarge.reply(name, len(reply), limit)
+        return reply
 
     async def run(
         self,

@@ -141,9 +141,14 @@ class GrpcDoor:
                 if method != "ModelInfer":
                     return self.repository.ensembles.answer(method, name, version)
                 refuse_reserved(body, routing.wrapper_field)
-                return await self.repository.ensembles.infer(
+                if self.replies.total:
+                    self.replies.check(context)
+                reply = await self.repository.ensembles.infer(
                     body, name, version, remaining(context), context.invocation_metadata()
                 )
+                if len(reply) >= TRACKED_REPLY:
+                    await self.replies.track(context, len(reply))
+                return reply
             if method == "ModelStatistics" and not name:
                 return await self.repository.all_statistics(
                     remaining(context), metadata_of(context)
