@@ -9,7 +9,7 @@ REPO ?= examples/models
 PACKAGES := -p poolserve.protos -p poolserve.service -p poolserve.supervisor
 PROTOS := $(wildcard protos/*.proto)
 
-.PHONY: install test lint typecheck pytest protos run clean ns bench bench-quick bench-workerpool stress chaos fuzz
+.PHONY: install test lint typecheck pytest protos run clean ns bench bench-quick bench-workerpool stress chaos fuzz interop
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -82,6 +82,12 @@ chaos: install
 
 fuzz: install
 	$(BIN)/python reliability/fuzz.py $(ARGS)
+
+# Other gRPC stacks against a real tree on both engines of the gRPC port: grpc-js
+# (npm) and grpcurl (grpc-go), installed on first use under reliability/.interop/.
+# Slow, and it needs npm: not part of `make test`.
+interop: install
+	$(BIN)/python reliability/interop.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .ns build .mypy_cache .pytest_cache .ruff_cache

@@ -9,6 +9,9 @@
   python bench/run.py --only batching  # the batching part alone (bench/batching.py)
   python bench/run.py --only large --repeat 3
                                      # the large-tensor echo alone (issue 20), never published
+  python bench/run.py --only ensemble [--repeat 3]
+                                     # ensembles alone (issue 44, bench/ensemble.py); unpublished
+  python bench/run.py --only cache   # the response-cache part alone (issue 44), never published
   python bench/run.py --mode quick --only rest [--publish]
                                      # the REST part alone (issue 29; bench/rest.py); --publish
                                      # puts it into latest.json/md and docs/performance.md
@@ -48,7 +51,9 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH / "peers"))
 
 import batching  # noqa: E402
+import cache as cache_part  # noqa: E402
 import decoupled  # noqa: E402
+import ensemble as ensemble_part  # noqa: E402
 import fleet as fleet_part  # noqa: E402
 import install  # noqa: E402
 import large_tensors  # noqa: E402
@@ -62,6 +67,8 @@ import workload  # noqa: E402
 report.PARTS.append(large_tensors)  # its targets and its section in the report
 report.PARTS.append(rest)  # the REST part (issue 29)
 report.PARTS.append(fleet_part)  # the router fleet (issue 31)
+report.PARTS.append(ensemble_part)  # ensembles (issue 44)
+report.PARTS.append(cache_part)  # the response cache (issue 44)
 
 ROOT = BENCH.parent
 RESULTS = BENCH / "results"
@@ -701,13 +708,11 @@ def rest_phase(
     return found
 
 
-def fleet_phase(fleet: Fleet, mode: Mode, installed: install.Installed, run_dir: Path,
-                runs: int) -> dict[str, Any]:  # fmt: skip
-    """bench/fleet.py's part: echo c16 with routers 1 and 2, and KServe's one process."""
-    pa = installed.perf_analyzer
+def _starter(fleet: Fleet, models: tuple[str, ...], tag: str) -> Any:
+    """``start(key)`` for a part's servers: started with ``models``, stopped if not ready."""
 
     def start(key: str) -> Any:
-        server = fleet.start(servers.spec(key), servers.Layout(("echo",)), "fleet")
+        server = fleet.start(servers.spec(key), servers.Layout(models), tag)
         try:
             fleet.wait_ready(server)
         except Exception:
@@ -715,10 +720,18 @@ def fleet_phase(fleet: Fleet, mode: Mode, installed: install.Installed, run_dir:
             raise
         return server
 
+    return start
+
+
+def _measurer(mode: Mode, installed: install.Installed) -> Any:
+    """``measure_cell`` with the mode's perf_analyzer settings, for a part's cells."""
+    pa = installed.perf_analyzer
     env = {**os.environ, **pa.env}
     timeout = 10 * mode.window_ms / 1000 + 30
-    measure = functools.partial(measure_cell, mode=mode, pa=pa, env=env, timeout=timeout)
-    found = fleet_part.phase(start, fleet.stop, measure, run_dir, runs, log, fleet.missing)
+    return functools.partial(measure_cell, mode=mode, pa=pa, env=env, timeout=timeout)
+
+
+def _stamped(found: dict[str, Any], mode: Mode) -> dict[str, Any]:
     found.update(
         when=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         mode=mode.name,
@@ -727,21 +740,38 @@ def fleet_phase(fleet: Fleet, mode: Mode, installed: install.Installed, run_dir:
     return found
 
 
-def fleet_only(mode: Mode, runs: int) -> dict[str, Any]:
-    """The router-fleet part alone (`--only fleet`); never published."""
-    installed = installed_peers(fleet_part.SERVERS)
-    run_dir = WORK / datetime.datetime.now().strftime("fleet-%Y%m%d-%H%M%S")
+def fleet_phase(fleet: Fleet, mode: Mode, installed: install.Installed, run_dir: Path,
+                runs: int) -> dict[str, Any]:  # fmt: skip
+    """bench/fleet.py's part: echo c16 with routers 1 and 2, and KServe's one process."""
+    start, measure = _starter(fleet, ("echo",), "fleet"), _measurer(mode, installed)
+    found = fleet_part.phase(start, fleet.stop, measure, run_dir, runs, log, fleet.missing)
+    return _stamped(found, mode)
+
+
+def cache_phase(fleet: Fleet, mode: Mode, installed: install.Installed, run_dir: Path,
+                runs: int) -> dict[str, Any]:  # fmt: skip
+    """bench/cache.py's part: echo c16 computed, and from the response cache."""
+    start, measure = _starter(fleet, cache_part.MODELS, "cache"), _measurer(mode, installed)
+    return _stamped(cache_part.phase(start, fleet.stop, measure, run_dir, runs, log), mode)
+
+
+def part_alone(name: str, keys: Sequence[str], phase_of: Any, mode: Mode,
+               runs: int) -> dict[str, Any]:  # fmt: skip
+    """One part alone (`--only fleet`, `--only cache`), in a run folder of its own;
+    never published."""
+    installed = installed_peers(keys)
+    run_dir = WORK / datetime.datetime.now().strftime(f"{name}-%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True)
     quiet = wait_for_quiet(mode.quiet_wait_s)
     load = servers.Workload(1, run_dir / "burn.count")
     fleet = Fleet(run_dir, installed.venvs, load)
     try:
-        found = fleet_phase(fleet, mode, installed, run_dir, runs)
+        found: dict[str, Any] = phase_of(fleet, mode, installed, run_dir, runs)
     finally:
         fleet.stop_all()
     found["outside_load_at_start_cores"] = round(quiet, 3)
-    (run_dir / "fleet-results.json").write_text(json.dumps(found, indent=1) + "\n")
-    log(f"wrote {run_dir / 'fleet-results.json'}")
+    (run_dir / f"{name}-results.json").write_text(json.dumps(found, indent=1) + "\n")
+    log(f"wrote {run_dir / f'{name}-results.json'}")
     return found
 
 
@@ -949,6 +979,8 @@ def run(mode: Mode, only: Sequence[str], publish_results: bool) -> dict[str, Any
             results["rest"] = rest_phase(fleet, mode, installed, run_dir, mode.runs)
         with phase("router fleet", timings):
             results["fleet"] = fleet_phase(fleet, mode, installed, run_dir, mode.runs)
+        with phase("response cache", timings):
+            results["cache"] = cache_phase(fleet, mode, installed, run_dir, mode.runs)
         with phase("memory", timings):
             results["memory"] = measure_memory(fleet, mode, [s.key for s in chosen])
         if servers.REFERENCE in [s.key for s in chosen]:
@@ -963,6 +995,8 @@ def run(mode: Mode, only: Sequence[str], publish_results: bool) -> dict[str, Any
                 )
         with phase("decoupled", timings):
             results["decoupled"] = decoupled.measure()
+        with phase("ensembles", timings):
+            results["ensemble"] = ensemble_part.measure(rounds=mode.runs)
     finally:
         fleet.stop_all()
     timings["total"] = round(time.monotonic() - began, 1)
@@ -983,12 +1017,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--only",
-        choices=["overload", "mlserver-dropin", "batching", "decoupled", "large", "rest", "fleet"],
+        choices=[
+            "overload",
+            "mlserver-dropin",
+            "batching",
+            "decoupled",
+            "large",
+            "rest",
+            "fleet",
+            "ensemble",
+            "cache",
+        ],
         help="run one part alone: overload (calibration, servers, overload), "
         "mlserver-dropin (bench/mlserver_dropin.py), batching (bench/batching.py), "
         "decoupled (bench/decoupled.py), large (the large-tensor echo, bench/large_tensors.py) "
         "rest (perf_analyzer -i http, bench/rest.py) or fleet (routers 1 and 2, echo c16, and "
-        "the capacity table, bench/fleet.py); never published, except rest with "
+        "the capacity table, bench/fleet.py), cache (echo c16 computed and from the "
+        "response cache, bench/cache.py) or ensemble (two light steps against one call "
+        "and against a client's own two calls, bench/ensemble.py); never published, except "
+        "rest with "
         "--publish (its section replaces latest.json's REST part)",
     )
     parser.add_argument(
@@ -1027,7 +1074,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(rest.console(rest_only(mode, max(1, args.repeat or mode.runs), bool(args.publish))))
         return 0
     if args.only == "fleet":
-        print(fleet_part.console(fleet_only(mode, max(1, args.repeat or mode.runs))))
+        found = part_alone("fleet", fleet_part.SERVERS, fleet_phase, mode,
+                           max(1, args.repeat or mode.runs))  # fmt: skip
+        print(fleet_part.console(found))
+        return 0
+    if args.only == "cache":
+        found = part_alone("cache", (), cache_phase, mode, max(1, args.repeat or mode.runs))
+        print(cache_part.console(found))
+        return 0
+    if args.only == "ensemble":
+        print(ensemble_part.section({"ensemble": ensemble_part.measure(rounds=args.repeat or 3)}))
         return 0
     if args.only == "large":
         print(large_tensors.console(large_only(mode, max(1, args.repeat or 1))))

@@ -75,6 +75,8 @@ class Layout:
             return {"array_mib": workload.array_mib}
         if model == "xgb":
             return {"model_file": str(workload.xgb_model)}
+        if model == "echo_cached":  # bench/cache.py: echo, answered from the response cache
+            return {"response_cache": True}
         return {}
 
 
@@ -126,6 +128,7 @@ class ServerSpec:
 
 POOLSERVE_CLASSES = {
     "echo": "EchoModel",
+    "echo_cached": "EchoModel",
     "burn": "BurnModel",
     "big": "BigModel",
     "xgb": "XGBoostModel",
@@ -329,6 +332,12 @@ ROUTERS2 = ServerSpec(
     "poolserve with routers: 2 (two router processes on the same ports, SO_REUSEPORT)",
     models=("echo",), routers=2,
 )  # fmt: skip
+# Served in the response-cache part only (bench/cache.py): echo, and echo with its cache.
+CACHE = ServerSpec(
+    "poolserve-cache", "poolserve (2 workers, echo and echo_cached)", 2, build_poolserve, "",
+    "poolserve with two copies of echo in one pool, one with parameters.extra.response_cache",
+    models=("echo", "echo_cached"),
+)  # fmt: skip
 SUBJECT = "poolserve"
 REFERENCE = "mlserver-2"  # the peer the targets compare against
 KSERVE = "kserve"  # the single-process peer the light-model targets compare against
@@ -336,7 +345,7 @@ INLINE = "poolserve-inline"
 
 
 def spec(key: str) -> ServerSpec:
-    for s in (*SERVERS, REST_FLOOR, ROUTERS2):
+    for s in (*SERVERS, REST_FLOOR, ROUTERS2, CACHE):
         if s.key == key:
             return s
     raise KeyError(key)

@@ -63,7 +63,7 @@ class Histogram(_message.Message):
     def __init__(self, buckets: _Optional[_Iterable[int]] = ..., sum_ns: _Optional[int] = ...) -> None: ...
 
 class ModelMetrics(_message.Message):
-    __slots__ = ("name", "version", "ready", "success", "failures", "inference_count", "execution_count", "request_ns", "queue_ns", "compute_input_ns", "compute_infer_ns", "compute_output_ns", "request", "queue", "compute", "deadline_exceeded", "batch_sizes")
+    __slots__ = ("name", "version", "ready", "success", "failures", "inference_count", "execution_count", "request_ns", "queue_ns", "compute_input_ns", "compute_infer_ns", "compute_output_ns", "request", "queue", "compute", "deadline_exceeded", "batch_sizes", "cache_hits", "cache_misses", "cache_hit_ns", "cache_miss_ns")
     class FailuresEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,10 @@ class ModelMetrics(_message.Message):
     COMPUTE_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_EXCEEDED_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_MISSES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HIT_NS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_MISS_NS_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     ready: bool
@@ -119,7 +123,25 @@ class ModelMetrics(_message.Message):
     compute: Histogram
     deadline_exceeded: _containers.ScalarMap[str, int]
     batch_sizes: _containers.ScalarMap[int, int]
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., ready: _Optional[bool] = ..., success: _Optional[int] = ..., failures: _Optional[_Mapping[str, int]] = ..., inference_count: _Optional[int] = ..., execution_count: _Optional[int] = ..., request_ns: _Optional[int] = ..., queue_ns: _Optional[int] = ..., compute_input_ns: _Optional[int] = ..., compute_infer_ns: _Optional[int] = ..., compute_output_ns: _Optional[int] = ..., request: _Optional[_Union[Histogram, _Mapping]] = ..., queue: _Optional[_Union[Histogram, _Mapping]] = ..., compute: _Optional[_Union[Histogram, _Mapping]] = ..., deadline_exceeded: _Optional[_Mapping[str, int]] = ..., batch_sizes: _Optional[_Mapping[int, int]] = ...) -> None: ...
+    cache_hits: int
+    cache_misses: int
+    cache_hit_ns: int
+    cache_miss_ns: int
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., ready: _Optional[bool] = ..., success: _Optional[int] = ..., failures: _Optional[_Mapping[str, int]] = ..., inference_count: _Optional[int] = ..., execution_count: _Optional[int] = ..., request_ns: _Optional[int] = ..., queue_ns: _Optional[int] = ..., compute_input_ns: _Optional[int] = ..., compute_infer_ns: _Optional[int] = ..., compute_output_ns: _Optional[int] = ..., request: _Optional[_Union[Histogram, _Mapping]] = ..., queue: _Optional[_Union[Histogram, _Mapping]] = ..., compute: _Optional[_Union[Histogram, _Mapping]] = ..., deadline_exceeded: _Optional[_Mapping[str, int]] = ..., batch_sizes: _Optional[_Mapping[int, int]] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., cache_hit_ns: _Optional[int] = ..., cache_miss_ns: _Optional[int] = ...) -> None: ...
+
+class ResponseCacheMetrics(_message.Message):
+    __slots__ = ("entries", "bytes", "max_entries", "max_bytes", "evictions")
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    entries: int
+    bytes: int
+    max_entries: int
+    max_bytes: int
+    evictions: int
+    def __init__(self, entries: _Optional[int] = ..., bytes: _Optional[int] = ..., max_entries: _Optional[int] = ..., max_bytes: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
 
 class ProcessMetrics(_message.Message):
     __slots__ = ("pid", "kind", "state", "rss_bytes", "pss_bytes", "cpu_seconds")
@@ -144,7 +166,7 @@ class PoolMetricsRequest(_message.Message):
     def __init__(self, pss: _Optional[bool] = ...) -> None: ...
 
 class PoolMetrics(_message.Message):
-    __slots__ = ("gid", "instance", "queue_depth", "workers", "worker_restarts", "models", "processes", "bucket_bounds_s")
+    __slots__ = ("gid", "instance", "queue_depth", "workers", "worker_restarts", "models", "processes", "bucket_bounds_s", "cache")
     class WorkersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +189,7 @@ class PoolMetrics(_message.Message):
     MODELS_FIELD_NUMBER: _ClassVar[int]
     PROCESSES_FIELD_NUMBER: _ClassVar[int]
     BUCKET_BOUNDS_S_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
     gid: str
     instance: str
     queue_depth: int
@@ -175,7 +198,8 @@ class PoolMetrics(_message.Message):
     models: _containers.RepeatedCompositeFieldContainer[ModelMetrics]
     processes: _containers.RepeatedCompositeFieldContainer[ProcessMetrics]
     bucket_bounds_s: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, gid: _Optional[str] = ..., instance: _Optional[str] = ..., queue_depth: _Optional[int] = ..., workers: _Optional[_Mapping[str, int]] = ..., worker_restarts: _Optional[_Mapping[str, int]] = ..., models: _Optional[_Iterable[_Union[ModelMetrics, _Mapping]]] = ..., processes: _Optional[_Iterable[_Union[ProcessMetrics, _Mapping]]] = ..., bucket_bounds_s: _Optional[_Iterable[float]] = ...) -> None: ...
+    cache: ResponseCacheMetrics
+    def __init__(self, gid: _Optional[str] = ..., instance: _Optional[str] = ..., queue_depth: _Optional[int] = ..., workers: _Optional[_Mapping[str, int]] = ..., worker_restarts: _Optional[_Mapping[str, int]] = ..., models: _Optional[_Iterable[_Union[ModelMetrics, _Mapping]]] = ..., processes: _Optional[_Iterable[_Union[ProcessMetrics, _Mapping]]] = ..., bucket_bounds_s: _Optional[_Iterable[float]] = ..., cache: _Optional[_Union[ResponseCacheMetrics, _Mapping]] = ...) -> None: ...
 
 class TreeNode(_message.Message):
     __slots__ = ("id", "pid", "state", "uptime_s", "restarts", "children", "pool", "last_exit", "pool_error")

@@ -77,6 +77,8 @@ POOL_SETTINGS = (
     "shm_max_regions",  # a pool's own registry (its private socket)
     "shm_max_name_length",
     "slab_mapped_bytes",
+    "response_cache_bytes",  # each pool server's response cache
+    "response_cache_entries",
     "stream_messages",
 )
 ROUTER_SETTINGS = (
@@ -119,8 +121,15 @@ ROUTER_SETTINGS = (
     "shm_max_regions",
     "shm_max_name_length",
 )
-# compared through workers_for(gid), threads_for(gid) and start_method_for(gid)
-PER_POOL_SETTINGS = ("parallel_workers", "pools", "threads_per_worker", "start_method")
+# compared through workers_for(gid), threads_for(gid), start_method_for(gid) and
+# unary_workers_for(gid)
+PER_POOL_SETTINGS = (
+    "parallel_workers",
+    "pools",
+    "threads_per_worker",
+    "start_method",
+    "unary_workers",
+)
 # given to every child on its command line, or fixing the tree's shape: never reloaded
 FIXED_SETTINGS = ("run_dir", "routers")
 
@@ -249,7 +258,8 @@ def _view(settings: ServerSettings, names: Sequence[str]) -> tuple[object, ...]:
 
 def _pool_view(settings: ServerSettings, gid: str) -> tuple[object, ...]:
     workers, threads = settings.workers_for(gid), settings.threads_for(gid)
-    return (workers, threads, settings.start_method_for(gid), *_view(settings, POOL_SETTINGS))
+    method, unary = settings.start_method_for(gid), settings.unary_workers_for(gid)
+    return (workers, threads, method, unary, *_view(settings, POOL_SETTINGS))
 
 
 def _model_change(

@@ -8,6 +8,8 @@ import os
 import time
 from pathlib import Path
 
+import grpc
+
 from poolserve.protos import control_pb2 as cpb
 
 from harness import LISTENING_PREFIX, Tree, comm, wait_serving
@@ -21,6 +23,7 @@ __all__ = [
     "comm",
     "env_without_notify",
     "pool_status",
+    "serve_as_settings_say",
     "wait_idle_workers",
     "wait_serving",
 ]
@@ -51,6 +54,35 @@ class Serving(Tree):
 
     def tree(self) -> list[int]:
         return self.snapshot()
+
+
+def serve_as_settings_say(
+    repo: Path,
+    run_dir: Path,
+    models: tuple[str, ...],
+    env: dict[str, str] | None = None,
+    timeout: float = 90,
+) -> Serving:
+    """A started ``poolserve serve`` on ``repo`` whose own ``settings.json``
+    decides the workers (the harness's ``--workers`` left out: an MLServer
+    folder's ``parallel_workers``, or MLServer's and poolserve's default),
+    once each of ``models`` is SERVING. The caller exits it."""
+    serving = Serving(repo, run_dir, env=env)
+    at = serving.argv.index("--workers")
+    del serving.argv[at : at + 2]
+    serving.__enter__()
+    try:
+
+        async def ready() -> None:
+            async with grpc.aio.insecure_channel(serving.address) as channel:
+                for name in models:
+                    await wait_serving(channel, f"model:{name}", timeout=timeout)
+
+        asyncio.run(ready())
+    except BaseException:
+        serving.__exit__(None, None, None)
+        raise
+    return serving
 
 
 def cmdline(pid: int) -> str:

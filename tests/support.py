@@ -73,11 +73,16 @@ def train_iris(folder: Path) -> None:
     subprocess.run([sys.executable, str(folder / "train.py")], check=True, capture_output=True)
 
 
-def infer_request(model: str, array: np.ndarray, *, raw: bool = True, **params: int) -> bytes:
-    request = pb.ModelInferRequest(model_name=model)
+def infer_request(
+    model: str, array: np.ndarray, *, raw: bool = True, ident: str = "", **params: int | str
+) -> bytes:
+    request = pb.ModelInferRequest(model_name=model, id=ident)
     encode_inputs({"INPUT0": array}, request, raw=raw)
     for key, value in params.items():
-        request.parameters[key].int64_param = value
+        if isinstance(value, str):
+            request.parameters[key].string_param = value
+        else:
+            request.parameters[key].int64_param = value
     return request.SerializeToString()
 
 

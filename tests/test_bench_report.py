@@ -809,3 +809,34 @@ def test_the_fleet_row_is_the_median_of_each_rounds_ratio() -> None:
     (row,) = fleet_part.targets({"fleet": {"runs": runs}})
     assert row["value"] == pytest.approx(0.9) and not row["passed"]
     assert fleet_part.targets({}) == []
+
+
+cache_part = load("_bench_cache", ROOT / "bench" / "cache.py")
+
+
+def test_the_cache_row_is_the_median_of_each_rounds_hits_over_computed() -> None:
+    def run(r: int, model: str, throughput: float) -> dict[str, Any]:
+        return {
+            "round": r,
+            "model": model,
+            "result": {"throughput": throughput, "p99_us": 1000.0},
+            "cpu": {"wall_s": 2.0, "cpu_s": throughput * 2.0 * 0.0002},
+        }
+
+    runs = [run(0, "echo", 1000.0), run(0, "echo_cached", 3500.0),
+            run(1, "echo", 1200.0), run(1, "echo_cached", 3000.0),
+            run(2, "echo", 900.0), run(2, "echo_cached", 3600.0)]  # fmt: skip
+    (row,) = cache_part.targets({"cache": {"runs": runs}})
+    # per round 3.5, 2.5, 4.0: the median of the ratios
+    assert row["value"] == pytest.approx(3.5) and row["passed"] and row["issue"] == "44"
+    assert row["detail"].startswith("rounds 3.50, 2.50, 4.00; the tree's CPU per request")
+    runs[1] = run(0, "echo_cached", 2000.0)  # now 2.0, 2.5, 4.0
+    (row,) = cache_part.targets({"cache": {"runs": runs}})
+    assert row["value"] == pytest.approx(2.5) and not row["passed"]
+    assert cache_part.targets({}) == []
+    found = {"runs": runs}
+    found["cells"] = cache_part.cells(found)
+    assert found["cells"]["echo_cached"]["throughput"] == 3000.0
+    assert found["cells"]["echo"]["cpu_ms"] == pytest.approx(0.2)
+    text = cache_part.section({"cache": found})
+    assert "echo_cached (hits)" in text and "2.50x" in text

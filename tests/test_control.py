@@ -154,6 +154,10 @@ def test_settings_restart_only_the_children_that_read_them(repo: Path) -> None:
     router_only = replace(before.settings, host="0.0.0.0")
     plan = plan_reload(before, replace(before, settings=router_only))
     assert plan.restart == () and plan.restart_router
+    # the workers a pool keeps from its streams: that pool restarts, alone
+    fewer_for_streams = replace(before.settings, pools={"g1": PoolOverride(unary_workers=2)})
+    plan = plan_reload(before, replace(before, settings=fewer_for_streams))
+    assert plan.restart == ("g1",) and not plan.restart_router
     both = replace(before.settings, max_message_size=1024)
     plan = plan_reload(before, replace(before, settings=both))
     assert plan.restart == ("g1", "g2") and plan.restart_router

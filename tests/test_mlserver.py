@@ -374,7 +374,10 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
     (repo / "settings.json").write_text(
         json.dumps({"debug": True, "http_port": 8080, "metrics_port": 8082, "host": "127.0.0.1"})
     )
-    with Serving(repo, root / "run", workers=2) as serving:
+    # its streams are read with KServe's stubs (tritonclient's, poolserve's): the
+    # setting that keeps KServe's messages for MLServer models too (default "auto")
+    kserve = {"POOLSERVE_STREAM_MESSAGES": "kserve"}
+    with Serving(repo, root / "run", workers=2, env=kserve) as serving:
 
         async def ready() -> None:
             async with grpc.aio.insecure_channel(serving.address) as channel:

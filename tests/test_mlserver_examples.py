@@ -22,7 +22,13 @@ from poolserve.protos import inference_pb2 as pb
 from poolserve.protos import inference_pb2_grpc as pbg
 
 from mlserver_peer import mlserver_serving
-from serving import Serving, pool_status, wait_idle_workers, wait_serving
+from serving import (
+    Serving,
+    pool_status,
+    serve_as_settings_say,
+    wait_idle_workers,
+    wait_serving,
+)
 from support import CLIENTS, run_client, write_model
 
 pytestmark = pytest.mark.e2e
@@ -159,29 +165,19 @@ def prompt_request(text: str = PROMPT, request_id: str = "p1") -> pb.ModelInferR
 
 def serve(repo: Path, run_dir: Path, env: dict[str, str] | None = None) -> Serving:
     """``poolserve serve`` on the folder, its settings.json deciding the workers
-    (the harness's --workers left out: the folder says parallel_workers 0)."""
-    serving = Serving(repo, run_dir, env=env)
-    at = serving.argv.index("--workers")
-    del serving.argv[at : at + 2]
-    serving.__enter__()
-    try:
-
-        async def ready() -> None:
-            async with grpc.aio.insecure_channel(serving.address) as channel:
-                await wait_serving(channel, "model:text-model", timeout=WAIT)
-                await wait_serving(channel, "model:sum-model", timeout=WAIT)
-
-        asyncio.run(ready())
-    except BaseException:
-        serving.__exit__(None, None, None)
-        raise
-    return serving
+    (the folder says parallel_workers 0)."""
+    return serve_as_settings_say(repo, run_dir, ("text-model", "sum-model"), env, WAIT)
 
 
 @pytest.fixture(scope="module")
 def streaming(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
+    """The folder served with KServe's stream messages (``stream_messages:
+    "kserve"``, from its POOLSERVE_ variable): its streams are read with
+    KServe's stubs (poolserve's, tritonclient's) here; the default ("auto")
+    answers MLServer's for these models (tests/test_mlserver_readme_examples.py)."""
     root = tmp_path_factory.mktemp("streaming")
-    serving = serve(streaming_example(root / "repo"), root / "run")
+    env = {"POOLSERVE_STREAM_MESSAGES": "kserve"}
+    serving = serve(streaming_example(root / "repo"), root / "run", env)
     try:
         yield serving
     finally:
@@ -281,10 +277,10 @@ def test_mlserver_stream_errors_end_the_stream_with_a_status(mlserver_streams: S
     assert got["tokens"] == [] and got["status"][0] == "NOT_FOUND", got
 
 
-def test_kserve_stream_messages_stay_the_default(streaming: Serving) -> None:
-    """Without the setting, the same folder streams to tritonclient (Triton's
-    ModelStreamInferResponse), and MLServer's stubs get no outputs: the
-    example's client fails with IndexError reading them, as the issue saw."""
+def test_kserve_stream_messages_when_set(streaming: Serving) -> None:
+    """With ``stream_messages: "kserve"``, the same folder streams to
+    tritonclient (Triton's ModelStreamInferResponse), and MLServer's stubs get
+    no outputs: the example's client fails with IndexError reading them."""
     got = run_client("triton_stream.py", streaming.address, "text-model", PROMPT, "x y")
     assert got == {
         "tokens": [*TOKENS, "x", " y"],
@@ -313,8 +309,8 @@ def test_stream_messages_setting_is_checked(tmp_path: Path) -> None:
 
     (tmp_path / "settings.json").write_text(json.dumps({"stream_messages": "mlserver"}))
     assert load_server_settings(tmp_path, environ={}).stream_messages == "mlserver"
-    assert load_server_settings(tmp_path / "..", environ={}).stream_messages == "kserve"
-    with pytest.raises(ConfigError, match="expected 'kserve' or 'mlserver'"):
+    assert load_server_settings(tmp_path / "..", environ={}).stream_messages == "auto"
+    with pytest.raises(ConfigError, match="expected 'auto', 'kserve' or 'mlserver'"):
         load_server_settings(tmp_path, environ={"POOLSERVE_STREAM_MESSAGES": "triton"})
 
 
@@ -339,11 +335,12 @@ def test_mlserver_model_repository_service(streaming: Serving) -> None:
         "unload:nobody",
     )
     # no version: an MLServer model without parameters.version, as MLServer lists it
-    ready = ["text-model", "", "READY", ""]
-    summed = ["sum-model", "v1.2.3", "READY", ""]
+    # the states as MLServer 1.7.1's gRPC writes them (its enum's str())
+    ready = ["text-model", "", "State.READY", ""]
+    summed = ["sum-model", "v1.2.3", "State.READY", ""]
     assert got[:2] == [[summed, ready], "unloaded"]
-    name, version, state, _ = got[2][1]
-    assert (name, version, state) == ("text-model", "", "UNAVAILABLE")  # MLServer: no UNLOADED
+    # MLServer: no UNLOADED, and no reason
+    assert got[2][1] == ["text-model", "", "State.UNAVAILABLE", ""]
     assert got[3:7] == [[summed], "loaded", [summed, ready], [summed, ready]]
     assert got[7][0] == "NOT_FOUND" and got[8][0] == "NOT_FOUND", got
     # the model streams again after its reload

@@ -617,3 +617,41 @@ def test_a_compressed_body_is_inflated_once_by_the_pool(
     answer = json.loads(reply[REPLY_HEAD.size : REPLY_HEAD.size + json_length])
     assert answer["model_name"] == folder and answer["outputs"], answer
     assert inflations == 2
+
+
+def test_mlserver_models_bodies_are_read_as_mlservers_types_read_them() -> None:
+    """``loose`` (an MLServer model: WireModel.rest_as_mlserver): a BYTES input
+    whose data does not fill its shape goes as sent (MLServer's custom-json
+    example), a null parameter is unset, a body without an id gets a UUID.
+    Native models keep the protocol's checks."""
+    text = '{"name": "Foo Bar"}'
+    doc = {
+        "inputs": [
+            {
+                "name": "echo_request",
+                "shape": [len(text)],
+                "datatype": "BYTES",
+                "data": [text],
+                "parameters": {"content_type": "str", "headers": None},
+            }
+        ],
+        "outputs": [{"name": "echo_response", "parameters": {"binary_data": None}}],
+    }
+    body = memoryview(json.dumps(doc).encode())
+    request, raw, binary = decode_request(body, None, loose=True)
+    assert list(request.inputs[0].shape) == [len(text)]
+    assert bytes(raw[0]) == struct.pack("<I", len(text)) + text.encode()
+    assert dict(request.inputs[0].parameters) == {
+        "content_type": pb.InferParameter(string_param="str")
+    }
+    assert not binary("echo_response")
+    assert len(request.id) == 36 and request.id.count("-") == 4
+    with_id = memoryview(json.dumps({**doc, "id": ""}).encode())
+    assert decode_request(with_id, None, loose=True)[0].id == ""  # an empty id stays empty
+    with pytest.raises(InvalidInput, match="parameter 'headers' must be a boolean"):
+        decode_request(body, None)
+    del doc["inputs"][0]["parameters"]["headers"], doc["outputs"]
+    with pytest.raises(InvalidInput, match=r"1 elements in 'data', shape \[19\] holds 19"):
+        decode_request(memoryview(json.dumps(doc).encode()), None)
+    doc["inputs"][0]["shape"] = [1]
+    assert decode_request(memoryview(json.dumps(doc).encode()), None)[0].id == ""  # no UUID

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from poolserve.service.contract.batching import BatchPolicy, batch_settings
+from poolserve.service.contract.ensemble import Ensemble, is_ensemble, resolve
 from poolserve.service.contract.schedule import PriorityLevels, priority_levels
 from poolserve.service.contract.sequence import SequencePolicy, sequence_policy
 from poolserve.service.contract.settings import (
@@ -119,6 +120,11 @@ class ModelSettings:
         )
 
     @property
+    def is_ensemble(self) -> bool:
+        """Steps run by other models, in the router (contract/ensemble.py)."""
+        return self.platform == "ensemble" and not self.implementation
+
+    @property
     def key(self) -> str:
         return f"{self.name}:{self.version}" if self.version else self.name
 
@@ -139,6 +145,13 @@ class ModelSettings:
         return TransactionPolicy(decoupled=self.decoupled, unary=not self.decoupled)
 
     @property
+    def response_cache(self) -> bool:
+        """parameters.extra.response_cache (Triton's ``response_cache { enable: true }``):
+        the pool server answers a request it answered before from its cache
+        (checked when the settings are read: :func:`response_cache_setting`)."""
+        return response_cache_setting("", self.extra)
+
+    @property
     def stream_window(self) -> int:
         """parameters.extra.stream_window: a decoupled model's responses that a
         worker sends ahead of what the client took (default 16)."""
@@ -153,6 +166,7 @@ class InvalidModel:
     reason: str
     version: str = DEFAULT_VERSION
     gid: str = DEFAULT_POOL
+    ensemble: bool = False  # an ensemble's settings that do not check out
 
 
 @dataclass(frozen=True)
@@ -160,6 +174,8 @@ class Repository:
     root: Path
     models: tuple[ModelSettings, ...]
     invalid: tuple[InvalidModel, ...]
+    # ensembles run in the router, over the models' pools: no pool of their own
+    ensembles: tuple[Ensemble, ...] = ()
 
     def pools(self) -> dict[str, list[ModelSettings]]:
         """Valid models grouped by gid: one entry per pool, never two for a gid."""
@@ -241,6 +257,35 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
     return kind.__name__
 
 
+def response_cache_setting(source: str, extra: Mapping[str, Any]) -> bool:
+    """``parameters.extra.response_cache``: ``true``/``false`` (or those words,
+    as a load's ``config`` override sets parameters), or Triton's ``{"enable":
+    true}``; ConfigError (with ``source``) for anything else, and for a
+    decoupled or sequence model, whose replies the cache never holds."""
+    value: object = extra.get("response_cache", False)
+    if isinstance(value, dict) and set(value) <= {"enable"}:
+        value = value.get("enable", False)
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        value = value.lower() == "true"  # a load's config override: string parameters
+    if not isinstance(value, bool):
+        if not source:
+            return False  # (the settings were checked when read)
+        raise ConfigError(
+            source,
+            "parameters.extra.response_cache",
+            f'expected true, false or {{"enable": true}}, got {value!r}',
+        )
+    if value and source:
+        for other in ("decoupled", "sequence"):
+            if extra.get(other) not in (None, False):
+                raise ConfigError(
+                    source,
+                    "parameters.extra.response_cache",
+                    f"a {other} model's replies are not cached (Triton's rule too)",
+                )
+    return value
+
+
 def parse_model_settings(path: Path) -> ModelSettings:
     """Parses one ``model-settings.json``; raises ConfigError naming the field."""
     source = str(path)
@@ -251,7 +296,6 @@ def parse_model_settings(path: Path) -> ModelSettings:
     name = _expect(source, "name", data.get("name", path.parent.name), str)
     if not SAFE_ID.match(name):
         raise ConfigError(source, "name", f"unsafe model name {name!r}")
-    implementation = _expect(source, "implementation", data.get("implementation"), str)
     params = _expect(source, "parameters", data.get("parameters", {}), dict)
     unknown = set(params) - _PARAMETER_FIELDS
     if unknown:
@@ -271,9 +315,17 @@ def parse_model_settings(path: Path) -> ModelSettings:
     if workers is not None:
         workers = _expect(source, "parallel_workers", workers, int)
     extra = _expect(source, "parameters.extra", params.get("extra", {}), dict)
+    platform = _expect(source, "platform", data.get("platform", ""), str)
+    if is_ensemble(platform, data.get("implementation"), extra):
+        if data.get("implementation") is not None:
+            raise ConfigError(source, "implementation", "an ensemble has no implementation")
+        platform, implementation = "ensemble", ""
+    else:
+        implementation = _expect(source, "implementation", data.get("implementation"), str)
     batch_size, batch_time, preferred, safe = batch_settings(
         source, data.get("max_batch_size", 0), data.get("max_batch_time", 0), extra
     )
+    response_cache_setting(source, extra)
     batch_dims = 1 if batch_size > 0 else 0
     inputs = _tensor_specs(source, "inputs", data.get("inputs"), batch_dims)
     return ModelSettings(
@@ -289,7 +341,7 @@ def parse_model_settings(path: Path) -> ModelSettings:
         outputs=_tensor_specs(source, "outputs", data.get("outputs"), batch_dims),
         max_batch_size=batch_size,
         max_batch_time=batch_time,
-        platform=_expect(source, "platform", data.get("platform", ""), str),
+        platform=platform,
         parallel_workers=workers,
         priority=priority_levels(source, extra),
         sequence=sequence_policy(source, extra, {s.name: s.datatype for s in inputs}),
@@ -328,7 +380,28 @@ def scan(root: Path) -> Repository:
             continue
         seen[(model.name, model.version)] = path
         models.append(model)
-    return Repository(root=root, models=tuple(models), invalid=tuple(invalid))
+    return _with_ensembles(root, models, invalid)
+
+
+def _with_ensembles(
+    root: Path, found: list[ModelSettings], invalid: list[InvalidModel]
+) -> Repository:
+    """The ensembles apart from the models, each checked against them."""
+    models = [m for m in found if not m.is_ensemble]
+    by_name = {m.name: m for m in models}
+    ensembles = []
+    for settings in found:
+        if not settings.is_ensemble:
+            continue
+        try:
+            ensembles.append(resolve(settings, by_name))
+        except ConfigError as exc:
+            invalid.append(
+                InvalidModel(
+                    settings.name, settings.source, str(exc), settings.version, ensemble=True
+                )
+            )
+    return Repository(root, tuple(models), tuple(invalid), tuple(ensembles))
 
 
 # A folder with more files than this is not fingerprinted: its loads always

@@ -37,7 +37,7 @@ from __future__ import annotations
 import json
 import struct
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -169,6 +169,14 @@ def scheduling_json(rest: RestHead, body: Wire) -> Wire | None:
     except zlib.error:
         return None  # the worker says what is wrong with it
     return peeked_json(out, inflater.eof, length)
+
+
+def deflate(parts: Sequence[Wire], encoding: int) -> bytes:
+    """A REST reply's JSON and binary outputs compressed as one (level 1: fast),
+    for a client that accepts ``encoding`` (the worker's, and the pool's
+    response cache's again on a hit, so both are the same bytes)."""
+    compressor = zlib.compressobj(1, wbits=31 if encoding == GZIP else 15)
+    return b"".join([*(compressor.compress(p) for p in parts), compressor.flush()])
 
 
 def inflater_of() -> zlib._Decompress:

@@ -113,9 +113,11 @@ class ServerSettings:
     abandon_grace_s: float = 5.0  # a worker still on a job its caller left is killed (0: never)
     start_method: str = "fork"  # "spawn": each worker a fresh interpreter that loads the models
     # ModelStreamInfer's messages: "kserve" (ModelStreamInferResponse, errors in-stream
-    # in error_message: Triton's and KServe's clients) or "mlserver" (bare
+    # in error_message: Triton's and KServe's clients), "mlserver" (bare
     # ModelInferResponses, an error ends the stream with its status: MLServer's stubs)
-    stream_messages: str = "kserve"
+    # or "auto" (per stream: MLServer's for a stream of an MLServer model, as
+    # `mlserver start` answers it; KServe's for every other model)
+    stream_messages: str = "auto"
     # The router's gRPC port: "poolserve" (its own HTTP/2 on the event loop, the
     # lighter path for light calls) or "grpcio" (grpcio's server, as before).
     grpc_engine: str = "poolserve"
@@ -124,6 +126,11 @@ class ServerSettings:
     shm_max_regions: int = 1024  # registered at once, per registry (RESOURCE_EXHAUSTED beyond)
     shm_max_name_length: int = 255  # characters of a region's name (keys: NAME_MAX bytes)
     slab_mapped_bytes: int = 512 * MIB  # the router's slabs one worker keeps mapped
+
+    # The response cache of each pool server (models with parameters.extra.response_cache,
+    # docs/models.md): its bounds, shared by the pool's models; 0 in either: no cache.
+    response_cache_bytes: int = 64 * MIB
+    response_cache_entries: int = 100_000
 
     def threads_for(self, gid: str) -> int:
         override = self.pools.get(gid)
@@ -175,6 +182,8 @@ _INT_FIELDS = {
     "shm_max_regions",
     "shm_max_name_length",
     "slab_mapped_bytes",
+    "response_cache_bytes",
+    "response_cache_entries",
 }
 _FLOAT_FIELDS = {
     "default_timeout_s",
@@ -224,7 +233,7 @@ _STR_FIELDS = {
     "stream_messages",
     "grpc_engine",
 }
-STREAM_MESSAGES = ("kserve", "mlserver")
+STREAM_MESSAGES = ("auto", "kserve", "mlserver")
 GRPC_ENGINES = ("poolserve", "grpcio")
 ROUTERS_AUTO = "auto"
 MAX_ROUTERS = 64
@@ -271,6 +280,8 @@ def _check_value(source: str, name: str, value: object) -> object:
             "unary_workers": 0,
             "metrics_port": -1,
             "http_port": -1,
+            "response_cache_bytes": 0,
+            "response_cache_entries": 0,
         }.get(name, 1)
         if value < low or (name in {"grpc_port", "metrics_port", "http_port"} and value > 65535):
             raise ConfigError(source, name, f"out of range: {value}")
@@ -291,7 +302,7 @@ def _check_value(source: str, name: str, value: object) -> object:
         if name == "start_method" and value not in START_METHODS:
             raise ConfigError(source, name, "expected 'fork' or 'spawn'")
         if name == "stream_messages" and value not in STREAM_MESSAGES:
-            raise ConfigError(source, name, "expected 'kserve' or 'mlserver'")
+            raise ConfigError(source, name, "expected 'auto', 'kserve' or 'mlserver'")
         if name == "grpc_engine" and value not in GRPC_ENGINES:
             raise ConfigError(source, name, "expected 'poolserve' or 'grpcio'")
         return value

@@ -8,6 +8,7 @@ protobuf), so the whole top level is walked, jumping over payloads.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,10 @@ class Routing:
     # JSON but the tensors' data); None: not a REST body.
     rest_view: bytes | None = None
     rest_json: dict[str, Any] | None = None
+    # the same body's whole JSON document and its text, for the response cache's
+    # key (:mod:`poolserve.service.poolserver.response_cache`)
+    rest_doc: dict[str, Any] | None = None
+    rest_text: Wire | None = None
     # The first field of :data:`WRAPPER_FIELDS` the bytes carry at top level, 0: none.
     wrapper_field: int = 0
 
@@ -191,6 +196,41 @@ def _encode_varint(value: int) -> bytes:
         else:
             out.append(byte)
             return bytes(out)
+
+
+def fields(data: Wire) -> Iterator[tuple[int, int, int, int]]:
+    """Each top-level field of a message's wire bytes, none parsed: (its tag,
+    where it starts, where its value starts, where it ends); a length-delimited
+    field's value is its payload. InvalidInput when the bytes are truncated or
+    use a wire type other than varint, 64-bit, length-delimited and 32-bit."""
+    pos, end = 0, len(data)
+    while pos < end:
+        start = pos
+        tag = data[pos]  # a one-byte tag (fields 1 to 15), else the whole reader
+        if tag < 0x80:
+            pos += 1
+        else:
+            tag, pos = _varint(data, pos)
+        value = pos
+        wire_type = tag & 7
+        if wire_type == _VARINT:
+            _, pos = _varint(data, pos)
+        elif wire_type == _I64:
+            pos += 8
+        elif wire_type == _I32:
+            pos += 4
+        elif wire_type == _LEN:
+            if pos < end and data[pos] < 0x80:  # a length under 128: one byte
+                size = data[pos]
+                pos += 1
+            else:
+                size, pos = _varint(data, pos)
+            value, pos = pos, pos + size
+        else:
+            raise InvalidInput(f"request bytes use unsupported wire type {wire_type}")
+        if pos > end:
+            raise InvalidInput("request bytes are truncated (a field runs past the end)")
+        yield tag, start, value, pos
 
 
 read_varint = _varint  # (value, position after it) at ``pos``; InvalidInput when malformed

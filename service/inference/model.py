@@ -83,6 +83,13 @@ class WireModel(Model):
     """A model that answers the serialized ModelInferRequest itself: the
     adapters of other servers' model APIs, which convert with their own code."""
 
+    # Whether an Open Inference Protocol REST body is read as MLServer's types
+    # read it (:func:`poolserve.service.inference.rest.decode_request`): a BYTES
+    # input's data taken as sent, whatever its shape says; a null parameter
+    # unset; a body without "id" given a fresh UUID, as MLServer's data plane
+    # gives one. Native models keep the protocol's rules.
+    rest_as_mlserver = False
+
     def infer_wire(self, body: bytes) -> tuple[bytes, Timings]:
         """The serialized ModelInferResponse and its timings; raises ServingError."""
         raise NotImplementedError(f"{type(self).__name__}.infer_wire is not implemented")

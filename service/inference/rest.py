@@ -21,6 +21,7 @@ import base64
 import math
 import struct
 import time
+import uuid
 import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -33,13 +34,13 @@ from poolserve.protos import inference_pb2 as pb
 from poolserve.service.contract.errors import InvalidInput, MessageTooLarge, clip
 from poolserve.service.contract.rest import (
     CUSTOM,
-    GZIP,
     IDENTITY,
     MAX_PEEK,
     MAX_PEEK_COMPRESSED,
     REPLY_HEAD,
     SCHEDULING,
     V1,
+    deflate,
     inflater_of,
     peek_inflate,
     peeked_json,
@@ -102,7 +103,8 @@ def decode(data: Buffer, model: Model) -> tuple[pb.ModelInferRequest, list[Buffe
     if rest.protocol == V1:
         request, raw, _ = decode_v1(memoryview(body), model)
         return request, raw, lambda response, views: encode_v1(response, views, rest.accept)
-    request, raw, binary = decode_request(memoryview(body), rest.header_length)
+    loose = isinstance(model, WireModel) and model.rest_as_mlserver
+    request, raw, binary = decode_request(memoryview(body), rest.header_length, loose)
     if request.parameters:
         if read is None:
             read = scheduling_json(rest, unwrapped[1]) is not None
@@ -165,12 +167,6 @@ def inflate(body: Buffer, limit: int, header_length: int | None = None) -> tuple
     return out, read
 
 
-def deflate(parts: list[Buffer], encoding: int) -> bytes:
-    """The reply's JSON and binary outputs compressed as one (level 1: fast)."""
-    compressor = zlib.compressobj(1, wbits=31 if encoding == GZIP else 15)
-    return b"".join([*(compressor.compress(p) for p in parts), compressor.flush()])
-
-
 # -- the request -----------------------------------------------------------------
 
 
@@ -187,9 +183,19 @@ class Binary:
 
 
 def decode_request(
-    body: memoryview, header_length: int | None
+    body: memoryview, header_length: int | None, loose: bool = False
 ) -> tuple[pb.ModelInferRequest, list[Buffer], Binary]:
-    """(the request, each input's raw bytes in order, which outputs go as binary)."""
+    """(the request, each input's raw bytes in order, which outputs go as binary).
+
+    ``loose``: read as MLServer's types read a body (its REST endpoint's
+    pydantic ``InferenceRequest``), for a model served through its adapter
+    (:attr:`~poolserve.service.inference.model.WireModel.rest_as_mlserver`):
+    a BYTES input's ``data`` is taken whatever its count, the shape left as
+    sent (MLServer's custom-json example sends one JSON string with shape
+    [its length]); a parameter that is null is unset (MLServer's own clients
+    send ``"headers": null``); a body without ``"id"`` gets a fresh UUID, as
+    MLServer's data plane gives a request whose id is unset (over gRPC an
+    empty id stays empty, there as here)."""
     if header_length is None:
         text, binary = body, body[len(body) :]
     else:
@@ -208,7 +214,9 @@ def decode_request(
         if not isinstance(ident, str):
             raise InvalidInput("'id' must be a string")
         request.id = ident
-    params = _object(doc.get("parameters"), "'parameters'")
+    elif loose:
+        request.id = str(uuid.uuid4())
+    params = _object(doc.get("parameters"), "'parameters'", loose)
     binary_output = Binary(_flag(params.pop(BINARY_DATA_OUTPUT, False), BINARY_DATA_OUTPUT))
     _set_parameters(request.parameters, params, "request")
     inputs = doc.get("inputs")
@@ -217,7 +225,7 @@ def decode_request(
     raw: list[Buffer] = []
     offset = 0
     for tensor in inputs:
-        entry, offset = _input(request, tensor, binary, offset)
+        entry, offset = _input(request, tensor, binary, offset, loose)
         if entry is not None:  # None: its bytes are in a shared-memory region
             raw.append(entry)
     if offset != len(binary):
@@ -229,15 +237,18 @@ def decode_request(
         if not isinstance(outputs, list):
             raise InvalidInput("'outputs' must be a list")
         for output in outputs:
-            _requested_output(request, output, binary_output)
+            _requested_output(request, output, binary_output, loose)
     return request, raw, binary_output
 
 
-def _object(value: object, where: str) -> dict[str, Any]:
+def _object(value: object, where: str, loose: bool = False) -> dict[str, Any]:
+    """A JSON object (parameters); null is none; ``loose``: its null members too."""
     if value is None:
         return {}
     if not isinstance(value, dict):
         raise InvalidInput(f"{where} must be a JSON object")
+    if loose:
+        return {k: v for k, v in value.items() if v is not None}
     return dict(value)
 
 
@@ -264,7 +275,11 @@ def _set_parameters(target: Any, params: Mapping[str, Any], where: str) -> None:
 
 
 def _input(
-    request: pb.ModelInferRequest, tensor: object, binary: memoryview, offset: int
+    request: pb.ModelInferRequest,
+    tensor: object,
+    binary: memoryview,
+    offset: int,
+    loose: bool = False,
 ) -> tuple[Buffer | None, int]:
     if not isinstance(tensor, dict):
         raise InvalidInput("each of 'inputs' must be a JSON object")
@@ -282,7 +297,7 @@ def _input(
         raise InvalidInput(f"{where}: 'shape' must be a list of integers")
     if any(d < 0 for d in shape):  # -1 is for declarations, not for a request's tensor
         raise InvalidInput(f"{where}: negative dimension in shape {shape}")
-    params = _object(tensor.get("parameters"), f"{where}: 'parameters'")
+    params = _object(tensor.get("parameters"), f"{where}: 'parameters'", loose)
     size = params.pop(BINARY_DATA_SIZE, None)
     entry = request.inputs.add(name=name, datatype=datatype, shape=shape)
     _set_parameters(entry.parameters, params, where)
@@ -298,15 +313,18 @@ def _input(
         if "shared_memory_region" in params:
             return None, offset
         raise InvalidInput(f"{where} has neither 'data' nor binary data")
-    return _json_data(tensor["data"], datatype, shape, where), offset
+    return _json_data(tensor["data"], datatype, shape, where, loose), offset
 
 
-def _json_data(data: object, datatype: str, shape: list[int], where: str) -> bytes:
-    """An input's JSON ``data`` (flat or nested, row-major) as its raw bytes."""
+def _json_data(
+    data: object, datatype: str, shape: list[int], where: str, loose: bool = False
+) -> bytes:
+    """An input's JSON ``data`` (flat or nested, row-major) as its raw bytes;
+    ``loose``: BYTES elements whatever their count (:func:`decode_request`)."""
     count = math.prod(shape) if all(d >= 0 for d in shape) else -1
     if datatype == "BYTES":
         items = _flat(data, where)
-        if len(items) != count:
+        if len(items) != count and not loose:
             raise InvalidInput(
                 f"{where}: {len(items)} elements in 'data', shape {shape} holds {count}"
             )
@@ -393,11 +411,13 @@ def _flag(value: object, name: str) -> bool:
     return value
 
 
-def _requested_output(request: pb.ModelInferRequest, output: object, binary: Binary) -> None:
+def _requested_output(
+    request: pb.ModelInferRequest, output: object, binary: Binary, loose: bool = False
+) -> None:
     if not isinstance(output, dict) or not isinstance(output.get("name"), str):
         raise InvalidInput("each of 'outputs' must be a JSON object with a 'name'")
     where = f"output '{clip(output['name'])}'"
-    params = _object(output.get("parameters"), f"{where}: 'parameters'")
+    params = _object(output.get("parameters"), f"{where}: 'parameters'", loose)
     if BINARY_DATA in params:
         binary.outputs[output["name"]] = _flag(params.pop(BINARY_DATA), BINARY_DATA)
     entry = request.outputs.add(name=output["name"])

@@ -92,6 +92,13 @@ class ModelStats:
     execution_count: int = 0
     last_inference_ms: int = 0
     late_replies: int = 0
+    # the response cache (Triton's cache_hit and cache_miss): lookups that found
+    # the reply, and the time to find and copy it out; lookups that did not,
+    # and the time to look up and to insert the computed reply
+    cache_hit_count: int = 0
+    cache_hit_ns: int = 0
+    cache_miss_count: int = 0
+    cache_miss_ns: int = 0
     recent_compute_ns: deque[int] = field(default_factory=lambda: deque(maxlen=64))
     failures: Counter[str] = field(default_factory=Counter)  # by failure_reason
     deadlines: Counter[str] = field(default_factory=Counter)  # by deadline_stage
@@ -124,6 +131,28 @@ class ModelStats:
         self.success_ns += total_ns
         self.request_buckets[bisect_left(BUCKETS_NS, total_ns)] += 1
         self._record_execution(queue_ns, timings, execution)
+
+    def record_cache_hit(self, lookup_ns: int, total_ns: int) -> None:
+        """A request answered from the response cache, as Triton counts one: a
+        success, with a queue time (of 0) but no compute and no execution, and
+        not in ``inference_count``."""
+        self.success_count += 1
+        self.success_ns += total_ns
+        self.request_buckets[bisect_left(BUCKETS_NS, total_ns)] += 1
+        self.queue_count += 1
+        self.queue_buckets[0] += 1
+        self.cache_hit_count += 1
+        self.cache_hit_ns += lookup_ns
+        self.last_inference_ms = time.time_ns() // 1_000_000
+
+    def record_cache_miss(self, lookup_ns: int) -> None:
+        """A lookup that found nothing (the request is computed and counted as
+        any); the insertion's time is added by :meth:`record_cache_insert`."""
+        self.cache_miss_count += 1
+        self.cache_miss_ns += lookup_ns
+
+    def record_cache_insert(self, insert_ns: int) -> None:
+        self.cache_miss_ns += insert_ns
 
     def record_failure(
         self,

@@ -1,7 +1,9 @@
 """The InferBackend of a pool server: a request goes to an inline model or,
 through the dispatcher, to a forked worker, after its schedule (priority
 level, deadline) is planned and, with ``reject_hopeless``, a request that
-cannot finish in time is refused on arrival."""
+cannot finish in time is refused on arrival. A model that caches its
+replies answers a request it answered before from the pool's response cache
+(:mod:`poolserve.service.poolserver.response_cache`), on every path here."""
 
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from poolserve.service.poolcore.started import Started
 from poolserve.service.poolserver.catalog import ModelEntry
 from poolserve.service.poolserver.inline import InlineRunner
 from poolserve.service.poolserver.inline_sequences import InlineSequences
+from poolserve.service.poolserver.response_cache import Probe, ResponseCache
 from poolserve.service.poolserver.rest_scheduling import rest_batch, scheduling_view
 from poolserve.service.poolserver.servicer import Observer
 
@@ -45,8 +48,10 @@ class PoolBackend:
         needs_workers: bool,
         reject_hopeless: bool = False,
         max_message_size: int = 64 * 1024 * 1024,
+        cache: ResponseCache | None = None,
     ) -> None:
         self.max_message_size = max_message_size
+        self.cache = cache if cache is not None else ResponseCache(0, 0)
         self.dispatcher = dispatcher
         self.inline = inline
         self.needs_workers = needs_workers
@@ -71,6 +76,23 @@ class PoolBackend:
             entry.stats.record_failure(0, error=refused)
             raise refused
         plan = self._plan(entry, routing, deadline)
+        probe, hit = self._look_up(entry, request, routing)
+        if hit is not None:
+            return hit
+        body = await self._compute(entry, request, plan, routing, observe)
+        if probe is not None:
+            self._keep(entry, probe, body)
+        return body
+
+    async def _compute(
+        self,
+        entry: ModelEntry,
+        request: Payload,
+        plan: Schedule,
+        routing: Routing,
+        observe: Observer | None,
+    ) -> Payload:
+        """:meth:`infer` past the cache: inline, on a sequence's worker, batched or alone."""
         if self.reject_hopeless:
             self._reject_if_hopeless(entry, plan.deadline)
         sequential = entry.settings is not None and entry.settings.sequence is not None
@@ -142,6 +164,9 @@ class PoolBackend:
         ):
             return None
         plan = self._plan(entry, routing, deadline)
+        probe, hit = self._look_up(entry, request, routing, answer=False)
+        if hit is not None:
+            return None  # kept meanwhile: :meth:`infer` answers it from the cache
         if self.reject_hopeless:
             self._reject_if_hopeless(entry, plan.deadline)
         stats = entry.stats
@@ -154,7 +179,10 @@ class PoolBackend:
                         stats.record_failure(time.monotonic_ns() - began, error=outcome)
                     reply(outcome if isinstance(outcome, Exception) else Exception(outcome))
                     return
-                reply(self._answered(entry, outcome, began))
+                body = self._answered(entry, outcome, began)
+                if probe is not None:
+                    self._keep(entry, probe, body)
+                reply(body)
             except Exception as exc:  # (a bug: the call still gets an answer)
                 reply(exc)
 
@@ -172,6 +200,37 @@ class PoolBackend:
         except ServingError as exc:
             stats.record_failure(time.monotonic_ns() - began, error=exc)
             raise
+
+    def _look_up(
+        self,
+        entry: ModelEntry,
+        request: Payload,
+        routing: Routing,
+        answer: bool = True,
+        count_miss: bool = True,
+    ) -> tuple[Probe | None, bytes | None]:
+        """The request's probe of the response cache (None: not cached) and the
+        reply it found; a hit is counted when ``answer`` (it is the answer), a
+        miss when ``count_miss`` (the request is computed next)."""
+        began = time.monotonic_ns()
+        probe = self.cache.probe(entry, request, routing)
+        if probe is None:
+            return None, None
+        hit = self.cache.get(probe)
+        spent = time.monotonic_ns() - began
+        if hit is not None:
+            if answer:
+                entry.stats.record_cache_hit(spent, spent)
+            return probe, hit
+        if count_miss:
+            entry.stats.record_cache_miss(spent)
+        return probe, None
+
+    def _keep(self, entry: ModelEntry, probe: Probe, body: Payload) -> None:
+        """A computed reply into the cache, its time counted with the miss."""
+        began = time.monotonic_ns()
+        self.cache.put(probe, entry, body)
+        entry.stats.record_cache_insert(time.monotonic_ns() - began)
 
     def _answered(self, entry: ModelEntry, result: Result, began: int) -> Payload:
         """A worker's result, counted: its body, or MessageTooLarge (raised)."""
@@ -322,15 +381,25 @@ class PoolBackend:
     def infer_now(
         self, entry: ModelEntry, request: Payload, deadline: float, routing: Routing
     ) -> bytes | None:
-        """The answer on the spot for an inline model declared fast; None for the rest."""
-        if not self.inline.runs_on_loop(entry.name):
+        """The answer on the spot: a hit of the response cache, or an inline model
+        declared fast; None for the rest."""
+        fast = self.inline.runs_on_loop(entry.name)
+        if not fast and not self.cache.caches(entry):
             return None
         if entry.settings is not None and entry.settings.sequence is not None:
             return None  # through infer: the sequence rules apply
+        if not entry.policy.unary:
+            return None  # refused by infer
         plan = self._plan(entry, routing, deadline)
+        probe, hit = self._look_up(entry, request, routing, count_miss=fast)
+        if hit is not None or not fast:
+            return hit  # a miss on a worker's model: begin or infer computes it
         if self.reject_hopeless:
             self._reject_if_hopeless(entry, plan.deadline)
-        return self.inline.infer_now(entry, self._inline(request), plan.deadline)
+        body = self.inline.infer_now(entry, self._inline(request), plan.deadline)
+        if probe is not None:
+            self._keep(entry, probe, body)
+        return body
 
     def _inline(self, request: Payload) -> Payload:
         """What an inline model reads: a large request's slab (its reply goes

@@ -98,6 +98,7 @@ class Catalog:
     def __init__(self) -> None:
         self._entries: dict[str, ModelEntry] = {}
         self._listeners: list[Listener] = []
+        self._model_listeners: list[Callable[[str], None]] = []
 
     @classmethod
     def from_settings(
@@ -117,6 +118,11 @@ class Catalog:
 
     def subscribe(self, listener: Listener) -> None:
         self._listeners.append(listener)
+
+    def watch_models(self, listener: Callable[[str], None]) -> None:
+        """``listener(name)`` hears each state change of a model (a load, an
+        unload, a failure), before the listeners of :meth:`subscribe`."""
+        self._model_listeners.append(listener)
 
     def _changed(self) -> None:
         for listener in self._listeners:
@@ -158,6 +164,8 @@ class Catalog:
             entry.inputs, entry.outputs = specs
         if policy is not None:
             entry.declared = policy
+        for listener in self._model_listeners:
+            listener(name)
         self._changed()
 
     def upsert(self, settings: ModelSettings) -> ModelEntry:

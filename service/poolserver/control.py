@@ -19,6 +19,7 @@ from poolserve.service.poolcore.fleet import Fleet
 from poolserve.service.poolserver.catalog import Catalog
 from poolserve.service.poolserver.inline import InlineRunner
 from poolserve.service.poolserver.metrics import instance_id, pool_metrics
+from poolserve.service.poolserver.response_cache import ResponseCache
 
 CONTROL_SERVICE = "poolserve.control.v1.PoolControl"
 
@@ -34,7 +35,9 @@ class PoolControl:
         inline: InlineRunner,
         catalog: Catalog,
         fleet: Fleet | None = None,
+        cache: ResponseCache | None = None,
     ) -> None:
+        self.cache = cache
         self.gid = gid
         self.zygote = zygote
         self.dispatcher = dispatcher
@@ -72,6 +75,7 @@ class PoolControl:
             self.fleet.restarts if self.fleet is not None else {},
             self.catalog.entries(),
             request.pss,
+            self.cache,
         )
 
     def generic_handler(self) -> grpc.GenericRpcHandler:

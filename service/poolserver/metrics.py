@@ -19,6 +19,7 @@ from poolserve.service.lifecycle.procutil import pss_bytes
 from poolserve.service.poolcore.jobs import Worker, WorkerState
 from poolserve.service.poolcore.stats import BUCKETS_S, ModelStats
 from poolserve.service.poolserver.catalog import ModelEntry
+from poolserve.service.poolserver.response_cache import ResponseCache
 
 # The `state` label of poolserve_workers: a worker in its self-test is starting,
 # one still on a job its caller left is busy.
@@ -62,6 +63,10 @@ def model_metrics(entry: ModelEntry) -> cpb.ModelMetrics:
         compute=histogram(s.compute_buckets, s.infer_ns),
         deadline_exceeded=dict(s.deadlines),
         batch_sizes={size: b.count for size, b in s.batches.items()},
+        cache_hits=s.cache_hit_count,
+        cache_misses=s.cache_miss_count,
+        cache_hit_ns=s.cache_hit_ns,
+        cache_miss_ns=s.cache_miss_ns,
     )
 
 
@@ -88,6 +93,7 @@ def pool_metrics(
     restarts: Mapping[str, int],
     entries: Iterable[ModelEntry],
     pss: bool,
+    cache: ResponseCache | None = None,
 ) -> cpb.PoolMetrics:
     live = [w for w in workers if w.state in WORKER_STATE]
     by_state = Counter(WORKER_STATE[w.state] for w in live)
@@ -104,4 +110,15 @@ def pool_metrics(
         models=[model_metrics(e) for e in entries],
         processes=[p for p in processes if p is not None],
         bucket_bounds_s=BUCKETS_S,
+        cache=None if cache is None else cache_metrics(cache),
+    )
+
+
+def cache_metrics(cache: ResponseCache) -> cpb.ResponseCacheMetrics:
+    return cpb.ResponseCacheMetrics(
+        entries=cache.entries,
+        bytes=cache.bytes,
+        max_entries=cache.max_entries,
+        max_bytes=cache.max_bytes,
+        evictions=cache.evictions,
     )

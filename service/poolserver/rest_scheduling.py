@@ -50,11 +50,12 @@ def scheduling_routing(request: Payload) -> Routing:
     rest = unwrap_rest(data)
     if rest is None:
         return peek_routing(data)
-    doc = _document(*rest)
+    text, doc = _document(*rest)
     name, version = peek_model(data)
     view = routing_head(name, version) + encode_parameters(_parameters(doc))
     routing = peek_routing(view)
     routing.rest_view, routing.rest_json = view, _batch_fields(doc)
+    routing.rest_doc, routing.rest_text = doc, text
     return routing
 
 
@@ -82,16 +83,17 @@ def scheduling_view(request: Payload, routing: Routing | None = None) -> Wire:
     return unwrap(request)[1]
 
 
-def _document(head: RestHead, body: Wire) -> dict[str, Any] | None:
-    """The body's JSON when the pool reads it (:func:`scheduling_json`) and an object."""
+def _document(head: RestHead, body: Wire) -> tuple[Wire | None, dict[str, Any] | None]:
+    """The body's JSON text when the pool reads it (:func:`scheduling_json`),
+    and its document when that is an object."""
     text = scheduling_json(head, body)
     if text is None:
-        return None
+        return None, None
     try:
         doc = json_body.loads(text)  # NaN and the infinities as the worker reads them
     except json_body.NotJson:
-        return None  # the worker says what is wrong with it
-    return doc if isinstance(doc, dict) else None
+        return text, None  # the worker says what is wrong with it
+    return text, (doc if isinstance(doc, dict) else None)
 
 
 def _parameters(doc: dict[str, Any] | None) -> dict[str, object]:

@@ -50,6 +50,7 @@ from poolserve.service.poolserver.control import PoolControl
 from poolserve.service.poolserver.inline import InlineRunner, is_inline
 from poolserve.service.poolserver.lane_server import LaneServer
 from poolserve.service.poolserver.model_control import LiveModels, ModelReply
+from poolserve.service.poolserver.response_cache import ResponseCache
 from poolserve.service.poolserver.rest_scheduling import scheduling_routing
 from poolserve.service.poolserver.servicer import InferenceServicer
 
@@ -107,8 +108,9 @@ class PoolServer(LiveModels):
         )
         self.dispatcher = self.fleet.dispatcher
         self.inline = InlineRunner(self.catalog, gid, settings.max_queue, settings.max_message_size)
+        self.cache = ResponseCache(settings.response_cache_bytes, settings.response_cache_entries)
         self.pool_control = PoolControl(
-            gid, self.zygote, self.dispatcher, self.inline, self.catalog, self.fleet
+            gid, self.zygote, self.dispatcher, self.inline, self.catalog, self.fleet, self.cache
         )
         self.backend = PoolBackend(
             self.dispatcher,
@@ -116,7 +118,13 @@ class PoolServer(LiveModels):
             bool(self.worker_models),
             settings.reject_hopeless,
             settings.max_message_size,
+            self.cache,
         )
+        # a model loaded again (or unloaded) answers from its new load only
+        self.catalog.watch_models(self.cache.forget)
+        self._caching = False  # some model of the pool caches its replies
+        self.catalog.subscribe(self._sync_caching)
+        self._sync_caching()
         self.servicer = InferenceServicer(
             self.catalog,
             self.backend,
@@ -126,7 +134,7 @@ class PoolServer(LiveModels):
             margin_s=settings.deadline_margin_ms / 1000,
             # its socket is private: the router's calls come with their registrations
             shared_memory=SharedMemory.from_settings(settings, accept_attached=True),
-            mlserver_streams=settings.stream_messages == "mlserver",
+            stream_messages=settings.stream_messages,
         )
         self.lane = LaneServer(
             lane_path(socket_path),
@@ -151,9 +159,13 @@ class PoolServer(LiveModels):
         self._loaded_from: dict[str, Fingerprint | None] = {}  # the files each model came from
         self._tasks: asyncio.TaskGroup | None = None
 
+    def _sync_caching(self) -> None:
+        self._caching = any(self.cache.caches(e) for e in self.catalog.entries())
+
     def _lane_now(self, request: Payload, deadline: float, trace: Trace) -> bytes | None:
-        """A lane call answered without a task: an inline model declared fast, untraced."""
-        if self.servicer.tracing is not None or not self.inline.has_fast():
+        """A lane call answered without a task, untraced: a hit of the response
+        cache, or an inline model declared fast."""
+        if self.servicer.tracing is not None or not (self._caching or self.inline.has_fast()):
             return None
         routing = scheduling_routing(request)
         entry = self.catalog.lookup_ready(routing.name, routing.version)

@@ -25,6 +25,7 @@ from poolserve.service import __version__
 from poolserve.service.contract.errors import Failure, InvalidInput, ServingError, Unimplemented
 from poolserve.service.contract.framing import Payload
 from poolserve.service.contract.lane import Trace, refusal
+from poolserve.service.contract.rest import is_rest
 from poolserve.service.contract.wire import Routing, encode_len_field
 from poolserve.service.grpcserver.handlers import (
     EXTENSIONS,
@@ -93,12 +94,13 @@ class InferenceServicer:
         control: ModelControl | None = None,
         margin_s: float = 0.0,
         shared_memory: SharedMemory | None = None,
-        mlserver_streams: bool = False,
+        stream_messages: str = "kserve",
     ) -> None:
         self.catalog = catalog
-        # setting stream_messages "mlserver": ModelStreamInfer answers bare
-        # ModelInferResponses and an error ends the stream with its status
-        self.mlserver_streams = mlserver_streams
+        # setting stream_messages: "mlserver", ModelStreamInfer answers bare
+        # ModelInferResponses and an error ends the stream with its status; "auto",
+        # so for a stream whose first request names an MLServer model
+        self.stream_messages = stream_messages
         # This server's own registry, for calls addressed to it directly (a
         # pool's calls through the router come with the router's registrations).
         self.shared_memory = shared_memory or SharedMemory()
@@ -162,6 +164,11 @@ class InferenceServicer:
         return pb.ModelStatisticsResponse(
             model_stats=[model_statistics(e.stats, e.name, e.version) for e in entries]
         )
+
+    async def mlserver_models(self, _: bytes, __: Any) -> bytes:
+        """The names of this pool's MLServer models (known once loaded), for the
+        router's streams under ``stream_messages: "auto"``: JSON ``[name, ...]``."""
+        return json.dumps([e.name for e in self.catalog.entries() if e.mlserver]).encode()
 
     async def custom_routes(self, _: bytes, __: Any) -> bytes:
         """The @custom_handler endpoints of this pool's ready MLServer models, for
@@ -294,9 +301,19 @@ class InferenceServicer:
         """Each request in turn: its response, or a decoupled model's responses;
         a request's error as a response with ``error_message``. With MLServer's
         stream messages, each response is the bare ModelInferResponse and an
-        error is raised: it ends the stream with its status, as MLServer's."""
-        mlserver = self.mlserver_streams
+        error is raised: it ends the stream with its status, as MLServer's
+        (``stream_messages`` "auto": when the stream's first request that names
+        a model of this pool names an MLServer model; the router decides the
+        same by the same model). A REST stream (``generate_stream``: the HTTP
+        door reads it and sends server-sent events) is always framed KServe's
+        way."""
+        mlserver = self.stream_messages == "mlserver"
+        decided = self.stream_messages != "auto"
+        first = True
         async for request in requests:
+            if first and is_rest(request):
+                mlserver, decided = False, True
+            first = False
             deadline = deadline_of()
             reason = None if attach else refusal(request)
             if reason is not None:  # a request the router refused: its answer, here
@@ -308,9 +325,13 @@ class InferenceServicer:
                 if attach:
                     request = self.shared_memory.attach(as_bytes(request))
                 routing = scheduling_routing(request)
+                if not decided:
+                    named = self.catalog.find(routing.name)
+                    if named is not None:
+                        mlserver, decided = named.mlserver, True
                 entry = self.catalog.lookup_ready(routing.name, routing.version)
                 if entry.policy.decoupled:
-                    async for part in self._stream(entry, request, deadline, routing):
+                    async for part in self._stream(entry, request, deadline, routing, mlserver):
                         yield part
                     continue
                 body = await self.backend.infer(entry, request, deadline, routing)
@@ -322,7 +343,12 @@ class InferenceServicer:
             yield as_bytes(body) if mlserver else encode_len_field(2, as_bytes(body))
 
     async def _stream(
-        self, entry: ModelEntry, request: Payload, deadline: float, routing: Routing
+        self,
+        entry: ModelEntry,
+        request: Payload,
+        deadline: float,
+        routing: Routing,
+        mlserver: bool,
     ) -> AsyncIterator[bytes]:
         """A decoupled model's responses, each as one ModelStreamInferResponse as
         soon as its worker yields it; an error mid-stream ends it with its
@@ -335,9 +361,9 @@ class InferenceServicer:
             parts = infer_stream(entry, request, deadline, routing)
             async with contextlib.aclosing(parts):
                 async for body in parts:
-                    yield body if self.mlserver_streams else encode_len_field(2, body)
+                    yield body if mlserver else encode_len_field(2, body)
         except ServingError as exc:
-            if self.mlserver_streams:
+            if mlserver:
                 raise
             message = f"{grpc_status(exc)[0].name}: {exc.message}"
             yield pb.ModelStreamInferResponse(error_message=message).SerializeToString()
@@ -383,6 +409,7 @@ class InferenceServicer:
             "ModelInfer": grpc.unary_unary_rpc_method_handler(guarded(self.model_infer)),
             # for the router only (this socket is private): bytes in, JSON out
             "CustomRoutes": grpc.unary_unary_rpc_method_handler(guarded(self.custom_routes)),
+            "MLServerModels": grpc.unary_unary_rpc_method_handler(guarded(self.mlserver_models)),
             "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(self.model_stream_infer),
             **self.shared_memory.handlers(),
         }

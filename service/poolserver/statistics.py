@@ -26,6 +26,8 @@ def model_statistics(stats: ModelStats, name: str, version: str) -> pb.ModelStat
             compute_input=d(stats.compute_count, stats.input_ns),
             compute_infer=d(stats.compute_count, stats.infer_ns),
             compute_output=d(stats.compute_count, stats.output_ns),
+            cache_hit=d(stats.cache_hit_count, stats.cache_hit_ns),
+            cache_miss=d(stats.cache_miss_count, stats.cache_miss_ns),
         ),
         batch_stats=[
             pb.InferBatchStatistics(

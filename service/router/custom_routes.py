@@ -4,10 +4,11 @@ serves a path, for the HTTP door.
 
 The router imports no model code: each pool says which endpoints its loaded
 models declared (the pool method :data:`POOL_METHOD`, JSON
-``[[model, method, path], ...]``, from the load reports). The table is
-asked of every pool at most once per :data:`FRESH_S`, and again on a miss
-after :data:`MISS_S` (a model loaded a moment ago): a flood of calls to
-paths that do not exist costs one question per pool per :data:`MISS_S`.
+``[[model, method, path], ...]``, from the load reports), kept fresh as
+every :class:`~poolserve.service.router.pool_tables.PoolTable`: asked of
+every pool at most once per ``FRESH_S``, and again on a miss after
+``MISS_S`` (a model loaded a moment ago), so a flood of calls to paths that
+do not exist costs one question per pool per ``MISS_S``.
 Paths are matched as MLServer's web framework (Starlette) matches them:
 ``{name}`` is one path segment, ``{name:path}`` the rest of the path,
 ``{name:int}`` digits, ``{name:float}`` a decimal number.
@@ -15,22 +16,16 @@ Paths are matched as MLServer's web framework (Starlette) matches them:
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import re
-import time
 from dataclasses import dataclass
 
 import orjson
 
 from poolserve.service.contract.errors import ServingError
 from poolserve.service.router.forwarding import Forwarder
-
-log = logging.getLogger(__name__)
+from poolserve.service.router.pool_tables import Answers, PoolTable
 
 POOL_METHOD = "CustomRoutes"
-FRESH_S = 2.0
-MISS_S = 0.25
 _PARAM = re.compile(r"{([a-zA-Z_][a-zA-Z0-9_]*)(?::([a-zA-Z_][a-zA-Z0-9_]*))?}")
 _CONVERTERS = {
     "str": "[^/]+",
@@ -59,26 +54,20 @@ def compile_path(template: str) -> re.Pattern[str]:
     return re.compile(out + re.escape(template[pos:]) + "$")
 
 
-class CustomRoutes:
+class CustomRoutes(PoolTable):
     """The custom endpoints of the models every pool serves, kept fresh."""
 
+    method = POOL_METHOD
+
     def __init__(self, core: Forwarder) -> None:
-        self.core = core
+        super().__init__(core)
         self.routes: list[CustomRoute] = []
-        self._asked = -FRESH_S  # monotonic time of the last answer
-        self._asking: asyncio.Future[None] | None = None
 
     async def find(self, method: str, path: str) -> tuple[CustomRoute | None, tuple[str, ...]]:
         """(the route of ``method path``, the methods the path has routes for
         when it has none for ``method``)."""
-        age = time.monotonic() - self._asked
-        if age > FRESH_S:
-            await self._refresh()
-        found, other = self._match(method, path)
-        if found is None and age > MISS_S and age <= FRESH_S:
-            await self._refresh()
-            found, other = self._match(method, path)
-        return found, other
+        await self.fresh(lambda: self._match(method, path)[0] is not None)
+        return self._match(method, path)
 
     def _match(self, method: str, path: str) -> tuple[CustomRoute | None, tuple[str, ...]]:
         others: set[str] = set()
@@ -89,27 +78,14 @@ class CustomRoutes:
                 others.add(route.method)  # as FastAPI's routes: no HEAD beside a GET
         return None, tuple(sorted(others))
 
-    async def _refresh(self) -> None:
-        """Asks every pool; concurrent callers share one round of questions."""
-        if self._asking is not None:
-            await asyncio.shield(self._asking)
-            return
-        self._asking = asyncio.get_running_loop().create_future()
-        try:
-            routes: list[CustomRoute] = []
-            answers = await self.core.gather(POOL_METHOD, b"", None, ())
-            for route, answer in answers:
-                if isinstance(answer, ServingError):
-                    # that pool's models keep the endpoints they had
-                    routes += [r for r in self.routes if r.model in route.models]
-                    continue
-                for model, method, template in orjson.loads(answer):
-                    if self.core.routes.routes.get(model) is route:
-                        routes.append(CustomRoute(model, method, template, compile_path(template)))
-            self.routes = routes
-        except Exception:  # a pool's answer that is not the table: the last one stays
-            log.exception("router: the pools' custom REST endpoints could not be read")
-        finally:
-            self._asked = time.monotonic()
-            self._asking.set_result(None)
-            self._asking = None
+    def take(self, answers: Answers) -> None:
+        routes: list[CustomRoute] = []
+        for route, answer in answers:
+            if isinstance(answer, ServingError):
+                # that pool's models keep the endpoints they had
+                routes += [r for r in self.routes if r.model in route.models]
+                continue
+            for model, method, template in orjson.loads(answer):
+                if self.core.routes.routes.get(model) is route:
+                    routes.append(CustomRoute(model, method, template, compile_path(template)))
+        self.routes = routes

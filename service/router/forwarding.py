@@ -112,6 +112,34 @@ class Forwarder:
         except DeadlineExceeded as exc:
             self.count_router_deadline(exc, name, version)
             raise
+        return await self._send(route, name, body, deadline, carrier, head, attached)
+
+    async def step(
+        self,
+        name: str,
+        body: bytes,
+        deadline: float,
+        carrier: Iterable[tuple[str, Any]] | None,
+    ) -> bytes:
+        """One step of an ensemble (router/ensemble.py): an inference of model
+        ``name`` with the ensemble's absolute ``deadline``, shared by its steps."""
+        route = self.routes.route(name)
+        if deadline <= time.monotonic():
+            raise DeadlineExceeded(
+                "deadline spent before the router could forward the step", stage="router"
+            )
+        return await self._send(route, name, body, deadline, carrier, None, False)
+
+    async def _send(
+        self,
+        route: PoolRoute,
+        name: str,
+        body: bytes,
+        deadline: float,
+        carrier: Iterable[tuple[str, Any]] | None,
+        head: bytes | None,
+        attached: bool,
+    ) -> bytes:
         span = SPAN.get()
         trace: list[tuple[str, str]]
         if span is not None:

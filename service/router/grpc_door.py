@@ -28,6 +28,7 @@ from poolserve.service.contract.errors import (
     InvalidInput,
     ServingError,
     StreamStalled,
+    Unimplemented,
     clip,
     load_failed,
 )
@@ -47,6 +48,7 @@ from poolserve.service.grpcserver.shm import SharedMemory
 from poolserve.service.grpcserver.status import grpc_status
 from poolserve.service.grpcserver.tracing import Tracing, deadline_event
 from poolserve.service.router.forwarding import SPAN, Forwarder
+from poolserve.service.router.pool_tables import MLServerModels
 from poolserve.service.router.replybudget import TRACKED_REPLY, ReplyBudget
 from poolserve.service.router.repository import RepositoryCalls
 from poolserve.service.router.routes import PoolRoute, Routes
@@ -57,6 +59,16 @@ Handler = Callable[[bytes, Any], Awaitable[bytes]]
 Context = grpc.aio.ServicerContext[Any, Any]
 
 _ERROR_MESSAGE_TAG = b"\x0a"  # ModelStreamInferResponse field 1 (error_message), first when set
+
+
+class _Speaks:
+    """Which messages one stream speaks: MLServer's (bare ModelInferResponses,
+    an error ends the stream with its status) or KServe's."""
+
+    __slots__ = ("mlserver",)
+
+    def __init__(self, mlserver: bool) -> None:
+        self.mlserver = mlserver
 
 
 class _Counted:
@@ -112,6 +124,8 @@ class GrpcDoor:
         self.core = core
         self.shared_memory = shared_memory
         self.replies = replies
+        # which models' streams speak MLServer's messages (stream_messages "auto")
+        self.mlserver_models = MLServerModels(core)
 
     # -- calls about one model -------------------------------------------------
 
@@ -123,6 +137,18 @@ class GrpcDoor:
             if span is not None:
                 span.set_attribute("poolserve.model.name", name)
                 span.set_attribute("poolserve.model.version", version)
+            if name in self.repository.ensembles.plans:  # run here, over its steps' pools
+                if method != "ModelInfer":
+                    return self.repository.ensembles.answer(method, name, version)
+                refuse_reserved(body, routing.wrapper_field)
+                if self.replies.total:
+                    self.replies.check(context)
+                reply = await self.repository.ensembles.infer(
+                    body, name, version, remaining(context), context.invocation_metadata()
+                )
+                if len(reply) >= TRACKED_REPLY:
+                    await self.replies.track(context, len(reply))
+                return reply
             if method == "ModelStatistics" and not name:
                 return await self.repository.all_statistics(
                     remaining(context), metadata_of(context)
@@ -193,9 +219,10 @@ class GrpcDoor:
         is on: its model and pool, how many requests came and how many responses
         (and error responses) went, its status and where its deadline ran out."""
         tracing = self.core.tracing
+        speaks = _Speaks(self.settings.stream_messages == "mlserver")
         if tracing is None:
             try:
-                async for reply in self._stream_infer(requests, context, None):
+                async for reply in self._stream_infer(requests, context, None, speaks):
                     yield reply
             except ServingError as exc:  # MLServer's streams: the error is the stream's status
                 await abort(context, *grpc_status(exc))
@@ -205,10 +232,11 @@ class GrpcDoor:
         responses = errors = 0
         code = grpc.StatusCode.OK
         try:
-            async with contextlib.aclosing(self._stream_infer(counted, context, span)) as replies:
+            stream = self._stream_infer(counted, context, span, speaks)
+            async with contextlib.aclosing(stream) as replies:
                 async for reply in replies:
                     responses += 1
-                    errors += not self._mlserver_streams and reply[:1] == _ERROR_MESSAGE_TAG
+                    errors += not speaks.mlserver and reply[:1] == _ERROR_MESSAGE_TAG
                     yield reply
         except (asyncio.CancelledError, GeneratorExit):
             code = _ended_early(span, context)
@@ -231,10 +259,16 @@ class GrpcDoor:
         requests: AsyncIterator[bytes],
         context: Context,
         span: Span | None,
+        speaks: _Speaks,
     ) -> AsyncGenerator[bytes, None]:
         """Routed by the model of its first routable message, over that model's
         pool's lane; the pool answers the rest in-stream. A message that cannot
-        be routed before then is answered with its error, and the next one tried."""
+        be routed before then is answered with its error, and the next one tried.
+        Under ``stream_messages`` "auto" the stream speaks MLServer's messages
+        from there on when that model is an MLServer model (``speaks``); an
+        error before then speaks MLServer's when every model of the router is
+        an MLServer model (a client of such a server has MLServer's stubs),
+        else KServe's."""
         route: PoolRoute | None = None
         first = b""
         while route is None:
@@ -245,11 +279,19 @@ class GrpcDoor:
             try:
                 name, version = peek_model(first)
                 refuse_reserved(first)
+                if name in self.repository.ensembles.plans:
+                    raise Unimplemented(
+                        f"ensemble '{clip(name)}' answers ModelInfer only, not ModelStreamInfer"
+                    )
                 route = self.routes.route(name)
                 deadline = self.core.deadline(remaining(context))
             except ServingError as exc:
                 route = None
-                yield self._stream_error(exc, exc.message)
+                if self.settings.stream_messages == "auto":
+                    speaks.mlserver = await self.mlserver_models.all_of(self.routes.routes)
+                yield self._stream_error(exc, exc.message, speaks.mlserver)
+        if self.settings.stream_messages == "auto":
+            speaks.mlserver = await self.mlserver_models.has(name)
         assert route.lane is not None
         if span is not None:
             span.set_attribute("poolserve.model.name", name)
@@ -271,20 +313,17 @@ class GrpcDoor:
                         if span is not None and item.failure is Failure.DEADLINE:
                             deadline_event(span, item.stage or "router", item.message)
                         message = f"{grpc_status(item)[0].name}: {item.message}"
-                        yield self._stream_error(item, message)
+                        yield self._stream_error(item, message, speaks.mlserver)
                         return
                     yield item
         except ServingError as exc:  # the lane is not reachable
-            yield self._stream_error(exc, exc.message)
+            yield self._stream_error(exc, exc.message, speaks.mlserver)
 
-    @property
-    def _mlserver_streams(self) -> bool:
-        return self.settings.stream_messages == "mlserver"
-
-    def _stream_error(self, exc: ServingError, message: str) -> bytes:
+    @staticmethod
+    def _stream_error(exc: ServingError, message: str, mlserver: bool) -> bytes:
         """An error in a stream: a ModelStreamInferResponse with ``message`` (Triton,
         KServe); with MLServer's stream messages, raised: the stream's status."""
-        if self._mlserver_streams:
+        if mlserver:
             raise exc
         return pb.ModelStreamInferResponse(error_message=message).SerializeToString()
 

@@ -330,6 +330,12 @@ def tls_context(settings: ServerSettings) -> ssl.SSLContext | None:
     if not settings.tls_cert_file:
         return None
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    # RFC 9113 9.2 (the gRPC port's HTTP/2 shares this context): TLS 1.2 or
+    # later without renegotiation or compression, and under TLS 1.2 only the
+    # ephemeral AEAD suites (Appendix A prohibits the CBC ones Python allows)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.options |= ssl.OP_NO_RENEGOTIATION | ssl.OP_NO_COMPRESSION
+    context.set_ciphers("ECDHE+AESGCM:ECDHE+CHACHA20:DHE+AESGCM:DHE+CHACHA20")
     context.load_cert_chain(settings.tls_cert_file, settings.tls_key_file)
     if settings.tls_client_ca_file:
         context.load_verify_locations(settings.tls_client_ca_file)

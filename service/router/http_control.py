@@ -41,6 +41,8 @@ from poolserve.service.router.http_wire import (
     carried_of,
     small_json,
 )
+from poolserve.service.router.model_repository import MLSERVER_STATES
+from poolserve.service.router.pool_tables import MLServerModels
 from poolserve.service.router.repository import LOAD, UNLOAD, RepositoryCalls
 from poolserve.service.router.routes import Routes
 
@@ -61,6 +63,7 @@ class HttpControl:
         self.core = core
         self.repository = repository
         self.shared_memory = shared_memory
+        self.mlserver_models = MLServerModels(core)  # listed in the index as MLServer lists them
 
     async def answer(
         self, method: str, path: str, scope: Scope, receive: Receive
@@ -165,7 +168,8 @@ class HttpControl:
             request = pb.RepositoryIndexRequest(ready=ready)
             reply = await self.repository.index(request.SerializeToString(), budget, metadata)
             models = pb.RepositoryIndexResponse.FromString(reply).models
-            return 200, orjson.dumps([plain(m) for m in models])
+            mlserver = await self.mlserver_models.current()
+            return 200, orjson.dumps([listed(m, m.name in mlserver) for m in models])
         match = REPOSITORY_PATH.match(path)
         if match is None:
             raise HttpError(404, f"POST {clip(path)} is not an endpoint of this server")
@@ -184,6 +188,9 @@ class HttpControl:
     async def _model_ready(
         self, name: str, version: str, budget: float | None, metadata: list[tuple[str, str]]
     ) -> bool:
+        ensembles = self.repository.ensembles
+        if name in ensembles.plans:
+            return ensembles.ready_version(name, version)
         if name not in self.routes.routes:
             return False  # as the gRPC door: a model that does not exist is not ready
         request = pb.ModelReadyRequest(name=name, version=version)
@@ -198,6 +205,8 @@ class HttpControl:
         budget: float | None,
         metadata: list[tuple[str, str]],
     ) -> bytes:
+        if name in self.repository.ensembles.plans:  # answered here (router/ensemble.py)
+            return self.repository.ensembles.answer(method, name, request.version)
         route = self.routes.route(name)
         return await self.core.forward(route, method, request.SerializeToString(), budget, metadata)
 
@@ -245,6 +254,18 @@ def metadata_json(reply: pb.ModelMetadataResponse) -> bytes:
             "outputs": tensors(reply.outputs),
         }
     )
+
+
+def listed(model: Any, mlserver: bool) -> dict[str, Any]:
+    """A repository index entry as JSON; an MLServer model's as MLServer's REST
+    lists it: its state names (unloaded on request: UNAVAILABLE, no reason), the
+    reason always there (empty too), the version when it has one."""
+    if not mlserver:
+        return plain(model)
+    out = plain(model)
+    out["state"] = MLSERVER_STATES.get(model.state, "UNKNOWN")
+    out["reason"] = "" if model.state == "UNLOADED" else model.reason
+    return out
 
 
 def plain(message: Message) -> dict[str, Any]:

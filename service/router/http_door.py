@@ -57,6 +57,7 @@ from poolserve.service.contract.slab import THRESHOLD as SLAB_THRESHOLD
 from poolserve.service.grpcserver.shm import SharedMemory
 from poolserve.service.grpcserver.status import http_status
 from poolserve.service.grpcserver.tracing import Tracing, deadline_event
+from poolserve.service.router import ensemble_rest
 from poolserve.service.router.custom_routes import CustomRoutes
 from poolserve.service.router.forwarding import SPAN, Forwarder
 from poolserve.service.router.http_connection import HttpConnection, tls_context
@@ -116,6 +117,7 @@ class HttpDoor:
         self.shared_memory = shared_memory
         self.replies = replies  # the router's one budget of unread replies, both doors
         self.control = HttpControl(settings, routes, core, repository, shared_memory)
+        self.ensembles = repository.ensembles  # run in the router (router/ensemble.py)
         self.custom = CustomRoutes(core)  # MLServer models' @custom_handler endpoints
         self.state = ServerState()
         self._server: asyncio.base_events.Server | None = None
@@ -378,6 +380,15 @@ class HttpDoor:
                     f"Inference-Header-Content-Length {header_length} is past the end of "
                     f"the {size}-byte body"
                 )
+            if name in self.ensembles.plans and protocol == V2:
+                connection.forwarding = asyncio.current_task()
+                try:
+                    reply = await self._ensemble(
+                        name, version, headers, chunks, header_length, budget, scope
+                    )
+                finally:
+                    connection.forwarding = None
+                return await self._answer_reply(connection, send, reply)
             rest = RestHead(
                 header_length if protocol == V2 else None,
                 encoding_of(headers),
@@ -427,6 +438,24 @@ class HttpDoor:
         else:  # the body is still coming: answered, and the connection closed
             connection.refuse(status, message)
         return status
+
+    async def _ensemble(
+        self,
+        name: str,
+        version: str,
+        headers: dict[bytes, bytes],
+        chunks: list[bytes],
+        header_length: int | None,
+        budget: float | None,
+        scope: Scope,
+    ) -> bytes:
+        """An ensemble's call: its body read here, its steps run by the router."""
+        plan = self.ensembles.plan(name, version)
+        body = b"".join(chunks)
+        limit = self.settings.max_message_size
+        request, wanted = ensemble_rest.parse(body, header_length, encoding_of(headers), limit)
+        response = await self.ensembles.run(plan, request, budget, carried_of(scope))
+        return ensemble_rest.reply(response, wanted)
 
     async def _answer_reply(self, connection: HttpConnection, send: Send, reply: bytes) -> int:
         """Sends a worker's reply; a large one is counted in the router's reply

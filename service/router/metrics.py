@@ -73,9 +73,43 @@ TRITON_COUNTERS = (
         "Cumulative compute output duration in microseconds",
         "compute_output_ns",
     ),
+    ("nv_cache_num_hits_per_model", "Number of response cache hits per model", "cache_hits"),
+    (
+        "nv_cache_num_misses_per_model",
+        "Number of response cache misses per model",
+        "cache_misses",
+    ),
+    (
+        "nv_cache_hit_duration_per_model",
+        "Cumulative time requests spend retrieving a cached response per model (microseconds)",
+        "cache_hit_ns",
+    ),
+    (
+        "nv_cache_miss_duration_per_model",
+        "Cumulative time requests spend looking up and inserting responses into the cache "
+        "on a cache miss (microseconds)",
+        "cache_miss_ns",
+    ),
 )
 FAILURE_COUNTER = "nv_inference_request_failure"
-UNSUFFIXED = (*(name for name, _, _ in TRITON_COUNTERS), FAILURE_COUNTER)
+EVICTIONS = "nv_cache_num_evictions"  # a pool's response cache (Triton's name before 23.03)
+UNSUFFIXED = (*(name for name, _, _ in TRITON_COUNTERS), FAILURE_COUNTER, EVICTIONS)
+# A pool's response cache (ResponseCacheMetrics): (name, help, its value).
+CACHE_GAUGES: tuple[tuple[str, str, Callable[[cpb.ResponseCacheMetrics], float]], ...] = (
+    ("nv_cache_num_entries", "Responses in the pool's response cache", lambda c: c.entries),
+    (
+        "nv_cache_util",
+        "Response cache utilization (bytes held over response_cache_bytes, 0.0 - 1.0)",
+        lambda c: c.bytes / c.max_bytes if c.max_bytes else 0.0,
+    ),
+    ("poolserve_cache_bytes", "Bytes the pool's response cache holds", lambda c: c.bytes),
+    ("poolserve_cache_max_bytes", "The response cache's bound in bytes", lambda c: c.max_bytes),
+    (
+        "poolserve_cache_max_entries",
+        "The response cache's bound in entries",
+        lambda c: c.max_entries,
+    ),
+)
 # poolserve_batch_size: rows per execution of a batching model (upper bounds).
 BATCH_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 BATCH_COUNT = "poolserve_batch_size:count"
@@ -158,6 +192,8 @@ def pool_counters(metrics: cpb.PoolMetrics) -> dict[str, dict[Key, float]]:
         ("poolserve_worker_restarts", (gid, cause)): float(metrics.worker_restarts.get(cause, 0))
         for cause in RESTART_CAUSES
     }
+    if metrics.HasField("cache"):
+        groups[""][(EVICTIONS, (gid,))] = float(metrics.cache.evictions)
     return groups
 
 
@@ -217,6 +253,7 @@ class Snapshot(Collector):
         yield from self._histograms(totals)
         yield from self._batch_sizes(totals)
         yield from self._pools(totals)
+        yield from self._caches(totals)
         yield from self._routers()
         yield from self._processes()
 
@@ -352,6 +389,22 @@ class Snapshot(Collector):
                     value,
                 )
         yield from (up, queue, workers, ready, restarts, worker_restarts, deadlines)
+
+    def _caches(self, totals: Mapping[Key, float]) -> Iterator[Metric]:
+        """Each pool's response cache: what it holds, its bounds, its evictions."""
+        gauges = [
+            (GaugeMetricFamily(name, doc, labels=("pool",)), value)
+            for name, doc, value in CACHE_GAUGES
+        ]
+        for gid, answer in sorted(self.answers.items()):
+            if answer is not None and answer.HasField("cache"):
+                for family, value in gauges:
+                    family.add_metric((gid,), value(answer.cache))
+        evictions = self._counter(EVICTIONS, "Responses evicted from the pool's response cache")
+        for (fam, labels), count in sorted(totals.items()):
+            if fam == EVICTIONS:
+                evictions.add_sample(EVICTIONS, {"pool": labels[0]}, count)
+        yield from (*(family for family, _ in gauges), evictions)
 
     def _routers(self) -> Iterator[Metric]:
         """What the routers count themselves: calls per router, stalled streams."""

@@ -9,8 +9,9 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 from poolserve.protos import inference_pb2 as pb
-from poolserve.service.contract.errors import FailedPrecondition, ServingError
+from poolserve.service.contract.errors import FailedPrecondition, ServingError, clip
 from poolserve.service.contract.settings import ServerSettings
+from poolserve.service.router.ensemble import Ensembles
 from poolserve.service.router.forwarding import Forwarder, Metadata
 from poolserve.service.router.routes import Routes
 
@@ -24,11 +25,13 @@ class RepositoryCalls:
         settings: ServerSettings,
         routes: Routes,
         core: Forwarder,
+        ensembles: Ensembles,
         learned: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         self.settings = settings
         self.routes = routes
         self.core = core
+        self.ensembles = ensembles  # run here, over the models' pools (router/ensemble.py)
         self.learned = learned  # a fleet: tells the other routers of a route learned here
 
     async def control(
@@ -42,10 +45,26 @@ class RepositoryCalls:
                 "loading and unloading models through the API is disabled (model_control)"
             )
         if method == LOAD and name not in self.routes.routes:
-            await self.routes.learn_route(name)
-            if self.learned is not None and name in self.routes.routes:
+            await self.learn(name)
+            known = name in self.routes.routes or name in self.ensembles.plans
+            if self.learned is not None and known:
                 await self.learned(name)
+        if name in self.ensembles.plans:
+            if method == LOAD:  # read again above; ready when its steps are
+                return pb.RepositoryModelLoadResponse().SerializeToString()
+            raise FailedPrecondition(
+                f"ensemble '{clip(name)}' runs in the router over its steps' models: unload "
+                "those, or remove it from the repository and run `poolserve reload`"
+            )
         return await self.core.forward(self.routes.route(name), method, body, budget, metadata)
+
+    async def learn(self, name: str) -> None:
+        """A name the router does not route: a model added to the repository after
+        start, or an ensemble, new or changed (read again at each load, as Triton
+        reads an ensemble's config; a fleet's other routers are told)."""
+        fresh = await self.routes.learn_route(name)
+        if fresh is not None:
+            self.ensembles.learn(name, fresh)
 
     async def index(self, body: bytes, budget: float | None, metadata: Metadata) -> bytes:
         """Every pool's index merged, with the models that cannot be served."""
@@ -66,6 +85,7 @@ class RepositoryCalls:
                 listed = set(route.models)
                 models = pb.RepositoryIndexResponse.FromString(answer).models
                 merged.models.extend(m for m in models if m.name in listed)
+        merged.models.extend(self.ensembles.index())
         for name, reason in self.routes.invalid.items():
             merged.models.add(name=name, state="UNAVAILABLE", reason=reason)
         if request.ready:
@@ -80,4 +100,5 @@ class RepositoryCalls:
         for _, answer in await self.core.gather("ModelStatistics", empty, budget, metadata):
             if not isinstance(answer, ServingError):
                 merged.model_stats.extend(pb.ModelStatisticsResponse.FromString(answer).model_stats)
+        merged.model_stats.extend(self.ensembles.all_statistics())
         return merged.SerializeToString()

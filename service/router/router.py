@@ -46,6 +46,7 @@ from poolserve.service.lifecycle.limits import (
     trim_heap,
     watch_descriptors,
 )
+from poolserve.service.router.ensemble import Ensembles
 from poolserve.service.router.fleet import Fleet
 from poolserve.service.router.forwarding import Forwarder
 from poolserve.service.router.grpc_door import GrpcDoor
@@ -153,7 +154,11 @@ class Router:
         self.streams = StreamLimit(settings.max_concurrent_streams)  # per connection
         self.core = Forwarder(settings, self.routes, self.shared_memory)
         self.repository = RepositoryCalls(
-            settings, self.routes, self.core, self.fleet.learned if self.fleet.shared else None
+            settings,
+            self.routes,
+            self.core,
+            Ensembles(repository.ensembles, self.routes, self.core),
+            self.fleet.learned if self.fleet.shared else None,
         )
         self.grpc_door = GrpcDoor(
             settings, self.routes, self.core, self.shared_memory, self.replies, self.repository
@@ -199,7 +204,7 @@ class Router:
         # Health here too: the supervisor follows it to say when the server is ready.
         server.add_generic_rpc_handlers((handler, self.health.generic_handler()))
         if self.fleet.shared:
-            fleet = self.fleet.handlers(self.routes.learn_route, self.own_counts)
+            fleet = self.fleet.handlers(self.repository.learn, self.own_counts)
             server.add_generic_rpc_handlers((fleet,))
         self._control_bound = bind_private_unix(server, self.control_path)
         return server

@@ -49,6 +49,7 @@ POOL_METHODS = (
     "RepositoryModelLoad",
     "RepositoryModelUnload",
     "CustomRoutes",  # MLServer models' @custom_handler endpoints (router/custom_routes.py)
+    "MLServerModels",  # which models are MLServer's (router/pool_tables.py)
 )
 
 
@@ -87,6 +88,10 @@ class Routes:
         self.invalid = {bad.name: bad.reason for bad in repository.invalid}
         self.pools: dict[str, PoolRoute] = {}
         self.routes: dict[str, PoolRoute] = {}
+        # counts what the pools' Watch streams said of their models (a load, an
+        # unload): the tables of what only a pool knows (router/pool_tables.py)
+        # ask again after a change
+        self.model_changes = 0
         for gid, models in repository.pools().items():
             route = PoolRoute(gid, pool_socket_path(run_dir, gid), [m.name for m in models])
             self.pools[gid] = route
@@ -100,6 +105,8 @@ class Routes:
         )
         self._generation = 0
         self._tasks: asyncio.TaskGroup | None = None
+        # the ensembles' readiness, by name (router/ensemble.py): their health follows their steps'
+        self.ensembles_ready: Callable[[], dict[str, bool]] = dict
 
     def routed_models(self) -> list[tuple[str, str]]:
         """(model, pool) of every route: the series the router's own counters cover."""
@@ -132,6 +139,8 @@ class Routes:
         for name in self.invalid:
             if name not in self.routes:  # a broken duplicate must not shadow a good model
                 self.health.set(f"model:{name}", False)
+        for name, ready in self.ensembles_ready().items():
+            self.health.set(f"model:{name}", ready)
 
     async def _watch(self, route: PoolRoute, service: str, apply: Callable[[bool], None]) -> None:
         """Follows one health service of a pool for the router's whole life."""
@@ -208,6 +217,8 @@ class Routes:
 
     def _model_applier(self, route: PoolRoute, name: str) -> Callable[[bool], None]:
         def apply(serving: bool) -> None:
+            if route.model_serving.get(name) != serving:
+                self.model_changes += 1
             route.model_serving[name] = serving
             self.sync_health()
 
@@ -304,7 +315,7 @@ class Routes:
         )
         return cpb.SetRoutesResponse(generation=table.generation)
 
-    async def learn_route(self, name: str) -> None:
+    async def learn_route(self, name: str) -> Repository | None:
         """A model added to the repository after start: route it to its pool.
 
         The repository is scanned on a thread, at most once per
@@ -312,14 +323,14 @@ class Routes:
         a flood of loads for names that do not exist costs one scan per interval.
         """
         if self.repo is None:
-            return
+            return None
         try:
             repository = await self.rescanner.fresh()
         except ConfigError as exc:
             raise FailedPrecondition(f"the repository cannot be scanned: {exc}") from None
         settings = repository.model(name)
         if settings is None or name in self.routes:
-            return  # not there: route() answers NOT_FOUND; or a concurrent load routed it
+            return repository  # not there: NOT_FOUND; or a concurrent load routed it
         route = self.pools.get(settings.gid)
         if route is None:
             raise FailedPrecondition(
@@ -330,3 +341,4 @@ class Routes:
         route.models.append(name)
         self.routes[name] = route
         self._watch_model(route, name)
+        return repository

@@ -132,6 +132,8 @@ class _Loops(threading.local):
 class MLModelAdapter(WireModel):
     """An ``mlserver.MLModel`` as a poolserve model."""
 
+    rest_as_mlserver = True  # REST bodies read as MLServer's types read them
+
     def __init__(self, settings: ModelSettings, cls: type[Any]) -> None:
         super().__init__(settings)
         self.cls = cls

@@ -2,7 +2,9 @@
 
 ``parameters.uri`` names the joblib file. The first input is the feature
 matrix; outputs are ``predict`` and, when requested and supported,
-``predict_proba``.
+``predict_proba``. A transformer (an estimator with ``transform`` and no
+``predict``: StandardScaler, PCA, ...) answers ``transform``, so that it can
+be a preprocessing step of an ensemble.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ class SKLearnModel(Model):
         if features.ndim != 2:
             raise InvalidInput(f"input must be 2-D [rows, features], got shape {features.shape}")
         try:
+            if not hasattr(self.estimator, "predict") and hasattr(self.estimator, "transform"):
+                return {"transform": np.asarray(self.estimator.transform(features))}
             outputs = {"predict": np.asarray(self.estimator.predict(features))}
             if hasattr(self.estimator, "predict_proba"):
                 outputs["predict_proba"] = np.asarray(self.estimator.predict_proba(features))

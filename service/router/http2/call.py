@@ -24,7 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from poolserve.service.router.http2.frames import END_HEADERS, END_STREAM, ErrorCode, Kind, frame
+from poolserve.service.router.http2.frames import (
+    END_HEADERS,
+    ErrorCode,
+    Kind,
+    frame,
+    header_frames,
+)
 from poolserve.service.router.http2.replies import Metadata, response_headers, trailers
 
 if TYPE_CHECKING:
@@ -401,7 +407,7 @@ class Call:
         only = not self.headers_sent
         self.headers_sent = True
         block = trailers(conn.encoder, code, details, self._trailing, only)
-        conn.write(frame(Kind.HEADERS, END_HEADERS | END_STREAM, self.stream, block))
+        conn.write(header_frames(self.stream, block, True, conn.peer_frame_size))
         if not self.remote_done:
             conn.reset(self, ErrorCode.NO_ERROR)  # the client may stop sending
         conn.ended(self)
@@ -473,7 +479,7 @@ class Call:
             raise RuntimeError("the response headers are already sent")
         self.headers_sent = True
         block = response_headers(self.conn.encoder, tuple(initial_metadata))
-        self.conn.write(frame(Kind.HEADERS, END_HEADERS, self.stream, block))
+        self.conn.write(header_frames(self.stream, block, False, self.conn.peer_frame_size))
 
     def reply_waits(self, size: int) -> None:
         """The handler's reply of ``size`` bytes waits for room among the unread

@@ -40,6 +40,7 @@ import grpc
 
 from poolserve.service.contract.turns import turn_end
 from poolserve.service.router.http2.call import STREAM_WINDOW
+from poolserve.service.router.http2.fields import Malformed, Validity
 from poolserve.service.router.http2.frames import (
     ACK,
     DEFAULT_FRAME_SIZE,
@@ -91,6 +92,7 @@ RESET_REMEMBERED = 256  # streams we reset whose late frames are ignored
 UNREAD_FRAMES = 10_000  # answers (not DATA) a client may leave unread (+4 per open stream)
 MAX_CONTINUATIONS = 32  # CONTINUATION frames in one header block
 EMPTY_DATA_FRAMES = 100  # DATA frames in a row with no byte and no END_STREAM
+LINGER_S = 2.0  # after a GOAWAY and our FIN, how long what the client still sends is read
 
 
 class Http2Connection(asyncio.Protocol):
@@ -109,6 +111,8 @@ class Http2Connection(asyncio.Protocol):
         self.handshaken = False
         self.decoder = Decoder(max_header_list_size=settings.http_max_header_bytes)
         self.encoder = TableEncoder()  # our replies' (the client's table size bounds it)
+        self.validity = Validity()  # RFC 9113 8.1-8.3: malformed requests are reset
+        self._content_left: dict[int, int] = {}  # streams with a content-length: bytes to come
         self.calls: dict[int, Call] = {}
         self.last_stream = 0  # the highest stream the client opened
         self.send_window = DEFAULT_WINDOW  # the connection's, for what we send
@@ -131,6 +135,7 @@ class Http2Connection(asyncio.Protocol):
         self.empty_data = 0  # DATA frames in a row that carried nothing
         self.going_away = False
         self.closed = False
+        self.lingering = False  # closed for an error: reading what the client still sends
         self._continuation: tuple[int, int, bytearray] | None = None
         self._continuations = 0  # CONTINUATION frames of the block in _continuation
         self._reset_streams: dict[int, None] = {}  # the last ones we reset, in order
@@ -276,12 +281,26 @@ class Http2Connection(asyncio.Protocol):
         self._abort_calls()
 
     def close(self, code: ErrorCode = ErrorCode.NO_ERROR, why: str = "") -> None:
-        if self.closed or self.transport is None:
+        """GOAWAY, then the connection is closed. For an error, only our end
+        (FIN): what the client still sends is read and dropped for up to
+        LINGER_S, as a socket closed with unread bytes sends a TCP reset,
+        which can destroy the GOAWAY before the client reads it."""
+        transport = self.transport
+        if self.closed or transport is None:
             return
         self._queue(goaway(self.last_stream, code, why.encode()[:256]))
         self._flush()
         self.closed = True
-        self.transport.close()
+        if code is ErrorCode.NO_ERROR or not transport.can_write_eof():  # (TLS cannot)
+            transport.close()
+            return
+        try:
+            transport.write_eof()
+        except OSError:  # the client is gone already
+            transport.abort()
+            return
+        self.lingering = True
+        self._arm("linger", LINGER_S, transport.abort)
 
     # -- reading frames ----------------------------------------------------------
 
@@ -368,8 +387,10 @@ class Http2Connection(asyncio.Protocol):
         elif kind == Kind.WINDOW_UPDATE:
             self._window_update(stream, payload)
         elif kind == Kind.RST_STREAM:
-            if stream == 0 or len(payload) != 4:
-                raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "a malformed RST_STREAM")
+            if stream == 0:
+                raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "RST_STREAM on stream 0")
+            if len(payload) != 4:  # RFC 9113 6.4
+                raise ConnectionError_(ErrorCode.FRAME_SIZE_ERROR, "a RST_STREAM not of 4 bytes")
             if self._idle(stream):
                 raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "RST_STREAM on an idle stream")
             call = self.calls.pop(stream, None)
@@ -383,8 +404,10 @@ class Http2Connection(asyncio.Protocol):
         elif kind == Kind.SETTINGS:
             self._settings(flags, stream, payload)
         elif kind == Kind.PING:
-            if stream != 0 or len(payload) != 8:
-                raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "a malformed PING")
+            if stream != 0:
+                raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "PING on a stream")
+            if len(payload) != 8:  # RFC 9113 6.7
+                raise ConnectionError_(ErrorCode.FRAME_SIZE_ERROR, "a PING not of 8 bytes")
             if flags & ACK:
                 self._ping_sent = None
             else:
@@ -392,10 +415,16 @@ class Http2Connection(asyncio.Protocol):
         elif kind == Kind.GOAWAY:
             if stream != 0:
                 raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "GOAWAY on a stream")
+            if len(payload) < 8:  # RFC 9113 4.2: too short for its fields
+                raise ConnectionError_(ErrorCode.FRAME_SIZE_ERROR, "a GOAWAY under 8 bytes")
             self.going_away = True  # the client opens no more; its calls go on
         elif kind == Kind.PRIORITY:
-            if stream == 0 or len(payload) != 5:
-                raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "a malformed PRIORITY")
+            if stream == 0:
+                raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "PRIORITY on stream 0")
+            if len(payload) != 5:  # RFC 9113 6.3: a stream error (on an idle one: no RST_STREAM)
+                if self._idle(stream):
+                    raise ConnectionError_(ErrorCode.FRAME_SIZE_ERROR, "a PRIORITY not of 5 bytes")
+                raise StreamError(ErrorCode.FRAME_SIZE_ERROR, "a PRIORITY not of 5 bytes")
         elif kind == Kind.PUSH_PROMISE:
             raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "a client may not push")
         # frames of unknown kinds are ignored (RFC 9113 5.5)
@@ -420,15 +449,31 @@ class Http2Connection(asyncio.Protocol):
         self.give_back()
         call = self.calls.get(stream)
         if call is None:
-            if stream > self.last_stream:
+            if self._idle(stream):
                 raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "DATA on an idle stream")
-            return  # a stream we already ended: its data is dropped (counted above)
+            if stream in self._reset_streams:
+                return  # it crossed our RST_STREAM: dropped (counted above), RFC 9113 5.1
+            raise StreamError(ErrorCode.STREAM_CLOSED, "DATA on a closed stream")  # 6.1
         if call.remote_done:  # half-closed (remote): its request already ended
             raise StreamError(ErrorCode.STREAM_CLOSED, "DATA after END_STREAM")
         call.receive_window -= len(payload)
         if call.receive_window < 0:  # RFC 9113 6.9.1: more than the stream was given
             raise StreamError(ErrorCode.FLOW_CONTROL_ERROR, "DATA past the stream's window")
-        call.received(unpadded(flags, payload), bool(flags & END_STREAM), len(payload))
+        body = unpadded(flags, payload)
+        if self._content_left and stream in self._content_left:
+            self._count_content(stream, len(body), bool(flags & END_STREAM))
+        call.received(body, bool(flags & END_STREAM), len(payload))
+
+    def _count_content(self, stream: int, size: int, end: bool) -> None:
+        """A request with a content-length holds its DATA to it (RFC 9113 8.1.1)."""
+        left = self._content_left[stream] - size
+        if left < 0 or (end and left):
+            del self._content_left[stream]
+            raise StreamError(ErrorCode.PROTOCOL_ERROR, "DATA unlike the content-length")
+        if end:
+            del self._content_left[stream]
+        else:
+            self._content_left[stream] = left
 
     def give_back(self) -> None:
         """The connection's window, given back in large steps while the
@@ -491,6 +536,12 @@ class Http2Connection(asyncio.Protocol):
                 raise StreamError(ErrorCode.STREAM_CLOSED, "HEADERS after END_STREAM")
             if not end:
                 raise StreamError(ErrorCode.PROTOCOL_ERROR, "trailers without END_STREAM")
+            try:
+                self.validity.trailers(headers)
+            except Malformed as exc:
+                raise StreamError(ErrorCode.PROTOCOL_ERROR, str(exc)) from None
+            if self._content_left and stream in self._content_left:
+                self._count_content(stream, 0, True)
             call.received(b"", True, 0)
             return
         if stream % 2 == 0:
@@ -500,6 +551,15 @@ class Http2Connection(asyncio.Protocol):
                 return  # a stream we reset: what crossed our RST_STREAM is ignored
             raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, f"HEADERS on closed stream {stream}")
         self.last_stream = stream
+        try:
+            length = self.validity.request(headers)
+        except Malformed as exc:  # RFC 9113 8.1.1: the stream is reset, no call begins
+            raise StreamError(ErrorCode.PROTOCOL_ERROR, str(exc)) from None
+        if length >= 0:
+            if end and length:
+                raise StreamError(ErrorCode.PROTOCOL_ERROR, "no DATA for the content-length")
+            if not end:
+                self._content_left[stream] = length
         if self.going_away or len(self.calls) >= self.max_streams:
             # (max_concurrent_streams bounds the calls: each handler counts its
             # connection's; this bounds the streams that have not begun one)
@@ -618,6 +678,8 @@ class Http2Connection(asyncio.Protocol):
 
     def _reset(self, stream: int, code: ErrorCode) -> None:
         self._send_reset(stream, code)
+        if self._content_left:
+            self._content_left.pop(stream, None)
         call = self.calls.pop(stream, None)
         if call is not None:
             call.reset_by_peer()
@@ -631,6 +693,8 @@ class Http2Connection(asyncio.Protocol):
         """``call`` sent its status (or was reset): the stream is closed."""
         if self.calls.get(call.stream) is call:
             del self.calls[call.stream]
+            if self._content_left:
+                self._content_left.pop(call.stream, None)
             self.resets.answered(call)
             self._maybe_idle()
 
@@ -745,6 +809,11 @@ class Http2Connection(asyncio.Protocol):
         self.go_away("max_connection_age_s")
         grace = self.server.settings.max_connection_age_grace_s
         self._arm("grace", grace, self._abort_calls)
+
+    def drop(self) -> None:
+        """The server stops: a connection still lingering after an error is closed now."""
+        if self.lingering and self.transport is not None:
+            self.transport.abort()
 
     def _abort_calls(self) -> None:
         if self.transport is not None and not self.closed:

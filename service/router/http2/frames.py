@@ -83,6 +83,21 @@ def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
     return HEADER.pack(size >> 16, size & 0xFFFF, kind, flags, stream) + payload
 
 
+def header_frames(stream: int, block: bytes, end: bool, max_size: int) -> bytes:
+    """A header block as one HEADERS frame or, past the peer's
+    SETTINGS_MAX_FRAME_SIZE (``max_size``), HEADERS and CONTINUATION frames
+    (RFC 9113 4.2, 6.10), to be written as one piece: nothing between them."""
+    flags = END_STREAM if end else 0
+    if len(block) <= max_size:
+        return frame(Kind.HEADERS, flags | END_HEADERS, stream, block)
+    last = len(block) - max_size
+    out = [frame(Kind.HEADERS, flags, stream, block[:max_size])]
+    for at in range(max_size, len(block), max_size):
+        more = END_HEADERS if at >= last else 0
+        out.append(frame(Kind.CONTINUATION, more, stream, block[at : at + max_size]))
+    return b"".join(out)
+
+
 def frame_header(kind: int, flags: int, stream: int, size: int) -> bytes:
     return HEADER.pack(size >> 16, size & 0xFFFF, kind, flags, stream)
 

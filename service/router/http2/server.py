@@ -109,4 +109,6 @@ class GrpcServer:
             await asyncio.wait(tasks)
         for conn in list(self.connections):
             conn.close()
+        for conn in list(self.connections):  # closed for an error: no longer lingering
+            conn.drop()
         await self._server.wait_closed()
