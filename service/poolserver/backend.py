@@ -212,6 +212,8 @@ class PoolBackend:
         """The request's probe of the response cache (None: not cached) and the
         reply it found; a hit is counted when ``answer`` (it is the answer), a
         miss when ``count_miss`` (the request is computed next)."""
+        if not self.cache.caches(entry):
+            return None, None  # (every request of an uncached model: no clock read)
         began = time.monotonic_ns()
         probe = self.cache.probe(entry, request, routing)
         if probe is None:
