@@ -37,7 +37,7 @@ from typing import Any
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 TITLE = "Ensembles (two light steps)"
-ISSUE = 44
+ISSUE = "44"  # a string, as every part's issue is (the report joins them)
 INFER = "/inference.GRPCInferenceService/ModelInfer"
 LATENCY_TARGET = 1.3  # ensemble p50 / direct p50, at c1
 THROUGHPUT_TARGET = 2.0  # ensemble calls/s / a client's own two-step pipelines/s, at c16

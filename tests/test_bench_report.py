@@ -840,3 +840,17 @@ def test_the_cache_row_is_the_median_of_each_rounds_hits_over_computed() -> None
     assert found["cells"]["echo"]["cpu_ms"] == pytest.approx(0.2)
     text = cache_part.section({"cache": found})
     assert "echo_cached (hits)" in text and "2.50x" in text
+
+
+ensemble_part = load("_bench_ensemble", ROOT / "bench" / "ensemble.py")
+
+
+def test_the_ensemble_rows_render_in_the_targets_table() -> None:
+    # a quick bench run of 2026-12-03 failed here: the rows' issue was an int
+    found = {"latency_ratio": 1.5, "throughput_ratio": 2.5, "ensemble_p50_ms": 1.2,
+             "direct_p50_ms": 0.8, "client_two_calls_p50_ms": 1.7, "ensemble_rps": 3000.0,
+             "client_two_calls_rps": 1200.0}  # fmt: skip
+    rows = ensemble_part.targets({"ensemble": found})
+    text = report.targets_table({"targets": rows})
+    assert "| 44 | ensemble of two light steps" in text and "| MISS |" in text
+    assert "| PASS |" in text  # the throughput row: 2.5 >= 2.0
