@@ -30,8 +30,8 @@ wait for one of its calls to end (their deadline), as before.
 
 Once :data:`TRIM_AFTER` (or a connection's bound) was held and then no
 request byte came for :data:`IDLE_S`, malloc is asked to give the freed
-memory back (at most once per :data:`TRIM_EVERY_S`, and once more
-:data:`AGAIN_S` later if still none came): requests and replies
+memory back (at most once per :data:`TRIM_EVERY_S`, and again after each
+wait of :data:`AGAIN_S` while still none came): requests and replies
 under 16 MiB come from the heap (limits.return_large_frees), whose free
 chunks glibc returns only from its top, and the heap trimmer
 (limits.HeapTrimmer) waits 10 s between trims. Six reps of 3 x 16 concurrent
@@ -54,7 +54,9 @@ SMALL = 1 << 20  # a connection holding less is not held back by the total bound
 TRIM_AFTER = 64 << 20  # held at once: freed memory is given back when all is released
 TRIM_EVERY_S = 1.0
 IDLE_S = 0.5  # no request byte for this long after TRIM_AFTER was held: trimmed
-AGAIN_S = 2.0  # and once more this long after, if still no request came
+# and again after each of these, while still no request came: what the last calls'
+# ends free later (replies a loaded pool answers late, their slabs, connections)
+AGAIN_S = (2.0, 5.0, 15.0)
 PER_CONNECTION = "max_request_bytes_held"
 TOTAL = "max_request_bytes_held_total"
 
@@ -193,7 +195,7 @@ class RequestBudget:
         wait = max(IDLE_S, self._trimmed_at + TRIM_EVERY_S - self.clock())
         self._timer = asyncio.get_running_loop().call_later(wait, self._idle, self.arrivals)
 
-    def _idle(self, arrivals: int, again: bool = True) -> None:
+    def _idle(self, arrivals: int, again: int = 0) -> None:
         self._timer = None
         if self.total:
             return  # busy again: the next release of everything looks again
@@ -205,6 +207,6 @@ class RequestBudget:
         self.peak = 0
         self.trimmed += 1
         self.trim()
-        if again:  # what the last calls' ends free after (replies, connections): once more
+        if again < len(AGAIN_S):  # what the last calls' ends free later: look again
             loop = asyncio.get_running_loop()
-            self._timer = loop.call_later(AGAIN_S, self._idle, arrivals, False)
+            self._timer = loop.call_later(AGAIN_S[again], self._idle, arrivals, again + 1)
