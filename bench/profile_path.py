@@ -44,6 +44,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import install
+import large_tensors
 import perf
 import servers
 
@@ -103,8 +104,21 @@ def shim(label: str, source: Path) -> Path:
     return top
 
 
+@dataclass(frozen=True)
+class Load:
+    """What a cell sends: echo FP32 [1,16], or (``--large``) the 9.2 MiB echo of
+    bench/large_tensors.py, read from its input data file."""
+
+    shape: tuple[int, ...] | None = None  # the echo model's declared shape; None: [1, 16]
+    dims: str | None = None  # perf_analyzer's --shape
+    extra: tuple[str, ...] = ()
+
+
+LOAD = Load()
+
+
 def start(subject: Subject, run_dir: Path, venvs: dict[str, Path]) -> servers.Running:
-    layout = servers.Layout(models=("echo",))
+    layout = servers.Layout(models=("echo",), shape=LOAD.shape)
     workdir = run_dir / subject.label
     load = servers.Workload(1, workdir / "burn.count")
     ctx = servers.Context(workdir, servers.free_port(), load, layout, venvs, servers.free_port())
@@ -124,7 +138,7 @@ def start(subject: Subject, run_dir: Path, venvs: dict[str, Path]) -> servers.Ru
         servers.wait_line(server, timeout=120)
         ready = subprocess.run(
             [sys.executable, str(ROOT / "bench" / "client.py"), "ready", server.address,
-             "--models", "echo", "--timeout", "120", "--warm", "3"],
+             "--models", "echo", "--timeout", "120", "--warm", "0" if LOAD.shape else "3"],
             capture_output=True, text=True, timeout=300,
         )  # fmt: skip
         if '"ready": true' not in ready.stdout:
@@ -206,7 +220,8 @@ def cell(
     peek = threading.Timer(2.0, lambda: split.extend(connections_by_router(server)))
     peek.start()
     result = perf.run(pa.binary, {**os.environ, **pa.env}, server.address, "echo", concurrency,
-                      window_ms, out / f"{subject.label}.csv", 300)  # fmt: skip
+                      window_ms, out / f"{subject.label}.csv", 300, LOAD.dims,
+                      LOAD.extra)  # fmt: skip
     wall = time.monotonic() - began
     after = cpu_by_role(server)
     switched = switches_by_role(server)
@@ -265,7 +280,7 @@ def profile(subject: Subject, pa: install.PerfAnalyzer, window_ms: int, out: Pat
                                                   stderr=subprocess.DEVNULL)))  # fmt: skip
     time.sleep(0.5)  # let py-spy attach before the load starts
     perf.run(pa.binary, {**os.environ, **pa.env}, server.address, "echo", concurrency,
-             window_ms, folder / "perf.csv", 300)  # fmt: skip
+             window_ms, folder / "perf.csv", 300, LOAD.dims, LOAD.extra)  # fmt: skip
     for _, _, spy in spies:
         try:
             spy.wait(seconds + 30)
@@ -438,6 +453,11 @@ def main() -> None:
         action="store_true",
         help="also each tree with routers: 2 (the fleet's echo tree)",
     )
+    parser.add_argument(
+        "--large",
+        action="store_true",
+        help="the 9.2 MiB echo of bench/large_tensors.py instead of FP32 [1,16] (use -c 8)",
+    )
     args = parser.parse_args()
 
     trees = [t.split("=", 1) for t in args.tree] or [["this", str(ROOT)]]
@@ -454,6 +474,12 @@ def main() -> None:
         subjects.append(Subject("kserve", servers.spec("kserve"), None))
     run_dir = WORK / f"profile-path-{os.getpid()}"
     run_dir.mkdir(parents=True, exist_ok=True)
+    if args.large:
+        global LOAD
+        shape = dict(large_tensors.SIZES)[large_tensors.LARGE]
+        data = large_tensors.data_file(run_dir, large_tensors.LARGE, shape)
+        LOAD = Load(large_tensors.DIMS, "INPUT0:" + ",".join(map(str, shape)),
+                    ("--input-data", str(data)))  # fmt: skip
     results: dict[str, list[dict[str, Any]]] = {s.label: [] for s in subjects}
     try:
         for subject in subjects:
