@@ -682,6 +682,84 @@ def test_a_frame_past_the_size_limit_is_refused_even_when_its_header_comes_in_pi
     asyncio.run(serving(echo, test))
 
 
+def test_frames_cut_anywhere_across_reads_give_the_same_messages_without_buffering_them() -> None:
+    """A large DATA frame's payload goes on to its call as it comes, in parts
+    (views of the reads), instead of waiting whole in the connection's buffer;
+    the message is the same bytes wherever the client's writes cut the frames:
+    inside a frame header, a gRPC length prefix, a payload, at its end."""
+    echo = Echo()
+    message = bytes(range(256)) * 1200  # 307,200 bytes: three DATA frames and a bit
+    prefixed = b"\0" + struct.pack(">I", len(message)) + message
+    sizes = (100_000, 100_000, 100_000, len(prefixed) - 300_000)
+
+    def request(stream: int) -> bytes:
+        headers = [(b":method", b"POST"), (b":scheme", b"http"),
+                   (b":path", path("Unary").encode()), (b":authority", b"x"),
+                   (b"content-type", b"application/grpc")]  # fmt: skip
+        out = frame(Kind.HEADERS, END_HEADERS, stream, Encoder().encode(headers))
+        at = 0
+        for i, size in enumerate(sizes):
+            flags = END_STREAM if i == len(sizes) - 1 else 0
+            out += frame(Kind.DATA, flags, stream, prefixed[at : at + size])
+            at += size
+        return out
+
+    async def test(address: str, server: GrpcServer) -> None:
+        raw = await Raw.open(address, window=1 << 20)
+        raw.writer.write(window_update(0, 1 << 20))
+        await raw.until_kind(Kind.SETTINGS)
+        for stream, cuts in ((1, (3, 60, 70_000, 100_012, 100_020)), (3, (1, 2, 50_000))):
+            data = request(stream)
+            (conn,) = server.connections
+            at = 0
+            for cut in (*cuts, len(data)):
+                raw.writer.write(data[at:cut])
+                await raw.writer.drain()
+                await asyncio.sleep(0.02)  # (separate reads, as a slow client's; not a handshake)
+                assert len(conn.buffer) < 9 + 1024  # at most a frame header (or a small frame)
+                at = cut
+            got = b""
+            while True:
+                kind, flags, on, payload = await asyncio.wait_for(raw.frame(), WAIT)
+                if kind == Kind.DATA and on == stream:
+                    got += payload
+                if kind == Kind.HEADERS and flags & END_STREAM and on == stream:
+                    break
+            assert dict(raw.fields)[b"grpc-status"] == b"0"
+            assert got == prefixed
+        assert server.requests.total == 0
+
+    asyncio.run(serving(echo, test))
+
+
+def test_a_frame_in_parts_whose_stream_ends_midway_drops_its_rest_and_serves_on() -> None:
+    """A unary call's one DATA frame carrying its message and more, in parts: the
+    call is answered INTERNAL when the extra bytes come; the rest of that frame
+    is dropped (counted for the window) and the next call on the connection runs."""
+    echo = Echo()
+
+    async def test(address: str, server: GrpcServer) -> None:
+        raw = await Raw.open(address, window=1 << 20)
+        await raw.until_kind(Kind.SETTINGS)
+        payload = b"\0" + struct.pack(">I", 10) + b"x" * 10 + b"y" * 200_000
+        data = frame(Kind.HEADERS, END_HEADERS, 1, Encoder().encode(_request_headers("Unary")))
+        data += frame(Kind.DATA, END_STREAM, 1, payload)
+        (conn,) = server.connections
+        for at in range(0, len(data), 40_000):
+            raw.writer.write(data[at : at + 40_000])
+            await raw.writer.drain()
+            await asyncio.sleep(0.02)  # (separate reads; not a handshake)
+        _, stream, _ = await raw.until_kind(Kind.HEADERS)
+        fields = dict(raw.fields)
+        assert (stream, fields[b"grpc-status"]) == (1, b"13")
+        raw.call(3, "Unary", b"after")
+        _, stream, reply = await raw.until_kind(Kind.DATA)
+        assert (stream, reply[5:]) == (3, b"after")
+        assert conn._data_left is None and server.requests.total == 0
+
+    asyncio.run(serving(echo, test))
+
+
 def test_a_header_block_in_too_many_continuation_frames_ends_the_connection() -> None:
     """Empty CONTINUATION frames never reach the header-size limit: a block may
     take MAX_CONTINUATIONS of them, one more is ENHANCE_YOUR_CALM."""

@@ -65,13 +65,16 @@ class Call:
 
     __slots__ = (
         "_callbacks",
+        "_chunks",
         "_code",
         "_deadline_timer",
         "_details",
+        "_have",
         "_metadata",
         "_pending",
         "_refusal",
         "_requests",
+        "_size",
         "_trailing",
         "conn",
         "deadline",
@@ -114,7 +117,10 @@ class Call:
         self.encoding = b""
         self.path = ""
         self.task: asyncio.Task[Any] | None = None
-        self._pending = bytearray()
+        self._pending = bytearray()  # a streaming call's bytes of messages still coming
+        self._chunks: list[bytes | memoryview] = []  # a unary call's request, as it came
+        self._have = 0  # their bytes
+        self._size = -1  # its message's size, once its prefix came
         self.held = 0  # request bytes held here (budget.RequestBudget)
         self.partial = 0  # of those, in a message still coming (in _pending)
         self.owed = 0  # stream window taken and not given back yet (a bound held it)
@@ -177,42 +183,41 @@ class Call:
         if end:
             self.received(b"", True, 0)
 
-    def received(self, data: bytes, end: bool, flow: int) -> None:
-        """DATA of this stream (``flow``: its size with padding, for the window)."""
+    def received(self, data: bytes | memoryview, end: bool, flow: int) -> None:
+        """DATA of this stream (``flow``: its size with padding, for the window);
+        a large frame's payload may come in parts, views of the connection's reads."""
         if self.finished:
             return
         limit = self.conn.server.settings.max_message_size
         requests = self._requests
-        if requests is None and end and not self._pending and _whole(data, limit):
-            self.remote_done = True  # one frame, one whole uncompressed message: no copies
+        if requests is None and end and not self._have and _whole(data, limit):
+            self.remote_done = True  # one frame, one whole uncompressed message
             self._hold(len(data))  # until the handler returns
-            self.task = self.conn.spawn(self._run(data[5:]))
+            self.task = self.conn.spawn(self._run(bytes(data[5:])))
             return
         self._hold(len(data), len(data))
         if requests is None:  # one request: its window given back as it comes (within bounds)
             if data:
-                self._pending += data
-                if len(self._pending) >= 5:
-                    size = int.from_bytes(self._pending[1:5], "big")
-                    if size > limit:
-                        self._too_large(size, limit)
+                self._chunks.append(data)
+                self._have += len(data)
+                if self._size < 0 and self._have >= 5:
+                    self._size = int.from_bytes(self._first(5)[1:5], "big")
+                    if self._size > limit:
+                        self._too_large(self._size, limit)
                         return
-                    if len(self._pending) > 5 + size:  # (the window would keep it coming)
-                        self._one_message("more")
-                        return
+                if self._size >= 0 and self._have > 5 + self._size:  # (the window lets it come)
+                    self._one_message("more")
+                    return
             if not end:
                 self.conn.grant(self, flow)
                 return
             self.remote_done = True
-            messages = self._messages(limit)
-            if messages is None:
-                return
-            if len(messages) != 1:
-                self._one_message(str(len(messages)))
+            message = self._message(limit)
+            if message is None:
                 return
             # held until the handler returns: an inflated message counts its own size
-            self._hold(max(len(messages[0]) + 5 - self.held, 0))
-            self.task = self.conn.spawn(self._run(messages[0]))
+            self._hold(max(len(message) + 5 - self.held, 0))
+            self.task = self.conn.spawn(self._run(message))
             return
         self._pending += data
         requests.unread += flow - len(data)  # padding is given back with the next message
@@ -223,6 +228,43 @@ class Call:
         if end:
             self.remote_done = True
             requests.end()
+
+    def _first(self, size: int) -> bytes:
+        """The first ``size`` bytes of a unary request's chunks."""
+        head = b""
+        for chunk in self._chunks:
+            head += bytes(chunk[: size - len(head)])
+            if len(head) == size:
+                break
+        return head
+
+    def _message(self, limit: int) -> bytes | None:
+        """A unary request's one message, joined from its chunks once (the one
+        copy of it in the router); None once the call failed."""
+        if not self._have:
+            self._one_message("0")
+            return None
+        if self._have < 5 + self._size or self._size < 0:
+            self._status(grpc.StatusCode.INTERNAL, "the request ended inside a message")
+            return None
+        compressed = self._first(1) != b"\x00"
+        parts: list[bytes | memoryview] = []
+        skip = 5
+        for chunk in self._chunks:
+            if skip >= len(chunk):
+                skip -= len(chunk)
+            elif skip:
+                parts.append(memoryview(chunk)[skip:])
+                skip = 0
+            else:
+                parts.append(chunk)
+        self._chunks = []
+        self._hold(0, -self._have)  # a whole message now: no longer waiting for more data
+        message = b"".join(parts)
+        del parts
+        if compressed:
+            return self._inflate(message, limit)
+        return message
 
     def _one_message(self, sent: str) -> None:
         self._status(
@@ -242,6 +284,8 @@ class Call:
             self._hold(-self.held, -self.partial)
         if self._pending:
             self._pending = bytearray()  # a request cut short: its bytes go now
+        if self._chunks:
+            self._chunks = []
 
     def _messages(self, limit: int) -> list[bytes] | None:
         """The whole messages received so far; None once the call failed."""
@@ -363,9 +407,8 @@ class Call:
             if self._code is not None and self._code is not grpc.StatusCode.OK:
                 self._status(self._code, self._details)
             else:
-                data = self._framed(body)
-                reply = body = None  # the framed copy is the one sent (unread, held)
-                await self._send_framed(data)
+                reply = None
+                await self._send(body)
                 self._status(grpc.StatusCode.OK, self._details)
         except grpc.aio.AbortError as exc:
             # handlers.abort keeps the exception until the call's done callbacks run,
@@ -382,21 +425,16 @@ class Call:
             self._ended()
 
     async def _send(self, body: bytes) -> None:
-        """One response message (the response headers first)."""
-        await self._send_framed(self._framed(body))
-
-    @staticmethod
-    def _framed(body: bytes) -> bytes:
-        return len(body).to_bytes(5, "big") + body
-
-    async def _send_framed(self, data: bytes) -> None:
+        """One response message (the response headers first): its length prefix
+        and its bytes go out as they are, without joining them first."""
         conn = self.conn
         if not self.headers_sent:
             self.headers_sent = True
             block = response_headers(conn.encoder)
             conn.write(frame(Kind.HEADERS, END_HEADERS, self.stream, block))
-        if not conn.data_frames(self, data, False):
-            await conn.send_data(self, data)
+        prefix = len(body).to_bytes(5, "big")
+        if not conn.data_frames(self, prefix, body):
+            await conn.send_data(self, prefix, body)
 
     def _status(self, code: grpc.StatusCode, details: str) -> None:
         """The trailers (or, with nothing sent yet, the only headers), once."""
@@ -543,7 +581,7 @@ class _Requests:
             yield deserialize(message) if deserialize is not None else message
 
 
-def _whole(data: bytes, limit: int) -> bool:
+def _whole(data: bytes | memoryview, limit: int) -> bool:
     """``data`` is exactly one uncompressed message within ``limit``."""
     size = len(data) - 5
     return 0 <= size <= limit and data[0] == 0 and int.from_bytes(data[1:5], "big") == size

@@ -51,6 +51,7 @@ from poolserve.service.router.http2.frames import (
     HEADER_SIZE,
     MAX_FRAME_SIZE_LIMIT,
     MAX_WINDOW,
+    PADDED,
     PREFACE,
     PRIORITY_FLAG,
     SETTINGS_ACK,
@@ -93,6 +94,20 @@ UNREAD_FRAMES = 10_000  # answers (not DATA) a client may leave unread (+4 per o
 MAX_CONTINUATIONS = 32  # CONTINUATION frames in one header block
 EMPTY_DATA_FRAMES = 100  # DATA frames in a row with no byte and no END_STREAM
 LINGER_S = 2.0  # after a GOAWAY and our FIN, how long what the client still sends is read
+WRITTEN_ALONE = 64 << 10  # a queued part this large is written as it is, not joined
+COPIED_DATA = 4096  # a whole DATA frame's payload from this size on is a view of the read
+
+
+class _DataLeft:
+    """A DATA frame that came in parts: whose, its flags, and its bytes still to come."""
+
+    __slots__ = ("dropped", "flags", "size", "stream")
+
+    def __init__(self, stream: int, flags: int, size: int) -> None:
+        self.stream = stream
+        self.flags = flags
+        self.size = size
+        self.dropped = False  # its stream was reset: the rest is not delivered
 
 
 class Http2Connection(asyncio.Protocol):
@@ -106,7 +121,8 @@ class Http2Connection(asyncio.Protocol):
         self._spawned = 0  # calls' tasks started (data_received arms the turn's end after them)
         self.transport: asyncio.Transport | None = None
         self.peer = ""
-        self.buffer = bytearray()
+        self.buffer = bytearray()  # the start of a frame that is not all here
+        self._data_left: _DataLeft | None = None  # a DATA frame's payload, passed on as it comes
         self.preface = False
         self.handshaken = False
         self.decoder = Decoder(max_header_list_size=settings.http_max_header_bytes)
@@ -139,7 +155,8 @@ class Http2Connection(asyncio.Protocol):
         self._continuation: tuple[int, int, bytearray] | None = None
         self._continuations = 0  # CONTINUATION frames of the block in _continuation
         self._reset_streams: dict[int, None] = {}  # the last ones we reset, in order
-        self._out: list[bytes] = []
+        self._out: list[bytes | memoryview] = []  # written at the end of the turn
+        self._large_parts = 0  # of those, not joined with the rest (WRITTEN_ALONE)
         self._flush_pending = False
         # made by a writer waiting for the client's window; set on WINDOW_UPDATE / SETTINGS
         self._window_opened: asyncio.Event | None = None
@@ -250,8 +267,10 @@ class Http2Connection(asyncio.Protocol):
                 return
         self._queue(data)
 
-    def _queue(self, data: bytes) -> None:
+    def _queue(self, data: bytes | memoryview) -> None:
         self._out.append(data)
+        if len(data) >= WRITTEN_ALONE:
+            self._large_parts += 1
         if not self._flush_pending:
             self._flush_pending = True
             if not self._turn.take(self._flush):
@@ -259,12 +278,19 @@ class Http2Connection(asyncio.Protocol):
 
     def _flush(self) -> None:
         self._flush_pending = False
-        if self._out and self.transport is not None and not self.closed:
-            data = b"".join(self._out) if len(self._out) > 1 else self._out[0]
-            self._out.clear()
-            self.transport.write(data)
+        out = self._out
+        if out and self.transport is not None and not self.closed:
+            self._out = []
+            if len(out) == 1:
+                self.transport.write(out[0])
+            elif self._large_parts:
+                self._large_parts = 0
+                _write_joined(self.transport, out)
+            else:
+                self.transport.write(b"".join(out))
         else:
-            self._out.clear()
+            out.clear()
+            self._large_parts = 0
 
     def _flooded(self) -> None:
         """The client keeps sending what needs answers and reads none of them:
@@ -314,14 +340,12 @@ class Http2Connection(asyncio.Protocol):
         if self.closed:
             return
         self.last_read = time.monotonic()
-        if self.buffer:
-            self.buffer += data
-            if len(self.buffer) < self._wanted():
-                return
-            data = bytes(self.buffer)
-            self.buffer.clear()
         at = 0
         if not self.preface:
+            if self.buffer:
+                self.buffer += data
+                data = bytes(self.buffer)
+                self.buffer.clear()
             if len(data) < len(PREFACE):
                 if not PREFACE.startswith(data):
                     self._refuse_not_h2()
@@ -334,19 +358,88 @@ class Http2Connection(asyncio.Protocol):
             self.preface = True
             at = len(PREFACE)
             self._greet()
+        end = len(data)
         try:
-            at = self._frames(data, at)
+            while at < end and not self.closed:
+                if self._data_left is not None:
+                    at = self._data_goes_on(data, at)
+                elif self.buffer:
+                    at = self._straddling(data, at)
+                else:
+                    at = self._frames(data, at)
+                    if at < end and not self.closed:
+                        at = self._incomplete(data, at)
         except ConnectionError_ as exc:
             log.info("router: closing an HTTP/2 connection from %s: %s", self.peer, exc.message)
             self.close(exc.code, exc.message)
-            return
-        if at < len(data) and not self.closed:
-            self.buffer += data[at:]
+
+    def _incomplete(self, data: bytes, at: int) -> int:
+        """The frame at ``at`` is not all here: a DATA frame's payload goes on to
+        its call as it comes (no copy); any other frame waits in the buffer."""
+        if len(data) - at >= HEADER_SIZE and self._streams_data(data, at):
+            return at + HEADER_SIZE
+        self.buffer += data[at:]
+        return len(data)
+
+    def _straddling(self, data: bytes, at: int) -> int:
+        """The buffered start of a frame, completed from ``data`` (only that frame's
+        bytes are copied); the rest of ``data`` is read in place."""
+        buffer = self.buffer
+        end = len(data)
+        if len(buffer) < HEADER_SIZE:
+            take = min(HEADER_SIZE - len(buffer), end - at)
+            buffer += data[at : at + take]
+            at += take
+            if len(buffer) < HEADER_SIZE:
+                return at
+            if self._streams_data(buffer, 0):
+                buffer.clear()
+                return at
+        take = min(self._wanted() - len(buffer), end - at)
+        buffer += data[at : at + take]
+        at += take
+        if len(buffer) < self._wanted():
+            return at
+        whole = bytes(buffer)
+        buffer.clear()
+        self._frames(whole, 0)
+        return at
+
+    def _streams_data(self, data: bytes | bytearray, at: int) -> bool:
+        """Whether the frame whose header is at ``at`` is DATA whose payload is
+        passed on as it arrives (unpadded, not empty); its header is checked now."""
+        high, low, kind, flags, stream = HEADER.unpack_from(data, at)
+        size = high << 16 | low
+        if kind != Kind.DATA or flags & PADDED or not 0 < size <= FRAME_SIZE:
+            return False
+        self._check_header(kind)
+        self._data_left = _DataLeft(stream & 0x7FFFFFFF, flags, size)
+        return True
+
+    def _data_goes_on(self, data: bytes, at: int) -> int:
+        """The next bytes of a DATA frame that came in parts, to its call: as if
+        the client had sent the frame as several (END_STREAM with the last)."""
+        left = self._data_left
+        assert left is not None
+        size = min(left.size, len(data) - at)
+        left.size -= size
+        flags = left.flags
+        if left.size:
+            flags &= ~END_STREAM
+        else:
+            self._data_left = None
+        if left.dropped:  # its stream was reset: counted for the window, dropped
+            self._count_flow(size)
+            return at + size
+        try:
+            self._data(flags, left.stream, memoryview(data)[at : at + size])
+        except StreamError as exc:
+            left.dropped = True
+            self._reset(left.stream, exc.code)
+        return at + size
 
     def _wanted(self) -> int:
         """How many buffered bytes the next frame needs."""
-        if not self.preface:
-            return len(PREFACE)
         if len(self.buffer) < HEADER_SIZE:
             return HEADER_SIZE
         size = self.buffer[0] << 16 | self.buffer[1] << 8 | self.buffer[2]
@@ -354,7 +447,14 @@ class Http2Connection(asyncio.Protocol):
             return HEADER_SIZE
         return HEADER_SIZE + size
 
+    def _check_header(self, kind: int) -> None:
+        if self._continuation is not None and kind != Kind.CONTINUATION:
+            raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "headers not continued")
+        if not self.handshaken and kind != Kind.SETTINGS:
+            raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "the first frame is not SETTINGS")
+
     def _frames(self, data: bytes, at: int) -> int:
+        """The whole frames from ``at``; where the first incomplete one starts."""
         end = len(data)
         unpack = HEADER.unpack_from
         while end - at >= HEADER_SIZE and not self.closed:
@@ -364,20 +464,21 @@ class Http2Connection(asyncio.Protocol):
                 raise ConnectionError_(ErrorCode.FRAME_SIZE_ERROR, f"a frame of {size} bytes")
             if end - at < HEADER_SIZE + size:
                 break
-            payload = data[at + HEADER_SIZE : at + HEADER_SIZE + size]
+            payload: bytes | memoryview
+            if kind == Kind.DATA and size >= COPIED_DATA:
+                payload = memoryview(data)[at + HEADER_SIZE : at + HEADER_SIZE + size]
+            else:
+                payload = data[at + HEADER_SIZE : at + HEADER_SIZE + size]
             at += HEADER_SIZE + size
             stream &= 0x7FFFFFFF
-            if self._continuation is not None and kind != Kind.CONTINUATION:
-                raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "headers not continued")
-            if not self.handshaken and kind != Kind.SETTINGS:
-                raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "the first frame is not SETTINGS")
+            self._check_header(kind)
             try:
                 self._frame(kind, flags, stream, payload)
             except StreamError as exc:
                 self._reset(stream, exc.code)
         return at
 
-    def _frame(self, kind: int, flags: int, stream: int, payload: bytes) -> None:
+    def _frame(self, kind: int, flags: int, stream: int, payload: Any) -> None:
         if kind == Kind.DATA:
             self._data(flags, stream, payload)
         elif kind == Kind.HEADERS:
@@ -433,7 +534,14 @@ class Http2Connection(asyncio.Protocol):
         """Never opened (RFC 9113 5.1): only HEADERS and PRIORITY may name it."""
         return stream > self.last_stream or stream % 2 == 0
 
-    def _data(self, flags: int, stream: int, payload: bytes) -> None:
+    def _count_flow(self, size: int) -> None:
+        """``size`` bytes of DATA received, against the connection's window."""
+        self.unacked += size
+        if self.unacked > CONNECTION_WINDOW:  # past what we gave: memory it may not take
+            raise ConnectionError_(ErrorCode.FLOW_CONTROL_ERROR, "DATA past the window")
+        self.give_back()
+
+    def _data(self, flags: int, stream: int, payload: bytes | memoryview) -> None:
         if stream == 0:
             raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "DATA on stream 0")
         if payload or flags & END_STREAM:
@@ -443,10 +551,7 @@ class Http2Connection(asyncio.Protocol):
             if self.empty_data > EMPTY_DATA_FRAMES:
                 why = f"more than {EMPTY_DATA_FRAMES} empty DATA frames in a row"
                 raise ConnectionError_(ErrorCode.ENHANCE_YOUR_CALM, why)
-        self.unacked += len(payload)
-        if self.unacked > CONNECTION_WINDOW:  # past what we gave: memory it may not take
-            raise ConnectionError_(ErrorCode.FLOW_CONTROL_ERROR, "DATA past the window")
-        self.give_back()
+        self._count_flow(len(payload))
         call = self.calls.get(stream)
         if call is None:
             if self._idle(stream):
@@ -725,23 +830,28 @@ class Http2Connection(asyncio.Protocol):
         call.receive_window += size
         self.write(window_update(call.stream, size))
 
-    def data_frames(self, call: Call, data: bytes, end: bool) -> bool:
-        """Writes ``data`` when the windows have room for all of it at once."""
-        size = len(data)
+    def data_frames(self, call: Call, prefix: bytes, body: bytes) -> bool:
+        """Writes one DATA frame of ``prefix`` and ``body`` when the windows have
+        room for all of it at once."""
+        size = len(prefix) + len(body)
         if size > call.send_window or size > self.send_window or size > self.peer_frame_size:
             return False
         call.send_window -= size
         self.send_window -= size
-        self._queue(frame_header(Kind.DATA, END_STREAM if end else 0, call.stream, size) + data)
+        self._queue(frame_header(Kind.DATA, 0, call.stream, size) + prefix)
+        if body:
+            self._queue(body)
         return True
 
-    async def send_data(self, call: Call, data: bytes) -> None:
-        """Writes ``data`` in DATA frames as the client's windows allow."""
-        view = memoryview(data)
-        while view:
+    async def send_data(self, call: Call, prefix: bytes, body: bytes) -> None:
+        """Writes ``prefix`` and ``body`` in DATA frames as the client's windows
+        allow; the frames' payloads are views of them, not copies."""
+        parts = [memoryview(body), memoryview(prefix)]  # (taken from the end)
+        while parts:
             if self.closed or call.finished:
                 raise asyncio.CancelledError
-            room = min(call.send_window, self.send_window, self.peer_frame_size, len(view))
+            room = min(call.send_window, self.send_window, self.peer_frame_size)
+            room = min(room, sum(len(part) for part in parts))
             if room <= 0:
                 if self._window_opened is None:
                     self._window_opened = asyncio.Event()
@@ -750,8 +860,18 @@ class Http2Connection(asyncio.Protocol):
                 continue
             call.send_window -= room
             self.send_window -= room
-            self._queue(frame_header(Kind.DATA, 0, call.stream, room) + bytes(view[:room]))
-            view = view[room:]
+            self._queue(frame_header(Kind.DATA, 0, call.stream, room))
+            while room:
+                part = parts[-1]
+                if len(part) <= room:
+                    parts.pop()
+                    if part:
+                        self._queue(part)
+                    room -= len(part)
+                else:
+                    self._queue(part[:room])
+                    parts[-1] = part[room:]
+                    room = 0
             if self._paused:
                 await self.drained()
 
@@ -840,6 +960,22 @@ class Http2Connection(asyncio.Protocol):
         else:
             wait = settings.keepalive_time_s
         self._arm("alive", wait, self._check_alive)
+
+
+def _write_joined(transport: asyncio.Transport, parts: list[bytes | memoryview]) -> None:
+    """``parts`` in order: the small ones between two large ones joined, each
+    large one written as it is (joining would copy it once more)."""
+    small: list[bytes | memoryview] = []
+    for part in parts:
+        if len(part) < WRITTEN_ALONE:
+            small.append(part)
+            continue
+        if small:
+            transport.write(b"".join(small) if len(small) > 1 else small[0])
+            small = []
+        transport.write(part)
+    if small:
+        transport.write(b"".join(small) if len(small) > 1 else small[0])
 
 
 def _peer_of(transport: asyncio.Transport) -> str:

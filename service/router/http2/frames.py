@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import struct
 from enum import IntEnum
+from typing import overload
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 HEADER = struct.Struct(">BHBBI")  # length (24 bits: high byte, low 16), type, flags, stream
@@ -132,7 +133,11 @@ def ping(opaque: bytes, ack: bool = False) -> bytes:
     return frame(Kind.PING, ACK if ack else 0, 0, opaque)
 
 
-def unpadded(flags: int, payload: bytes) -> bytes:
+@overload
+def unpadded(flags: int, payload: bytes) -> bytes: ...
+@overload
+def unpadded(flags: int, payload: bytes | memoryview) -> bytes | memoryview: ...
+def unpadded(flags: int, payload: bytes | memoryview) -> bytes | memoryview:
     """A DATA or HEADERS payload without its padding (PADDED flag)."""
     if not flags & PADDED:
         return payload
