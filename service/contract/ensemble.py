@@ -105,6 +105,10 @@ def resolve(ensemble: ModelSettings, models: Mapping[str, ModelSettings]) -> Ens
     )
 
 
+def _version_order(version: str) -> tuple[int, str]:
+    return (int(version), "") if version.isdigit() else (0, version)
+
+
 def _version(source: str, key: str, value: object) -> str:
     if value is None or value == -1 or value == "":
         return ""
@@ -239,11 +243,19 @@ def _check_step(
     where = f"step {index + 1}"
     model = _step_model(source, where, step.model, models)
     if step.version and step.version != model.version:
-        raise ConfigError(
-            source,
-            f"{where}.model_version",
-            f"model '{step.model}' has version {model.version}, not {step.version}",
-        )
+        # ``models`` holds each version of a numbered model as ``name:version`` too
+        versioned = models.get(f"{step.model}:{step.version}")
+        if versioned is None:
+            served = sorted(
+                (m.version for key, m in models.items() if key.startswith(f"{step.model}:")),
+                key=_version_order,
+            ) or [model.version]
+            raise ConfigError(
+                source,
+                f"{where}.model_version",
+                f"model '{step.model}' has version {', '.join(served)}, not {step.version}",
+            )
+        model = versioned
     if model.decoupled:
         raise ConfigError(
             source, where, f"model '{step.model}' is decoupled: an ensemble's steps answer once"

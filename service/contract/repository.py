@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,15 @@ from poolserve.service.contract.settings import (
     SAFE_ID,
     ConfigError,
     read_json_object,
+)
+from poolserve.service.contract.versions import (
+    FIELD as VERSION_POLICY,
+)
+from poolserve.service.contract.versions import (
+    LATEST_ONE,
+    VersionPolicy,
+    numbered_folders,
+    parse_version_policy,
 )
 
 SETTINGS_FILE = "model-settings.json"
@@ -40,6 +49,7 @@ _MODEL_FIELDS = {
     "max_batch_time",
     "platform",
     "versions",
+    VERSION_POLICY,  # Triton's: which numbered version folders are served (contract/versions.py)
     "parallel_workers",
     "warm_workers",
     "cache_enabled",  # MLServer's; poolserve has no response cache
@@ -106,6 +116,25 @@ class ModelSettings:
     # parameters.version was written: False when ``version`` is DEFAULT_VERSION by
     # default (MLServer shows such a model with no version at all)
     version_declared: bool = False
+    # one version of a model with numbered version folders: ``folder`` is the
+    # version's own (``m/2``), the settings file is the model's (``m/``)
+    versioned: bool = False
+    # version_policy as written (None: not written; a numbered model then serves its latest)
+    version_policy: VersionPolicy | None = None
+
+    @property
+    def model_folder(self) -> Path:
+        """The model's folder: its version folder's parent for a numbered version."""
+        return self.folder.parent if self.versioned else self.folder
+
+    def at_version(self, number: int) -> ModelSettings:
+        """These settings as version ``number`` of a numbered model, loading from ``<folder>/N``."""
+        root = self.model_folder
+        folder = root / str(number)
+        uri = self.uri
+        if uri is not None and Path(uri).is_relative_to(root):
+            uri = str(folder / Path(uri).relative_to(root))
+        return replace(self, version=str(number), folder=folder, uri=uri, versioned=True)
 
     @property
     def batching(self) -> BatchPolicy | None:
@@ -126,7 +155,10 @@ class ModelSettings:
 
     @property
     def key(self) -> str:
-        return f"{self.name}:{self.version}" if self.version else self.name
+        """The model's identity in its pool (catalog, zygote, workers, dispatcher):
+        its name, or ``name:version`` for a version of a model with several
+        (names never hold a colon)."""
+        return f"{self.name}:{self.version}" if self.versioned else self.name
 
     @property
     def timeout_s(self) -> float | None:
@@ -167,6 +199,7 @@ class InvalidModel:
     version: str = DEFAULT_VERSION
     gid: str = DEFAULT_POOL
     ensemble: bool = False  # an ensemble's settings that do not check out
+    versioned: bool = False  # a version of a numbered model that cannot be served
 
 
 @dataclass(frozen=True)
@@ -176,6 +209,9 @@ class Repository:
     invalid: tuple[InvalidModel, ...]
     # ensembles run in the router, over the models' pools: no pool of their own
     ensembles: tuple[Ensemble, ...] = ()
+    # versions a model's policy picks that cannot be served (no folder) while
+    # others of it can: its pool lists each UNAVAILABLE (InvalidModel.versioned)
+    unserved: tuple[InvalidModel, ...] = ()
 
     def pools(self) -> dict[str, list[ModelSettings]]:
         """Valid models grouped by gid: one entry per pool, never two for a gid."""
@@ -185,10 +221,17 @@ class Repository:
         return dict(sorted(pools.items()))
 
     def model(self, name: str) -> ModelSettings | None:
-        for model in self.models:
-            if model.name == name:
-                return model
-        return None
+        """The model's settings (its highest version's, for a numbered model)."""
+        found = self.versions(name)
+        return found[-1] if found else None
+
+    def versions(self, name: str) -> list[ModelSettings]:
+        """Every version of a model its policy serves, in increasing order."""
+        return [model for model in self.models if model.name == name]
+
+    def unserved_of(self, gid: str) -> list[InvalidModel]:
+        """The versions of the pool's models that cannot be served."""
+        return [bad for bad in self.unserved if bad.gid == gid]
 
 
 def _tensor_specs(
@@ -328,6 +371,7 @@ def parse_model_settings(path: Path) -> ModelSettings:
     response_cache_setting(source, extra)
     batch_dims = 1 if batch_size > 0 else 0
     inputs = _tensor_specs(source, "inputs", data.get("inputs"), batch_dims)
+    policy = _version_policy(source, data, params, path.parent, platform == "ensemble")
     return ModelSettings(
         name=name,
         implementation=implementation,
@@ -348,7 +392,88 @@ def parse_model_settings(path: Path) -> ModelSettings:
         preferred_batch_sizes=preferred,
         batch_safe_parameters=safe,
         version_declared="version" in params,
+        version_policy=policy,
     )
+
+
+def _version_policy(
+    source: str, data: Mapping[str, Any], params: Mapping[str, Any], folder: Path, ensemble: bool
+) -> VersionPolicy | None:
+    """``version_policy`` as written, checked against the model's layout: it
+    picks among numbered version folders, so it needs some, and it does not
+    go with ``parameters.version`` (MLServer's one named version) or an ensemble."""
+    if VERSION_POLICY not in data:
+        return None
+    policy = parse_version_policy(source, data[VERSION_POLICY])
+    if "version" in params:
+        raise ConfigError(
+            source,
+            VERSION_POLICY,
+            "parameters.version names the model's one version; version_policy picks among "
+            "numbered version folders (1/, 2/, ...): write one or the other",
+        )
+    if ensemble:
+        raise ConfigError(source, VERSION_POLICY, "an ensemble has one version")
+    if not numbered_folders(folder):
+        raise ConfigError(
+            source,
+            VERSION_POLICY,
+            f"the model has no numbered version folders ({folder}/1, {folder}/2, ...) to pick from",
+        )
+    return policy
+
+
+def model_versions(
+    settings: ModelSettings, policy: VersionPolicy | None = None
+) -> tuple[list[ModelSettings], list[InvalidModel]]:
+    """The versions a model's settings serve: itself for a model without numbered
+    version folders (or with ``parameters.version``, MLServer's one version, or an
+    ensemble); else one settings per version its policy (``policy``, or the
+    file's, or the latest one) picks, each loading from its own folder, and an
+    InvalidModel for each picked version that has no folder."""
+    if settings.version_declared or settings.is_ensemble:
+        return [settings], []
+    numbers = numbered_folders(settings.model_folder)
+    if not numbers:
+        return [settings], []
+    chosen = policy or settings.version_policy or LATEST_ONE
+    if policy is not None:
+        settings = replace(settings, version_policy=policy)
+    models, invalid = [], []
+    for number in chosen.select(numbers):
+        if number in numbers:
+            models.append(settings.at_version(number))
+        else:
+            reason = (
+                f"{settings.source}: version {number} of model '{settings.name}' is not in the "
+                f"repository (version_policy {chosen.describe()}; no folder "
+                f"{settings.model_folder / str(number)})"
+            )
+            invalid.append(
+                InvalidModel(
+                    settings.name,
+                    settings.source,
+                    reason,
+                    str(number),
+                    settings.gid,
+                    versioned=True,
+                )
+            )
+    return models, invalid
+
+
+def parse_model_version(path: Path, version: str) -> ModelSettings:
+    """One version's settings (``version`` "": the file's own model): what a
+    zygote loads live and a spawned worker loads, as the pool named it."""
+    settings = parse_model_settings(path)
+    if not version or settings.version_declared or settings.is_ensemble:
+        return settings
+    number = int(version)
+    if number not in numbered_folders(settings.model_folder):
+        raise ConfigError(
+            str(path), VERSION_POLICY, f"version {version} has no folder {path.parent / version}"
+        )
+    return settings.at_version(number)
 
 
 def _name_guess(path: Path) -> str:
@@ -366,29 +491,54 @@ def scan(root: Path) -> Repository:
         raise ConfigError(str(root), "(repository)", "not a directory")
     models: list[ModelSettings] = []
     invalid: list[InvalidModel] = []
-    seen: dict[tuple[str, str], Path] = {}
+    unserved: list[InvalidModel] = []
+    seen: dict[str, Path] = {}
     for path in sorted(root.rglob(SETTINGS_FILE)):
+        if _inside_version_folder(path, seen):
+            continue  # a numbered model's version folder: its files are the version's
         try:
             model = parse_model_settings(path)
+            versions, missing = model_versions(model)
         except ConfigError as exc:
             invalid.append(InvalidModel(_name_guess(path), path, str(exc)))
             continue
-        earlier = seen.get((model.name, model.version))
+        earlier = seen.get(model.name)
         if earlier is not None:
-            reason = f"{path}: duplicate of model '{model.name}' already defined in {earlier}"
+            reason = (
+                f"{path}: duplicate of model '{model.name}' already defined in "
+                f"{earlier / SETTINGS_FILE} (a model's versions are numbered folders "
+                "beside its one model-settings.json)"
+            )
             invalid.append(InvalidModel(model.name, path, reason, model.version, model.gid))
             continue
-        seen[(model.name, model.version)] = path
-        models.append(model)
-    return _with_ensembles(root, models, invalid)
+        seen[model.name] = path.parent
+        if versions:
+            models.extend(versions)
+            unserved.extend(missing)  # listed by the model's pool, per version
+        else:  # no version to serve: the model is invalid, as any
+            reason = "; ".join(bad.reason for bad in missing)
+            invalid.append(InvalidModel(model.name, path, reason, model.version, model.gid))
+    return _with_ensembles(root, models, invalid, unserved)
+
+
+def _inside_version_folder(path: Path, models: Mapping[str, Path]) -> bool:
+    """A settings file in a numbered folder of a model found before it (sorted
+    paths list ``m/model-settings.json`` before ``m/1/...``)."""
+    parent = path.parent
+    return parent.name.isdigit() and parent.parent in set(models.values())
 
 
 def _with_ensembles(
-    root: Path, found: list[ModelSettings], invalid: list[InvalidModel]
+    root: Path,
+    found: list[ModelSettings],
+    invalid: list[InvalidModel],
+    unserved: list[InvalidModel],
 ) -> Repository:
     """The ensembles apart from the models, each checked against them."""
     models = [m for m in found if not m.is_ensemble]
-    by_name = {m.name: m for m in models}
+    by_name: dict[str, ModelSettings] = {}
+    for m in models:  # by name, the highest version (found last); each version by its key
+        by_name[m.name] = by_name[m.key] = m
     ensembles = []
     for settings in found:
         if not settings.is_ensemble:
@@ -401,7 +551,7 @@ def _with_ensembles(
                     settings.name, settings.source, str(exc), settings.version, ensemble=True
                 )
             )
-    return Repository(root, tuple(models), tuple(invalid), tuple(ensembles))
+    return Repository(root, tuple(models), tuple(invalid), tuple(ensembles), tuple(unserved))
 
 
 # A folder with more files than this is not fingerprinted: its loads always

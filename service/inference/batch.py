@@ -25,9 +25,7 @@ from poolserve.protos import inference_pb2 as pb
 from poolserve.service.contract.errors import (
     Failure,
     ModelError,
-    ModelNotFound,
     ServingError,
-    clip,
 )
 from poolserve.service.contract.rest import is_rest
 from poolserve.service.contract.wire import SCHEDULING_KEYS, Wire, peek_model
@@ -35,6 +33,7 @@ from poolserve.service.inference import rest
 from poolserve.service.inference.codec import decode_inputs, encode_outputs, parameters_to_dict
 from poolserve.service.inference.infer import parse_request
 from poolserve.service.inference.model import Array, Model, check_outputs, declared_inputs
+from poolserve.service.inference.named import model_named
 from poolserve.service.inference.rest import Encoder
 from poolserve.service.poolcore.frames import Frame, error_frame, reply_frame
 from poolserve.service.poolcore.stats import Timings
@@ -64,13 +63,14 @@ def run_batch(models: Mapping[str, Model], bodies: Sequence[Wire]) -> list[Frame
     A body may be a view (an inline model's batch holds its lane frames' views)."""
     frames: list[Frame] = [b""] * len(bodies)
     groups: dict[tuple[str, Any], list[_Member]] = {}
+    chosen: dict[str, Model] = {}  # by key: the model each group runs on
     for index, body in enumerate(bodies):
         t0 = time.perf_counter_ns()
         try:
             name, version = peek_model(body)
-            model = models.get(name)
-            if model is None or (version and version != model.settings.version):
-                raise ModelNotFound(f"model '{clip(name)}' is not loaded in this worker")
+            model = model_named(models, name, version)
+            name = model.settings.key
+            chosen[name] = model
             encode: Encoder | None = None
             if is_rest(body):  # an HTTP/REST body: its JSON and binary tensors
                 request, raw, encode = rest.decode(body, model)
@@ -92,7 +92,7 @@ def run_batch(models: Mapping[str, Model], bodies: Sequence[Wire]) -> list[Frame
         key = _compatibility(model, member)
         groups.setdefault((name, key if key is not None else ("alone", index)), []).append(member)
     for (name, _), members in groups.items():
-        for index, frame in _run_group(models[name], members):
+        for index, frame in _run_group(chosen[name], members):
             frames[index] = frame
     return frames
 

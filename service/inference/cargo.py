@@ -78,14 +78,13 @@ def handle_stream(
     its PART frames and then one REPLY or ERROR frame."""
     from poolserve.service.contract.shm import unwrap
     from poolserve.service.contract.wire import peek_model
+    from poolserve.service.inference.named import model_named
     from poolserve.service.inference.stream import stream_infer
 
     try:
         regions, request = unwrap(body)
         name, version = peek_model(request)
-        model = models.get(name)
-        if model is None or (version and version != model.settings.version):
-            raise ModelNotFound(f"model '{clip(name)}' is not loaded in this worker")
+        model = model_named(models, name, version)
         yield from stream_infer(model, request, regions, seq)
     except ServingError as exc:
         yield error_frame(seq, Timings(), exc.failure, exc.message)
@@ -159,14 +158,14 @@ class InferenceCargo:
             emit(
                 {
                     "event": "model",
-                    "name": settings.name,
+                    "name": settings.key,
                     "ok": False,
                     "reason": reason,
                     "traceback": trace,
                 }
             )
             return
-        self.models[settings.name] = model
+        self.models[settings.key] = model
         own_metadata = getattr(model, "own_metadata", None)  # an adapter's server's answer
         routes = custom_routes_json(model)  # before a spawn start lets go of the model
         inputs, outputs = tensor_specs(model)
@@ -174,17 +173,17 @@ class InferenceCargo:
             example, source = warmup_inputs(model, inputs)
         except Exception as exc:  # a model's example() or settings example is broken
             example, source = None, f"no warm-up: its example failed: {type(exc).__name__}: {exc}"
-        self.examples[settings.name] = example
+        self.examples[settings.key] = example
         if self.start_method == "spawn":  # each worker loads its own copy
-            self.sources[settings.name] = settings.source
-            del self.models[settings.name], model
-            self.examples.pop(settings.name, None)
+            self.sources[settings.key] = settings.source
+            del self.models[settings.key], model
+            self.examples.pop(settings.key, None)
             source = "loaded by each spawned worker; its self-test: " + source
-        log.info("model %s: self-test in each fresh worker: %s", settings.name, source)
+        log.info("model %s: self-test in each fresh worker: %s", settings.key, source)
         emit(
             {
                 "event": "model",
-                "name": settings.name,
+                "name": settings.key,
                 "ok": True,
                 "inputs": specs_json(inputs),
                 "outputs": specs_json(outputs),
@@ -198,7 +197,8 @@ class InferenceCargo:
     def apply(self, message: Mapping[str, Any], emit: Emit) -> None:
         op = message.get("op")
         if op == "load":
-            self.live_load(str(message["path"]), emit, message.get("overrides") or {})
+            overrides = message.get("overrides") or {}
+            self.live_load(str(message["path"]), emit, overrides, str(message.get("version", "")))
         elif op == "unload":
             name = str(message["name"])
             self.models.pop(name, None)
@@ -206,19 +206,23 @@ class InferenceCargo:
             self.sources.pop(name, None)
             emit({"event": "unloaded", "name": name})
 
-    def live_load(self, path: str, emit: Emit, overrides: Mapping[str, Any]) -> None:
-        """Loads the model of a settings file, with the fields a load's config
+    def live_load(
+        self, path: str, emit: Emit, overrides: Mapping[str, Any], version: str = ""
+    ) -> None:
+        """Loads the model of a settings file (``version``: that version of a
+        model with numbered version folders), with the fields a load's config
         overrode (``max_batch_size``, ``extra``) set over the file's."""
         from dataclasses import replace
 
-        from poolserve.service.contract.repository import parse_model_settings
+        from poolserve.service.contract.repository import parse_model_version
         from poolserve.service.contract.settings import ConfigError
 
         try:
-            settings = parse_model_settings(Path(path))
+            settings = parse_model_version(Path(path), version)
         except ConfigError as exc:
             name = Path(path).parent.name
-            emit({"event": "model", "name": name, "ok": False, "reason": str(exc)})
+            key = f"{name}:{version}" if version else name
+            emit({"event": "model", "name": key, "ok": False, "reason": str(exc)})
             return
         if overrides:
             settings = replace(settings, **overrides)
@@ -250,8 +254,9 @@ class InferenceCargo:
             "--heartbeat",
             str(heartbeat_s),
         ]
-        for path in self.sources.values():
-            argv += ["--model", str(path)]
+        for key, path in self.sources.items():
+            _, _, version = key.partition(":")
+            argv += ["--model", str(path), "--version", version]
         for name in skip:
             argv += ["--skip", name]
         sock.set_inheritable(True)  # the one descriptor the new process gets
@@ -322,10 +327,15 @@ class InferenceZygote(ForkedZygote):
     ) -> None:
         super().__init__(functools.partial(InferenceCargo, settings, start_method), heartbeat_s)
 
-    def load(self, settings_path: Path, overrides: Mapping[str, Any] | None = None) -> None:
-        """Asks the zygote to (re)load the model of this settings file, with
-        ``overrides`` (JSON values) set over the file's fields."""
+    def load(
+        self, settings_path: Path, overrides: Mapping[str, Any] | None = None, version: str = ""
+    ) -> None:
+        """Asks the zygote to (re)load the model of this settings file (``version``:
+        that version of a numbered model), with ``overrides`` (JSON values) set
+        over the file's fields."""
         message: dict[str, Any] = {"op": "load", "path": str(settings_path)}
+        if version:
+            message["version"] = version
         if overrides:
             message["overrides"] = dict(overrides)
         self.command(message)

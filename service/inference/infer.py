@@ -20,9 +20,7 @@ from poolserve.service.contract.errors import (
     InvalidInput,
     MessageTooLarge,
     ModelError,
-    ModelNotFound,
     ServingError,
-    clip,
 )
 from poolserve.service.contract.rest import is_rest
 from poolserve.service.contract.shm import Region, unwrap
@@ -44,6 +42,7 @@ from poolserve.service.inference.model import (
     class_labels,
     declared_inputs,
 )
+from poolserve.service.inference.named import model_named
 from poolserve.service.inference.rawwire import Buffer, raw_output_parts, split_raw_inputs
 from poolserve.service.inference.shm import SharedTensors
 from poolserve.service.poolcore.stats import Timings
@@ -134,10 +133,7 @@ def infer_named(models: Mapping[str, Model], data: Buffer) -> tuple[list[Buffer]
 
 
 def _model_named(models: Mapping[str, Model], name: str, version: str) -> Model:
-    model = models.get(name)
-    if model is None or (version and version != model.settings.version):
-        raise ModelNotFound(f"model '{clip(name)}' is not loaded in this worker")
-    return model
+    return model_named(models, name, version)
 
 
 def _split(data: Buffer) -> tuple[Buffer, list[memoryview]]:

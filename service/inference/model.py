@@ -119,16 +119,23 @@ class ImplementationError(Exception):
 
 
 def _import_from_folder(settings: ModelSettings, module_name: str) -> Any:
-    file = settings.folder / (module_name.replace(".", "/") + ".py")
+    # A version of a numbered model: its own folder's file, else the model's
+    # (one model.py beside model-settings.json serving every version folder).
+    relative = module_name.replace(".", "/") + ".py"
+    file = settings.folder / relative
+    if not file.is_file() and settings.versioned:
+        file = settings.model_folder / relative
     if not file.is_file():
         return None
-    # Imported afresh on every load, so that a live reload sees the new code.
-    private = f"poolserve_models.{settings.name}.{module_name}"
+    # Imported afresh on every load, so that a live reload sees the new code;
+    # each version under its own name.
+    owner = settings.name + (f".v{settings.version}" if settings.versioned else "")
+    private = f"poolserve_models.{owner}.{module_name}"
     spec = importlib.util.spec_from_file_location(private, file)
     if spec is None or spec.loader is None:
         raise ImplementationError(f"cannot import {file}")
     module = importlib.util.module_from_spec(spec)
-    folder = str(settings.folder)
+    folder = str(file.parent)
     if folder not in sys.path:
         sys.path.insert(0, folder)  # sibling imports of the model's own files
     previous = sys.modules.get(private)
@@ -187,7 +194,7 @@ def load_model(settings: ModelSettings) -> Model:
     model = instantiate(settings)
     model.load()
     _, outputs = tensor_specs(model)
-    model._poolserve_class_labels = read_labels(settings.folder, outputs)
+    model._poolserve_class_labels = read_labels(settings.model_folder, outputs)
     declared_inputs(model)
     return model
 

@@ -36,6 +36,8 @@ def main(argv: list[str]) -> NoReturn:
     parser.add_argument("--zygote-pid", type=int, required=True)
     parser.add_argument("--heartbeat", type=float, default=1.0)
     parser.add_argument("--model", action="append", default=[])  # model-settings.json paths
+    # each --model's version ("": the file's one model; N: version folder N of it)
+    parser.add_argument("--version", action="append", default=[])
     parser.add_argument("--skip", action="append", default=[])  # models left out
     args = parser.parse_args(argv)
     die_with_parent(args.zygote_pid)
@@ -45,18 +47,19 @@ def main(argv: list[str]) -> NoReturn:
     skip = set(args.skip)
 
     def prepare(announce: Any) -> tuple[worker.Handler, list[worker.Warmup]]:
-        from poolserve.service.contract.repository import parse_model_settings
+        from poolserve.service.contract.repository import parse_model_version
         from poolserve.service.inference.cargo import InferenceCargo
 
         cargo = InferenceCargo([])
         events: list[dict[str, Any]] = []
-        for path in args.model:
-            settings = parse_model_settings(Path(path))
-            if settings.name in skip:
+        versions = args.version + [""] * (len(args.model) - len(args.version))
+        for path, version in zip(args.model, versions, strict=True):
+            settings = parse_model_version(Path(path), version)
+            if settings.key in skip:
                 continue
-            announce(settings.name)
+            announce(settings.key)
             cargo.load_one(settings, events.append)
-            if settings.name not in cargo.models:
+            if settings.key not in cargo.models:
                 reason = events[-1].get("reason", "")
                 log.error(
                     "poolserve worker: model %s: %s",

@@ -168,6 +168,17 @@ class Dispatcher:
     def skipped_hopeless(self) -> int:
         return self.admission.skipped_hopeless
 
+    def holds(self, tag: str) -> bool:
+        """Some job of ``tag`` (a model's key) is queued, or on a worker: running,
+        sent ahead, or waiting for its sequence's worker."""
+        if self.admission.queue.holds(tag):
+            return True
+        for worker in self.roster.workers.values():
+            for job in (worker.current, *worker.ahead, *worker.pinned):
+                if job is not None and job.tag == tag:
+                    return True
+        return False
+
     def queue_depth(self) -> int:
         return len(self.admission.queue)
 

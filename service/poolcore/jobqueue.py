@@ -45,6 +45,10 @@ class JobQueue:
         """Queued jobs that are not streams."""
         return self._count - self.streams
 
+    def holds(self, tag: str) -> bool:
+        """Some job of ``tag`` waits here."""
+        return any(_live(e) and e[4].tag == tag for e in (*self._heap, *self._streams))
+
     def push(
         self, job: Job, precision: float, bounded: bool = True, key: float | None = None
     ) -> None:

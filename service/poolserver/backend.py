@@ -96,7 +96,7 @@ class PoolBackend:
         if self.reject_hopeless:
             self._reject_if_hopeless(entry, plan.deadline)
         sequential = entry.settings is not None and entry.settings.sequence is not None
-        if sequential and entry.name not in self.inline:
+        if sequential and entry.key not in self.inline:
             return await self._infer_in_sequence(entry, request, plan, routing, observe)
         if sequential:  # inline: one thread, every sequence
             return await self._infer_inline_sequence(entry, request, plan, routing, observe)
@@ -115,7 +115,7 @@ class PoolBackend:
                 policy = None
             else:
                 rows, key = peeked
-        if entry.name in self.inline:
+        if entry.key in self.inline:
             batch = None if policy is None else (policy, rows, key)
             return await self.inline.infer(entry, self._inline(request), plan, observe, batch)
         began = time.monotonic_ns()
@@ -125,7 +125,7 @@ class PoolBackend:
                 plan.deadline,
                 priority=plan.priority,
                 idempotent=routing.idempotent,
-                tag=entry.name,
+                tag=entry.key,
                 timeout=entry.settings.timeout_s if entry.settings is not None else None,
                 precision=plan.precision,
                 batch=policy,
@@ -156,7 +156,7 @@ class PoolBackend:
         settings = entry.settings
         if (
             not entry.policy.unary
-            or entry.name in self.inline
+            or entry.key in self.inline
             or (
                 settings is not None
                 and (settings.sequence is not None or settings.batching is not None)
@@ -193,7 +193,7 @@ class PoolBackend:
                 done,
                 priority=plan.priority,
                 idempotent=routing.idempotent,
-                tag=entry.name,
+                tag=entry.key,
                 timeout=settings.timeout_s if settings is not None else None,
                 precision=plan.precision,
             )
@@ -272,7 +272,7 @@ class PoolBackend:
                 request,
                 plan.deadline,
                 sequence=name,
-                tag=entry.name,
+                tag=entry.key,
                 timeout=settings.timeout_s,
             )
         except ServingError as exc:
@@ -288,10 +288,10 @@ class PoolBackend:
     def _sequence_table(self, entry: ModelEntry) -> Sequences:
         settings = entry.settings
         assert settings is not None and settings.sequence is not None
-        table = self.sequences.get(entry.name)
+        table = self.sequences.get(entry.key)
         if table is None or table.policy != settings.sequence:
-            table = self.sequences[entry.name] = Sequences(
-                entry.name, settings.sequence, self.dispatcher
+            table = self.sequences[entry.key] = Sequences(
+                entry.key, settings.sequence, self.dispatcher
             )
         return table
 
@@ -306,13 +306,13 @@ class PoolBackend:
         """An inline sequence model's request, with the sequence rules of workers."""
         settings = entry.settings
         assert settings is not None and settings.sequence is not None
-        table = self.inline_sequences.get(entry.name)
+        table = self.inline_sequences.get(entry.key)
         if table is None or table.policy != settings.sequence:
             if table is not None:
                 table.close()
-            ended = functools.partial(self.inline.end_sequence, entry.name)
-            table = self.inline_sequences[entry.name] = InlineSequences(
-                entry.name, settings.sequence, ended
+            ended = functools.partial(self.inline.end_sequence, entry.key)
+            table = self.inline_sequences[entry.key] = InlineSequences(
+                entry.key, settings.sequence, ended
             )
         try:
             control = peek_sequence(scheduling_view(request, routing))
@@ -334,7 +334,7 @@ class PoolBackend:
         settings = entry.settings
         assert settings is not None and entry.policy.decoupled
         plan = self._plan(entry, routing, deadline)
-        if entry.name in self.inline:
+        if entry.key in self.inline:
             if settings.sequence is not None:
                 raise Unimplemented(
                     f"decoupled sequence model '{entry.name}' runs on workers only; "
@@ -359,7 +359,7 @@ class PoolBackend:
                 plan.deadline,
                 window=settings.stream_window,
                 priority=plan.priority,
-                tag=entry.name,
+                tag=entry.key,
                 timeout=settings.timeout_s,
                 precision=plan.precision,
                 pinned=pinned,
@@ -385,7 +385,7 @@ class PoolBackend:
     ) -> bytes | None:
         """The answer on the spot: a hit of the response cache, or an inline model
         declared fast; None for the rest."""
-        fast = self.inline.runs_on_loop(entry.name)
+        fast = self.inline.runs_on_loop(entry.key)
         if not fast and not self.cache.caches(entry):
             return None
         if entry.settings is not None and entry.settings.sequence is not None:

@@ -54,6 +54,18 @@ class ModelEntry:
     own_metadata: bytes | None = None
     # an MLServer model's @custom_handler endpoints: (method, path template) pairs
     custom_routes: tuple[tuple[str, str], ...] = ()
+    # its identity in the pool (ModelSettings.key): the name, or name:version for a
+    # version of a model with numbered version folders
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.key:
+            self.key = self.name
+
+    @property
+    def versioned(self) -> bool:
+        """One of the versions of a model with numbered version folders."""
+        return self.key != self.name
 
     @property
     def policy(self) -> TransactionPolicy:
@@ -96,7 +108,9 @@ Listener = Callable[[], None]
 
 class Catalog:
     def __init__(self) -> None:
-        self._entries: dict[str, ModelEntry] = {}
+        self._entries: dict[str, ModelEntry] = {}  # by key
+        # the versions of each model with numbered version folders: name -> version -> entry
+        self._versions: dict[str, dict[str, ModelEntry]] = {}
         self._listeners: list[Listener] = []
         self._model_listeners: list[Callable[[str], None]] = []
 
@@ -106,15 +120,35 @@ class Catalog:
     ) -> Catalog:
         catalog = cls()
         for s in models:
-            catalog._entries[s.name] = ModelEntry(
-                s.name, s.version, s.gid, ModelState.LOADING, "loading", s, s.inputs, s.outputs
+            catalog._add(
+                ModelEntry(
+                    s.name,
+                    s.version,
+                    s.gid,
+                    ModelState.LOADING,
+                    "loading",
+                    s,
+                    s.inputs,
+                    s.outputs,
+                    key=s.key,
+                )
             )
         for bad in invalid:
-            catalog._entries.setdefault(
-                bad.name,
-                ModelEntry(bad.name, bad.version, bad.gid, ModelState.UNAVAILABLE, bad.reason),
-            )
+            key = f"{bad.name}:{bad.version}" if bad.versioned else bad.name
+            if key not in catalog._entries:
+                catalog._add(
+                    ModelEntry(
+                        bad.name, bad.version, bad.gid, ModelState.UNAVAILABLE, bad.reason, key=key
+                    )
+                )
         return catalog
+
+    def _add(self, entry: ModelEntry) -> None:
+        self._entries[entry.key] = entry
+        if entry.versioned:
+            versions = self._versions.setdefault(entry.name, {})
+            versions[entry.version] = entry
+            self._versions[entry.name] = dict(sorted(versions.items(), key=_by_version))
 
     def subscribe(self, listener: Listener) -> None:
         self._listeners.append(listener)
@@ -131,33 +165,76 @@ class Catalog:
     def entries(self) -> list[ModelEntry]:
         return list(self._entries.values())
 
-    def find(self, name: str) -> ModelEntry | None:
-        return self._entries.get(name)
+    def find(self, key: str) -> ModelEntry | None:
+        """The entry of a key (a model's name, or ``name:version``), or a
+        numbered model's default version (:meth:`default`) by its name."""
+        entry = self._entries.get(key)
+        if entry is not None:
+            return entry
+        versions = self._versions.get(key)
+        return _default(versions) if versions else None
+
+    def versions(self, name: str) -> list[ModelEntry]:
+        """A model's versions in increasing order (one, for a model without
+        numbered version folders); those unloaded on request left out, unless all are."""
+        entry = self._entries.get(name)
+        if entry is not None and not self._replaced(entry):
+            return [entry]
+        found = list(self._versions.get(name, {}).values())
+        served = [e for e in found if e.state is not ModelState.UNLOADED]
+        return served or found
+
+    def _replaced(self, entry: ModelEntry) -> bool:
+        """A model without numbered folders, unloaded since its folder got some."""
+        return entry.state is ModelState.UNLOADED and entry.name in self._versions
+
+    def version(self, name: str, version: str = "") -> ModelEntry | None:
+        """The entry a call naming ``version`` of model ``name`` means, or None
+        when the model has no such version served (:meth:`lookup` says why)."""
+        entry = self._entries.get(name)
+        if entry is not None and not self._replaced(entry):
+            return entry if not version or version == entry.shown_version else None
+        versions = self._versions.get(name)
+        if not versions:
+            return None
+        if not version:
+            return _default(versions)
+        entry = versions.get(version)
+        return entry if entry is not None and entry.state is not ModelState.UNLOADED else None
 
     def lookup(self, name: str, version: str = "") -> ModelEntry:
         """The entry for a request; NOT_FOUND for unknown names or versions."""
         entry = self._entries.get(name)
-        if entry is None:
+        if entry is not None and not self._replaced(entry):  # one version: the hot path
+            if version and version != entry.shown_version:
+                raise wrong_version(entry, version)
+            return entry
+        found = self.version(name, version)
+        if found is not None:
+            return found
+        default = self.find(name)
+        if default is None:
             raise unknown_model(name)
-        if version and version != entry.shown_version:
-            raise wrong_version(entry, version)
-        return entry
+        raise wrong_version(default, version)
 
     def lookup_ready(self, name: str, version: str = "") -> ModelEntry:
         entry = self.lookup(name, version)
         if not entry.ready:
-            raise ModelNotReady(f"model '{name}' is not ready ({entry.state}: {entry.reason})")
+            which = f" version {entry.version}" if entry.versioned else ""
+            raise ModelNotReady(
+                f"model '{name}'{which} is not ready ({entry.state}: {entry.reason})"
+            )
         return entry
 
     def set_state(
         self,
-        name: str,
+        key: str,
         state: ModelState,
         reason: str = "",
         specs: tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]] | None = None,
         policy: TransactionPolicy | None = None,
     ) -> None:
-        entry = self._entries[name]
+        entry = self._entries[key]
         entry.state = state
         entry.reason = reason
         if specs is not None:
@@ -165,12 +242,12 @@ class Catalog:
         if policy is not None:
             entry.declared = policy
         for listener in self._model_listeners:
-            listener(name)
+            listener(key)
         self._changed()
 
     def upsert(self, settings: ModelSettings) -> ModelEntry:
         """The entry for a model being (re)loaded live; an existing one keeps serving."""
-        entry = self._entries.get(settings.name)
+        entry = self._entries.get(settings.key)
         if entry is None:
             entry = ModelEntry(
                 settings.name,
@@ -181,10 +258,32 @@ class Catalog:
                 settings,
                 settings.inputs,
                 settings.outputs,
+                key=settings.key,
             )
-            self._entries[settings.name] = entry
+            self._add(entry)
             self._changed()
         return entry
+
+    def unserved(self, bad: InvalidModel) -> None:
+        """A version a model's policy picks that cannot be served: listed UNAVAILABLE."""
+        key = f"{bad.name}:{bad.version}"
+        entry = self._entries.get(key)
+        if entry is None:
+            self._add(
+                ModelEntry(
+                    bad.name, bad.version, bad.gid, ModelState.UNAVAILABLE, bad.reason, key=key
+                )
+            )
+            self._changed()
+        elif not entry.ready:
+            self.set_state(key, ModelState.UNAVAILABLE, bad.reason)
+
+    def ready_by_name(self) -> dict[str, bool]:
+        """Each model's health: ready when some version of it is."""
+        ready: dict[str, bool] = {}
+        for e in self._entries.values():
+            ready[e.name] = ready.get(e.name, False) or e.ready
+        return ready
 
     def configured(self) -> list[ModelEntry]:
         """Models that should be serving: every one but those unloaded on request."""
@@ -219,3 +318,23 @@ def wrong_version(entry: ModelEntry, version: str) -> ServingError:
 
 def _numbered(version: str) -> bool:
     return version.isascii() and version.isdigit()
+
+
+def _by_version(item: tuple[str, ModelEntry]) -> tuple[int, str]:
+    version = item[0]
+    return (int(version), "") if _numbered(version) else (0, version)
+
+
+def _default(versions: dict[str, ModelEntry]) -> ModelEntry:
+    """A call with no version gets the highest version ready (Triton's rule), else
+    the highest still configured (a call then hears why it is not ready), else the
+    highest of all."""
+    entries = list(versions.values())
+    for wanted in (
+        lambda e: e.ready,
+        lambda e: e.state is not ModelState.UNLOADED,
+    ):
+        found = [e for e in entries if wanted(e)]
+        if found:
+            return found[-1]
+    return entries[-1]

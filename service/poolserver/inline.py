@@ -117,7 +117,7 @@ class InlineRunner:
         return sum(len(inline.queue) for inline in self._models.values())
 
     async def load(self, models: Sequence[ModelSettings]) -> dict[str, str]:
-        """Loads each model on its own thread; returns the failures by model name.
+        """Loads each model on its own thread; returns the failures by model key.
 
         A failure marks only that model, and a failed reload leaves the
         previous version serving.
@@ -134,16 +134,16 @@ class InlineRunner:
                 trace = "".join(traceback.format_exception(exc))
                 extra = {"model": settings.name, "traceback": trace}
                 log.error("inline model %s: %s", settings.name, reason, extra=extra)
-                failures[settings.name] = reason
-                if settings.name not in self._models:
-                    self._catalog.set_state(settings.name, ModelState.UNAVAILABLE, reason)
+                failures[settings.key] = reason
+                if settings.key not in self._models:
+                    self._catalog.set_state(settings.key, ModelState.UNAVAILABLE, reason)
                 continue
             fast = _declared_fast(model)
             if fast:
                 thread.shutdown(wait=False)
-            self.unload(settings.name)  # a reload replaces the previous one
+            self.unload(settings.key)  # a reload replaces the previous one
             where = f"pool '{self.pool}' (inline model '{settings.name}')"
-            self._models[settings.name] = _Inline(
+            self._models[settings.key] = _Inline(
                 model, None if fast else thread, JobQueue(self.max_queue, where)
             )
             mode = "on the event loop" if fast else "on its own thread"
@@ -151,14 +151,12 @@ class InlineRunner:
             from poolserve.service.inference.model import tensor_specs
 
             policy = model.transaction_policy()  # a class with predict_stream streams here too
-            entry = self._catalog.find(settings.name)
+            entry = self._catalog.find(settings.key)
             if entry is not None:
                 own = getattr(model, "own_metadata", None)  # an adapter's server's answer
                 entry.own_metadata = own if isinstance(own, bytes) else None
                 entry.custom_routes = tuple(getattr(model, "custom_routes", ()))
-            self._catalog.set_state(
-                settings.name, ModelState.READY, "", tensor_specs(model), policy
-            )
+            self._catalog.set_state(settings.key, ModelState.READY, "", tensor_specs(model), policy)
         return failures
 
     async def infer(
@@ -170,7 +168,7 @@ class InlineRunner:
         batch: tuple[BatchPolicy, int, bytes] | None = None,
     ) -> Payload:
         """``batch``: (policy, rows, batch key) when the call may run in a batch."""
-        inline = self._models[entry.name]
+        inline = self._models[entry.key]
         if inline.thread is None:
             return self.infer_now(entry, request, plan.deadline, observe)
         loop = asyncio.get_running_loop()
@@ -207,7 +205,7 @@ class InlineRunner:
                 f"deadline already spent on arrival at pool '{self.pool}'", stage="pool"
             )
         loop = asyncio.get_running_loop()
-        tag = inline.model.settings.name
+        tag = inline.model.settings.key
         job = Job(request, plan.deadline, plan.priority, next(self._seq), loop.create_future(), tag)
         job.enqueued = now
         if batch is not None and batch[1] <= batch[0].max_size:
@@ -324,7 +322,7 @@ class InlineRunner:
         event loop for a model declared fast), between the model's other calls;
         leaving early (the client went away) closes the model's generator there.
         Counted once in the statistics, when the stream ends."""
-        inline = self._models[entry.name]
+        inline = self._models[entry.key]
         thread = inline.thread
         loop = asyncio.get_running_loop()
         began = time.monotonic()
@@ -387,7 +385,7 @@ class InlineRunner:
         observe: Callable[[Result], None] | None = None,
     ) -> bytes:
         """A model declared fast, run here and now (on the event loop)."""
-        model = self._models[entry.name].model
+        model = self._models[entry.key].model
         started = time.monotonic()
         try:
             body, timings = _run(model, request, deadline)

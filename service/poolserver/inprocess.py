@@ -53,10 +53,10 @@ class InProcessBackend:
             except Exception as exc:
                 reason = f"load failed: {type(exc).__name__}: {exc}"
                 log.warning("model %s: %s", settings.name, reason)
-                self._catalog.set_state(settings.name, ModelState.UNAVAILABLE, reason)
+                self._catalog.set_state(settings.key, ModelState.UNAVAILABLE, reason)
                 continue
-            self._models[settings.name] = model
-            self._catalog.set_state(settings.name, ModelState.READY, "", tensor_specs(model))
+            self._models[settings.key] = model
+            self._catalog.set_state(settings.key, ModelState.READY, "", tensor_specs(model))
 
     async def infer(
         self,
@@ -71,7 +71,7 @@ class InProcessBackend:
         queued = time.monotonic_ns()
         if time.monotonic() >= deadline:
             raise DeadlineExceeded(f"deadline exceeded before model '{entry.name}' ran")
-        model = self._models[entry.name]
+        model = self._models[entry.key]
         loop = asyncio.get_running_loop()
         try:
             body, timings = await loop.run_in_executor(self._thread(), infer, model, request)
@@ -110,8 +110,8 @@ class InProcessServer:
     def _sync_health(self) -> None:
         ready = self.servicer.ready()
         self.health.set_many({"": ready, "inference.GRPCInferenceService": ready})
-        for e in self.catalog.entries():
-            self.health.set(f"model:{e.name}", e.ready)
+        for name, ready in self.catalog.ready_by_name().items():
+            self.health.set(f"model:{name}", ready)
 
     async def start(self, address: str | None = None) -> int:
         limit = self.settings.max_message_size

@@ -4,7 +4,8 @@ Triton's clients send ``parameters["config"]``, a model configuration in
 ModelConfig's JSON form (64-bit integers may come as strings, as protobuf's
 JSON mapping writes them), and ``parameters["file:<path>"]`` with the bytes
 of model files. poolserve applies what it can honour (``max_batch_size``;
-``parameters``, merged into the model's ``parameters.extra``), accepts
+``parameters``, merged into the model's ``parameters.extra``; ``version_policy``,
+which of a numbered model's version folders the load serves), accepts
 ``name``, ``platform``, ``backend``, ``input`` and ``output`` when they agree
 with the model, and refuses everything else by name: INVALID_ARGUMENT for
 config it does not support, UNIMPLEMENTED for ``file:`` overrides.
@@ -23,9 +24,12 @@ from typing import Any
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service.contract.errors import InvalidInput, Unimplemented, clip
 from poolserve.service.contract.repository import ModelSettings, TensorSpec
+from poolserve.service.contract.settings import ConfigError
+from poolserve.service.contract.versions import FIELD as VERSION_POLICY
+from poolserve.service.contract.versions import VersionPolicy, parse_version_policy
 from poolserve.service.poolserver.metadata import PLATFORM
 
-APPLIED = ("max_batch_size", "parameters")
+APPLIED = ("max_batch_size", "parameters", VERSION_POLICY)
 CHECKED = ("name", "platform", "backend", "input", "output")
 BACKEND = "python"  # what ModelConfig reports for every poolserve model
 _TENSOR_FIELDS = ("name", "data_type", "dims", "format", "label_filename")
@@ -42,6 +46,8 @@ class LoadRequest:
     max_batch_size: int | None = None
     parameters: Mapping[str, object] = field(default_factory=dict)
     checked: Mapping[str, Any] = field(default_factory=dict)  # must agree with the model
+    # Triton's version_policy: which numbered version folders this load serves
+    version_policy: VersionPolicy | None = None
     key: str = ""  # the override in canonical form: loads with equal keys coalesce
 
     def apply(
@@ -110,12 +116,19 @@ def parse_config(name: str, text: str) -> LoadRequest:
             f"{' and '.join(APPLIED)}, and accepts {', '.join(CHECKED)} that agree with the model)"
         )
     batch = config.get("max_batch_size")
+    policy = None
+    if VERSION_POLICY in config:
+        try:
+            policy = parse_version_policy("config", config[VERSION_POLICY])
+        except ConfigError as exc:
+            raise InvalidInput(f"config field '{exc.field_name}': {clip(exc.problem)}") from None
     return LoadRequest(
         name,
         max_batch_size=None if batch is None else _int32("max_batch_size", batch),
         parameters=_parameters(config.get("parameters", {})),
         checked={key: config[key] for key in CHECKED if key in config},
         key=json.dumps(config, sort_keys=True),
+        version_policy=policy,
     )
 
 

@@ -51,7 +51,8 @@ def run_pool(repo: Path, gid: str, flags: Mapping[str, object]) -> int:
         configure_worker_limits(settings.max_message_size, settings.slab_mapped_bytes)
         # Before any model code loads, here (inline models) or in the zygote and workers.
         limit_native_threads(settings.threads_for(gid), f"pool {gid}")
-        models = scan(repo).pools().get(gid)
+        repository = scan(repo)
+        models = repository.pools().get(gid)
         if not models:
             raise ConfigError(str(repo), "inference_pool_gid", f"no model uses pool '{gid}'")
         run_dir = settings.resolved_run_dir()
@@ -68,7 +69,7 @@ def run_pool(repo: Path, gid: str, flags: Mapping[str, object]) -> int:
     except SocketInUse as exc:
         print(f"poolserve pool: pool '{gid}' cannot work here: {exc}", file=sys.stderr)
         return EXIT_UNRECOVERABLE
-    server = PoolServer(gid, models, settings, path, repo)
+    server = PoolServer(gid, models, settings, path, repo, repository.unserved_of(gid))
     # Fork the zygote now: no gRPC object, thread or exporter exists yet.
     # The zygote and its workers must not keep the run_dir's lock or the ready pipe.
     close = [fd for fd in (pipe.fd if pipe else None, lock.fd if lock else None) if fd is not None]

@@ -30,7 +30,7 @@ _CONFIG_TYPES: dict[str, int] = {
 
 def model_metadata(
     name: str,
-    version: str,
+    versions: Sequence[str],
     platform: str,
     inputs: Sequence[TensorSpec],
     outputs: Sequence[TensorSpec],
@@ -45,7 +45,7 @@ def model_metadata(
 
     return pb.ModelMetadataResponse(
         name=name,
-        versions=[version] if version else [],
+        versions=[v for v in versions if v],
         platform=platform or PLATFORM,
         inputs=tensors(inputs),
         outputs=tensors(outputs),

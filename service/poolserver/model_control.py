@@ -28,24 +28,50 @@ from poolserve.service.contract.errors import (
 )
 from poolserve.service.contract.repository import (
     Fingerprint,
+    InvalidModel,
     ModelSettings,
     Repository,
     TensorSpec,
     TransactionPolicy,
     fingerprint,
+    model_versions,
     parse_model_settings,
 )
 from poolserve.service.contract.settings import ConfigError
 from poolserve.service.grpcserver.pacing import Pacer, Rescanner
 from poolserve.service.inference.cargo import InferenceZygote
+from poolserve.service.poolcore.dispatcher import Dispatcher
 from poolserve.service.poolcore.fleet import Fleet
-from poolserve.service.poolserver.catalog import Catalog, ModelState
+from poolserve.service.poolserver.catalog import Catalog, ModelEntry, ModelState
 from poolserve.service.poolserver.inline import InlineRunner
 from poolserve.service.poolserver.load_request import LoadRequest, parse_load_request
 
 log = logging.getLogger(__name__)
 
 ROLL_TIMEOUT_S = 60.0
+# A version a load leaves out is let go of once no call of it is queued or runs:
+# looked at this often, and for at most this long.
+DRAIN_POLL_S = 0.02
+DRAIN_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """What a load means: each version to serve with its files' fingerprint, and
+    the versions its policy picks that have no folder."""
+
+    name: str
+    versions: list[tuple[ModelSettings, Fingerprint | None]]
+    missing: list[InvalidModel]
+
+    def keys(self) -> set[str]:
+        return {s.key for s, _ in self.versions} | {f"{b.name}:{b.version}" for b in self.missing}
+
+
+def _label(settings: ModelSettings) -> str:
+    """How a load's messages name a model: ``'m'``, or ``'m' version 3``."""
+    version = f" version {settings.version}" if settings.versioned else ""
+    return f"'{settings.name}'{version}"
 
 
 @dataclass(frozen=True)
@@ -67,6 +93,7 @@ class LiveModels:
     inline: InlineRunner
     zygote: InferenceZygote
     fleet: Fleet
+    dispatcher: Dispatcher
     _model_ops: asyncio.Lock
     _flights: dict[tuple[str, str], asyncio.Task[ServingError | None]]
     _model_replies: dict[str, asyncio.Future[ModelReply]]
@@ -114,18 +141,32 @@ class LiveModels:
     async def repository_model_unload(
         self, req: pb.RepositoryModelUnloadRequest, _: Any
     ) -> pb.RepositoryModelUnloadResponse:
-        self.catalog.lookup(req.model_name)
+        """Triton's unload: the whole model, every version of it (one version
+        goes by a load whose version_policy leaves it out)."""
+        name = req.model_name
+        self.catalog.lookup(name)
         async with self._model_ops:
-            self.catalog.set_state(req.model_name, ModelState.UNLOADED, "unloaded on request")
-            self._loaded_from.pop(req.model_name, None)
-            if self.inline.unload(req.model_name):
-                return pb.RepositoryModelUnloadResponse()
-            reply = self._expect_reply(f"unload:{req.model_name}")
-            self.zygote.unload(req.model_name)
-            await reply
-            await self._roll_workers()
-        log.info("pool %s: model %s unloaded", self.gid, req.model_name)
+            keys = [e.key for e in self.catalog.entries() if e.name == name]
+            for key in keys:
+                self.catalog.set_state(key, ModelState.UNLOADED, "unloaded on request")
+            await self._unload_keys(keys)
+        log.info("pool %s: model %s unloaded", self.gid, name)
         return pb.RepositoryModelUnloadResponse()
+
+    async def _unload_keys(self, keys: list[str]) -> None:
+        """Lets the zygote (or the inline runner) go of each model key, then rolls
+        the workers once so that none holds them."""
+        rolled = False
+        for key in keys:
+            self._loaded_from.pop(key, None)
+            if self.inline.unload(key):
+                continue
+            reply = self._expect_reply(f"unload:{key}")
+            self.zygote.unload(key)
+            await reply
+            rolled = True
+        if rolled:
+            await self._roll_workers()
 
     async def _find_settings(self, name: str) -> ModelSettings:
         """The model's settings as its files say now, read on a thread: a model
@@ -158,24 +199,56 @@ class LiveModels:
         except ConfigError as exc:
             raise FailedPrecondition(f"the repository cannot be scanned: {exc}") from None
 
-    async def _wanted(self, request: LoadRequest) -> tuple[ModelSettings, Fingerprint | None]:
-        """The settings a load means (the files' plus its config) and the files' fingerprint."""
-        settings = await self._find_settings(request.name)
-        entry = self.catalog.find(request.name)
-        known = (entry.inputs, entry.outputs) if entry is not None and entry.inputs else None
-        settings = request.apply(settings, known or (settings.inputs, settings.outputs))
-        return settings, await asyncio.to_thread(fingerprint, settings)
+    async def _wanted(self, request: LoadRequest) -> Wanted:
+        """The settings a load means for each version it serves (the files' plus
+        its config), each with its files' fingerprint, and the versions its
+        policy picks that cannot be served."""
+        found = await self._find_settings(request.name)
+        if found.versioned:  # from a scan: the model's own settings, as its file says
+            base = await asyncio.to_thread(_reread, found.source, request.name)
+            found = base if base is not None else found
+        versions, missing = await asyncio.to_thread(model_versions, found, request.version_policy)
+        if not versions:
+            raise FailedPrecondition("; ".join(bad.reason for bad in missing))
+        wanted = []
+        for settings in versions:
+            entry = self.catalog.find(settings.key)
+            known = (entry.inputs, entry.outputs) if entry is not None and entry.inputs else None
+            settings = request.apply(settings, known or (settings.inputs, settings.outputs))
+            wanted.append((settings, await asyncio.to_thread(fingerprint, settings)))
+        return Wanted(request.name, wanted, missing)
 
     def _unchanged(self, settings: ModelSettings, files: Fingerprint | None) -> bool:
         """Loaded already, from these very settings and files: the load has nothing to do."""
-        entry = self.catalog.find(settings.name)
+        entry = self.catalog.find(settings.key)
         return (
             entry is not None
+            and entry.key == settings.key
             and entry.ready
             and entry.settings == settings
             and files is not None
-            and self._loaded_from.get(settings.name) == files
+            and self._loaded_from.get(settings.key) == files
         )
+
+    def _stale(self, wanted: Wanted) -> list[str]:
+        """The keys of the model's versions that serve but the load leaves out."""
+        keep = wanted.keys()
+        return [
+            e.key
+            for e in self.catalog.entries()
+            if e.name == wanted.name and e.key not in keep and e.state is not ModelState.UNLOADED
+        ]
+
+    def _nothing_to_do(self, wanted: Wanted) -> bool:
+        return (
+            all(self._unchanged(s, files) for s, files in wanted.versions)
+            and not self._stale(wanted)
+            and all(self._listed_unserved(bad) for bad in wanted.missing)
+        )
+
+    def _listed_unserved(self, bad: InvalidModel) -> bool:
+        entry = self.catalog.find(f"{bad.name}:{bad.version}")
+        return entry is not None and entry.state is ModelState.UNAVAILABLE
 
     def _expect_reply(self, key: str) -> asyncio.Future[ModelReply]:
         reply: asyncio.Future[ModelReply] = asyncio.get_running_loop().create_future()
@@ -184,47 +257,106 @@ class LiveModels:
 
     async def _load(self, request: LoadRequest) -> None:
         name = request.name
-        settings, files = await self._wanted(request)
-        if self._unchanged(settings, files):
+        wanted = await self._wanted(request)
+        if self._nothing_to_do(wanted):
             log.info("pool %s: model %s is loaded from these files already", self.gid, name)
             return
         if await self._reloads.turn(name):  # it waited: the files may have changed again
-            settings, files = await self._wanted(request)
-            if self._unchanged(settings, files):
+            wanted = await self._wanted(request)
+            if self._nothing_to_do(wanted):
                 return
         async with self._model_ops:
-            entry = self.catalog.upsert(settings)
-            if self._runs_inline(settings):
-                failures = await self.inline.load([settings])  # sets the catalog state
-                if name in failures:
-                    kept = "; the previous version keeps serving" if name in self.inline else ""
-                    raise FailedPrecondition(f"inline model '{name}' {failures[name]}{kept}")
-                entry.settings, entry.version = settings, settings.version
-                self._loaded_from[name] = files
-                return
-            was_ready = entry.ready
-            reply = self._expect_reply(name)
-            self.zygote.load(settings.source, request.overrides(settings))
-            outcome = await reply
-            if not outcome.ok:
-                if not was_ready:
-                    self.catalog.set_state(name, ModelState.UNAVAILABLE, outcome.reason)
-                kept = "; the previous version keeps serving" if was_ready else ""
-                raise FailedPrecondition(f"model '{name}' {outcome.reason}{kept}")
-            self.fleet.respawner.forgive(name)  # a new version: its own self-test and crash record
-            await self._roll_workers()
-            # every worker holds the new version now: its policy replaces the old one
+            failures: list[str] = []
+            rolling: list[tuple[ModelEntry, ModelSettings, Fingerprint | None, ModelReply]] = []
+            for settings, files in wanted.versions:
+                if self._unchanged(settings, files):
+                    continue
+                started = await self._load_version(request, settings, files, failures)
+                if started is not None:
+                    rolling.append(started)
+            if rolling:
+                await self._roll_workers()
+            for entry, settings, files, outcome in rolling:
+                self._serve_version(entry, settings, files, outcome, failures)
+            for bad in wanted.missing:
+                self.catalog.unserved(bad)
+            await self._retire(self._stale(wanted))
+            if failures:
+                raise FailedPrecondition("; ".join(failures))
+
+    async def _load_version(
+        self,
+        request: LoadRequest,
+        settings: ModelSettings,
+        files: Fingerprint | None,
+        failures: list[str],
+    ) -> tuple[ModelEntry, ModelSettings, Fingerprint | None, ModelReply] | None:
+        """One model (or version) loaded by the zygote, or inline: what the roll
+        of the workers then brings in (None: inline, or failed, said in ``failures``)."""
+        key, label = settings.key, _label(settings)
+        entry = self.catalog.upsert(settings)
+        if self._runs_inline(settings):
+            inline_failures = await self.inline.load([settings])  # sets the catalog state
+            if key in inline_failures:
+                kept = "; the previous version keeps serving" if key in self.inline else ""
+                failures.append(f"inline model {label} {inline_failures[key]}{kept}")
+                return None
             entry.settings, entry.version = settings, settings.version
-            entry.declared = outcome.policy
-            entry.own_metadata = self._own_metadata.pop(name, None)
-            entry.custom_routes = self._custom_routes.pop(name, ())
-            failed = self.fleet.respawner.failed_warmup.get(name)
-            if failed is not None:  # the fresh workers of the roll could not warm it up
-                self.catalog.set_state(name, ModelState.UNAVAILABLE, failed)
-                raise FailedPrecondition(f"model '{name}' {failed}")
-            self._loaded_from[name] = files
-            self.catalog.set_state(name, ModelState.READY, "", outcome.specs)
-            log.info("pool %s: model %s loaded live", self.gid, name)
+            self._loaded_from[key] = files
+            return None
+        was_ready = entry.ready
+        reply = self._expect_reply(key)
+        version = settings.version if settings.versioned else ""
+        self.zygote.load(settings.source, request.overrides(settings), version)
+        outcome = await reply
+        if not outcome.ok:
+            if not was_ready:
+                self.catalog.set_state(key, ModelState.UNAVAILABLE, outcome.reason)
+            kept = "; the previous version keeps serving" if was_ready else ""
+            failures.append(f"model {label} {outcome.reason}{kept}")
+            return None
+        self.fleet.respawner.forgive(key)  # a new version: its own self-test and crash record
+        return entry, settings, files, outcome
+
+    def _serve_version(
+        self,
+        entry: ModelEntry,
+        settings: ModelSettings,
+        files: Fingerprint | None,
+        outcome: ModelReply,
+        failures: list[str],
+    ) -> None:
+        """Every worker holds the new load now: its settings and policy replace the old."""
+        key = settings.key
+        entry.settings, entry.version = settings, settings.version
+        entry.declared = outcome.policy
+        entry.own_metadata = self._own_metadata.pop(key, None)
+        entry.custom_routes = self._custom_routes.pop(key, ())
+        failed = self.fleet.respawner.failed_warmup.get(key)
+        if failed is not None:  # the fresh workers of the roll could not warm it up
+            self.catalog.set_state(key, ModelState.UNAVAILABLE, failed)
+            failures.append(f"model {_label(settings)} {failed}")
+            return
+        self._loaded_from[key] = files
+        self.catalog.set_state(key, ModelState.READY, "", outcome.specs)
+        log.info("pool %s: model %s loaded live", self.gid, key)
+
+    async def _retire(self, keys: list[str]) -> None:
+        """Versions a load leaves out: no call starts on them from now on, and
+        they are let go of once the calls they took have finished (or after
+        DRAIN_TIMEOUT_S)."""
+        if not keys:
+            return
+        for key in keys:
+            self.catalog.set_state(key, ModelState.UNLOADED, "unloaded: left out by a load")
+        deadline = asyncio.get_running_loop().time() + DRAIN_TIMEOUT_S
+        while any(self.dispatcher.holds(key) for key in keys):
+            if asyncio.get_running_loop().time() > deadline:
+                log.warning("pool %s: unloading %s with calls still running", self.gid, keys)
+                break
+            await asyncio.sleep(DRAIN_POLL_S)
+        await self._unload_keys(keys)
+        log.info("pool %s: %s unloaded (left out by a load)", self.gid, ", ".join(keys))
 
     async def _roll_workers(self) -> None:
         """Replaces every worker by a fresh fork of the zygote (the fleet's roll:

@@ -25,6 +25,7 @@ from poolserve.service.contract.framing import Payload
 from poolserve.service.contract.lane import LANE_OVERHEAD, Trace, lane_path
 from poolserve.service.contract.repository import (
     Fingerprint,
+    InvalidModel,
     ModelSettings,
     Repository,
     TensorSpec,
@@ -72,6 +73,7 @@ class PoolServer(LiveModels):
         settings: ServerSettings,
         socket_path: Path,
         repo: Path | None = None,
+        unserved: Sequence[InvalidModel] = (),
     ) -> None:
         self.gid = gid
         self.repo = repo
@@ -86,7 +88,8 @@ class PoolServer(LiveModels):
         self.zygote = InferenceZygote(
             self.worker_models, settings.heartbeat_interval_s, self.start_method
         )
-        self.catalog = Catalog.from_settings(self.models)
+        # with the versions its models' policies pick that cannot be served
+        self.catalog = Catalog.from_settings(self.models, unserved)
         self.health = Health()
         limits = Limits(
             settings.max_queue,
@@ -193,7 +196,7 @@ class PoolServer(LiveModels):
 
     def fork_zygote(self, close_in_child: Sequence[int] = ()) -> None:
         # Before the zygote reads them: a file changed after this is seen as changed.
-        self._loaded_from = {m.name: fingerprint(m) for m in self.models}
+        self._loaded_from = {m.key: fingerprint(m) for m in self.models}
         self.zygote.start(close_in_child)
 
     # -- zygote events -----------------------------------------------------
@@ -288,7 +291,7 @@ class PoolServer(LiveModels):
         REST, a stream's requests to it); a pool of decoupled models only keeps
         none back (docs/streaming.md)."""
         others = any(
-            e.ready and e.policy.unary and e.name not in self.inline for e in self.catalog.entries()
+            e.ready and e.policy.unary and e.key not in self.inline for e in self.catalog.entries()
         )
         self.dispatcher.share.reserve = self.settings.unary_workers_for(self.gid) if others else 0
 
@@ -296,8 +299,8 @@ class PoolServer(LiveModels):
         ready = self.servicer.ready()
         self.health.set_many({"": ready, "inference.GRPCInferenceService": ready})
         serving = self.servicer.backend.serving()
-        for e in self.catalog.entries():
-            self.health.set(f"model:{e.name}", e.ready and serving)
+        for name, ready in self.catalog.ready_by_name().items():
+            self.health.set(f"model:{name}", ready and serving)
 
     # -- lifecycle -------------------------------------------------------------
 

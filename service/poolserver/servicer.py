@@ -123,10 +123,11 @@ class InferenceServicer:
     async def model_ready(self, req: pb.ModelReadyRequest, _: Any) -> pb.ModelReadyResponse:
         # As Triton: a model (or version) that does not exist is simply not ready;
         # as MLServer for its models: a version they do not have is NOT_FOUND.
-        entry = self.catalog.find(req.name)
-        if entry is None or (req.version and req.version != entry.shown_version):
-            if entry is not None and entry.mlserver:
-                raise wrong_version(entry, req.version)
+        entry = self.catalog.version(req.name, req.version)
+        if entry is None:
+            named = self.catalog.find(req.name)
+            if named is not None and named.mlserver:
+                raise wrong_version(named, req.version)
             return pb.ModelReadyResponse(ready=False)
         return pb.ModelReadyResponse(ready=entry.ready and self.backend.serving())
 
@@ -143,7 +144,12 @@ class InferenceServicer:
         e = self.catalog.lookup(req.name, req.version)
         if e.own_metadata is not None:  # an MLServer model: as MLServer answers it
             return pb.ModelMetadataResponse.FromString(e.own_metadata)
-        return model_metadata(e.name, e.version, e.platform, e.inputs, e.outputs)
+        # as Triton: every version a call may name (the one asked for, if it asked)
+        versions = [e.shown_version] if req.version or not e.versioned else self._served(e.name)
+        return model_metadata(e.name, versions, e.platform, e.inputs, e.outputs)
+
+    def _served(self, name: str) -> list[str]:
+        return [v.shown_version for v in self.catalog.versions(name)]
 
     async def model_config(self, req: pb.ModelConfigRequest, _: Any) -> pb.ModelConfigResponse:
         e = self.catalog.lookup(req.name, req.version)
@@ -157,8 +163,11 @@ class InferenceServicer:
     async def model_statistics(
         self, req: pb.ModelStatisticsRequest, _: Any
     ) -> pb.ModelStatisticsResponse:
-        if req.name:
+        if req.name and req.version:
             entries = [self.catalog.lookup(req.name, req.version)]
+        elif req.name:  # as Triton: every version of the model
+            self.catalog.lookup(req.name)
+            entries = self.catalog.versions(req.name)
         else:
             entries = self.catalog.entries()
         return pb.ModelStatisticsResponse(
