@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import queue
 import shutil
 import threading
 import urllib.request
@@ -122,6 +123,9 @@ def tree(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serving, st
     add_scale(repo, "latest", [1, 2, 3])  # no policy: Triton's default, the latest one
     add_scale(repo, "every", [1, 2, 3], {"all": {}})
     add_scale(repo, "some", [1, 2, 3], {"specific": {"versions": [1, 3]}})
+    inline = add_scale(repo, "inline", [1, 2], {"all": {}})  # run in the pool server
+    settings = json.loads((inline / "model-settings.json").read_text())
+    (inline / "model-settings.json").write_text(json.dumps({**settings, "parallel_workers": 0}))
     shutil.copytree(
         Path(__file__).resolve().parent.parent / "examples" / "models" / "echo", repo / "echo"
     )
@@ -149,7 +153,7 @@ def http_client(tree: tuple[Serving, str]) -> Iterator[th.InferenceServerClient]
     client.close()
 
 
-SERVED = {"latest": [3], "every": [1, 2, 3], "some": [1, 3], "scale": [2, 3]}
+SERVED = {"latest": [3], "every": [1, 2, 3], "some": [1, 3], "scale": [2, 3], "inline": [1, 2]}
 
 
 def test_each_policy_serves_its_versions_and_an_empty_one_is_the_highest(
@@ -186,8 +190,27 @@ def test_ready_and_metadata_per_version(
         assert list(grpc_client.get_model_metadata(model, last).versions) == [last]
         assert http_client.get_model_metadata(model, last)["versions"] == [last]
         assert grpc_client.get_model_config(model, last).config.name == model
+        assert http_client.get_model_config(model, last)["name"] == model
     error = refused(grpc_client.get_model_metadata, "some", "2")
     assert error.status() == "StatusCode.NOT_FOUND"
+
+
+def test_a_stream_picks_each_requests_version(grpc_client: tc.InferenceServerClient) -> None:
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    grpc_client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        for version in ("1", "", "2"):
+            tensor = tc.InferInput("INPUT0", list(X.shape), "FP32")
+            tensor.set_data_from_numpy(X)
+            grpc_client.async_stream_infer("every", [tensor], model_version=version)
+        got = []
+        for _ in range(3):
+            result, error = answers.get(timeout=WAIT)
+            assert error is None
+            got.append(int(result.as_numpy("VERSION")[0]))
+        assert got == [1, 3, 2]
+    finally:
+        grpc_client.stop_stream()
 
 
 def _successes(client: tc.InferenceServerClient, model: str, version: str = "") -> dict[str, int]:

@@ -90,8 +90,9 @@ class ModelEntry:
         against: none for an MLServer model whose model-settings.json declares
         none (MLServer's registry keeps it unversioned: asking it for "1" is
         NOT_FOUND); :attr:`version` otherwise (Triton's "1" by default)."""
-        if self.mlserver and self.settings is not None and not self.settings.version_declared:
-            return ""
+        settings = self.settings
+        if self.mlserver and settings is not None and not settings.version_declared:
+            return "" if not settings.versioned else self.version
         return self.version
 
     @property

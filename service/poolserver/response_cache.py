@@ -103,8 +103,9 @@ class ResponseCache:
         self.bytes = 0
         self.evictions = 0
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
-        self._generations: dict[str, int] = {}  # per model: bumped by each load
-        # per model: its verdict, and the settings and declared policy it is for
+        # by model key (a version's own: name:version): bumped by each load
+        self._generations: dict[str, int] = {}
+        # by model key: its verdict, and the settings and declared policy it is for
         self._verdicts: dict[str, tuple[object, object, bool]] = {}
 
     @property
@@ -119,7 +120,7 @@ class ResponseCache:
         """Whether the model's replies are cached (its setting, and not a
         decoupled or sequence model, also as the loaded model declares itself)."""
         settings, declared = entry.settings, entry.declared
-        known = self._verdicts.get(entry.name)
+        known = self._verdicts.get(entry.key)
         if known is not None and known[0] is settings and known[1] is declared:
             return known[2]  # (on every request: read once per load)
         policy = entry.policy
@@ -131,7 +132,7 @@ class ResponseCache:
             and not policy.decoupled
             and policy.unary
         )
-        self._verdicts[entry.name] = (settings, declared, verdict)
+        self._verdicts[entry.key] = (settings, declared, verdict)
         return verdict
 
     def probe(self, entry: ModelEntry, request: Payload, routing: Routing) -> Probe | None:
@@ -151,7 +152,7 @@ class ResponseCache:
             return None  # malformed: the worker says what is wrong
         if ident is None:
             return None
-        return Probe(digest.digest(), ident, kind, entry.name, self._generations.get(entry.name, 0))
+        return Probe(digest.digest(), ident, kind, entry.key, self._generations.get(entry.key, 0))
 
     def get(self, probe: Probe) -> bytes | None:
         """The reply for ``probe``'s request, with its id, or None (a miss)."""

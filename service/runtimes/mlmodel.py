@@ -154,6 +154,13 @@ class MLModelAdapter(WireModel):
         from mlserver.repository.load import load_model_settings
 
         ml_settings = load_model_settings(str(self.settings.source))
+        if self.settings.versioned:  # one version of a numbered model: its number, its folder
+            from mlserver.settings import ModelParameters
+
+            parameters = ml_settings.parameters or ModelParameters()
+            parameters.version = self.settings.version
+            parameters.uri = self.settings.uri or str(self.settings.folder)
+            ml_settings.parameters = parameters
         self.mlmodel = self.cls(ml_settings)
         loop = asyncio.new_event_loop()
         try:
