@@ -331,3 +331,11 @@ def test_a_load_may_narrow_the_policy() -> None:
     request.parameters["config"].string_param = json.dumps({"version_policy": {"latest": 1}})
     with pytest.raises(InvalidInput, match=r"config field 'version_policy\.latest'"):
         parse_load_request(request)
+
+
+def test_a_settings_file_in_a_version_folder_is_not_a_model(tmp_path: Path) -> None:
+    folder = _model(tmp_path, "m", [1, 2])
+    (folder / "1" / "model-settings.json").write_text(json.dumps({"name": "other"}))
+    repository = scan(tmp_path)
+    assert [m.key for m in repository.models] == ["m:2"]
+    assert not repository.invalid

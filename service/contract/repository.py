@@ -33,6 +33,7 @@ from poolserve.service.contract.versions import (
     VersionPolicy,
     numbered_folders,
     parse_version_policy,
+    version_number,
 )
 
 SETTINGS_FILE = "model-settings.json"
@@ -494,8 +495,11 @@ def scan(root: Path) -> Repository:
     unserved: list[InvalidModel] = []
     seen: dict[str, Path] = {}
     for path in sorted(root.rglob(SETTINGS_FILE)):
-        if _inside_version_folder(path, seen):
-            continue  # a numbered model's version folder: its files are the version's
+        if (
+            version_number(path.parent.name) is not None
+            and (path.parent.parent / SETTINGS_FILE).is_file()
+        ):
+            continue  # in a version folder of a model: the version's own file, not a model
         try:
             model = parse_model_settings(path)
             versions, missing = model_versions(model)
@@ -519,13 +523,6 @@ def scan(root: Path) -> Repository:
             reason = "; ".join(bad.reason for bad in missing)
             invalid.append(InvalidModel(model.name, path, reason, model.version, model.gid))
     return _with_ensembles(root, models, invalid, unserved)
-
-
-def _inside_version_folder(path: Path, models: Mapping[str, Path]) -> bool:
-    """A settings file in a numbered folder of a model found before it (sorted
-    paths list ``m/model-settings.json`` before ``m/1/...``)."""
-    parent = path.parent
-    return parent.name.isdigit() and parent.parent in set(models.values())
 
 
 def _with_ensembles(
