@@ -24,6 +24,7 @@ from poolserve.service.router.http2.connection import (
     EMPTY_DATA_FRAMES,
     MAX_CONTINUATIONS,
     UNREAD_FRAMES,
+    WRITE_SLICE,
 )
 from poolserve.service.router.http2.frames import (
     ACK,
@@ -756,6 +757,41 @@ def test_a_frame_in_parts_whose_stream_ends_midway_drops_its_rest_and_serves_on(
         _, stream, reply = await raw.until_kind(Kind.DATA)
         assert (stream, reply[5:]) == (3, b"after")
         assert conn._data_left is None and server.requests.total == 0
+
+    asyncio.run(serving(echo, test))
+
+
+def test_a_large_reply_to_a_slow_reader_is_fed_to_the_socket_a_slice_at_a_time() -> None:
+    """A reply in one large DATA frame is not handed to the transport whole (which
+    would copy what the socket does not take at once, most of it): it waits as a
+    view and goes a WRITE_SLICE at a time as the client reads, and a call made
+    meanwhile on the same connection is answered after it, frames intact."""
+    echo = Echo()
+    size = 8 << 20
+
+    async def test(address: str, server: GrpcServer) -> None:
+        raw = await Raw.open(address, preface=False)
+        ours = {Setting.INITIAL_WINDOW_SIZE: 1 << 30, Setting.MAX_FRAME_SIZE: (1 << 24) - 1}
+        raw.writer.write(PREFACE + settings_frame(ours))
+        raw.writer.write(window_update(0, 1 << 30))
+        raw.call(1, "Unary", b"big:%d" % size)
+        (conn,) = server.connections
+        await until(lambda: bool(conn._backlog))  # the client reads nothing yet
+        assert conn.transport is not None
+        assert conn.transport.get_write_buffer_size() <= WRITE_SLICE
+        raw.call(3, "Unary", b"after")
+        got: dict[int, int] = {1: 0, 3: 0}
+        ended: list[int] = []
+        while len(ended) < 2:
+            kind, flags, stream, payload = await asyncio.wait_for(raw.frame(), WAIT)
+            if kind == Kind.DATA:
+                got[stream] += len(payload)
+            elif kind == Kind.HEADERS and flags & END_STREAM:
+                assert dict(raw.fields)[b"grpc-status"] == b"0"
+                ended.append(stream)
+            assert conn.transport.get_write_buffer_size() <= WRITE_SLICE
+        assert got == {1: 5 + size, 3: 5 + len(b"after")}
+        await until(lambda: not conn._backlog and not conn._paused)
 
     asyncio.run(serving(echo, test))
 

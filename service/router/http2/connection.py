@@ -33,6 +33,7 @@ import logging
 import random
 import struct
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -94,7 +95,8 @@ UNREAD_FRAMES = 10_000  # answers (not DATA) a client may leave unread (+4 per o
 MAX_CONTINUATIONS = 32  # CONTINUATION frames in one header block
 EMPTY_DATA_FRAMES = 100  # DATA frames in a row with no byte and no END_STREAM
 LINGER_S = 2.0  # after a GOAWAY and our FIN, how long what the client still sends is read
-WRITTEN_ALONE = 64 << 10  # a queued part this large is written as it is, not joined
+WRITTEN_ALONE = 64 << 10  # a queued part this large is written as it is, not joined ...
+WRITE_SLICE = 512 << 10  # ... and fed to the transport this much at a time
 COPIED_DATA = 4096  # a whole DATA frame's payload from this size on is a view of the read
 
 
@@ -157,6 +159,9 @@ class Http2Connection(asyncio.Protocol):
         self._reset_streams: dict[int, None] = {}  # the last ones we reset, in order
         self._out: list[bytes | memoryview] = []  # written at the end of the turn
         self._large_parts = 0  # of those, not joined with the rest (WRITTEN_ALONE)
+        # what the transport is fed as it drains (_feed): never empty but while it is paused
+        self._backlog: deque[bytes | memoryview] = deque()
+        self._tight = False  # the transport pauses on any byte held, while the backlog waits
         self._flush_pending = False
         # made by a writer waiting for the client's window; set on WINDOW_UPDATE / SETTINGS
         self._window_opened: asyncio.Event | None = None
@@ -211,6 +216,7 @@ class Http2Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._backlog.clear()
         self.server.connections.discard(self)
         for timer in self._timers.values():
             timer.cancel()
@@ -229,6 +235,10 @@ class Http2Connection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self._paused = False
+        if self._backlog:
+            self._feed()
+            if self._paused:  # the transport took its fill again
+                return
         self.unread_frames = 0
         if self._drained is not None:
             self._drained.set()
@@ -279,18 +289,53 @@ class Http2Connection(asyncio.Protocol):
     def _flush(self) -> None:
         self._flush_pending = False
         out = self._out
-        if out and self.transport is not None and not self.closed:
+        transport = self.transport
+        if out and transport is not None and not self.closed:
             self._out = []
-            if len(out) == 1:
-                self.transport.write(out[0])
-            elif self._large_parts:
+            if self._large_parts or self._backlog:
                 self._large_parts = 0
-                _write_joined(self.transport, out)
+                self._backlog.extend(out)
+                self._feed()
+            elif len(out) == 1:
+                transport.write(out[0])
             else:
-                self.transport.write(b"".join(out))
+                transport.write(b"".join(out))
         else:
             out.clear()
             self._large_parts = 0
+
+    def _feed(self, everything: bool = False) -> None:
+        """The backlog to the transport, in order, until the transport holds more
+        than its high-water mark (``resume_writing`` feeds the rest): a large part
+        a :data:`WRITE_SLICE` at a time, so that what the transport copies into
+        its own buffer, the part the socket did not take, is at most a slice,
+        not the rest of a reply. Small parts between are joined. ``everything``:
+        all of it now (the connection is closing)."""
+        backlog = self._backlog
+        transport = self.transport
+        assert transport is not None
+        while backlog and (everything or not self._paused):
+            if not everything and transport.get_write_buffer_size():
+                # it holds a little (under its mark): paused at once, so that the
+                # next slice is fed when it holds nothing, not copied behind it
+                transport.set_write_buffer_limits(high=0, low=0)
+                self._tight = True
+                continue
+            part = backlog.popleft()
+            if len(part) >= WRITTEN_ALONE:
+                if len(part) > WRITE_SLICE and not everything:
+                    view = memoryview(part)
+                    backlog.appendleft(view[WRITE_SLICE:])
+                    part = view[:WRITE_SLICE]
+                transport.write(part)
+                continue
+            small = [part]
+            while backlog and len(backlog[0]) < WRITTEN_ALONE:
+                small.append(backlog.popleft())
+            transport.write(b"".join(small) if len(small) > 1 else small[0])
+        if self._tight and not backlog:
+            self._tight = False
+            transport.set_write_buffer_limits(high=WRITE_HIGH_WATER, low=0)
 
     def _flooded(self) -> None:
         """The client keeps sending what needs answers and reads none of them:
@@ -316,6 +361,8 @@ class Http2Connection(asyncio.Protocol):
             return
         self._queue(goaway(self.last_stream, code, why.encode()[:256]))
         self._flush()
+        if self._backlog:  # (what the client has not read yet, held by the transport now)
+            self._feed(everything=True)
         self.closed = True
         if code is ErrorCode.NO_ERROR or not transport.can_write_eof():  # (TLS cannot)
             transport.close()
@@ -960,22 +1007,6 @@ class Http2Connection(asyncio.Protocol):
         else:
             wait = settings.keepalive_time_s
         self._arm("alive", wait, self._check_alive)
-
-
-def _write_joined(transport: asyncio.Transport, parts: list[bytes | memoryview]) -> None:
-    """``parts`` in order: the small ones between two large ones joined, each
-    large one written as it is (joining would copy it once more)."""
-    small: list[bytes | memoryview] = []
-    for part in parts:
-        if len(part) < WRITTEN_ALONE:
-            small.append(part)
-            continue
-        if small:
-            transport.write(b"".join(small) if len(small) > 1 else small[0])
-            small = []
-        transport.write(part)
-    if small:
-        transport.write(b"".join(small) if len(small) > 1 else small[0])
 
 
 def _peer_of(transport: asyncio.Transport) -> str:
