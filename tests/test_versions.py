@@ -364,7 +364,7 @@ def test_loading_version_3_under_latest_1_drops_no_call(tmp_path: Path) -> None:
             def call_slowly() -> None:
                 with tc.InferenceServerClient(tree.address) as own:
                     try:
-                        slow["answer"] = grpc_infer(own, "m", "2", sleep_ms=3000)
+                        slow["answer"] = grpc_infer(own, "m", "2", sleep_ms=4000)
                     except Exception as exc:
                         slow["error"] = exc
 

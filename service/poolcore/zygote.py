@@ -23,7 +23,9 @@ The pool's end is :mod:`poolserve.service.poolcore.zygote_control`.
 pool -> zygote ``{"op": "spawn", "skip": [names]}`` (a worker whose
 self-test leaves out the models named: their warm-up failed in earlier
 workers), and any other op for the cargo (the inference cargo knows
-``{"op": "load", "path": settings}`` and ``{"op": "unload", "name": N}``);
+``{"op": "load", "path": settings}`` (with ``"version": V``: that version
+folder of a numbered model) and ``{"op": "unload", "name": N}``, N a model's
+key: its name, or ``name:version``);
 zygote -> pool ``{"event": "model", ...}`` (one per load, ok or not; a
 loaded one says its specs and its transaction policy, ``decoupled`` and
 ``unary``, as the loaded model declares them),

@@ -8,6 +8,11 @@ identical requests, has the zygote load it (an inline model loads in the pool
 process), then rolls the workers (the fleet's rolling replacement) so that
 every worker holds the new version; the previous version serves until then.
 One load or unload at a time.
+
+A model with numbered version folders (contract/versions.py) loads each
+version its policy picks (the file's, or the load's config override) that
+changed, with one roll for them all; a version then left out takes no new
+call, and is let go of (one more roll) once no call of it is queued or runs.
 """
 
 from __future__ import annotations
