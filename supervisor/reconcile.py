@@ -183,7 +183,10 @@ class Routes:
     @classmethod
     def of(cls, desired: Desired) -> Routes:
         return cls(
-            {gid: tuple(m.name for m in models) for gid, models in desired.pools.items()},
+            {  # a model's versions are one name
+                gid: tuple(dict.fromkeys(m.name for m in models))
+                for gid, models in desired.pools.items()
+            },
             {bad.name: bad.reason for bad in desired.invalid},
         )
 

@@ -498,8 +498,8 @@ async def _serve(repo: Path, desired: Desired, flags: Mapping[str, object], run_
     address = ""
     listening = asyncio.Event()
 
-    def model_count() -> int:
-        return sum(len(models) for models in reconciler.current.pools.values())
+    def model_count() -> int:  # a model in several versions counts once
+        return len({m.name for models in reconciler.current.pools.values() for m in models})
 
     def ready() -> None:
         nonlocal ready_seen, address

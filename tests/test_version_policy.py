@@ -339,3 +339,17 @@ def test_a_settings_file_in_a_version_folder_is_not_a_model(tmp_path: Path) -> N
     repository = scan(tmp_path)
     assert [m.key for m in repository.models] == ["m:2"]
     assert not repository.invalid
+
+
+def test_a_reload_loads_a_model_whose_versions_changed(tmp_path: Path) -> None:
+    from poolserve.supervisor.reconcile import Desired, plan_reload
+
+    folder = _model(tmp_path, "m", [1, 2], version_policy={"all": {}})
+    _model(tmp_path, "plain", [])
+    before = Desired.load(tmp_path, {})
+    assert plan_reload(before, Desired.load(tmp_path, {})).empty
+    (folder / "3").mkdir()
+    plan = plan_reload(before, Desired.load(tmp_path, {}))
+    (change,) = plan.models
+    assert (change.load, change.unload) == (("m",), ())
+    assert not plan.routes_changed  # the same model, in the same pool

@@ -93,7 +93,8 @@ class Routes:
         # ask again after a change
         self.model_changes = 0
         for gid, models in repository.pools().items():
-            route = PoolRoute(gid, pool_socket_path(run_dir, gid), [m.name for m in models])
+            names = list(dict.fromkeys(m.name for m in models))  # a model's versions: one route
+            route = PoolRoute(gid, pool_socket_path(run_dir, gid), names)
             self.pools[gid] = route
             for name in route.models:
                 self.routes[name] = route
