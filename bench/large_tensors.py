@@ -43,10 +43,10 @@ WINDOW_MS = 3000  # MLServer moves a 9.2 MiB echo a few times a second: windows 
 UNSUPPORTED = ("UNIMPLEMENTED", "Unimplemented", "Method not found", "not supported")
 # Copies of a request's tensor bytes in poolserve's code and in the kernel's
 # socket hops, request and reply ways together, counted in the code path
-# (docs/performance.md, "Large tensors: slabs and copies", has the table); gRPC's
-# own copies are counted apart.
+# (docs/performance.md, "Large tensors: slabs and copies", has the table; the
+# router's HTTP/2: docs/request-path.md, "Large tensors through the router's HTTP/2").
 COPIES = {
-    SUBJECT: "3, no socket hop (the router's slabs)",
+    SUBJECT: "2, no socket hop (the router's slabs; the reply sent from its slab)",
     SHM: "0 in transit (the worker maps the regions)",
 }
 

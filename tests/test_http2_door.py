@@ -81,6 +81,11 @@ class Echo:
         if request.startswith(b"big:"):
             context.add_done_callback(lambda _: self._done())
             return b"x" * int(request[4:])
+        if request.startswith(b"lent:"):  # a view, whose memory is reused once the call is done
+            assert context.sends_views
+            lent = bytearray(bytes(range(256)) * (int(request[5:]) // 256))
+            context.add_done_callback(lambda _: lent.__setitem__(slice(None), bytes(len(lent))))
+            return memoryview(lent)
         if request == b"wait" or request.startswith(b"hold:"):
             await self._wait_until_cancelled()
         return request
@@ -792,6 +797,26 @@ def test_a_large_reply_to_a_slow_reader_is_fed_to_the_socket_a_slice_at_a_time()
             assert conn.transport.get_write_buffer_size() <= WRITE_SLICE
         assert got == {1: 5 + size, 3: 5 + len(b"after")}
         await until(lambda: not conn._backlog and not conn._paused)
+
+    asyncio.run(serving(echo, test))
+
+
+def test_a_reply_that_is_a_view_is_sent_before_its_done_callbacks_reuse_its_memory() -> None:
+    """A handler's reply may be a view of memory that its done callbacks give
+    back for reuse (a slab: router/grpc_door.py lender): the callbacks run only
+    once the reply has left, after the turn's flush and the transport's drain,
+    also for a client that reads slowly."""
+    echo = Echo()
+
+    async def test(address: str, _: GrpcServer) -> None:
+        options = [("grpc.max_receive_message_length", 64 << 20)]
+        async with grpc.aio.insecure_channel(address, options=options) as channel:
+            unary = channel.unary_unary(path("Unary"))
+            for size in (1 << 16, 6 << 20):
+                replies = await asyncio.gather(
+                    *(unary(b"lent:%d" % size, timeout=WAIT) for _ in range(4))
+                )
+                assert all(r == bytes(range(256)) * (size // 256) for r in replies)
 
     asyncio.run(serving(echo, test))
 

@@ -278,3 +278,47 @@ def test_a_call_cancelled_in_the_turn_its_reply_came_frees_its_slab() -> None:
 
     with tempfile.TemporaryDirectory() as folder:
         asyncio.run(main(Path(folder) / "pool-x.lane"))
+
+
+def test_a_reply_lent_from_its_slab_keeps_the_slab_leased_until_it_was_sent() -> None:
+    """With ``lend`` (the router's own HTTP/2 door), a reply the worker wrote
+    into the slab comes back as a view of it, not a copy, and the slab stays
+    leased (no other call gets it) until the lent release runs; without, the
+    reply is ``bytes`` and the slab is free at once."""
+    mapper = slab.Mapper()
+
+    async def pool(body: Payload, deadline: float, trace: Trace) -> bytes:
+        ref, view = take(mapper, body)
+        assert ref is not None
+        reply = bytes(view)[::-1]
+        mapper.view(ref)[ref.reply_at : ref.reply_at + len(reply)] = reply
+        return slab.reply_ref(len(reply))
+
+    async def main(path: Path) -> None:
+        arena = slab.Arena(max_reply=1 << 20)
+        async with asyncio.TaskGroup() as tasks:
+            server = LaneServer(path, pool, "pool 'x'")
+            await server.start(tasks)
+            client = LaneClient(path, "pool 'x'", arena)
+            try:
+                body = big_request() + b"\x3a\x80\x80\x04" + os.urandom(1 << 16)
+                releases: list[Any] = []
+                deadline = time.monotonic() + 30
+                lent = await client.call(body, deadline, [], "m", None, releases.append)
+                assert isinstance(lent, memoryview) and bytes(lent) == body[::-1]
+                assert len(arena.leased) == 1 and not arena.idle
+                other = body[:-8] + b"different"[:8]
+                copied = await client.call(other, time.monotonic() + 30, [], "m")
+                assert isinstance(copied, bytes) and copied == other[::-1]
+                assert bytes(lent) == body[::-1]  # its slab was not the second call's
+                assert len(arena.leased) == 1 and sum(map(len, arena.idle.values())) == 1
+                (release,) = releases
+                release()
+                assert not arena.leased and sum(map(len, arena.idle.values())) == 2
+            finally:
+                client.close()
+                await server.stop(5.0)
+        arena.close()
+
+    with tempfile.TemporaryDirectory() as folder:
+        asyncio.run(main(Path(folder) / "pool-x.lane"))

@@ -32,6 +32,7 @@ from poolserve.service.grpcserver.handlers import NO_DEADLINE_S
 from poolserve.service.grpcserver.shm import SharedMemory
 from poolserve.service.grpcserver.status import STAGE_METADATA, from_upstream
 from poolserve.service.grpcserver.tracing import Tracing, carried, strip_carried
+from poolserve.service.router.lane_client import Lend
 from poolserve.service.router.routes import PoolRoute, Routes
 
 # The router's span of the call being handled (each call runs in its own task).
@@ -105,6 +106,23 @@ class Forwarder:
         envelope carries it for the pool's peeks); else found here.
         ``attached``: the door put the shared-memory registrations in front itself.
         """
+        reply = await self.infer_lent(name, version, body, remaining, carrier, None, head, attached)
+        assert isinstance(reply, bytes)
+        return reply
+
+    async def infer_lent(
+        self,
+        name: str,
+        version: str,
+        body: bytes,
+        remaining: float | None,
+        carrier: Iterable[tuple[str, Any]] | None,
+        lend: Lend | None,
+        head: bytes | None = None,
+        attached: bool = False,
+    ) -> bytes | memoryview:
+        """:meth:`infer`; with ``lend`` (a door that sends views and frees the
+        slab once the reply left: lane_client.Lend) a large reply may be a view."""
         self.requests += 1
         try:
             route = self.routes.route(name)
@@ -112,7 +130,7 @@ class Forwarder:
         except DeadlineExceeded as exc:
             self.count_router_deadline(exc, name, version)
             raise
-        return await self._send(route, name, body, deadline, carrier, head, attached)
+        return await self._send(route, name, body, deadline, carrier, head, attached, lend)
 
     async def step(
         self,
@@ -128,7 +146,9 @@ class Forwarder:
             raise DeadlineExceeded(
                 "deadline spent before the router could forward the step", stage="router"
             )
-        return await self._send(route, name, body, deadline, carrier, None, False)
+        reply = await self._send(route, name, body, deadline, carrier, None, False, None)
+        assert isinstance(reply, bytes)
+        return reply
 
     async def _send(
         self,
@@ -139,7 +159,8 @@ class Forwarder:
         carrier: Iterable[tuple[str, Any]] | None,
         head: bytes | None,
         attached: bool,
-    ) -> bytes:
+        lend: Lend | None,
+    ) -> bytes | memoryview:
         span = SPAN.get()
         trace: list[tuple[str, str]]
         if span is not None:
@@ -156,7 +177,7 @@ class Forwarder:
         if not attached:
             # the registrations of the regions it names go with it (no copy when it names none)
             body = self.shared_memory.attach(body, head)
-        return await route.lane.call(body, deadline, trace, name, head)
+        return await route.lane.call(body, deadline, trace, name, head, lend)
 
     async def forward(
         self,

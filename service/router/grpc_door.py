@@ -48,6 +48,7 @@ from poolserve.service.grpcserver.shm import SharedMemory
 from poolserve.service.grpcserver.status import grpc_status
 from poolserve.service.grpcserver.tracing import Tracing, deadline_event
 from poolserve.service.router.forwarding import SPAN, Forwarder
+from poolserve.service.router.lane_client import Lend
 from poolserve.service.router.pool_tables import MLServerModels
 from poolserve.service.router.replybudget import TRACKED_REPLY, ReplyBudget
 from poolserve.service.router.repository import RepositoryCalls
@@ -55,7 +56,8 @@ from poolserve.service.router.routes import PoolRoute, Routes
 
 _DROP_METADATA = frozenset({"user-agent", "content-type", "te", "host"})
 ROUTED = ("ModelInfer", "ModelReady", "ModelMetadata", "ModelConfig", "ModelStatistics")
-Handler = Callable[[bytes, Any], Awaitable[bytes]]
+# (a large reply may be a view of its slab: lane_client.Lend, lent())
+Handler = Callable[[bytes, Any], Awaitable[bytes | memoryview]]
 Context = grpc.aio.ServicerContext[Any, Any]
 
 _ERROR_MESSAGE_TAG = b"\x0a"  # ModelStreamInferResponse field 1 (error_message), first when set
@@ -90,6 +92,19 @@ class _Counted:
 def _peek_model_name_field2(data: bytes) -> str:
     """RepositoryModelLoad/Unload carry the model name in field 2."""
     return peek_model(data)[1]
+
+
+def lender(context: Any) -> Lend | None:
+    """How a reply may be sent from its slab: the router's own HTTP/2 calls send
+    views and run their done callbacks once the reply left (the slab is freed
+    then); grpcio's server sends ``bytes`` only (None: a copy)."""
+    if not getattr(context, "sends_views", False):
+        return None
+
+    def lend(free: Callable[[], None]) -> None:
+        context.add_done_callback(lambda _: free())
+
+    return lend
 
 
 def remaining(context: Context) -> float | None:
@@ -130,7 +145,7 @@ class GrpcDoor:
     # -- calls about one model -------------------------------------------------
 
     def _routed(self, method: str) -> Handler:
-        async def handler(body: bytes, context: Context) -> bytes:
+        async def handler(body: bytes, context: Context) -> bytes | memoryview:
             routing = peek_routing(body, with_parameters=False)
             name, version = routing.name, routing.version
             span = SPAN.get()
@@ -161,12 +176,13 @@ class GrpcDoor:
                 refuse_reserved(body, routing.wrapper_field)
                 if self.replies.total:  # someone is not reading: is it this connection?
                     self.replies.check(context)
-                reply = await self.core.infer(
-                    name, version, body, remaining(context), context.invocation_metadata()
+                metadata = context.invocation_metadata()
+                lent = await self.core.infer_lent(
+                    name, version, body, remaining(context), metadata, lender(context)
                 )
-                if len(reply) >= TRACKED_REPLY:
-                    await self.replies.track(context, len(reply))
-                return reply
+                if len(lent) >= TRACKED_REPLY:
+                    await self.replies.track(context, len(lent))
+                return lent
             try:
                 route = self.routes.route(name)
                 return await self.core.forward(
@@ -179,7 +195,7 @@ class GrpcDoor:
         handler.__name__ = method
         return handler
 
-    def routed_by_field2(self, method: str) -> Handler:
+    def routed_by_field2(self, method: str) -> Callable[[bytes, Any], Awaitable[bytes]]:
         async def handler(body: bytes, context: Context) -> bytes:
             name = _peek_model_name_field2(body)
             try:
@@ -364,7 +380,7 @@ class GrpcDoor:
         if tracing is None:
             return fn
 
-        async def handler(body: bytes, context: Context) -> bytes:
+        async def handler(body: bytes, context: Context) -> bytes | memoryview:
             span = _server_span(tracing, method, context)
             token = SPAN.set(span)
             code = grpc.StatusCode.OK

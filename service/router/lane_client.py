@@ -26,6 +26,10 @@ from poolserve.service.router.lane_stream import LaneStream
 
 log = logging.getLogger(__name__)
 
+# Given the release of a reply's slab, runs it once the reply was sent (a call's
+# done callback): the reply may then be a view of the slab, not a copy.
+Lend = Callable[[Callable[[], None]], None]
+
 
 class _ClientProtocol(asyncio.BufferedProtocol):
     """Receives straight into the frame reader's buffers (a large reply into
@@ -109,15 +113,23 @@ class LaneClient:
         return self._transport
 
     async def call(
-        self, body: bytes, deadline: float, trace: Trace, model: str = "", head: bytes | None = None
-    ) -> bytes:
+        self,
+        body: bytes,
+        deadline: float,
+        trace: Trace,
+        model: str = "",
+        head: bytes | None = None,
+        lend: Lend | None = None,
+    ) -> bytes | memoryview:
         """Runs one ModelInfer in the pool, waiting for it until ``deadline`` (monotonic).
 
         The pool ends its own part a margin earlier and answers DEADLINE_EXCEEDED
         itself, saying where the time went; this timer only fires when it cannot.
         A body over :data:`slab.THRESHOLD` travels in a slab of the arena
         (:mod:`poolserve.service.contract.slab`), freed when the worker's REPLY
-        is back, retired on any other end.
+        is back, retired on any other end. With ``lend``, a reply the worker
+        wrote into the slab is returned as a view of it (no copy), the slab
+        freed when ``lend``'s callback runs; without, as ``bytes``.
         """
         transport = self._transport or await self._connect()
         leased = self._lease(body, model, head)
@@ -159,7 +171,7 @@ class LaneClient:
                 # restricted?): large bodies go inline from now on, this one too
                 log.warning("router: large bodies go inline: %s", result.message)
                 self.arena.disable(result.message)
-                return await self.call(body, deadline, trace, model, head)
+                return await self.call(body, deadline, trace, model, head, lend)
             # raised, its traceback holds this frame (the body), whose locals would
             # hold the error: a cycle only the garbage collector frees (issue 42 §4)
             error = result
@@ -170,7 +182,7 @@ class LaneClient:
                 del error
         if leased is None:
             return result
-        return self._reply(leased[0], leased[1], result, model)
+        return self._reply(leased[0], leased[1], result, model, lend)
 
     def _lease(
         self, body: bytes, model: str, head: bytes | None
@@ -192,13 +204,20 @@ class LaneClient:
         where.view[: len(body)] = body  # the one copy of the request in the router
         return where, ref, slab.envelope(ref, head)
 
-    def _reply(self, where: slab.Slab, ref: slab.Ref, result: bytes, model: str) -> bytes:
+    def _reply(
+        self, where: slab.Slab, ref: slab.Ref, result: bytes, model: str, lend: Lend | None
+    ) -> bytes | memoryview:
         assert self.arena is not None
         if where.closed:  # the router stopped meanwhile
             raise Unavailable(f"{self.where}: the router is stopping")
         size = slab.reply_length(result)
+        if size is not None and lend is not None:  # sent from the slab, freed once sent
+            self.reply_sizes[model] = size
+            arena = self.arena
+            lend(lambda: arena.free(where))
+            return where.view[ref.reply_at : ref.reply_at + size]
         # inline (too large for the reply area, or answered by the pool), or in the
-        # slab: gRPC sends bytes only, the one copy of the reply in the router
+        # slab: grpcio sends bytes only, the one copy of the reply in the router
         reply = result if size is None else bytes(where.view[ref.reply_at : ref.reply_at + size])
         self.arena.free(where)
         self.reply_sizes[model] = len(reply)

@@ -63,6 +63,10 @@ class _Details:
 class Call:
     """One gRPC call, and the handler's context."""
 
+    # a handler's reply may be a memoryview: sent as it is, and what it views must
+    # stay until the done callbacks run (router/grpc_door.py lender)
+    sends_views = True
+
     __slots__ = (
         "_callbacks",
         "_chunks",
@@ -424,7 +428,7 @@ class Call:
         finally:
             self._ended()
 
-    async def _send(self, body: bytes) -> None:
+    async def _send(self, body: bytes | memoryview) -> None:
         """One response message (the response headers first): its length prefix
         and its bytes go out as they are, without joining them first."""
         conn = self.conn

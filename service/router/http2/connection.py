@@ -168,6 +168,7 @@ class Http2Connection(asyncio.Protocol):
         self._paused = False
         self._drained: asyncio.Event | None = None
         self._after_drain: list[Callable[[], None]] = []
+        self._after_flush: list[Callable[[], None]] = []  # (when_sent before the flush)
         self.tasks: set[asyncio.Task[Any]] = set()
         now = time.monotonic()
         self.last_read = now
@@ -229,6 +230,9 @@ class Http2Connection(asyncio.Protocol):
         if self._drained is not None:
             self._drained.set()
         self._run_after_drain()
+        actions, self._after_flush = self._after_flush, []
+        for action in actions:
+            action()
 
     def pause_writing(self) -> None:
         self._paused = True
@@ -252,8 +256,14 @@ class Http2Connection(asyncio.Protocol):
 
     def when_sent(self, action: Callable[[], None]) -> None:
         """Runs ``action`` once what was written so far has left the process
-        (at once when little waits; a client that does not read holds it)."""
-        if self._paused and not self.closed:
+        (at once when little waits; a client that does not read holds it):
+        after this turn's flush, and then once the transport has drained, when
+        it holds anything (what was written may be views: lane_client.Lend)."""
+        if self.closed:
+            action()
+        elif self._flush_pending:
+            self._after_flush.append(action)
+        elif self._paused:
             self._after_drain.append(action)
         else:
             action()
@@ -303,6 +313,10 @@ class Http2Connection(asyncio.Protocol):
         else:
             out.clear()
             self._large_parts = 0
+        if self._after_flush:
+            actions, self._after_flush = self._after_flush, []
+            for action in actions:
+                self.when_sent(action)
 
     def _feed(self, everything: bool = False) -> None:
         """The backlog to the transport, in order, until the transport holds more
@@ -877,7 +891,7 @@ class Http2Connection(asyncio.Protocol):
         call.receive_window += size
         self.write(window_update(call.stream, size))
 
-    def data_frames(self, call: Call, prefix: bytes, body: bytes) -> bool:
+    def data_frames(self, call: Call, prefix: bytes, body: bytes | memoryview) -> bool:
         """Writes one DATA frame of ``prefix`` and ``body`` when the windows have
         room for all of it at once."""
         size = len(prefix) + len(body)
@@ -890,7 +904,7 @@ class Http2Connection(asyncio.Protocol):
             self._queue(body)
         return True
 
-    async def send_data(self, call: Call, prefix: bytes, body: bytes) -> None:
+    async def send_data(self, call: Call, prefix: bytes, body: bytes | memoryview) -> None:
         """Writes ``prefix`` and ``body`` in DATA frames as the client's windows
         allow; the frames' payloads are views of them, not copies."""
         parts = [memoryview(body), memoryview(prefix)]  # (taken from the end)
