@@ -821,6 +821,38 @@ def test_a_reply_that_is_a_view_is_sent_before_its_done_callbacks_reuse_its_memo
     asyncio.run(serving(echo, test))
 
 
+def test_a_request_part_never_keeps_more_than_twice_its_bytes_of_a_read_alive() -> None:
+    """A few bytes of a DATA frame at the start of a large read (the rest of it
+    other frames) are copied, not kept as a view: a view holds its whole read,
+    memory the request bounds (which count the bytes) would not see."""
+    echo = Echo()
+    message = bytes(range(256)) * 3 + b"t" * 227  # 995 bytes
+    prefixed = b"\0" + struct.pack(">I", len(message)) + message
+
+    async def test(address: str, server: GrpcServer) -> None:
+        raw = await Raw.open(address)
+        await raw.until_kind(Kind.SETTINGS)
+        block = Encoder().encode(_request_headers("Unary"))
+        (conn,) = server.connections
+        raw.writer.write(frame(Kind.HEADERS, END_HEADERS, 1, block)
+                         + frame(Kind.DATA, 0, 1, prefixed)[:9 + 10])  # fmt: skip
+        await raw.writer.drain()
+        await until(lambda: 1 in conn.calls and conn._data_left is not None)
+        unknown = frame(0xEE, 0, 0, b"u" * 200_000)  # ignored (RFC 9113 5.5)
+        raw.writer.write(prefixed[10:] + unknown)
+        await raw.writer.drain()
+        call = conn.calls[1]
+        await until(lambda: call._have == len(prefixed) and not conn.buffer)
+        for chunk in call._chunks:
+            if isinstance(chunk, memoryview):
+                assert len(chunk.obj) <= 2 * len(chunk)  # type: ignore[arg-type]
+        raw.writer.write(frame(Kind.DATA, END_STREAM, 1, b""))
+        _, stream, reply = await raw.until_kind(Kind.DATA)
+        assert (stream, reply) == (1, prefixed)
+
+    asyncio.run(serving(echo, test))
+
+
 def test_a_header_block_in_too_many_continuation_frames_ends_the_connection() -> None:
     """Empty CONTINUATION frames never reach the header-size limit: a block may
     take MAX_CONTINUATIONS of them, one more is ENHANCE_YOUR_CALM."""

@@ -97,7 +97,17 @@ EMPTY_DATA_FRAMES = 100  # DATA frames in a row with no byte and no END_STREAM
 LINGER_S = 2.0  # after a GOAWAY and our FIN, how long what the client still sends is read
 WRITTEN_ALONE = 64 << 10  # a queued part this large is written as it is, not joined ...
 WRITE_SLICE = 512 << 10  # ... and fed to the transport this much at a time
-COPIED_DATA = 4096  # a whole DATA frame's payload from this size on is a view of the read
+COPIED_DATA = 4096  # a whole DATA frame's payload from this size on may be a view of the read
+
+
+def _payload(data: bytes, start: int, size: int) -> bytes | memoryview:
+    """DATA bytes of a read for a call: a view when they are at least half the
+    read, else a copy: a view keeps its whole read alive (up to asyncio's 256
+    KiB), and a call holding a few bytes must not hold a read's worth of
+    memory the request bounds do not count (budget.py counts the bytes)."""
+    if size * 2 >= len(data):
+        return memoryview(data)[start : start + size]
+    return data[start : start + size]
 
 
 class _DataLeft:
@@ -493,7 +503,7 @@ class Http2Connection(asyncio.Protocol):
             self._count_flow(size)
             return at + size
         try:
-            self._data(flags, left.stream, memoryview(data)[at : at + size])
+            self._data(flags, left.stream, _payload(data, at, size))
         except StreamError as exc:
             left.dropped = True
             self._reset(left.stream, exc.code)
@@ -527,7 +537,7 @@ class Http2Connection(asyncio.Protocol):
                 break
             payload: bytes | memoryview
             if kind == Kind.DATA and size >= COPIED_DATA:
-                payload = memoryview(data)[at + HEADER_SIZE : at + HEADER_SIZE + size]
+                payload = _payload(data, at + HEADER_SIZE, size)
             else:
                 payload = data[at + HEADER_SIZE : at + HEADER_SIZE + size]
             at += HEADER_SIZE + size
