@@ -853,6 +853,74 @@ def test_a_request_part_never_keeps_more_than_twice_its_bytes_of_a_read_alive() 
     asyncio.run(serving(echo, test))
 
 
+class _Sink:
+    """A sink of the test's own (the router's are slabs): what it was given, and drops."""
+
+    def __init__(self, size: int) -> None:
+        self.buffer = bytearray(size)
+        self.view = memoryview(self.buffer)
+        self.dropped = 0
+
+    def drop(self) -> None:
+        self.dropped += 1
+
+
+def test_a_large_unary_request_is_received_into_the_servers_sink_not_joined() -> None:
+    """GrpcServer.sink: once a unary call's length prefix says its message is
+    large, its DATA goes straight into the sink the server gives (the router's
+    slab), wherever the frames were cut, and the handler gets that view; the
+    sink is dropped once the call holds its request no more, also when the
+    request was refused. A compressed message is not sunk (it is inflated)."""
+    sinks: list[_Sink] = []
+    seen: list[tuple[bool, bool]] = []
+
+    def sink(path_: str, size: int) -> _Sink | None:
+        if path_ != path("Unary") or size < 100_000:
+            return None
+        sinks.append(_Sink(size))
+        return sinks[-1]
+
+    async def unary(request: bytes | memoryview, context: Any) -> bytes:
+        given = context.sink
+        seen.append((isinstance(request, memoryview), given is not None and request is given.view))
+        return bytes(request)
+
+    handler = grpc.method_handlers_generic_handler(
+        SERVICE, {"Unary": grpc.unary_unary_rpc_method_handler(unary)}
+    )
+
+    async def main() -> None:
+        server = GrpcServer(settings(), [handler], sink=sink)
+        port = await server.bind("127.0.0.1", 0)
+        await server.start()
+        try:
+            options = [("grpc.max_receive_message_length", 64 << 20)]
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
+                call = channel.unary_unary(path("Unary"))
+                body = bytes(range(256)) * (3 << 12)  # 3 MiB: many frames and reads
+                assert await call(body, timeout=WAIT) == body
+                assert await call(b"small", timeout=WAIT) == b"small"
+                gzip = grpc.Compression.Gzip
+                assert await call(b"z" * 200_000, timeout=WAIT, compression=gzip) == b"z" * 200_000
+            assert seen == [(True, True), (False, False), (False, False)]
+            assert [s.dropped for s in sinks] == [1]
+            raw = await Raw.open(f"127.0.0.1:{port}", window=1 << 20)
+            raw.call(1, "Unary", b"x" * 150_000, end=False)
+            raw.writer.write(frame(Kind.DATA, END_STREAM, 1, b"more"))
+            _, stream, _ = await raw.until_kind(Kind.HEADERS)
+            assert (stream, dict(raw.fields)[b"grpc-status"]) == (1, b"13")
+            await until(lambda: sinks[-1].dropped == 1)
+            assert len(sinks) == 2 and len(seen) == 3  # refused before its handler ran
+            assert server.requests.total == 0
+        finally:
+            for opened in Raw.opened:
+                opened.writer.close()
+            Raw.opened.clear()
+            await server.stop(1.0)
+
+    asyncio.run(asyncio.wait_for(main(), 120))
+
+
 def test_a_header_block_in_too_many_continuation_frames_ends_the_connection() -> None:
     """Empty CONTINUATION frames never reach the header-size limit: a block may
     take MAX_CONTINUATIONS of them, one more is ENHANCE_YOUR_CALM."""

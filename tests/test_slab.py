@@ -24,6 +24,7 @@ from poolserve.service.poolcore.slabs import put_reply, take
 from poolserve.service.poolcore.stats import Timings
 from poolserve.service.poolserver.lane_server import LaneServer
 from poolserve.service.router.lane_client import LaneClient
+from poolserve.service.router.slab_sink import MODEL_INFER, slab_sinks
 
 from support import infer_request
 
@@ -315,6 +316,49 @@ def test_a_reply_lent_from_its_slab_keeps_the_slab_leased_until_it_was_sent() ->
                 (release,) = releases
                 release()
                 assert not arena.leased and sum(map(len, arena.idle.values())) == 2
+            finally:
+                client.close()
+                await server.stop(5.0)
+        arena.close()
+
+    with tempfile.TemporaryDirectory() as folder:
+        asyncio.run(main(Path(folder) / "pool-x.lane"))
+
+
+def test_a_request_received_into_a_slab_goes_to_the_worker_in_that_slab() -> None:
+    """router/slab_sink.py: a large ModelInfer received into a slab is taken over
+    by the lane (no second slab, no copy: the envelope names it) and freed on
+    the worker's REPLY; a sink the lane never took is freed by its drop."""
+    named: list[str] = []
+
+    async def pool(body: Payload, deadline: float, trace: Trace) -> bytes:
+        ref, _ = slab.parse(body)
+        named.append(ref.name)
+        return b"answered"
+
+    async def main(path: Path) -> None:
+        arena = slab.Arena(max_reply=1 << 20)
+        sinks = slab_sinks(arena)
+        async with asyncio.TaskGroup() as tasks:
+            server = LaneServer(path, pool, "pool 'x'")
+            await server.start(tasks)
+            client = LaneClient(path, "pool 'x'", arena)
+            try:
+                body = big_request() + b"\x3a\x80\x80\x04" + os.urandom(1 << 16)
+                assert sinks("/inference.GRPCInferenceService/ModelReady", len(body)) is None
+                assert sinks(MODEL_INFER, 1000) is None  # small: inline
+                sink = sinks(MODEL_INFER, len(body))
+                assert sink is not None and len(arena.leased) == 1
+                sink.view[:] = body
+                reply = await client.call(sink.view, time.monotonic() + 30, [], "m", sunk=sink)
+                assert reply == b"answered" and named == [sink.slab.name]
+                assert not arena.leased  # freed on the REPLY: no second lease
+                sink.drop()  # the call ends: a no-op, the lane took it
+                assert sum(map(len, arena.idle.values())) == 1
+                unused = sinks(MODEL_INFER, len(body))
+                assert unused is not None and len(arena.leased) == 1
+                unused.drop()
+                assert not arena.leased
             finally:
                 client.close()
                 await server.stop(5.0)

@@ -133,7 +133,7 @@ def is_wrapped(data: Wire) -> bool:
     return data[: len(MARK)] == MARK
 
 
-def forged(data: bytes) -> bool:
+def forged(data: Wire) -> bool:
     """Whether a request from a client starts as only :func:`wrap` may."""
     return data[:1] == MARK[:1]
 

@@ -194,6 +194,11 @@ class SharedMemory:
         """The registration of ``name`` a request uses (a fleet's store: the current one)."""
         return self.regions.get(name)
 
+    def needs_attach(self, body: memoryview, head: bytes | None) -> bool:
+        """Whether :meth:`attach` has anything to do with a request received as
+        a view (router/slab_sink.py): refuse it, or put registrations in front."""
+        return head is None or forged(body) or _MENTION in head
+
     def attach(self, body: bytes, head: bytes | None = None) -> bytes:
         """The ModelInfer request with the registrations of the regions it names in front.
 

@@ -34,6 +34,7 @@ from poolserve.service.grpcserver.status import STAGE_METADATA, from_upstream
 from poolserve.service.grpcserver.tracing import Tracing, carried, strip_carried
 from poolserve.service.router.lane_client import Lend
 from poolserve.service.router.routes import PoolRoute, Routes
+from poolserve.service.router.slab_sink import SlabSink
 
 # The router's span of the call being handled (each call runs in its own task).
 SPAN: contextvars.ContextVar[Span | None] = contextvars.ContextVar("span", default=None)
@@ -114,15 +115,17 @@ class Forwarder:
         self,
         name: str,
         version: str,
-        body: bytes,
+        body: bytes | memoryview,
         remaining: float | None,
         carrier: Iterable[tuple[str, Any]] | None,
         lend: Lend | None,
         head: bytes | None = None,
         attached: bool = False,
+        sunk: SlabSink | None = None,
     ) -> bytes | memoryview:
         """:meth:`infer`; with ``lend`` (a door that sends views and frees the
-        slab once the reply left: lane_client.Lend) a large reply may be a view."""
+        slab once the reply left: lane_client.Lend) a large reply may be a view;
+        ``sunk``: the slab ``body`` was received into (router/slab_sink.py)."""
         self.requests += 1
         try:
             route = self.routes.route(name)
@@ -130,7 +133,7 @@ class Forwarder:
         except DeadlineExceeded as exc:
             self.count_router_deadline(exc, name, version)
             raise
-        return await self._send(route, name, body, deadline, carrier, head, attached, lend)
+        return await self._send(route, name, body, deadline, carrier, head, attached, lend, sunk)
 
     async def step(
         self,
@@ -146,7 +149,7 @@ class Forwarder:
             raise DeadlineExceeded(
                 "deadline spent before the router could forward the step", stage="router"
             )
-        reply = await self._send(route, name, body, deadline, carrier, None, False, None)
+        reply = await self._send(route, name, body, deadline, carrier, None, False, None, None)
         assert isinstance(reply, bytes)
         return reply
 
@@ -154,12 +157,13 @@ class Forwarder:
         self,
         route: PoolRoute,
         name: str,
-        body: bytes,
+        body: bytes | memoryview,
         deadline: float,
         carrier: Iterable[tuple[str, Any]] | None,
         head: bytes | None,
         attached: bool,
         lend: Lend | None,
+        sunk: SlabSink | None,
     ) -> bytes | memoryview:
         span = SPAN.get()
         trace: list[tuple[str, str]]
@@ -174,10 +178,13 @@ class Forwarder:
         assert route.lane is not None
         if head is None and SLAB_THRESHOLD < len(body) <= SLAB_MAX_BODY:
             head = without_raw_inputs(body)
-        if not attached:
+        if isinstance(body, memoryview):  # received into its slab (slab_sink.py)
+            if not attached and self.shared_memory.needs_attach(body, head):
+                body = self.shared_memory.attach(bytes(body), head)
+        elif not attached:
             # the registrations of the regions it names go with it (no copy when it names none)
             body = self.shared_memory.attach(body, head)
-        return await route.lane.call(body, deadline, trace, name, head, lend)
+        return await route.lane.call(body, deadline, trace, name, head, lend, sunk)
 
     async def forward(
         self,

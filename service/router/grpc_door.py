@@ -145,7 +145,9 @@ class GrpcDoor:
     # -- calls about one model -------------------------------------------------
 
     def _routed(self, method: str) -> Handler:
-        async def handler(body: bytes, context: Context) -> bytes | memoryview:
+        async def handler(body: bytes | memoryview, context: Context) -> bytes | memoryview:
+            # (a large ModelInfer request is a view of the slab it was received
+            # into on the router's own HTTP/2: router/slab_sink.py)
             routing = peek_routing(body, with_parameters=False)
             name, version = routing.name, routing.version
             span = SPAN.get()
@@ -159,7 +161,7 @@ class GrpcDoor:
                 if self.replies.total:
                     self.replies.check(context)
                 reply = await self.repository.ensembles.infer(
-                    body, name, version, remaining(context), context.invocation_metadata()
+                    bytes(body), name, version, remaining(context), context.invocation_metadata()
                 )
                 if len(reply) >= TRACKED_REPLY:
                     await self.replies.track(context, len(reply))
@@ -178,15 +180,22 @@ class GrpcDoor:
                     self.replies.check(context)
                 metadata = context.invocation_metadata()
                 lent = await self.core.infer_lent(
-                    name, version, body, remaining(context), metadata, lender(context)
+                    name,
+                    version,
+                    body,
+                    remaining(context),
+                    metadata,
+                    lender(context),
+                    sunk=getattr(context, "sink", None),
                 )
                 if len(lent) >= TRACKED_REPLY:
                     await self.replies.track(context, len(lent))
                 return lent
             try:
                 route = self.routes.route(name)
+                plain = body if isinstance(body, bytes) else bytes(body)  # (not ModelInfer: bytes)
                 return await self.core.forward(
-                    route, method, body, remaining(context), metadata_of(context)
+                    route, method, plain, remaining(context), metadata_of(context)
                 )
             except DeadlineExceeded as exc:
                 self.core.count_router_deadline(exc, name, version)

@@ -23,6 +23,7 @@ from poolserve.service.contract.lane import (
 )
 from poolserve.service.contract.shm import is_wrapped
 from poolserve.service.router.lane_stream import LaneStream
+from poolserve.service.router.slab_sink import SlabSink
 
 log = logging.getLogger(__name__)
 
@@ -114,12 +115,13 @@ class LaneClient:
 
     async def call(
         self,
-        body: bytes,
+        body: bytes | memoryview,
         deadline: float,
         trace: Trace,
         model: str = "",
         head: bytes | None = None,
         lend: Lend | None = None,
+        sunk: SlabSink | None = None,
     ) -> bytes | memoryview:
         """Runs one ModelInfer in the pool, waiting for it until ``deadline`` (monotonic).
 
@@ -129,10 +131,12 @@ class LaneClient:
         (:mod:`poolserve.service.contract.slab`), freed when the worker's REPLY
         is back, retired on any other end. With ``lend``, a reply the worker
         wrote into the slab is returned as a view of it (no copy), the slab
-        freed when ``lend``'s callback runs; without, as ``bytes``.
+        freed when ``lend``'s callback runs; without, as ``bytes``. ``sunk``:
+        the slab ``body`` was received into (router/slab_sink.py), taken over
+        here instead of copying the body into a slab of its own.
         """
         transport = self._transport or await self._connect()
-        leased = self._lease(body, model, head)
+        leased = self._lease(body, model, head, sunk)
         loop = transport.loop  # (asyncio.get_running_loop() costs a getpid system call)
         seq = next(self._seq)
         future: asyncio.Future[bytes | ServingError] = loop.create_future()
@@ -185,10 +189,11 @@ class LaneClient:
         return self._reply(leased[0], leased[1], result, model, lend)
 
     def _lease(
-        self, body: bytes, model: str, head: bytes | None
+        self, body: bytes | memoryview, model: str, head: bytes | None, sunk: SlabSink | None
     ) -> tuple[slab.Slab, slab.Ref, bytes] | None:
         """(slab, reference, envelope) for a large body written into a slab; None: inline.
-        ``head``: the body without its raw contents, when the caller has it."""
+        ``head``: the body without its raw contents, when the caller has it;
+        ``sunk``: the slab the body is in already."""
         if self.arena is None or not slab.THRESHOLD < len(body) <= slab.MAX_BODY:
             return None
         if is_wrapped(body):
@@ -197,6 +202,9 @@ class LaneClient:
             head = slab.without_raw_inputs(body)
         if head is None:
             return None
+        taken = None if sunk is None or sunk.view is not body else sunk.take()
+        if taken is not None:
+            return taken[0], taken[1], slab.envelope(taken[1], head)
         got = self.arena.lease(len(body), max(len(body), self.reply_sizes.get(model, 0)))
         if got is None:
             return None

@@ -59,6 +59,7 @@ from poolserve.service.router.model_repository import model_repository_handler
 from poolserve.service.router.replybudget import ReplyBudget
 from poolserve.service.router.repository import RepositoryCalls
 from poolserve.service.router.routes import Routes
+from poolserve.service.router.slab_sink import slab_sinks
 from poolserve.service.router.streams import StreamLimit
 
 log = logging.getLogger(__name__)
@@ -285,7 +286,9 @@ class Router:
         (grpc_engine "poolserve") or grpcio's server ("grpcio")."""
         settings = self.settings
         if settings.grpc_engine == "poolserve":
-            own = GrpcServer(settings, handlers, after_burst=self._after_burst)
+            own = GrpcServer(
+                settings, handlers, after_burst=self._after_burst, sink=slab_sinks(self.arena)
+            )
             try:
                 self.port = await own.bind(
                     settings.host, settings.grpc_port, self.fleet.shared, tls_context(settings)

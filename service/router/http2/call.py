@@ -20,7 +20,7 @@ import time
 import zlib
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
@@ -48,6 +48,18 @@ _TIMEOUT_UNITS = {
     ord("n"): 1e-9,
 }
 _DECOMPRESS = {b"gzip": 16 + zlib.MAX_WBITS, b"deflate": zlib.MAX_WBITS}  # replies say so
+
+
+class Sink(Protocol):
+    """Where a large unary request's message is received as its DATA comes,
+    instead of being joined from the frames (the router's slab): ``view``
+    takes exactly the message's bytes, and the handler is given it. ``drop``
+    runs once the call holds its request no more (a no-op when someone took
+    the sink over meanwhile)."""
+
+    view: memoryview
+
+    def drop(self) -> None: ...
 
 
 class _Details:
@@ -94,6 +106,7 @@ class Call:
         "receive_window",
         "remote_done",
         "send_window",
+        "sink",
         "stream",
         "task",
         "timeout",
@@ -125,6 +138,7 @@ class Call:
         self._chunks: list[bytes | memoryview] = []  # a unary call's request, as it came
         self._have = 0  # their bytes
         self._size = -1  # its message's size, once its prefix came
+        self.sink: Sink | None = None  # where a large one is received instead (GrpcServer.sink)
         self.held = 0  # request bytes held here (budget.RequestBudget)
         self.partial = 0  # of those, in a message still coming (in _pending)
         self.owed = 0  # stream window taken and not given back yet (a bound held it)
@@ -202,13 +216,20 @@ class Call:
         self._hold(len(data), len(data))
         if requests is None:  # one request: its window given back as it comes (within bounds)
             if data:
-                self._chunks.append(data)
+                if self.sink is not None:
+                    self._into_sink(data, self._have)
+                else:
+                    self._chunks.append(data)
                 self._have += len(data)
                 if self._size < 0 and self._have >= 5:
-                    self._size = int.from_bytes(self._first(5)[1:5], "big")
+                    head = self._first(5)
+                    self._size = int.from_bytes(head[1:5], "big")
                     if self._size > limit:
                         self._too_large(self._size, limit)
                         return
+                    sinks = self.conn.server.sink
+                    if sinks is not None and head[0] == 0 and self._have <= 5 + self._size:
+                        self._sink_chunks(sinks(self.path, self._size))
                 if self._size >= 0 and self._have > 5 + self._size:  # (the window lets it come)
                     self._one_message("more")
                     return
@@ -242,15 +263,40 @@ class Call:
                 break
         return head
 
-    def _message(self, limit: int) -> bytes | None:
+    def _sink_chunks(self, sink: Sink | None) -> None:
+        """A sink for the message (None: none): what came so far is copied into it."""
+        if sink is None:
+            return
+        self.sink = sink
+        chunks, self._chunks = self._chunks, []
+        at = 0
+        for chunk in chunks:
+            self._into_sink(chunk, at)
+            at += len(chunk)
+
+    def _into_sink(self, data: bytes | memoryview, at: int) -> None:
+        """``data``, the request's bytes from ``at`` on (the length prefix
+        counted), into the sink: the message's part of them (the one copy)."""
+        assert self.sink is not None
+        skip = max(5 - at, 0)
+        start = at + skip - 5
+        size = min(len(data) - skip, self._size - start)
+        if size > 0:
+            self.sink.view[start : start + size] = data[skip : skip + size]
+
+    def _message(self, limit: int) -> bytes | memoryview | None:
         """A unary request's one message, joined from its chunks once (the one
-        copy of it in the router); None once the call failed."""
+        copy of it in the router), or the sink's view it was received into;
+        None once the call failed."""
         if not self._have:
             self._one_message("0")
             return None
         if self._have < 5 + self._size or self._size < 0:
             self._status(grpc.StatusCode.INTERNAL, "the request ended inside a message")
             return None
+        if self.sink is not None:
+            self._hold(0, -self._have)  # a whole message now: no longer waiting for more data
+            return self.sink.view
         compressed = self._first(1) != b"\x00"
         parts: list[bytes | memoryview] = []
         skip = 5
@@ -290,6 +336,9 @@ class Call:
             self._pending = bytearray()  # a request cut short: its bytes go now
         if self._chunks:
             self._chunks = []
+        if self.sink is not None:
+            self.sink.drop()
+            self.sink = None
 
     def _messages(self, limit: int) -> list[bytes] | None:
         """The whole messages received so far; None once the call failed."""
@@ -377,7 +426,7 @@ class Call:
 
     # -- running the handler -----------------------------------------------------
 
-    async def _run(self, message: bytes | None) -> None:
+    async def _run(self, message: bytes | memoryview | None) -> None:
         handler: Any = self.handler  # (grpc's stubs type its fields loosely)
         assert handler is not None
         try:

@@ -21,7 +21,7 @@ import grpc
 from poolserve.service.contract.settings import ServerSettings
 from poolserve.service.lifecycle.limits import trim_freed_memory
 from poolserve.service.router.http2.budget import RequestBudget
-from poolserve.service.router.http2.call import Call, _Details
+from poolserve.service.router.http2.call import Call, Sink, _Details
 from poolserve.service.router.http2.connection import Http2Connection
 
 BACKLOG = 2048
@@ -35,9 +35,12 @@ class GrpcServer:
         settings: ServerSettings,
         handlers: Sequence[grpc.GenericRpcHandler],
         after_burst: Callable[[], object] = trim_freed_memory,
+        sink: Callable[[str, int], Sink | None] | None = None,
     ) -> None:
         self.settings = settings
         self.handlers = tuple(handlers)
+        # (path, message size): where a large unary request is received (call.Sink), or None
+        self.sink = sink
         self.connections: set[Http2Connection] = set()
         self.requests = RequestBudget(
             settings.max_request_bytes_held,
