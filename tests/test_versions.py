@@ -273,6 +273,16 @@ def test_ensemble_steps_get_the_version_they_name(
             np.testing.assert_array_equal(result.as_numpy("OUT"), X * version)
 
 
+def test_versions_share_the_pools_workers(tree: tuple[Serving, str]) -> None:
+    status = asyncio.run(pool_status(tree[0]))
+    assert len(status.workers) == 2  # one pool of 2 workers serves every version
+    states = {(m.name, m.version): m.state for m in status.models}
+    assert {v for (name, v) in states if name == "every"} == {"1", "2", "3"}
+    log = tree[0].log()
+    for version in ("1", "2", "3"):  # the zygote loaded each version once, before forking
+        assert log.count(f"model every:{version} loaded") == 1, version
+
+
 def test_a_model_without_version_folders_is_as_before(
     grpc_client: tc.InferenceServerClient,
 ) -> None:
