@@ -167,8 +167,8 @@ class Catalog:
         return list(self._entries.values())
 
     def find(self, key: str) -> ModelEntry | None:
-        """The entry of a key (a model's name, or ``name:version``), or a
-        numbered model's default version (:meth:`default`) by its name."""
+        """The entry of a key (a model's name, or ``name:version``), or by its
+        name a numbered model's default version (:func:`_default`)."""
         entry = self._entries.get(key)
         if entry is not None:
             return entry
