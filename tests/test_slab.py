@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import tempfile
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,22 @@ from poolserve.service.router.slab_sink import MODEL_INFER, slab_sinks
 from support import infer_request
 
 
+@contextlib.asynccontextmanager
+async def lane(
+    path: Path, pool: Callable[[Payload, float, Trace], Awaitable[bytes]], arena: slab.Arena
+) -> AsyncIterator[tuple[LaneClient, asyncio.TaskGroup]]:
+    """A pool's lane server and the router's client of it, in this process."""
+    async with asyncio.TaskGroup() as tasks:
+        server = LaneServer(path, pool, "pool 'x'")
+        await server.start(tasks)
+        client = LaneClient(path, "pool 'x'", arena)
+        try:
+            yield client, tasks
+        finally:
+            client.close()
+            await server.stop(5.0)
+
+
 def test_when_workers_cannot_open_slabs_the_router_sends_inline_from_then_on() -> None:
     """A host where a worker cannot open the router's memfd through /proc: the
     call is sent again inline, and every later one goes inline at once."""
@@ -42,18 +60,11 @@ def test_when_workers_cannot_open_slabs_the_router_sends_inline_from_then_on() -
 
     async def main(path: Path) -> None:
         arena = slab.Arena(max_reply=1 << 30)
-        async with asyncio.TaskGroup() as tasks:
-            server = LaneServer(path, pool, "pool 'x'")
-            await server.start(tasks)
-            client = LaneClient(path, "pool 'x'", arena)
-            try:
-                body = big_request() + b"\x3a\x80\x80\x04" + bytes(1 << 16)  # raw: 64 KiB
-                assert len(body) > slab.THRESHOLD
-                assert await client.call(body, time.monotonic() + 30, [], "m") == body
-                assert await client.call(body, time.monotonic() + 30, [], "m") == body
-            finally:
-                client.close()
-                await server.stop(5.0)
+        async with lane(path, pool, arena) as (client, _tasks):
+            body = big_request() + b"\x3a\x80\x80\x04" + bytes(1 << 16)  # raw: 64 KiB
+            assert len(body) > slab.THRESHOLD
+            assert await client.call(body, time.monotonic() + 30, [], "m") == body
+            assert await client.call(body, time.monotonic() + 30, [], "m") == body
         assert seen == [True, False, False]
         assert arena.disabled and not arena.leased and not arena.idle
 
@@ -259,23 +270,16 @@ def test_a_call_cancelled_in_the_turn_its_reply_came_frees_its_slab() -> None:
 
     async def main(path: Path) -> None:
         arena = slab.Arena(max_reply=1 << 20)
-        async with asyncio.TaskGroup() as tasks:
-            server = LaneServer(path, pool, "pool 'x'")
-            await server.start(tasks)
-            client = LaneClient(path, "pool 'x'", arena)
-            try:
-                body = big_request() + b"\x3a\x80\x80\x04" + bytes(1 << 16)  # raw: 64 KiB
-                racing = Racing()
-                client.pending = racing
-                call = racing.task = tasks.create_task(
-                    client.call(body, time.monotonic() + 30, [], "m")
-                )
-                await asyncio.wait([call])
-                assert call.cancelled()
-                assert not arena.leased
-            finally:
-                client.close()
-                await server.stop(5.0)
+        async with lane(path, pool, arena) as (client, tasks):
+            body = big_request() + b"\x3a\x80\x80\x04" + bytes(1 << 16)  # raw: 64 KiB
+            racing = Racing()
+            client.pending = racing
+            call = racing.task = tasks.create_task(
+                client.call(body, time.monotonic() + 30, [], "m")
+            )
+            await asyncio.wait([call])
+            assert call.cancelled()
+            assert not arena.leased
 
     with tempfile.TemporaryDirectory() as folder:
         asyncio.run(main(Path(folder) / "pool-x.lane"))
@@ -297,28 +301,21 @@ def test_a_reply_lent_from_its_slab_keeps_the_slab_leased_until_it_was_sent() ->
 
     async def main(path: Path) -> None:
         arena = slab.Arena(max_reply=1 << 20)
-        async with asyncio.TaskGroup() as tasks:
-            server = LaneServer(path, pool, "pool 'x'")
-            await server.start(tasks)
-            client = LaneClient(path, "pool 'x'", arena)
-            try:
-                body = big_request() + b"\x3a\x80\x80\x04" + os.urandom(1 << 16)
-                releases: list[Any] = []
-                deadline = time.monotonic() + 30
-                lent = await client.call(body, deadline, [], "m", None, releases.append)
-                assert isinstance(lent, memoryview) and bytes(lent) == body[::-1]
-                assert len(arena.leased) == 1 and not arena.idle
-                other = body[:-8] + b"different"[:8]
-                copied = await client.call(other, time.monotonic() + 30, [], "m")
-                assert isinstance(copied, bytes) and copied == other[::-1]
-                assert bytes(lent) == body[::-1]  # its slab was not the second call's
-                assert len(arena.leased) == 1 and sum(map(len, arena.idle.values())) == 1
-                (release,) = releases
-                release()
-                assert not arena.leased and sum(map(len, arena.idle.values())) == 2
-            finally:
-                client.close()
-                await server.stop(5.0)
+        async with lane(path, pool, arena) as (client, _tasks):
+            body = big_request() + b"\x3a\x80\x80\x04" + os.urandom(1 << 16)
+            releases: list[Any] = []
+            deadline = time.monotonic() + 30
+            lent = await client.call(body, deadline, [], "m", None, releases.append)
+            assert isinstance(lent, memoryview) and bytes(lent) == body[::-1]
+            assert len(arena.leased) == 1 and not arena.idle
+            other = body[:-8] + b"different"[:8]
+            copied = await client.call(other, time.monotonic() + 30, [], "m")
+            assert isinstance(copied, bytes) and copied == other[::-1]
+            assert bytes(lent) == body[::-1]  # its slab was not the second call's
+            assert len(arena.leased) == 1 and sum(map(len, arena.idle.values())) == 1
+            (release,) = releases
+            release()
+            assert not arena.leased and sum(map(len, arena.idle.values())) == 2
         arena.close()
 
     with tempfile.TemporaryDirectory() as folder:
@@ -339,29 +336,22 @@ def test_a_request_received_into_a_slab_goes_to_the_worker_in_that_slab() -> Non
     async def main(path: Path) -> None:
         arena = slab.Arena(max_reply=1 << 20)
         sinks = slab_sinks(arena)
-        async with asyncio.TaskGroup() as tasks:
-            server = LaneServer(path, pool, "pool 'x'")
-            await server.start(tasks)
-            client = LaneClient(path, "pool 'x'", arena)
-            try:
-                body = big_request() + b"\x3a\x80\x80\x04" + os.urandom(1 << 16)
-                assert sinks("/inference.GRPCInferenceService/ModelReady", len(body)) is None
-                assert sinks(MODEL_INFER, 1000) is None  # small: inline
-                sink = sinks(MODEL_INFER, len(body))
-                assert sink is not None and len(arena.leased) == 1
-                sink.view[:] = body
-                reply = await client.call(sink.view, time.monotonic() + 30, [], "m", sunk=sink)
-                assert reply == b"answered" and named == [sink.slab.name]
-                assert not arena.leased  # freed on the REPLY: no second lease
-                sink.drop()  # the call ends: a no-op, the lane took it
-                assert sum(map(len, arena.idle.values())) == 1
-                unused = sinks(MODEL_INFER, len(body))
-                assert unused is not None and len(arena.leased) == 1
-                unused.drop()
-                assert not arena.leased
-            finally:
-                client.close()
-                await server.stop(5.0)
+        async with lane(path, pool, arena) as (client, _tasks):
+            body = big_request() + b"\x3a\x80\x80\x04" + os.urandom(1 << 16)
+            assert sinks("/inference.GRPCInferenceService/ModelReady", len(body)) is None
+            assert sinks(MODEL_INFER, 1000) is None  # small: inline
+            sink = sinks(MODEL_INFER, len(body))
+            assert sink is not None and len(arena.leased) == 1
+            sink.view[:] = body
+            reply = await client.call(sink.view, time.monotonic() + 30, [], "m", sunk=sink)
+            assert reply == b"answered" and named == [sink.slab.name]
+            assert not arena.leased  # freed on the REPLY: no second lease
+            sink.drop()  # the call ends: a no-op, the lane took it
+            assert sum(map(len, arena.idle.values())) == 1
+            unused = sinks(MODEL_INFER, len(body))
+            assert unused is not None and len(arena.leased) == 1
+            unused.drop()
+            assert not arena.leased
         arena.close()
 
     with tempfile.TemporaryDirectory() as folder:
