@@ -228,6 +228,20 @@ def tree(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
     ]
     _ensemble(repo, "fanout", {"ensemble_scheduling": {"step": fan}})
     _ensemble(repo, "broken", {"pipeline": ["echo", "no_such_model"]})
+    # steps in one pool: each call of these runs in one worker there (contract/chain.py)
+    _echo_as(repo, "echo_c", "chain")
+    _echo_as(repo, "sleep_c", "chain", source="sleep")
+    _echo_as(repo, "echo_cc", "chain")
+    cached = repo / "echo_cc" / "model-settings.json"
+    settings = json.loads(cached.read_text())
+    settings["parameters"].setdefault("extra", {})["response_cache"] = True
+    cached.write_text(json.dumps(settings))
+    in_one = [
+        _step("echo_c", {"INPUT0": "INPUT0"}, {"OUTPUT0": "echoed"}),
+        _step("sleep_c", {"INPUT0": "echoed"}, {"OUTPUT0": "OUTPUT0"}),
+    ]
+    _ensemble(repo, "chain_sleep", {"ensemble_scheduling": {"step": in_one}})
+    _ensemble(repo, "chain_cached", {"pipeline": ["echo_c", "echo_cc"]})
     # the router answers a spent deadline well before the client's own timer fires
     (repo / "settings.json").write_text(json.dumps({"deadline_margin_ms": 1000}))
     with Serving(repo, root / "run", workers=2) as serving:
@@ -235,12 +249,16 @@ def tree(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
         yield serving
 
 
+STEP_MODELS = ("iris_scaler", "iris_classifier", "echo", "echo_b", "sleep", "sleep_victim")
+ENSEMBLES = ("iris_pipeline", "echo_sleep", "echo_victim", "fanout", "chain_sleep", "chain_cached")
+
+
 async def _wait_models(address: str) -> None:
     async with grpc.aio.insecure_channel(address) as channel:
-        for model in ("iris_scaler", "iris_classifier", "echo", "echo_b", "sleep", "sleep_victim"):
+        for model in (*STEP_MODELS, "echo_c", "sleep_c", "echo_cc"):
             await wait_serving(channel, f"model:{model}", timeout=120)
         # an ensemble's health follows its steps'
-        for ensemble in ("iris_pipeline", "echo_sleep", "echo_victim", "fanout"):
+        for ensemble in ENSEMBLES:
             await wait_serving(channel, f"model:{ensemble}", timeout=120)
 
 
@@ -506,3 +524,127 @@ def test_a_step_pool_killed_mid_call_fails_the_call_naming_the_step(
     assert error.status() == "StatusCode.UNAVAILABLE"
     assert "ensemble 'echo_victim' step 2 (model 'sleep_victim')" in error.message()
     tree.snapshot()  # the restarted pool's processes are cleaned up with the tree
+
+
+# -- steps in one pool: one job on one worker ---------------------------------------
+
+
+def _served(tree: Serving, gid: str) -> int:
+    """The jobs pool ``gid``'s workers have run, all told."""
+    return sum(w.requests_served for w in asyncio.run(pool_status(tree, gid)).workers)
+
+
+def _success(client: tc.InferenceServerClient, model: str) -> int:
+    stats = client.get_inference_statistics(model, as_json=True)["model_stats"][0]
+    return int(stats["inference_stats"]["success"].get("count", 0))
+
+
+def test_steps_in_one_pool_run_as_one_job_and_answer_as_the_steps_by_hand(
+    tree: Serving, grpc_client: tc.InferenceServerClient, http_client: th.InferenceServerClient
+) -> None:
+    data = np.arange(6, dtype=np.float32).reshape(2, 3)
+    echoed = grpc_client.infer("echo_c", [_grpc_input(tc, "INPUT0", data)]).as_numpy("OUTPUT0")
+    by_hand = grpc_client.infer(
+        "sleep_c", [_grpc_input(tc, "INPUT0", echoed)], parameters={"sleep_ms": 1}
+    ).as_numpy("OUTPUT0")
+    before = {m: _success(grpc_client, m) for m in ("echo_c", "sleep_c", "chain_sleep")}
+    jobs = _served(tree, "chain")
+    got = grpc_client.infer(
+        "chain_sleep", [_grpc_input(tc, "INPUT0", data)], parameters={"sleep_ms": 1}
+    )
+    np.testing.assert_array_equal(got.as_numpy("OUTPUT0"), by_hand)
+    assert got.get_response().model_name == "chain_sleep"
+    assert _served(tree, "chain") == jobs + 1  # both steps in one job
+    rest = http_client.infer(
+        "chain_sleep", [_grpc_input(th, "INPUT0", data)], parameters={"sleep_ms": 1}
+    )
+    np.testing.assert_array_equal(rest.as_numpy("OUTPUT0"), by_hand)
+    assert _served(tree, "chain") == jobs + 2
+    # each step's model counts the ensemble's calls, as Triton's composing models do
+    after = {m: _success(grpc_client, m) for m in before}
+    assert after == {m: n + 2 for m, n in before.items()}
+    # the request's own mistakes are the router's words, a step's names the step
+    with pytest.raises(tc.InferenceServerException) as caught:
+        grpc_client.infer("chain_sleep", [_grpc_input(tc, "nope", data)], client_timeout=TIMEOUT)
+    assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "unexpected inference input 'nope'" in caught.value.message()
+    with pytest.raises(tc.InferenceServerException) as caught:
+        grpc_client.infer(
+            "chain_sleep",
+            [_grpc_input(tc, "INPUT0", data)],
+            parameters={"sleep_ms": -1},
+            client_timeout=TIMEOUT,
+        )
+    assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "ensemble 'chain_sleep' step 2 (model 'sleep_c')" in caught.value.message()
+    assert "sleep_ms must be a non-negative" in caught.value.message()
+
+
+def test_a_deadline_spent_in_one_worker_ends_the_call_naming_the_ensemble(
+    grpc_client: tc.InferenceServerClient,
+) -> None:
+    data = np.ones((1, 2), dtype=np.float32)
+    started = time.monotonic()
+    with pytest.raises(tc.InferenceServerException) as caught:
+        grpc_client.infer(
+            "chain_sleep",
+            [_grpc_input(tc, "INPUT0", data)],
+            parameters={"sleep_ms": 15_000},
+            client_timeout=4.0,
+        )
+    assert caught.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+    assert "ensemble 'chain_sleep'" in caught.value.message()
+    assert "in one worker of pool 'chain'" in caught.value.message()
+    assert time.monotonic() - started < 12  # the deadline ended it, not the sleep
+
+
+def test_a_worker_killed_mid_chain_is_retried_on_another(
+    tree: Serving, grpc_client: tc.InferenceServerClient
+) -> None:
+    """The chain is one job: a worker's death retries it whole on another
+    worker (the pool core's rule for an idempotent call), and it answers."""
+    data = np.full((1, 2), 7, dtype=np.float32)
+    got: list[Any] = []
+
+    def call() -> None:
+        try:
+            got.append(
+                grpc_client.infer(
+                    "chain_sleep",
+                    [_grpc_input(tc, "INPUT0", data)],
+                    parameters={"sleep_ms": 3_000},
+                    client_timeout=TIMEOUT,
+                )
+            )
+        except BaseException as exc:  # handed to the test's thread
+            got.append(exc)
+
+    def busy() -> set[int]:
+        workers = asyncio.run(pool_status(tree, "chain")).workers
+        return {w.pid for w in workers if w.state == "busy"}
+
+    earlier = busy()  # (a worker may still sleep for a call whose deadline has passed)
+    caller = threading.Thread(target=call)
+    caller.start()
+    try:
+        assert wait_until(lambda: bool(busy() - earlier), timeout=TIMEOUT)
+        (ours,) = busy() - earlier
+        os.kill(ours, signal.SIGKILL)
+    finally:
+        caller.join(TIMEOUT)
+    assert not caller.is_alive()
+    assert len(got) == 1 and not isinstance(got[0], BaseException), got
+    np.testing.assert_array_equal(got[0].as_numpy("OUTPUT0"), data)
+
+
+def test_a_pool_that_will_not_chain_has_the_router_run_the_steps(
+    tree: Serving, grpc_client: tc.InferenceServerClient
+) -> None:
+    """``echo_cc`` caches its replies: its pool refuses the chain, and the
+    router runs both steps (two jobs), the answer the same."""
+    data = np.arange(4, dtype=np.float32).reshape(1, 4)
+    for _ in range(2):
+        jobs = _served(tree, "chain")
+        got = grpc_client.infer("chain_cached", [_grpc_input(tc, "INPUT0", data + _)])
+        np.testing.assert_array_equal(got.as_numpy("OUTPUT0"), data + _)
+        assert _served(tree, "chain") == jobs + 2  # echo_c, then echo_cc (a miss): two jobs

@@ -58,6 +58,9 @@ class Routing:
     rest_text: Wire | None = None
     # The first field of :data:`WRAPPER_FIELDS` the bytes carry at top level, 0: none.
     wrapper_field: int = 0
+    # An ensemble's chain (:mod:`poolserve.service.contract.chain`): the pool's
+    # entries of its steps after the first, whose statistics count it too.
+    chain: tuple[Any, ...] = ()
 
 
 WRAPPER_FIELDS = range(4089, 4096)

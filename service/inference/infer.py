@@ -16,6 +16,7 @@ from typing import cast
 from google.protobuf.message import DecodeError
 
 from poolserve.protos import inference_pb2 as pb
+from poolserve.service.contract.chain import is_chain
 from poolserve.service.contract.errors import (
     InvalidInput,
     MessageTooLarge,
@@ -121,6 +122,10 @@ def infer_named(models: Mapping[str, Model], data: Buffer) -> tuple[list[Buffer]
     request a tenth of the worker's time. A REST body, or a worker that
     holds an adapter (which reads the request's bytes itself), is peeked at.
     """
+    if is_chain(data):  # an ensemble whose steps all run here
+        from poolserve.service.inference.chain import run_chain  # (it imports this module)
+
+        return run_chain(models, data)
     regions, data = unwrap(data)
     if is_rest(data) or any(isinstance(m, WireModel) for m in models.values()):
         name, version = peek_model(data)

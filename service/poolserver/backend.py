@@ -12,29 +12,38 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from poolserve.service.contract.batching import peek_batch
+from poolserve.service.contract.chain import REFUSED as CHAIN_REFUSED
+from poolserve.service.contract.chain import is_chain
+from poolserve.service.contract.chain import unwrap as unwrap_chain
 from poolserve.service.contract.errors import (
     DeadlineExceeded,
     InvalidInput,
     MessageTooLarge,
     ServingError,
+    Unavailable,
     Unimplemented,
     decoupled_refusal,
+    error_for,
 )
 from poolserve.service.contract.framing import Payload
 from poolserve.service.contract.schedule import PriorityLevels, Schedule, schedule
 from poolserve.service.contract.sequence import peek_sequence
 from poolserve.service.contract.shm import is_wrapped
 from poolserve.service.contract.slab import Mapper, head, is_enveloped, parse
-from poolserve.service.contract.wire import Routing
+from poolserve.service.contract.wire import Routing, peek_routing
 from poolserve.service.poolcore.dispatcher import Dispatcher
 from poolserve.service.poolcore.jobs import Result
 from poolserve.service.poolcore.sequences import Sequences
 from poolserve.service.poolcore.started import Started
-from poolserve.service.poolserver.catalog import ModelEntry
+from poolserve.service.poolserver.catalog import Catalog, ModelEntry
 from poolserve.service.poolserver.inline import InlineRunner
 from poolserve.service.poolserver.inline_sequences import InlineSequences
 from poolserve.service.poolserver.response_cache import Probe, ResponseCache
-from poolserve.service.poolserver.rest_scheduling import rest_batch, scheduling_view
+from poolserve.service.poolserver.rest_scheduling import (
+    ready_route,
+    rest_batch,
+    scheduling_view,
+)
 from poolserve.service.poolserver.servicer import Observer
 
 
@@ -59,6 +68,39 @@ class PoolBackend:
         self.sequences: dict[str, Sequences] = {}  # per sequence model: its live sequences
         self.inline_sequences: dict[str, InlineSequences] = {}  # the same, of inline models
         self.slabs = Mapper()  # the router's slabs an inline model reads large requests from
+
+    def route(self, catalog: Catalog, request: Payload) -> tuple[ModelEntry, Routing]:
+        """The ready model a request runs on, and its routing. An ensemble's
+        chain (:mod:`poolserve.service.contract.chain`) runs as its first
+        step's job, on one worker, when every step's model is ready here and a
+        worker runs it alone; else it is refused, and the router names why."""
+        if not is_chain(request):
+            return ready_route(catalog, request)
+        plan, inner = unwrap_chain(request)
+        if not plan.steps:
+            raise InvalidInput("malformed ensemble chain: no steps")
+        entries = []
+        for index, step in enumerate(plan.steps):
+            try:
+                entry = catalog.lookup_ready(step.model, step.version)
+            except ServingError as exc:
+                raise error_for(exc.failure, f"{plan.step_name(index)}: {exc.message}") from None
+            settings = entry.settings
+            if (
+                entry.key in self.inline
+                or not entry.policy.unary
+                or self.cache.caches(entry)
+                or (settings is not None and (settings.sequence or settings.batching))
+            ):
+                raise Unavailable(
+                    f"{CHAIN_REFUSED}: {plan.step_name(index)} runs inline, batched, "
+                    "in a sequence, decoupled or cached"
+                )
+            entries.append(entry)
+        routing = peek_routing(inner)
+        routing.name, routing.version = entries[0].name, entries[0].version
+        routing.chain = tuple(entries[1:])
+        return entries[0], routing
 
     def serving(self) -> bool:
         return not self.needs_workers or self.dispatcher.live_workers() > 0
@@ -135,7 +177,7 @@ class PoolBackend:
         except ServingError as exc:
             entry.stats.record_failure(time.monotonic_ns() - began, error=exc)
             raise
-        body = self._answered(entry, result, began)
+        body = self._answered(entry, result, began, routing)
         if observe is not None:
             observe(result)
         return body
@@ -179,7 +221,7 @@ class PoolBackend:
                         stats.record_failure(time.monotonic_ns() - began, error=outcome)
                     reply(outcome if isinstance(outcome, Exception) else Exception(outcome))
                     return
-                body = self._answered(entry, outcome, began)
+                body = self._answered(entry, outcome, began, routing)
                 if probe is not None:
                     self._keep(entry, probe, body)
                 reply(body)
@@ -234,15 +276,18 @@ class PoolBackend:
         self.cache.put(probe, entry, body)
         entry.stats.record_cache_insert(time.monotonic_ns() - began)
 
-    def _answered(self, entry: ModelEntry, result: Result, began: int) -> Payload:
-        """A worker's result, counted: its body, or MessageTooLarge (raised)."""
+    def _answered(self, entry: ModelEntry, result: Result, began: int, routing: Routing) -> Payload:
+        """A worker's result, counted: its body, or MessageTooLarge (raised).
+        A chain's is counted by each of its steps' models, as Triton's
+        composing models count an ensemble's calls."""
         if len(result.body) > self.max_message_size:
             too_large = MessageTooLarge.reply(entry.name, len(result.body), self.max_message_size)
             entry.stats.record_failure(time.monotonic_ns() - began, error=too_large)
             raise too_large
-        entry.stats.record_success(
-            result.queue_ns, result.timings, time.monotonic_ns() - began, result.batch_report
-        )
+        spent = time.monotonic_ns() - began
+        entry.stats.record_success(result.queue_ns, result.timings, spent, result.batch_report)
+        for step in routing.chain:
+            step.stats.record_success(result.queue_ns, result.timings, spent, result.batch_report)
         if result.batch_report:
             entry.stats.record_batch(result.batch_size, result.timings)
         return result.body

@@ -26,6 +26,7 @@ from poolserve.service.grpcserver.shm import SharedMemory
 from poolserve.service.inference.infer import infer
 from poolserve.service.inference.model import Model, load_model, tensor_specs
 from poolserve.service.poolserver.catalog import Catalog, ModelEntry, ModelState
+from poolserve.service.poolserver.rest_scheduling import ready_route
 from poolserve.service.poolserver.servicer import InferenceServicer, Observer
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,9 @@ class InProcessBackend:
 
     def serving(self) -> bool:
         return True
+
+    def route(self, catalog: Catalog, request: Payload) -> tuple[ModelEntry, Routing]:
+        return ready_route(catalog, request)  # (an ensemble's chain comes from a router only)
 
     def _thread(self) -> ThreadPoolExecutor:
         if self._executor is None:

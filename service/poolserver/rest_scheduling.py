@@ -23,7 +23,7 @@ what was read, and batching and sequences take it from there.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -39,6 +39,15 @@ from poolserve.service.contract.rest import unwrap as unwrap_rest
 from poolserve.service.contract.shm import unwrap
 from poolserve.service.contract.wire import Routing, Wire, peek_model, peek_routing
 from poolserve.service.inference import json_body
+
+if TYPE_CHECKING:
+    from poolserve.service.poolserver.catalog import Catalog, ModelEntry
+
+
+def ready_route(catalog: Catalog, request: Payload) -> tuple[ModelEntry, Routing]:
+    """The ready model a request names, and its routing."""
+    routing = scheduling_routing(request)
+    return catalog.lookup_ready(routing.name, routing.version), routing
 
 
 def scheduling_routing(request: Payload) -> Routing:

@@ -52,7 +52,6 @@ from poolserve.service.poolserver.inline import InlineRunner, is_inline
 from poolserve.service.poolserver.lane_server import LaneServer
 from poolserve.service.poolserver.model_control import LiveModels, ModelReply
 from poolserve.service.poolserver.response_cache import ResponseCache
-from poolserve.service.poolserver.rest_scheduling import scheduling_routing
 from poolserve.service.poolserver.servicer import InferenceServicer
 
 log = logging.getLogger(__name__)
@@ -170,8 +169,7 @@ class PoolServer(LiveModels):
         cache, or an inline model declared fast."""
         if self.servicer.tracing is not None or not (self._caching or self.inline.has_fast()):
             return None
-        routing = scheduling_routing(request)
-        entry = self.catalog.lookup_ready(routing.name, routing.version)
+        entry, routing = self.backend.route(self.catalog, request)
         deadline -= self.servicer.margin_s
         return self.backend.infer_now(entry, request, deadline, routing)
 
@@ -185,8 +183,7 @@ class PoolServer(LiveModels):
         """A lane call started without a task: untraced, on a forked worker, alone."""
         if self.servicer.tracing is not None:
             return None
-        routing = scheduling_routing(request)
-        entry = self.catalog.lookup_ready(routing.name, routing.version)
+        entry, routing = self.backend.route(self.catalog, request)
         deadline -= self.servicer.margin_s
         return self.backend.begin(entry, request, deadline, routing, reply)
 

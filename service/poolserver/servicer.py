@@ -70,6 +70,8 @@ class InferBackend(Protocol):
 
     def serving(self) -> bool: ...
 
+    def route(self, catalog: Catalog, request: Payload) -> tuple[ModelEntry, Routing]: ...
+
 
 class ModelControl(Protocol):
     """Live model load and unload, where the server supports them."""
@@ -229,8 +231,7 @@ class InferenceServicer:
     async def infer_bytes(
         self, request: Payload, deadline: float, observe: Observer | None = None
     ) -> Payload:
-        routing = scheduling_routing(request)
-        entry = self.catalog.lookup_ready(routing.name, routing.version)
+        entry, routing = self.backend.route(self.catalog, request)
         return await self.backend.infer(entry, request, deadline, routing, observe)
 
     async def _infer_traced(

@@ -26,11 +26,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from poolserve.protos import inference_pb2 as pb
+from poolserve.service.contract.chain import REFUSED as CHAIN_REFUSED
+from poolserve.service.contract.chain import ChainPlan, ChainStep
+from poolserve.service.contract.chain import wrap as wrap_chain
 from poolserve.service.contract.ensemble import PLATFORM, Ensemble
 from poolserve.service.contract.errors import (
     InvalidInput,
@@ -43,9 +46,13 @@ from poolserve.service.contract.errors import (
     error_for,
 )
 from poolserve.service.contract.repository import Repository, TensorSpec
+from poolserve.service.contract.slab import THRESHOLD as SLAB_THRESHOLD
 from poolserve.service.router.ensemble_tensors import Tensor, request_tensors, response_tensors
 from poolserve.service.router.forwarding import Forwarder
-from poolserve.service.router.routes import Routes
+from poolserve.service.router.routes import PoolRoute, Routes
+
+_T = TypeVar("_T")
+CHAIN_MAX = SLAB_THRESHOLD  # a larger request goes through the router's steps (no slab for chains)
 
 Carrier = Iterable[tuple[str, Any]] | None
 
@@ -83,6 +90,8 @@ class Ensembles:
         self.routes = routes
         self.core = core
         self._counts = {name: _Counts() for name in self.plans}
+        self._chains: dict[str, tuple[Ensemble, bytes]] = {}  # each plan's chain, encoded
+        self._unchained: set[str] = set()  # ensembles their pool would not run in one worker
         routes.ensembles_ready = self.readiness  # the health service's model:<ensemble>
 
     def learn(self, name: str, repository: Repository) -> None:
@@ -93,6 +102,7 @@ class Ensembles:
             if plan.name == name:
                 self.plans[name] = plan
                 self._counts.setdefault(name, _Counts())
+                self._unchained.discard(name)  # its pool is asked again
                 self.routes.sync_health()
                 return
         for bad in repository.invalid:
@@ -224,12 +234,18 @@ class Ensembles:
         self, body: bytes, name: str, version: str, remaining: float | None, carrier: Carrier
     ) -> bytes:
         """A gRPC ModelInfer of an ensemble: its bytes in, the response's bytes out."""
-        try:
-            request = pb.ModelInferRequest.FromString(body)
-        except Exception:  # a malformed message: DecodeError and kin
-            raise InvalidInput("the request is not a ModelInferRequest") from None
-        response = await self.run(self.plan(name, version), request, remaining, carrier)
-        reply = response.SerializeToString()
+        plan = self.plan(name, version)
+        pool = self._one_pool(plan, len(body))
+        if pool is not None:  # every step in one worker of that pool: the bytes go as they came
+            reply = await self._counted(
+                plan, body, self._chained(plan, pool, body, remaining, carrier)
+            )
+        else:
+            try:
+                request = pb.ModelInferRequest.FromString(body)
+            except Exception:  # a malformed message: DecodeError and kin
+                raise InvalidInput("the request is not a ModelInferRequest") from None
+            reply = (await self.run(plan, request, remaining, carrier)).SerializeToString()
         limit = self.core.settings.max_message_size
         if len(reply) > limit:  # said here, clearly, rather than by gRPC's send
             raise MessageTooLarge.reply(name, len(reply), limit)
@@ -242,12 +258,25 @@ class Ensembles:
         remaining: float | None,
         carrier: Carrier,
     ) -> pb.ModelInferResponse:
-        """The ensemble's steps in order, counted in its statistics."""
+        """The ensemble's steps in order, counted in its statistics (a REST call's)."""
+        body = request.SerializeToString()
+        pool = self._one_pool(plan, len(body))
+        if pool is None:
+            return await self._counted(plan, request, self._run(plan, request, remaining, carrier))
+        reply = await self._counted(
+            plan, request, self._chained(plan, pool, body, remaining, carrier)
+        )
+        return pb.ModelInferResponse.FromString(reply)
+
+    async def _counted(
+        self, plan: Ensemble, request: pb.ModelInferRequest | bytes, work: Awaitable[_T]
+    ) -> _T:
+        """``work``, the ensemble's call, counted in its statistics."""
         self.core.requests += 1
         started = time.monotonic_ns()
         counts = self._counts[plan.name]
         try:
-            response = await self._run(plan, request, remaining, carrier)
+            done = await work
         except (ServingError, asyncio.CancelledError):
             counts.fail += 1
             counts.fail_ns += time.monotonic_ns() - started
@@ -255,8 +284,81 @@ class Ensembles:
         counts.success += 1
         counts.success_ns += time.monotonic_ns() - started
         counts.last_ms = time.time_ns() // 1_000_000
-        counts.inferences += _rows(request) if plan.max_batch_size > 0 else 1
-        return response
+        if plan.max_batch_size > 0:
+            if isinstance(request, bytes):
+                request = pb.ModelInferRequest.FromString(request)
+            counts.inferences += _rows(request)
+        else:
+            counts.inferences += 1
+        return done
+
+    # -- in one worker -----------------------------------------------------------
+
+    def _one_pool(self, plan: Ensemble, size: int) -> PoolRoute | None:
+        """The pool all the ensemble's steps are in, when a worker there can
+        run them all in one job (contract/chain.py); None: the router runs
+        the steps. A large request (one that would go through a slab) is
+        never chained, nor an ensemble its pool refused to chain."""
+        if plan.name in self._unchained or size > CHAIN_MAX:
+            return None
+        pool: PoolRoute | None = None
+        for step in plan.steps:
+            route = self.routes.routes.get(step.model)
+            if route is None or (pool is not None and route is not pool):
+                return None
+            pool = route
+        return pool
+
+    def _chain_plan(self, plan: Ensemble) -> bytes:
+        encoded = self._chains.get(plan.name)
+        if encoded is None or encoded[0] is not plan:
+            order = [i for level in plan.levels for i in level]
+            chain = ChainPlan(
+                name=plan.name,
+                version=plan.version,
+                inputs=tuple(s.name for s in plan.inputs),
+                outputs=tuple(s.name for s in plan.outputs),
+                steps=tuple(
+                    ChainStep(
+                        plan.steps[i].model,
+                        plan.steps[i].version,
+                        plan.steps[i].input_map,
+                        plan.steps[i].output_map,
+                    )
+                    for i in order
+                ),
+            )
+            encoded = (plan, chain.encode())
+            self._chains[plan.name] = encoded
+        return encoded[1]
+
+    async def _chained(
+        self,
+        plan: Ensemble,
+        pool: PoolRoute,
+        body: bytes,
+        remaining: float | None,
+        carrier: Carrier,
+    ) -> bytes:
+        """The ensemble run in one worker of ``pool``: one call with the shared
+        deadline. A pool that refuses to (a step now batching, cached or
+        inline there) is remembered, and the router runs the steps."""
+        deadline = self.core.deadline(remaining)
+        first = plan.steps[plan.levels[0][0]].model
+        try:
+            chain = wrap_chain(self._chain_plan(plan), body)  # the router's own envelope
+            return await self.core.step(first, chain, deadline, carrier, attached=True)
+        except ServingError as exc:
+            if exc.message.startswith(CHAIN_REFUSED):
+                self._unchained.add(plan.name)
+                request = pb.ModelInferRequest.FromString(body)
+                return (await self._run(plan, request, remaining, carrier)).SerializeToString()
+            if exc.message.startswith(f"ensemble '{plan.name}' "):
+                raise  # a step's own error, already named
+            models = ", ".join(f"'{s.model}'" for s in plan.steps)
+            raise _named(
+                exc, f"ensemble '{plan.name}' (models {models}, in one worker of {pool.where})"
+            ) from None
 
     async def _run(
         self,

@@ -141,15 +141,17 @@ class Forwarder:
         body: bytes,
         deadline: float,
         carrier: Iterable[tuple[str, Any]] | None,
+        attached: bool = False,
     ) -> bytes:
         """One step of an ensemble (router/ensemble.py): an inference of model
-        ``name`` with the ensemble's absolute ``deadline``, shared by its steps."""
+        ``name`` with the ensemble's absolute ``deadline``, shared by its steps;
+        ``attached``: the body is the router's own envelope (a chain), sent as it is."""
         route = self.routes.route(name)
         if deadline <= time.monotonic():
             raise DeadlineExceeded(
                 "deadline spent before the router could forward the step", stage="router"
             )
-        reply = await self._send(route, name, body, deadline, carrier, None, False, None, None)
+        reply = await self._send(route, name, body, deadline, carrier, None, attached, None, None)
         assert isinstance(reply, bytes)
         return reply
 
