@@ -1,9 +1,13 @@
 """The ensemble part of the bench (issue 44, item 2): an ensemble of two light
 steps against one direct call, and against a client that calls both steps itself.
 
-One tree (router, pools ``default`` and ``other``, 2 workers each): ``echo``
-(FP32 [1,16]) in ``default``, the same echo as ``echo_b`` in ``other``, and
-``echo2``, the ensemble ``{"pipeline": ["echo", "echo_b"]}``. One client
+One tree (router, pool ``default``, 2 workers): ``echo`` (FP32 [1,16]) and
+the same echo as ``echo_b``, and ``echo2``, the ensemble ``{"pipeline":
+["echo", "echo_b"]}``: both steps in one pool, so each of its calls runs as
+one job on one worker (service/contract/chain.py). The same again with
+``echo_b`` in a pool of its own (``other``: the router forwards each step),
+and with both echos inline (the router forwards each step, no worker hop),
+reported beside the targets' rows. One client
 process, grpc.aio with the messages' bytes made once (no tensor codec in the
 loop), closed loop:
 
@@ -44,9 +48,14 @@ THROUGHPUT_TARGET = 2.0  # ensemble calls/s / a client's own two-step pipelines/
 C = 16
 
 
-def _repository(repo: Path, inline: bool) -> None:
+LAYOUTS = ("one_pool", "two_pools", "inline")
+
+
+def _repository(repo: Path, layout: str) -> None:
     echo = ROOT / "examples" / "models" / "echo"
-    for name, gid in (("echo", "default"), ("echo_b", "other")):
+    inline = layout == "inline"
+    second = "default" if layout == "one_pool" else "other"
+    for name, gid in (("echo", "default"), ("echo_b", second)):
         shutil.copytree(echo, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
         path = repo / name / "model-settings.json"
         settings = json.loads(path.read_text())
@@ -172,13 +181,14 @@ async def _measure(address: str, seconds: float, rounds: int) -> dict[str, Any]:
 
 
 def measure(seconds: float = 5.0, rounds: int = 3) -> dict[str, Any]:
-    """The steps on workers (the targets' figures), then the same inline."""
-    found = _measure_tree(seconds, rounds, inline=False)
-    found["inline"] = _measure_tree(seconds, rounds, inline=True)
+    """Both steps in one pool (the targets' figures), then in two pools, then inline."""
+    found = _measure_tree(seconds, rounds, "one_pool")
+    for layout in LAYOUTS[1:]:
+        found[layout] = _measure_tree(seconds, rounds, layout)
     return found
 
 
-def _measure_tree(seconds: float, rounds: int, inline: bool) -> dict[str, Any]:
+def _measure_tree(seconds: float, rounds: int, layout: str) -> dict[str, Any]:
     sys.path.insert(0, str(ROOT / "reliability"))
     from harness import Tree
 
@@ -186,7 +196,7 @@ def _measure_tree(seconds: float, rounds: int, inline: bool) -> dict[str, Any]:
         work = Path(tmp)
         repo = work / "repo"
         repo.mkdir()
-        _repository(repo, inline)
+        _repository(repo, layout)
         with Tree(repo, work / "run", workers=2) as tree:
             return asyncio.run(_measure(tree.address, seconds, rounds))
 
@@ -219,19 +229,25 @@ def section(results: Mapping[str, Any]) -> str:
         f"| {'PASS' if t['passed'] else 'MISS'} |"
         for t in targets(results)
     ]
-    lines = ["`echo` -> `echo_b` in two pools, 2 workers each (bench/ensemble.py), medians of "
+    lines = ["`echo` -> `echo_b` in one pool of 2 workers, each ensemble call one job on one "
+             "worker (bench/ensemble.py), medians of "
              f"{found['rounds']} alternating rounds of {found['seconds']:g} s.", "",
              "| target | measured | target | result |", "|---|---|---|---|", *rows]  # fmt: skip
-    inline = found.get("inline")
-    if inline:
-        lines += ["", "The same with both echos inline (`parallel_workers: 0`, `inline_fast`: "
-                  "no worker hop), for what the router's part costs:", "",
-                  "| inline steps | ensemble | direct call | a client's own two calls | ratio |",
-                  "|---|---|---|---|---|",
-                  f"| p50 at c1, ms | {inline['ensemble_p50_ms']} | {inline['direct_p50_ms']} | "
-                  f"{inline['client_two_calls_p50_ms']} | {inline['latency_ratio']} |",
-                  f"| calls/s at c{C} | {inline['ensemble_rps']} | - | "
-                  f"{inline['client_two_calls_rps']} | {inline['throughput_ratio']} |"]  # fmt: skip
+    others = [(k, found[k]) for k in LAYOUTS[1:] if found.get(k)]
+    if others:
+        lines += ["", "The same where the router forwards each step: `echo_b` in a pool of its "
+                  "own (2 workers each), or both echos inline (`parallel_workers: 0`, "
+                  "`inline_fast`: no worker hop):", "",
+                  "| steps | p50 at c1: ensemble / direct / client's two calls, ms | ratio "
+                  f"| calls/s at c{C}: ensemble / client's two calls | ratio |",
+                  "|---|---|---|---|---|"]  # fmt: skip
+        names = {"two_pools": "in two pools", "inline": "inline, one pool"}
+        for key, o in others:
+            lines.append(
+                f"| {names[key]} | {o['ensemble_p50_ms']} / {o['direct_p50_ms']} / "
+                f"{o['client_two_calls_p50_ms']} | {o['latency_ratio']} | {o['ensemble_rps']} / "
+                f"{o['client_two_calls_rps']} | {o['throughput_ratio']} |"
+            )
     return "\n".join(lines)
 
 

@@ -854,3 +854,7 @@ def test_the_ensemble_rows_render_in_the_targets_table() -> None:
     text = report.targets_table({"targets": rows})
     assert "| 44 | ensemble of two light steps" in text and "| MISS |" in text
     assert "| PASS |" in text  # the throughput row: 2.5 >= 2.0
+    routed = {**found, "latency_ratio": 1.9, "rounds": 3, "seconds": 5.0}
+    section = ensemble_part.section({"ensemble": {**routed, "two_pools": routed}})
+    assert "one job on one worker" in section
+    assert "| in two pools | 1.2 / 0.8 / 1.7 | 1.9 | 3000.0 / 1200.0 | 2.5 |" in section

@@ -49,6 +49,25 @@ class Split(Model):
         return {"SUM": np.asarray([x.sum()], dtype=x.dtype), "NEG": -x}
 
 
+class Words(Model):
+    """X's values as strings (a str array), W."""
+
+    def predict(self, inputs: dict[str, Array], parameters: dict[str, object]) -> dict[str, Array]:
+        return {"W": np.asarray([str(v) for v in inputs["X"].ravel()])}
+
+
+class Kinds(Model):
+    """The type of each element of W and its length, as KIND (BYTES) and LEN (INT32)."""
+
+    def predict(self, inputs: dict[str, Array], parameters: dict[str, object]) -> dict[str, Array]:
+        items = inputs["W"].ravel()
+        kinds = [type(v).__name__.encode() for v in items]
+        return {
+            "KIND": np.asarray(kinds, dtype=object),
+            "LEN": np.asarray([len(v) for v in items], dtype=np.int32),
+        }
+
+
 class Broken(Model):
     def predict(self, inputs: dict[str, Array], parameters: dict[str, object]) -> dict[str, Array]:
         raise RuntimeError("the model fell over")
@@ -70,6 +89,8 @@ MODELS = {
     "scale": _model(Scale, "scale", TensorSpec("X", "FP32", (-1,))),
     "split": _model(Split, "split"),
     "broken": _model(Broken, "broken"),
+    "words": _model(Words, "words"),
+    "kinds": _model(Kinds, "kinds"),
 }
 PLAN = ChainPlan(
     name="pipe",
@@ -189,3 +210,19 @@ def test_a_failing_step_is_named_with_its_code_kept() -> None:
     assert (
         "step 1 (model 'nope')" in _error(unknown, _request(np.ones(2, dtype=np.float32))).message
     )
+
+
+def test_a_string_tensor_reaches_the_next_step_as_a_request_would_carry_it() -> None:
+    plan = ChainPlan(
+        "pipe",
+        "1",
+        ("features",),
+        ("kind", "length"),
+        (
+            ChainStep("words", "", (("X", "features"),), (("W", "w"),)),
+            ChainStep("kinds", "", (("W", "w"),), (("KIND", "kind"), ("LEN", "length"))),
+        ),
+    )
+    reply = decode_outputs(_run(plan, _request(np.asarray([1.5, 20.0], dtype=np.float32))))
+    assert reply["kind"].tolist() == [b"bytes", b"bytes"]  # never str, as from a request
+    assert reply["length"].tolist() == [3, 4]  # "1.5", "20.0"

@@ -20,6 +20,7 @@ Standard library only: the router, the pool and the worker read it.
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 from dataclasses import dataclass
@@ -120,7 +121,14 @@ def unwrap(data: Wire) -> tuple[ChainPlan, Wire]:
     (length,) = _LENGTH.unpack_from(data, len(MARK))
     if start + length > len(data):
         raise InvalidInput("malformed ensemble chain: truncated")
-    return ChainPlan.decode(bytes(data[start : start + length])), data[start + length :]
+    return _decoded(bytes(data[start : start + length])), data[start + length :]
+
+
+@functools.lru_cache(maxsize=256)
+def _decoded(plan: bytes) -> ChainPlan:
+    """A plan read once per process: a router sends the same bytes on every call
+    of an ensemble (a malformed one raises, and is not kept)."""
+    return ChainPlan.decode(plan)
 
 
 def first_step(data: Wire) -> tuple[str, str]:

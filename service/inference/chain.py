@@ -1,12 +1,13 @@
 """An ensemble's steps run in one worker (:mod:`poolserve.service.contract.chain`).
 
 The worker holds every model of its pool, so a chain's steps run here one
-after another on the models it already has: each step is the same
-inference a step forwarded by the router would be (:func:`run_request`: its
-inputs checked against what the model declares, its outputs encoded raw),
-only its request is built in memory and its reply's raw outputs stay views,
-handed to the next steps without a copy or a socket. The ensemble's reply
-carries the outputs it was asked for, named as the ensemble names them.
+after another on the models it already has, the tensors passed from step to
+step as the arrays the models returned (no encoding, no copy, no socket).
+Each step is checked as a step forwarded by the router would be: its inputs
+against what its model declares, the outputs the ensemble takes from it
+there; a string tensor reaches the next step as bytes, as it would have
+from a request. The ensemble's reply carries the outputs it was asked for,
+named as the ensemble names them, encoded once.
 
 Errors are the router's for the same ensemble (:mod:`poolserve.service.router.ensemble`):
 the request's checks in its words, and a step's failure with its code and
@@ -21,10 +22,22 @@ from typing import NamedTuple
 
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service.contract.chain import ChainPlan, unwrap
-from poolserve.service.contract.errors import InvalidInput, ModelError, ServingError, error_for
-from poolserve.service.inference.codec import decode_inputs, encode_raw
-from poolserve.service.inference.infer import run_request
-from poolserve.service.inference.model import Model
+from poolserve.service.contract.errors import (
+    InvalidInput,
+    ModelError,
+    ServingError,
+    clip,
+    error_for,
+)
+from poolserve.service.inference.codec import (
+    datatype_for,
+    decode_inputs,
+    decode_raw,
+    encode_outputs,
+    encode_raw,
+    parameters_to_dict,
+)
+from poolserve.service.inference.model import Array, Model, check_outputs, declared_inputs
 from poolserve.service.inference.named import model_named
 from poolserve.service.inference.rawwire import Buffer, raw_output_parts
 from poolserve.service.poolcore.stats import Timings
@@ -32,10 +45,12 @@ from poolserve.service.poolcore.stats import Timings
 _UNPLACEABLE = ("shared_memory_region", "classification")
 
 
-class _Tensor(NamedTuple):
+class _Meta(NamedTuple):
+    """A tensor as a step's declared inputs are checked against it."""
+
+    name: str
     datatype: str
     shape: tuple[int, ...]
-    raw: Buffer
 
 
 def run_chain(models: Mapping[str, Model], data: Buffer) -> tuple[list[Buffer], Timings]:
@@ -49,35 +64,27 @@ def run_chain(models: Mapping[str, Model], data: Buffer) -> tuple[list[Buffer], 
         raise InvalidInput("the request is not a ModelInferRequest") from None
     wanted = _wanted(plan, request)
     tensors = _inputs(plan, request)
-    total = Timings(decode_ns=time.perf_counter_ns() - started)
+    parameters = parameters_to_dict(request.parameters)
+    timings = Timings(decode_ns=time.perf_counter_ns() - started)
     for index, step in enumerate(plan.steps):
         try:
             model = model_named(models, step.model, step.version)
-            outputs, timings = _step(model, request, step.input_map, step.output_map, tensors)
+            began = time.perf_counter_ns()
+            outputs = _step(model, step.input_map, step.output_map, tensors, parameters)
+            timings.compute_ns += time.perf_counter_ns() - began
         except ServingError as exc:
             raise _named(exc, plan.step_name(index)) from None
-        total.decode_ns += timings.decode_ns
-        total.compute_ns += timings.compute_ns
-        total.encode_ns += timings.encode_ns
         for step_output, name in step.output_map:
-            tensor = outputs.get(step_output)
-            if tensor is None:
-                raise ModelError(
-                    f"{plan.step_name(index)}: the model's reply has no output '{step_output}'"
-                )
-            tensors[name] = tensor
+            tensors[name] = outputs[step_output]
     began = time.perf_counter_ns()
     response = pb.ModelInferResponse(
         model_name=plan.name, model_version=plan.version, id=request.id
     )
     views: list[Buffer] = []
-    for name in wanted:
-        tensor = tensors[name]
-        response.outputs.add(name=name, datatype=tensor.datatype, shape=tensor.shape)
-        views.append(tensor.raw)
+    encode_outputs(request, {name: tensors[name] for name in wanted}, response, raw=views)
     parts: list[Buffer] = [response.SerializeToString(), *raw_output_parts(views)]
-    total.encode_ns += time.perf_counter_ns() - began
-    return parts, total
+    timings.encode_ns += time.perf_counter_ns() - began
+    return parts, timings
 
 
 def _named(exc: ServingError, where: str) -> ServingError:
@@ -101,19 +108,14 @@ def _wanted(plan: ChainPlan, request: pb.ModelInferRequest) -> list[str]:
     return [o.name for o in request.outputs] or list(plan.outputs)
 
 
-def _inputs(plan: ChainPlan, request: pb.ModelInferRequest) -> dict[str, _Tensor]:
-    """The ensemble's inputs by name, raw (typed contents made raw)."""
+def _inputs(plan: ChainPlan, request: pb.ModelInferRequest) -> dict[str, Array]:
+    """The ensemble's inputs by name (raw ones as views of the request's bytes)."""
     for tensor in request.inputs:
         if "shared_memory_region" in tensor.parameters:
             raise InvalidInput(
                 f"input '{tensor.name}': an ensemble's inputs cannot be in shared memory"
             )
-    arrays = decode_inputs(request)  # checks counts, sizes and duplicates
-    raw = list(request.raw_input_contents)
-    tensors: dict[str, _Tensor] = {}
-    for i, tensor in enumerate(request.inputs):
-        data: Buffer = raw[i] if raw else encode_raw(arrays[tensor.name], tensor.datatype, "")
-        tensors[tensor.name] = _Tensor(tensor.datatype, tuple(tensor.shape), data)
+    tensors = decode_inputs(request)  # counts, sizes and duplicates checked
     wanted = set(plan.inputs)
     for name in tensors:
         if name not in wanted:
@@ -128,27 +130,38 @@ def _inputs(plan: ChainPlan, request: pb.ModelInferRequest) -> dict[str, _Tensor
 
 def _step(
     model: Model,
-    request: pb.ModelInferRequest,
     input_map: tuple[tuple[str, str], ...],
     output_map: tuple[tuple[str, str], ...],
-    tensors: Mapping[str, _Tensor],
-) -> tuple[dict[str, _Tensor], Timings]:
-    """One step: its request built from the ensemble's tensors, run as a forwarded one would be."""
-    call = pb.ModelInferRequest(
-        model_name=model.settings.name, model_version=model.settings.version, id=request.id
-    )
-    for key, value in request.parameters.items():
-        call.parameters[key].CopyFrom(value)
-    raw: list[Buffer] = []
-    for step_input, name in input_map:
-        tensor = tensors[name]
-        call.inputs.add(name=step_input, datatype=tensor.datatype, shape=tensor.shape)
-        raw.append(tensor.raw)
+    tensors: Mapping[str, Array],
+    parameters: dict[str, object],
+) -> Mapping[str, Array]:
+    """One step on the ensemble's tensors, checked as a forwarded step is: its
+    inputs against what the model declares, its outputs there. A string
+    tensor goes through its wire form, so a step reads what it would have
+    read from a forwarded request (bytes, never str)."""
+    name = model.settings.name
+    inputs = {step_input: _as_sent(tensors[tensor]) for step_input, tensor in input_map}
+    declared = declared_inputs(model)
+    if declared is not None:
+        declared.check([_Meta(k, datatype_for(v), v.shape) for k, v in inputs.items()])
+    try:
+        outputs = check_outputs(name, model.predict(inputs, dict(parameters)))
+    except ServingError:
+        raise
+    except Exception as exc:
+        raise ModelError.from_exception(name, exc) from exc
     for step_output, _ in output_map:
-        call.outputs.add(name=step_output)
-    response, views, timings = run_request(model, call, raw, {}, time.perf_counter_ns())
-    outputs = {
-        meta.name: _Tensor(meta.datatype, tuple(meta.shape), view)
-        for meta, view in zip(response.outputs, views, strict=True)
-    }
-    return outputs, timings
+        if step_output not in outputs:
+            available = ", ".join(f"'{known}'" for known in outputs) or "none"
+            raise InvalidInput(
+                f"output '{clip(step_output)}' was requested but the model produced {available}"
+            )
+    return outputs
+
+
+def _as_sent(array: Array) -> Array:
+    """A string array as a request would carry it: BYTES elements as bytes."""
+    if array.dtype.kind not in "OSU":
+        return array
+    meta = pb.ModelInferRequest.InferInputTensor(name="", datatype="BYTES", shape=array.shape)
+    return decode_raw(meta, encode_raw(array, "BYTES", "a step's output"))
