@@ -156,7 +156,13 @@ def load_failed(name: str, exc: ServingError) -> ServingError:
     prefix = LOAD_FAILED.format(clip(name))
     if exc.message.startswith(prefix):
         return exc
-    error = error_for(exc.failure, f"{prefix}: {exc.message}")
+    return prefixed(exc, prefix)
+
+
+def prefixed(exc: ServingError, where: str) -> ServingError:
+    """``exc`` with ``where`` in front of its message (``where: message``), its
+    failure and stage kept: an ensemble's step naming itself, a load naming its model."""
+    error = error_for(exc.failure, f"{where}: {exc.message}")
     error.stage = exc.stage
     return error
 

@@ -27,7 +27,7 @@ from poolserve.service.contract.errors import (
     ModelError,
     ServingError,
     clip,
-    error_for,
+    prefixed,
 )
 from poolserve.service.inference.codec import (
     datatype_for,
@@ -73,7 +73,7 @@ def run_chain(models: Mapping[str, Model], data: Buffer) -> tuple[list[Buffer], 
             outputs = _step(model, step.input_map, step.output_map, tensors, parameters)
             timings.compute_ns += time.perf_counter_ns() - began
         except ServingError as exc:
-            raise _named(exc, plan.step_name(index)) from None
+            raise prefixed(exc, plan.step_name(index)) from None
         for step_output, name in step.output_map:
             tensors[name] = outputs[step_output]
     began = time.perf_counter_ns()
@@ -85,12 +85,6 @@ def run_chain(models: Mapping[str, Model], data: Buffer) -> tuple[list[Buffer], 
     parts: list[Buffer] = [response.SerializeToString(), *raw_output_parts(views)]
     timings.encode_ns += time.perf_counter_ns() - began
     return parts, timings
-
-
-def _named(exc: ServingError, where: str) -> ServingError:
-    error = error_for(exc.failure, f"{where}: {exc.message}")
-    error.stage = exc.stage
-    return error
 
 
 def _wanted(plan: ChainPlan, request: pb.ModelInferRequest) -> list[str]:

@@ -23,7 +23,7 @@ from poolserve.service.contract.errors import (
     Unavailable,
     Unimplemented,
     decoupled_refusal,
-    error_for,
+    prefixed,
 )
 from poolserve.service.contract.framing import Payload
 from poolserve.service.contract.schedule import PriorityLevels, Schedule, schedule
@@ -84,7 +84,7 @@ class PoolBackend:
             try:
                 entry = catalog.lookup_ready(step.model, step.version)
             except ServingError as exc:
-                raise error_for(exc.failure, f"{plan.step_name(index)}: {exc.message}") from None
+                raise prefixed(exc, plan.step_name(index)) from None
             settings = entry.settings
             if (
                 entry.key in self.inline

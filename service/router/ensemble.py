@@ -43,7 +43,7 @@ from poolserve.service.contract.errors import (
     ServingError,
     Unimplemented,
     clip,
-    error_for,
+    prefixed,
 )
 from poolserve.service.contract.repository import Repository, TensorSpec
 from poolserve.service.contract.slab import THRESHOLD as SLAB_THRESHOLD
@@ -67,13 +67,6 @@ class _Counts:
     fail_ns: int = 0
     inferences: int = 0
     last_ms: int = 0
-
-
-def _named(exc: ServingError, where: str) -> ServingError:
-    """``exc`` with the step it came from in front of its message, its code kept."""
-    error = error_for(exc.failure, f"{where}: {exc.message}")
-    error.stage = exc.stage
-    return error
 
 
 def _data_type(datatype: str) -> Any:
@@ -356,7 +349,7 @@ class Ensembles:
             if exc.message.startswith(f"ensemble '{plan.name}' "):
                 raise  # a step's own error, already named
             models = ", ".join(f"'{s.model}'" for s in plan.steps)
-            raise _named(
+            raise prefixed(
                 exc, f"ensemble '{plan.name}' (models {models}, in one worker of {pool.where})"
             ) from None
 
@@ -430,7 +423,7 @@ class Ensembles:
             reply = await self.core.step(step.model, call.SerializeToString(), deadline, carrier)
             got = response_tensors(pb.ModelInferResponse.FromString(reply))
         except ServingError as exc:
-            raise _named(exc, plan.step_name(index)) from None
+            raise prefixed(exc, plan.step_name(index)) from None
         for step_output, name in step.output_map:
             output = got.get(step_output)
             if output is None:
