@@ -151,7 +151,8 @@ class ModelSettings:
 
     @property
     def is_ensemble(self) -> bool:
-        """Steps run by other models, in the router (contract/ensemble.py)."""
+        """Steps run by other models: by the router, or as one job in the pool the
+        steps share (contract/ensemble.py, contract/chain.py)."""
         return self.platform == "ensemble" and not self.implementation
 
     @property
@@ -208,7 +209,8 @@ class Repository:
     root: Path
     models: tuple[ModelSettings, ...]
     invalid: tuple[InvalidModel, ...]
-    # ensembles run in the router, over the models' pools: no pool of their own
+    # ensembles have no pool of their own: run by the router over their models' pools,
+    # or as one job in the pool their steps share
     ensembles: tuple[Ensemble, ...] = ()
     # versions a model's policy picks that cannot be served (no folder) while
     # others of it can: its pool lists each UNAVAILABLE (InvalidModel.versioned)
