@@ -534,6 +534,12 @@ def _served(tree: Serving, gid: str) -> int:
     return sum(w.requests_served for w in asyncio.run(pool_status(tree, gid)).workers)
 
 
+def _settled(tree: Serving, gid: str) -> None:
+    """Until no worker of pool ``gid`` is busy: a call whose deadline passed may
+    still run there (the deadline test's sleeps for 15 s), and would count."""
+    assert wait_until(lambda: not _busy(tree, gid), timeout=TIMEOUT)
+
+
 def _success(client: tc.InferenceServerClient, model: str) -> int:
     stats = client.get_inference_statistics(model, as_json=True)["model_stats"][0]
     return int(stats["inference_stats"]["success"].get("count", 0))
@@ -547,6 +553,7 @@ def test_steps_in_one_pool_run_as_one_job_and_answer_as_the_steps_by_hand(
     by_hand = grpc_client.infer(
         "sleep_c", [_grpc_input(tc, "INPUT0", echoed)], parameters={"sleep_ms": 1}
     ).as_numpy("OUTPUT0")
+    _settled(tree, "chain")
     before = {m: _success(grpc_client, m) for m in ("echo_c", "sleep_c", "chain_sleep")}
     jobs = _served(tree, "chain")
     got = grpc_client.infer(
@@ -623,12 +630,12 @@ def test_a_worker_killed_mid_chain_is_retried_on_another(
         workers = asyncio.run(pool_status(tree, "chain")).workers
         return {w.pid for w in workers if w.state == "busy"}
 
-    earlier = busy()  # (a worker may still sleep for a call whose deadline has passed)
+    _settled(tree, "chain")
     caller = threading.Thread(target=call)
     caller.start()
     try:
-        assert wait_until(lambda: bool(busy() - earlier), timeout=TIMEOUT)
-        (ours,) = busy() - earlier
+        assert wait_until(lambda: bool(busy()), timeout=TIMEOUT)
+        (ours,) = busy()
         os.kill(ours, signal.SIGKILL)
     finally:
         caller.join(TIMEOUT)
@@ -643,6 +650,7 @@ def test_a_pool_that_will_not_chain_has_the_router_run_the_steps(
     """``echo_cc`` caches its replies: its pool refuses the chain, and the
     router runs both steps (two jobs), the answer the same."""
     data = np.arange(4, dtype=np.float32).reshape(1, 4)
+    _settled(tree, "chain")
     for _ in range(2):
         jobs = _served(tree, "chain")
         got = grpc_client.infer("chain_cached", [_grpc_input(tc, "INPUT0", data + _)])
