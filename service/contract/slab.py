@@ -164,9 +164,10 @@ def _size_for(nbytes: int) -> int:
 class Slab:
     """One memfd of the arena, mapped in the router."""
 
-    __slots__ = ("fd", "map", "name", "size", "view")
+    __slots__ = ("drops", "fd", "map", "name", "size", "view")
 
     def __init__(self, name: str, size: int) -> None:
+        self.drops = 0  # the arena's drop_idle count when it was last leased
         self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
         try:
             os.ftruncate(self.fd, size)
@@ -211,6 +212,7 @@ class Arena:
         self.idle_bytes = 0
         self.closed = False
         self.disabled = ""  # why slabs are not used (a worker cannot open them)
+        self.drops = 0  # how many times drop_idle ran
 
     def lease(self, length: int, reply_capacity: int) -> tuple[Slab, Ref] | None:
         """A slab for a request of ``length`` bytes and a reply of up to
@@ -233,13 +235,18 @@ class Arena:
             except OSError:
                 return None  # no memory for it: the body goes inline
         self.leased.add(slab)
+        slab.drops = self.drops
         capacity = min(slab.size - reply_at, self.max_reply)
         return slab, Ref(slab.name, self.pid, slab.fd, length, reply_at, capacity)
 
     def free(self, slab: Slab) -> None:
-        """The worker is done with it (its REPLY came back): reusable."""
+        """The worker is done with it (its REPLY came back): reusable. One
+        leased before the router was last found idle (:meth:`drop_idle`) is
+        a late end of that burst (a worker slow to answer a call whose
+        deadline had passed): closed, as the idle slabs were then."""
         self.leased.discard(slab)
-        if self.closed or self.disabled or self.idle_bytes + slab.size > IDLE_BYTES:
+        late = slab.drops != self.drops
+        if late or self.closed or self.disabled or self.idle_bytes + slab.size > IDLE_BYTES:
             slab.close()
         else:
             self.idle.setdefault(slab.size, []).append(slab)
@@ -249,6 +256,7 @@ class Arena:
         """Closes the idle slabs (their memory goes back): after a burst of large
         requests, once the router is idle (http2/budget.py); new ones are made
         for the next."""
+        self.drops += 1
         for slab in [s for free in self.idle.values() for s in free]:
             slab.close()
         self.idle.clear()
