@@ -18,7 +18,6 @@ from poolserve.protos import inference_pb2 as pb
 from poolserve.service.contract.chain import (
     ChainPlan,
     ChainStep,
-    first_step,
     is_chain,
     unwrap,
     wrap,
@@ -135,7 +134,9 @@ def test_the_envelope_carries_the_plan_and_the_request_unchanged() -> None:
     assert is_chain(wrapped) and not is_chain(body)
     plan, inner = unwrap(wrapped)
     assert plan == PLAN and bytes(inner) == body
-    assert first_step(wrapped) == ("scale", "")
+    no_steps = ChainPlan("pipe", "1", ("features",), (), ())
+    with pytest.raises(InvalidInput, match="malformed ensemble chain: no steps"):
+        unwrap(wrap(no_steps.encode(), body))
     for broken in (wrapped[:8], wrapped[:12], wrapped[:6] + b"\x05\x00\x00\x00{nope"):
         with pytest.raises(InvalidInput, match="malformed ensemble chain"):
             unwrap(broken)

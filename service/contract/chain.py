@@ -85,7 +85,7 @@ class ChainPlan:
     def decode(cls, data: bytes) -> ChainPlan:
         try:
             raw: Any = json.loads(data)
-            return cls(
+            plan = cls(
                 name=str(raw["name"]),
                 version=str(raw["version"]),
                 inputs=tuple(str(n) for n in raw["inputs"]),
@@ -102,6 +102,9 @@ class ChainPlan:
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise InvalidInput(f"malformed ensemble chain: {exc}") from None
+        if not plan.steps:
+            raise InvalidInput("malformed ensemble chain: no steps")
+        return plan
 
 
 def wrap(plan: bytes, request: bytes) -> bytes:
@@ -129,12 +132,3 @@ def _decoded(plan: bytes) -> ChainPlan:
     """A plan read once per process: a router sends the same bytes on every call
     of an ensemble (a malformed one raises, and is not kept)."""
     return ChainPlan.decode(plan)
-
-
-def first_step(data: Wire) -> tuple[str, str]:
-    """The model name and version a pool schedules a chain as: its first step's."""
-    plan, _ = unwrap(data)
-    if not plan.steps:
-        raise InvalidInput("malformed ensemble chain: no steps")
-    step = plan.steps[0]
-    return step.model, step.version

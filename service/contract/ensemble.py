@@ -25,10 +25,11 @@ Standard library only.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from poolserve.service.contract.errors import InvalidInput
 from poolserve.service.contract.settings import ConfigError
 
 if TYPE_CHECKING:
@@ -66,6 +67,22 @@ class Ensemble:
     def step_name(self, index: int) -> str:
         """How messages name a step: its number (from 1) and its model."""
         return f"ensemble '{self.name}' step {index + 1} ({self.steps[index].where})"
+
+
+def check_input_names(given: Iterable[str], declared: Iterable[str]) -> None:
+    """The inputs a request gives an ensemble are exactly its declared ones:
+    InvalidInput naming the first unexpected or missing one (the router's
+    steps and a worker's chain say it in the same words)."""
+    wanted = set(declared)
+    names = list(given)
+    for name in names:
+        if name not in wanted:
+            raise InvalidInput(
+                f"unexpected inference input '{name}' (the ensemble's inputs: "
+                f"{', '.join(sorted(wanted))})"
+            )
+    for name in sorted(wanted - set(names)):
+        raise InvalidInput(f"expected input '{name}' of the ensemble, none given")
 
 
 def is_ensemble(platform: str, implementation: object, extra: Mapping[str, Any]) -> bool:

@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 from poolserve.protos import inference_pb2 as pb
 from poolserve.service.contract.chain import ChainPlan, unwrap
+from poolserve.service.contract.ensemble import check_input_names
 from poolserve.service.contract.errors import (
     InvalidInput,
     ModelError,
@@ -110,15 +111,7 @@ def _inputs(plan: ChainPlan, request: pb.ModelInferRequest) -> dict[str, Array]:
                 f"input '{tensor.name}': an ensemble's inputs cannot be in shared memory"
             )
     tensors = decode_inputs(request)  # counts, sizes and duplicates checked
-    wanted = set(plan.inputs)
-    for name in tensors:
-        if name not in wanted:
-            raise InvalidInput(
-                f"unexpected inference input '{name}' (the ensemble's inputs: "
-                f"{', '.join(sorted(wanted))})"
-            )
-    for name in sorted(wanted - set(tensors)):
-        raise InvalidInput(f"expected input '{name}' of the ensemble, none given")
+    check_input_names(tensors, plan.inputs)
     return tensors
 
 

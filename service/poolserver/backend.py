@@ -77,8 +77,6 @@ class PoolBackend:
         if not is_chain(request):
             return ready_route(catalog, request)
         plan, inner = unwrap_chain(request)
-        if not plan.steps:
-            raise InvalidInput("malformed ensemble chain: no steps")
         entries = []
         for index, step in enumerate(plan.steps):
             try:

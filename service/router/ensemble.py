@@ -228,7 +228,7 @@ class Ensembles:
     ) -> bytes:
         """A gRPC ModelInfer of an ensemble: its bytes in, the response's bytes out."""
         plan = self.plan(name, version)
-        pool = self._one_pool(plan, len(body))
+        pool = self._one_pool(plan) if len(body) <= CHAIN_MAX else None
         if pool is not None:  # every step in one worker of that pool: the bytes go as they came
             reply = await self._counted(
                 plan, body, self._chained(plan, pool, body, remaining, carrier)
@@ -238,7 +238,8 @@ class Ensembles:
                 request = pb.ModelInferRequest.FromString(body)
             except Exception:  # a malformed message: DecodeError and kin
                 raise InvalidInput("the request is not a ModelInferRequest") from None
-            reply = (await self.run(plan, request, remaining, carrier)).SerializeToString()
+            stepped = self._run(plan, request, remaining, carrier)
+            reply = (await self._counted(plan, request, stepped)).SerializeToString()
         limit = self.core.settings.max_message_size
         if len(reply) > limit:  # said here, clearly, rather than by gRPC's send
             raise MessageTooLarge.reply(name, len(reply), limit)
@@ -252,9 +253,9 @@ class Ensembles:
         carrier: Carrier,
     ) -> pb.ModelInferResponse:
         """The ensemble's steps in order, counted in its statistics (a REST call's)."""
-        body = request.SerializeToString()
-        pool = self._one_pool(plan, len(body))
-        if pool is None:
+        pool = self._one_pool(plan)
+        body = request.SerializeToString() if pool is not None else b""
+        if pool is None or len(body) > CHAIN_MAX:
             return await self._counted(plan, request, self._run(plan, request, remaining, carrier))
         reply = await self._counted(
             plan, request, self._chained(plan, pool, body, remaining, carrier)
@@ -287,12 +288,12 @@ class Ensembles:
 
     # -- in one worker -----------------------------------------------------------
 
-    def _one_pool(self, plan: Ensemble, size: int) -> PoolRoute | None:
+    def _one_pool(self, plan: Ensemble) -> PoolRoute | None:
         """The pool all the ensemble's steps are in, when a worker there can
         run them all in one job (contract/chain.py); None: the router runs
-        the steps. A large request (one that would go through a slab) is
-        never chained, nor an ensemble its pool refused to chain."""
-        if plan.name in self._unchained or size > CHAIN_MAX:
+        the steps (also for an ensemble its pool refused to chain). The callers
+        chain no request over :data:`CHAIN_MAX` (one a slab would carry)."""
+        if plan.name in self._unchained:
             return None
         pool: PoolRoute | None = None
         for step in plan.steps:

@@ -18,6 +18,7 @@ from math import prod
 from typing import Any, NamedTuple
 
 from poolserve.protos import inference_pb2 as pb
+from poolserve.service.contract.ensemble import check_input_names
 from poolserve.service.contract.errors import InvalidInput
 
 # array's typecodes of each fixed-size datatype (sizes checked at import below)
@@ -153,15 +154,7 @@ def request_tensors(request: pb.ModelInferRequest, declared: Iterable[str]) -> d
             data = raw_of(tensor.datatype, tensor.shape, values, where)
         check_size(tensor.datatype, tensor.shape, data, where)
         tensors[tensor.name] = Tensor(tensor.datatype, tuple(tensor.shape), data)
-    wanted = set(declared)
-    for name in tensors:
-        if name not in wanted:
-            raise InvalidInput(
-                f"unexpected inference input '{name}' (the ensemble's inputs: "
-                f"{', '.join(sorted(wanted))})"
-            )
-    for name in sorted(wanted - set(tensors)):
-        raise InvalidInput(f"expected input '{name}' of the ensemble, none given")
+    check_input_names(tensors, declared)
     return tensors
 
 
