@@ -359,6 +359,11 @@ def test_metadata_config_readiness_and_statistics(
     )
     np.testing.assert_array_equal(got.as_numpy("OUTPUT0"), data)
     assert count() == before + 1
+    # a client naming no version (perf_analyzer) picks the one whose queue count grew
+    inference = grpc_client.get_inference_statistics("echo_sleep", as_json=True)["model_stats"][0][
+        "inference_stats"
+    ]
+    assert inference["queue"]["count"] == inference["success"]["count"] == str(before + 1)
     every = http_client.get_inference_statistics()
     assert "echo_sleep" in {m["name"] for m in every["model_stats"]}
 
