@@ -14,8 +14,10 @@ never reads its replies runs in its own process (tests/clients/unread_replies.py
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import os
 import resource
 import selectors
 import socket
@@ -571,7 +573,11 @@ def memory_of(pid: int) -> str:
     status = Path(f"/proc/{pid}/status").read_text().splitlines()
     kinds = [line.replace("\t", " ") for line in status if line.startswith(("RssAnon", "RssShmem"))]
     slabs = Path(f"/proc/{pid}/maps").read_text().count("poolserve-slab-")
-    return f"{', '.join(kinds)}, {slabs} slabs mapped"
+    fds = 0  # a slab still open (leased or idle); one mapped but not open was closed
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            fds += "poolserve-slab-" in os.readlink(fd)
+    return f"{', '.join(kinds)}, {slabs} slabs mapped, {fds} open"
 
 
 @pytest.mark.e2e
@@ -585,10 +591,12 @@ def test_bursts_of_large_calls_with_short_deadlines_leave_the_router_as_it_was(
     collector ran (a deadline's exception, a task cancelled before its first
     turn), slabs of calls cancelled in the turn their reply came never freed,
     freed heap untrimmed, idle slabs. Now, once the port held a burst and then
-    nothing for a moment, the heap and the idle slabs go back: measured +0 MiB
-    after each of six reps (reliability/request_memory.py large-reps); asserted
-    within 100 MiB after each of three (an idle slab or two, 30 MiB each, may
-    stay until the next burst under load)."""
+    nothing for a moment, the heap goes back, and an idle slab goes 2 s after
+    its last use whatever the load (under load CI saw four to nine kept for
+    good, 120 to 240 MiB: a router that never held 64 MiB at once was never
+    trimmed): measured +0 MiB after each of six reps
+    (reliability/request_memory.py large-reps); asserted within 100 MiB after
+    each of three (a slab of a late reply may be seen for a few seconds)."""
     repo = tmp_path / "repo"
     copy_example(repo, "echo")
     request = echo_request_file(tmp_path, 15)
@@ -629,5 +637,7 @@ def test_bursts_of_large_calls_with_short_deadlines_leave_the_router_as_it_was(
             seen: list[float] = []
             back = wait_until(lambda: over(router, start, seen), WAIT)  # noqa: B023
             print(f"router RSS after rep {rep}: {seen[-1]:+.0f} MiB, {memory_of(router)}")
+            if not back:
+                print(serving.log()[-6000:])
             assert back, f"{seen[-1]:+.0f} MiB after rep {rep}: {memory_of(router)}"
         assert "Traceback" not in serving.log()

@@ -39,11 +39,14 @@ Standard library only: the router and the pool core both use it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import mmap
 import os
 import struct
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from poolserve.service.contract.errors import InvalidInput, Unavailable, clip
@@ -63,6 +66,7 @@ ALIGN = 4096  # the reply area starts on a page
 MIN_SLAB = 1 << 20  # slab sizes are powers of two from 1 MiB
 MAX_SLABS = 64  # leased and idle together, per router; beyond, a body goes inline
 IDLE_BYTES = 512 << 20  # idle slabs kept, by their sizes (what is touched stays in memory)
+IDLE_S = 2.0  # an idle slab not leased again for this long is closed (1 to 2 times it)
 MAPPED = 64  # slabs a worker keeps mapped (least recently used dropped first) ...
 # ... and their sizes together: setting slab_mapped_bytes (512 MiB), in
 # worker_limits.LIMITS (a retired slab's memory is held until its last mapping goes)
@@ -164,10 +168,10 @@ def _size_for(nbytes: int) -> int:
 class Slab:
     """One memfd of the arena, mapped in the router."""
 
-    __slots__ = ("drops", "fd", "map", "name", "size", "view")
+    __slots__ = ("fd", "idle_at", "map", "name", "size", "view")
 
     def __init__(self, name: str, size: int) -> None:
-        self.drops = 0  # the arena's drop_idle count when it was last leased
+        self.idle_at = 0.0  # when it was last freed (monotonic)
         self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
         try:
             os.ftruncate(self.fd, size)
@@ -200,9 +204,21 @@ UNREACHABLE = "cannot be opened"  # in a worker's error: it cannot map the route
 
 class Arena:
     """The router's slabs: leased per call, freed on the worker's REPLY,
-    retired (closed, never reused) on any other end."""
+    retired (closed, never reused) on any other end.
 
-    def __init__(self, max_reply: int) -> None:
+    A freed slab waits idle for the next call of its size; one not leased
+    again within ``idle_s`` is closed (:meth:`age`, on a timer of the running
+    loop), so the memory of a burst goes back a few seconds after it,
+    whatever the router's load and however late its last replies come,
+    while steady traffic reuses its slabs (the most recently freed first).
+    """
+
+    def __init__(
+        self, max_reply: int, idle_s: float = IDLE_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.idle_s = idle_s
+        self.clock = clock
+        self._aging: asyncio.TimerHandle | None = None
         self.max_reply = max_reply  # a reply area never takes more (max_message_size)
         self.pid = os.getpid()
         self.stem = f"{PREFIX}{self.pid}-{os.urandom(6).hex()}-"
@@ -212,7 +228,6 @@ class Arena:
         self.idle_bytes = 0
         self.closed = False
         self.disabled = ""  # why slabs are not used (a worker cannot open them)
-        self.drops = 0  # how many times drop_idle ran
 
     def lease(self, length: int, reply_capacity: int) -> tuple[Slab, Ref] | None:
         """A slab for a request of ``length`` bytes and a reply of up to
@@ -235,28 +250,47 @@ class Arena:
             except OSError:
                 return None  # no memory for it: the body goes inline
         self.leased.add(slab)
-        slab.drops = self.drops
         capacity = min(slab.size - reply_at, self.max_reply)
         return slab, Ref(slab.name, self.pid, slab.fd, length, reply_at, capacity)
 
     def free(self, slab: Slab) -> None:
-        """The worker is done with it (its REPLY came back): reusable. One
-        leased before the router was last found idle (:meth:`drop_idle`) is
-        a late end of that burst (a worker slow to answer a call whose
-        deadline had passed): closed, as the idle slabs were then."""
+        """The worker is done with it (its REPLY came back): reusable, for
+        ``idle_s`` (see the class)."""
         self.leased.discard(slab)
-        late = slab.drops != self.drops
-        if late or self.closed or self.disabled or self.idle_bytes + slab.size > IDLE_BYTES:
+        if self.closed or self.disabled or self.idle_bytes + slab.size > IDLE_BYTES:
             slab.close()
-        else:
-            self.idle.setdefault(slab.size, []).append(slab)
-            self.idle_bytes += slab.size
+            return
+        slab.idle_at = self.clock()
+        self.idle.setdefault(slab.size, []).append(slab)
+        self.idle_bytes += slab.size
+        if self._aging is None:
+            with contextlib.suppress(RuntimeError):  # no running loop: age() by hand
+                loop = asyncio.get_running_loop()
+                self._aging = loop.call_later(self.idle_s, self.age)
+
+    def age(self) -> None:
+        """Closes the slabs idle for ``idle_s`` or longer; looks again in
+        ``idle_s`` while some are still idle."""
+        self._aging = None
+        stale = self.clock() - self.idle_s
+        for size, free in list(self.idle.items()):
+            kept = []
+            for slab in free:
+                if slab.idle_at > stale:
+                    kept.append(slab)
+                else:
+                    slab.close()
+                    self.idle_bytes -= slab.size
+            if kept:
+                self.idle[size] = kept
+            else:
+                del self.idle[size]
+        if self.idle and not self.closed:
+            with contextlib.suppress(RuntimeError):
+                self._aging = asyncio.get_running_loop().call_later(self.idle_s, self.age)
 
     def drop_idle(self) -> None:
-        """Closes the idle slabs (their memory goes back): after a burst of large
-        requests, once the router is idle (http2/budget.py); new ones are made
-        for the next."""
-        self.drops += 1
+        """Closes the idle slabs now (their memory goes back)."""
         for slab in [s for free in self.idle.values() for s in free]:
             slab.close()
         self.idle.clear()
@@ -275,6 +309,9 @@ class Arena:
     def close(self) -> None:
         """Closes every slab (at the router's stop)."""
         self.closed = True
+        if self._aging is not None:
+            self._aging.cancel()
+            self._aging = None
         for slab in [*self.leased, *(s for free in self.idle.values() for s in free)]:
             slab.close()
         self.leased.clear()

@@ -273,12 +273,6 @@ class Router:
         await self.routes.close()
         self.arena.close()  # every slab closed
 
-    def _after_burst(self) -> None:
-        """The port held large requests and then none for a moment: the idle
-        slabs and the heap's freed memory go back to the system (http2/budget.py)."""
-        self.arena.drop_idle()
-        trim_freed_memory()
-
     async def _grpc_server(
         self, handlers: tuple[grpc.GenericRpcHandler, ...], address: str
     ) -> grpc.aio.Server | GrpcServer:
@@ -286,9 +280,7 @@ class Router:
         (grpc_engine "poolserve") or grpcio's server ("grpcio")."""
         settings = self.settings
         if settings.grpc_engine == "poolserve":
-            own = GrpcServer(
-                settings, handlers, after_burst=self._after_burst, sink=slab_sinks(self.arena)
-            )
+            own = GrpcServer(settings, handlers, sink=slab_sinks(self.arena))
             try:
                 self.port = await own.bind(
                     settings.host, settings.grpc_port, self.fleet.shared, tls_context(settings)

@@ -55,7 +55,8 @@ TRIM_AFTER = 64 << 20  # held at once: freed memory is given back when all is re
 TRIM_EVERY_S = 1.0
 IDLE_S = 0.5  # no request byte for this long after TRIM_AFTER was held: trimmed
 # and again after each of these, while still no request came: what the last calls'
-# ends free later (replies a loaded pool answers late, their slabs, connections)
+# ends free later (replies a loaded pool answers late, connections); idle slabs
+# go by themselves (slab.IDLE_S)
 AGAIN_S = (2.0, 5.0, 15.0)
 PER_CONNECTION = "max_request_bytes_held"
 TOTAL = "max_request_bytes_held_total"
