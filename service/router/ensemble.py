@@ -125,7 +125,7 @@ class Ensembles:
         """Every step's model ready in a pool that answers."""
         for step in plan.steps:
             route = self.routes.routes.get(step.model)
-            if route is None or not (route.serving and route.responsive):
+            if route is None or not route.reachable:
                 return False
             if not route.model_serving.get(step.model, False):
                 return False

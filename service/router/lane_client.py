@@ -78,9 +78,16 @@ class _ClientProtocol(asyncio.BufferedProtocol):
 class LaneClient:
     """The router's connection to one pool's lane, opened on first use."""
 
-    def __init__(self, path: Path, where: str, arena: slab.Arena | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        where: str,
+        arena: slab.Arena | None = None,
+        on_down: Callable[[], None] | None = None,
+    ) -> None:
         self.path = path
         self.where = where
+        self.on_down = on_down  # called when the connection ends or is refused (not closed)
         self.arena = arena  # large bodies go through its slabs (None: all inline)
         self.reply_sizes: dict[str, int] = {}  # per model: its last reply's size
         self.pending: dict[int, asyncio.Future[bytes | ServingError]] = {}
@@ -105,6 +112,8 @@ class LaneClient:
                     lambda: _ClientProtocol(self), str(self.path)
                 )
             except OSError as exc:
+                if self.on_down is not None:
+                    self.on_down()
                 raise Unavailable(f"{self.where} is not reachable: {exc.strerror}") from None
             finally:
                 self._connecting.set_result(None)
@@ -286,6 +295,8 @@ class LaneClient:
         if protocol is not self._protocol:
             return
         self._transport = self._protocol = None
+        if self.on_down is not None and not self._closed:
+            self.on_down()
         pending, self.pending = self.pending, {}
         streams, self.streams = self.streams, {}
         for stream in streams.values():

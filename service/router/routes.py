@@ -10,6 +10,7 @@ live load of a model added after start change it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -61,14 +62,26 @@ class PoolRoute:
     channel: grpc.aio.Channel | None = None
     lane: LaneClient | None = None
     calls: dict[str, grpc.aio.UnaryUnaryMultiCallable[bytes, bytes]] = field(default_factory=dict)
-    serving: bool = False
+    serving: bool = False  # what the pool's Watch stream says
     responsive: bool = True  # answered a lane PING within heartbeat_timeout_s
+    # the lane connected and answered a PING since it was last lost or refused: a
+    # Watch stream can say SERVING a moment after the pool died (its end not yet
+    # read), and nothing reaches a pool whose lane refuses connections
+    lane_up: bool = False
     model_serving: dict[str, bool] = field(default_factory=dict)
     watchers: list[asyncio.Task[None]] = field(default_factory=list)
+    # wakes the heartbeat: the lane was lost, or the pool said SERVING (try it now)
+    nudge: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def where(self) -> str:
         return f"pool '{self.gid}'"
+
+    @property
+    def reachable(self) -> bool:
+        """Whether a call sent now can reach the pool: it says SERVING, answers
+        its heartbeat, and its lane is connected."""
+        return self.serving and self.responsive and self.lane_up
 
 
 class Routes:
@@ -128,14 +141,14 @@ class Routes:
         return (
             not self.invalid
             and bool(self.pools)
-            and all(route.serving and route.responsive for route in self.pools.values())
+            and all(route.reachable for route in self.pools.values())
         )
 
     def sync_health(self) -> None:
         ready = self.ready()
         self.health.set_many({"": ready, SERVICE: ready})
         for name, route in self.routes.items():
-            serving = route.model_serving.get(name, False) and route.responsive
+            serving = route.model_serving.get(name, False) and route.reachable
             self.health.set(f"model:{name}", serving)
         for name in self.invalid:
             if name not in self.routes:  # a broken duplicate must not shadow a good model
@@ -170,12 +183,16 @@ class Routes:
         silent. A pool that has not answered for heartbeat_timeout_s is
         NOT_SERVING, with its models, until it answers again. The ping is
         answered by the pool's event loop itself, so it proves what a call needs.
+        A lane that is lost or refused makes the pool NOT_SERVING at once (a
+        Watch stream may not have said so yet); the lane is tried again, soon
+        and when the pool's Watch says SERVING, until it answers.
         """
         assert route.lane is not None
         loop = asyncio.get_running_loop()
         interval = self.settings.heartbeat_interval_s
         limit = self.settings.heartbeat_timeout_s
         answered = loop.time()
+        retry = RETRY_WATCH_S[0]
         while True:
             try:
                 if route.responsive:
@@ -187,10 +204,33 @@ class Routes:
                 self._set_responsive(route, False, loop.time() - answered)
                 continue
             except Unavailable:
-                pass  # down, not silent: its Watch streams say so, and reconnect
+                # down, not silent: its Watch streams say so too, in their time
+                self._set_lane(route, False)
+                await _pause(route.nudge, retry)
+                retry = min(retry * 2, RETRY_WATCH_S[1])
+                answered = loop.time()  # silence counts from a lane that accepts pings
+                continue
             answered = loop.time()
+            retry = RETRY_WATCH_S[0]
+            self._set_lane(route, True)
             self._set_responsive(route, True, 0.0)
-            await asyncio.sleep(interval)
+            await _pause(route.nudge, interval)
+
+    def _set_lane(self, route: PoolRoute, up: bool) -> None:
+        if route.lane_up == up:
+            return
+        route.lane_up = up
+        if up:
+            log.info("router: %s lane connected", route.where)
+        else:
+            log.warning("router: %s lane lost or refused: NOT_SERVING", route.where)
+        self.sync_health()
+
+    def _lane_down(self, route: PoolRoute) -> None:
+        """The lane client's word that its connection ended or was refused."""
+        if route.lane_up:  # lost: the heartbeat tries it again now (refused: in its time)
+            route.nudge.set()
+        self._set_lane(route, False)
 
     def _set_responsive(self, route: PoolRoute, responsive: bool, silent_s: float) -> None:
         if route.responsive == responsive:
@@ -212,6 +252,8 @@ class Routes:
             if route.serving != serving:
                 log.info("router: %s %s", route.where, "SERVING" if serving else "NOT_SERVING")
             route.serving = serving
+            if serving and not route.lane_up:
+                route.nudge.set()  # its lane is likely listening now: try it
             self.sync_health()
 
         return apply
@@ -235,7 +277,9 @@ class Routes:
         ]
         route.channel = grpc.aio.insecure_channel(f"unix:{route.path}", options=options)
         route.calls = {m: route.channel.unary_unary(f"/{SERVICE}/{m}") for m in POOL_METHODS}
-        route.lane = LaneClient(lane_path(route.path), route.where, self.arena)
+        route.lane = LaneClient(
+            lane_path(route.path), route.where, self.arena, on_down=lambda: self._lane_down(route)
+        )
 
     def open_channels(self) -> None:
         for route in self.pools.values():
@@ -343,3 +387,11 @@ class Routes:
         self.routes[name] = route
         self._watch_model(route, name)
         return repository
+
+
+async def _pause(nudge: asyncio.Event, seconds: float) -> None:
+    """Waits ``seconds``, or less if ``nudge`` is set meanwhile (then cleared)."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            await nudge.wait()
+    nudge.clear()
