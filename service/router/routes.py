@@ -78,10 +78,16 @@ class PoolRoute:
         return f"pool '{self.gid}'"
 
     @property
+    def answers(self) -> bool:
+        """Whether a call sent now reaches the pool's event loop: it answers its
+        heartbeat and its lane is connected (what its models' health needs)."""
+        return self.responsive and self.lane_up
+
+    @property
     def reachable(self) -> bool:
-        """Whether a call sent now can reach the pool: it says SERVING, answers
-        its heartbeat, and its lane is connected."""
-        return self.serving and self.responsive and self.lane_up
+        """Whether the pool as a whole serves: it says SERVING (every model in)
+        and a call sent now reaches it."""
+        return self.serving and self.answers
 
 
 class Routes:
@@ -148,7 +154,7 @@ class Routes:
         ready = self.ready()
         self.health.set_many({"": ready, SERVICE: ready})
         for name, route in self.routes.items():
-            serving = route.model_serving.get(name, False) and route.reachable
+            serving = route.model_serving.get(name, False) and route.answers
             self.health.set(f"model:{name}", serving)
         for name in self.invalid:
             if name not in self.routes:  # a broken duplicate must not shadow a good model
@@ -263,6 +269,8 @@ class Routes:
             if route.model_serving.get(name) != serving:
                 self.model_changes += 1
             route.model_serving[name] = serving
+            if serving and not route.lane_up:
+                route.nudge.set()  # its lane is likely listening now: try it
             self.sync_health()
 
         return apply
